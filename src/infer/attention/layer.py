@@ -1,0 +1,79 @@
+"""The attention layer that models call: stores new K/V in the paged cache, then attends."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from infer.attention import torch_backend
+from infer.attention.metadata import AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Backend-neutral attention over a paged KV cache.
+
+    Models hand it projected, position-encoded q/k/v of shape `[num_tokens, heads * head_dim]`;
+    which backend runs is decided here, never in model code.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
+        # Bound by `allocate_kv_cache`: views [num_blocks, block_size, kv_heads, head_dim].
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("no KV cache bound: call infer.attention.allocate_kv_cache first")
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        torch_backend.write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        out = torch_backend.paged_attention(
+            q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
+            self.logit_softcap,
+        )
+        return out.view(num_tokens, self.num_heads * self.head_dim)
+
+
+def allocate_kv_cache(
+    model: nn.Module,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Allocate one pool `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` and bind
+    each attention layer to its slice. Returns the pool (the caller owns its lifetime)."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if not layers:
+        raise ValueError("model has no Attention layers")
+    shapes = {(m.num_kv_heads, m.head_dim) for m in layers}
+    if len(shapes) != 1:
+        raise ValueError(f"layers disagree on (kv_heads, head_dim): {sorted(shapes)}")
+    num_kv_heads, head_dim = shapes.pop()
+    param = next(model.parameters())
+    pool = torch.zeros(
+        len(layers), 2, num_blocks, block_size, num_kv_heads, head_dim,
+        dtype=dtype or param.dtype, device=device or param.device,
+    )
+    for i, layer in enumerate(layers):
+        layer.k_cache, layer.v_cache = pool[i, 0], pool[i, 1]
+    return pool

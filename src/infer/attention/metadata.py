@@ -1,0 +1,80 @@
+"""What one forward pass needs to know about the batch it attends over.
+
+The batch is *flattened*: the new tokens of every sequence sit back to back in one
+`[num_tokens]` vector (sequence 0's tokens, then sequence 1's, ...). A prefill, a prefill
+chunk, a decode step and a prefix-cache hit are all the same thing here: sequence `i`
+brings `query_lens[i]` new tokens and attends over `seq_lens[i]` tokens in total, the
+last `query_lens[i]` of which are its new ones (so `seq_lens[i] - query_lens[i]` tokens
+of context are already in the cache).
+
+KV cache layout (per layer): `[num_blocks, block_size, num_kv_heads, head_dim]`.
+Token `p` of a sequence lives in block `block_tables[i, p // block_size]`, row
+`p % block_size`; its flat slot is `block * block_size + row`. `slot_mapping[t]` is the
+slot that new token `t` is written to (-1: do not write, e.g. padding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    # [num_seqs + 1] int32, prefix sums of query_lens (on the model's device).
+    query_start_loc: torch.Tensor
+    # [num_seqs] int32: context + new tokens per sequence (on the model's device).
+    seq_lens: torch.Tensor
+    # [num_seqs, max_blocks_per_seq] int32 block ids (on the model's device).
+    block_tables: torch.Tensor
+    # [num_tokens] int64 cache slot of each new token (on the model's device).
+    slot_mapping: torch.Tensor
+    block_size: int
+    # Host copies, so backends can plan without synchronising with the device.
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.query_lens_host))
+
+    @staticmethod
+    def build(
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Build metadata from plain lists (the engine's step output, or a test)."""
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+            raise ValueError("query_lens, seq_lens and block_tables must have one entry per seq")
+        slots: list[int] = []
+        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
+            if q_len > s_len or len(table) * block_size < s_len:
+                raise ValueError(
+                    f"sequence of {s_len} tokens ({q_len} new) does not fit "
+                    f"{len(table)} blocks of {block_size}"
+                )
+            for pos in range(s_len - q_len, s_len):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        width = max((len(t) for t in block_tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        starts = [0]
+        for q_len in query_lens:
+            starts.append(starts[-1] + q_len)
+        as_int32 = dict(dtype=torch.int32, device=device)
+        return AttentionMetadata(
+            query_start_loc=torch.tensor(starts, **as_int32),
+            seq_lens=torch.tensor(seq_lens, **as_int32),
+            block_tables=torch.tensor(padded, **as_int32).reshape(len(block_tables), width),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_size=block_size,
+            query_lens_host=list(query_lens),
+            seq_lens_host=list(seq_lens),
+        )

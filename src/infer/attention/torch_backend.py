@@ -1,0 +1,68 @@
+"""Reference paged attention in plain torch: runs on CPU and GPU, one sequence at a time.
+
+Correctness first: every faster backend is tested against this one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infer.attention.metadata import AttentionMetadata
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store new keys/values `[num_tokens, kv_heads, head_dim]` at their flat slots."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of new queries `[num_tokens, heads, head_dim]` over the cache.
+
+    The new tokens' keys/values must already be in the cache. Returns
+    `[num_tokens, heads, head_dim]` in q's dtype; softmax is computed in float32.
+    """
+    num_heads, head_dim = q.shape[1:]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    start = 0
+    for i, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        if q_len == 0:
+            continue
+        num_blocks = (s_len + block_size - 1) // block_size
+        blocks = meta.block_tables[i, :num_blocks].long()
+        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:s_len].float()
+        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:s_len].float()
+        queries = q[start:start + q_len].float()
+        # [kv_heads, group, q_len, head_dim] x [kv_heads, head_dim, s_len]
+        queries = queries.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        scores = torch.matmul(queries, keys.permute(1, 2, 0).unsqueeze(1)) * scale
+        if logit_softcap:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
+        q_pos = torch.arange(s_len - q_len, s_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(s_len, device=q.device).unsqueeze(0)
+        visible = k_pos <= q_pos
+        if sliding_window is not None:
+            visible &= q_pos - k_pos < sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        ctx = torch.matmul(probs, values.permute(1, 0, 2).unsqueeze(1))  # [kvh, g, q_len, d]
+        out[start:start + q_len] = ctx.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+        start += q_len
+    return out

@@ -1,0 +1,50 @@
+"""Build a model from a checkpoint: resolve the source, read the config, copy the weights."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from infer.config import ModelConfig
+from infer.loader import hf_dir
+from infer.loader.errors import ModelLoadError
+from infer.models import model_class
+from infer.models.weights import WeightError
+
+
+def build_model(
+    cfg: ModelConfig,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    source: str,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> nn.Module:
+    """Instantiate the architecture directly on `device` in `dtype`, then copy the weights in."""
+    cls = model_class(cfg)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    try:
+        model.load_weights(weights, source=source)
+    except WeightError as exc:
+        raise ModelLoadError(str(exc)) from None
+    return model.eval().requires_grad_(False)
+
+
+def load_hf_dir(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> tuple[nn.Module, ModelConfig]:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir}: not a directory")
+    cfg = hf_dir.load_config(model_dir)
+    files = hf_dir.safetensors_files(model_dir)
+    model = build_model(cfg, hf_dir.iter_safetensors(files), str(model_dir), dtype, device)
+    return model, cfg

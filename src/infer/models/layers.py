@@ -1,0 +1,108 @@
+"""Building blocks shared by the model files: norms, rotary embeddings, activations."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32. `offset=1.0` gives Gemma's `x * (1 + w)` form."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim) if offset == 0.0 else torch.zeros(dim))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (self.offset + self.weight.float())).to(dtype)
+        return self.weight * xf.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
+    """Inverse frequencies `[rotary_dim // 2]` (float64) after the configured scaling."""
+    inv_freq = 1.0 / rope.theta ** (
+        torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+    )
+    if rope.kind == "linear":
+        return inv_freq / rope.factor
+    if rope.kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band
+        # between the two cut-offs is interpolated smoothly.
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        middle = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(middle, blended, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (rotate the two halves of each head) with a precomputed cos/sin table."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(rope, head_dim)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: `[tokens, heads, head_dim]`, k: `[tokens, kv_heads, head_dim]`."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+def activation(name: str):
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(
+            f"unsupported activation {name!r}; supported: {sorted(_ACTIVATIONS)}"
+        ) from None
+
+
+class GatedMLP(nn.Module):
+    """`down(act(gate(x)) * up(x))` with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, inter: int, act: str, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
