@@ -1,0 +1,48 @@
+"""A request as the scheduler sees it: token ids, how many are computed, and why it ended."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    # Tokens this request may generate at most (max_tokens, capped by max_model_len).
+    max_new_tokens: int
+    arrival_time: float = 0.0
+    # n > 1: the id of the sibling whose computed prompt blocks this one should share.
+    share_prefix_with: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        n_prompt = len(self.prompt_token_ids)
+        if stop <= n_prompt:
+            return self.prompt_token_ids[start:stop]
+        return self.all_token_ids[start:stop]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,183 @@
+"""Scheduler: budgets, chunking, static vs continuous admission, preemption, no leaks."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from infer.cache.kv_manager import KVCacheManager
+from infer.engine.request import Request
+from infer.engine.scheduler import Scheduler
+
+
+def make(num_blocks=16, block_size=4, seqs=4, budget=16, **kw) -> Scheduler:
+    return Scheduler(KVCacheManager(num_blocks, block_size, kw.pop("prefix", False)),
+                     max_num_seqs=seqs, max_num_batched_tokens=budget, **kw)
+
+
+def req(rid: str, prompt_len: int, max_new: int = 4, **kw) -> Request:
+    return Request(rid, list(range(1, prompt_len + 1)), max_new, **kw)
+
+
+def step(s: Scheduler) -> dict[str, int]:
+    """Run one step with a fake model that always samples token 0; finish at max_new."""
+    out = s.schedule()
+    plan = {i.request.request_id: i.num_new_tokens for i in out.scheduled}
+    for r in s.update(out, {i.request.request_id: 0 for i in out.scheduled}):
+        if len(r.output_token_ids) >= r.max_new_tokens:
+            s.finish(r, "length")
+    return plan
+
+
+def test_prefill_then_decode():
+    s = make()
+    s.add(req("a", 6, max_new=3))
+    assert step(s) == {"a": 6}
+    assert s.kv.table("a") == [0, 1]
+    assert step(s) == {"a": 1}
+    assert step(s) == {"a": 1}
+    assert not s.has_unfinished() and s.kv.pool.num_free == 16
+
+
+def test_chunked_prefill_keeps_decodes_flowing():
+    s = make(budget=8, max_prefill_chunk=8)
+    s.add(req("a", 3, max_new=10))
+    assert step(s) == {"a": 3}
+    s.add(req("long", 20))
+    # The decode is served first, the long prompt gets the rest of the budget.
+    assert step(s) == {"a": 1, "long": 7}
+    assert step(s) == {"a": 1, "long": 7}
+    assert step(s) == {"a": 1, "long": 6}
+    assert step(s) == {"a": 1, "long": 1}
+
+
+def test_without_chunking_a_prompt_waits_for_a_whole_step():
+    s = make(budget=8, chunked_prefill=False)
+    s.add(req("a", 3, max_new=10))
+    s.add(req("b", 8))
+    assert step(s) == {"a": 3}  # b (8 tokens) does not fit the 5 left
+    assert step(s) == {"a": 1}  # still 7 left: b waits, FCFS
+    s2 = make(budget=8, chunked_prefill=False)
+    s2.add(req("b", 8))
+    assert step(s2) == {"b": 8}
+
+
+def test_static_batching_admits_only_when_idle():
+    s = make(batching="static")
+    s.add(req("a", 2, max_new=2))
+    assert step(s) == {"a": 2}
+    s.add(req("b", 2, max_new=1))
+    assert step(s) == {"a": 1}  # b waits for the batch to drain
+    assert step(s) == {"b": 2}
+
+
+def test_continuous_batching_admits_every_step():
+    s = make()
+    s.add(req("a", 2, max_new=3))
+    step(s)
+    s.add(req("b", 2, max_new=1))
+    assert step(s) == {"a": 1, "b": 2}
+
+
+def test_max_num_seqs_caps_the_batch():
+    s = make(seqs=2)
+    for rid in "abc":
+        s.add(req(rid, 2))
+    assert set(step(s)) == {"a", "b"}
+
+
+def test_preemption_of_newest_and_recompute():
+    s = make(num_blocks=4, block_size=2, budget=16)
+    s.add(req("old", 3, max_new=4))
+    s.add(req("new", 3, max_new=4))
+    assert step(s) == {"old": 3, "new": 3}  # 2 blocks each: pool full
+    assert step(s) == {"old": 1, "new": 1}  # the 4th token still fits 2 blocks
+    # old needs a 3rd block for its 5th token: new is preempted, its blocks freed.
+    assert step(s) == {"old": 1}
+    new = s.requests["new"]
+    assert new.num_preemptions == 1 and new.num_computed_tokens == 0
+    assert s.waiting[0] is new and new.output_token_ids == [0, 0]
+    while "old" in s.requests:
+        step(s)
+    # new is recomputed over prompt + its generated token, then continues.
+    assert step(s) == {"new": 5}
+    while s.has_unfinished():
+        step(s)
+    assert s.kv.pool.num_free == 4
+
+
+def test_prefix_cache_hit_skips_cached_tokens():
+    s = make(prefix=True, block_size=4)
+    s.add(req("a", 10, max_new=1))
+    step(s)
+    s.add(req("b", 10, max_new=1))
+    assert step(s) == {"b": 2}  # two full blocks (8 tokens) reused
+    assert s.kv.prefix_hits == 8
+
+
+def test_n_siblings_share_prompt_blocks():
+    s = make(block_size=4)
+    s.add(req("a", 10, max_new=3))
+    s.add(req("a#1", 10, max_new=3, share_prefix_with="a"))
+    assert step(s) == {"a": 10}  # the sibling waits for a's prompt
+    assert step(s) == {"a": 1, "a#1": 2}
+    assert s.kv.table("a#1")[:2] == s.kv.table("a")[:2]
+
+
+def test_abort_frees_everything_at_once():
+    s = make()
+    s.add(req("a", 9))
+    s.add(req("b", 5))
+    step(s)
+    s.abort("a")
+    s.abort("b")
+    s.abort("never-existed")
+    assert s.kv.pool.num_free == 16 and not s.has_unfinished()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    ops=st.lists(st.sampled_from(["add", "step", "step", "step", "abort"]), max_size=60),
+    prefix=st.booleans(),
+    chunked=st.booleans(),
+    static=st.booleans(),
+)
+def test_random_interleavings_never_leak(seed, ops, prefix, chunked, static):
+    rng = random.Random(seed)
+    s = Scheduler(
+        KVCacheManager(num_blocks=12, block_size=2, enable_prefix_caching=prefix),
+        max_num_seqs=3, max_num_batched_tokens=10,
+        batching="static" if static else "continuous", chunked_prefill=chunked,
+        max_prefill_chunk=rng.choice([None, 3]),
+    )
+    next_id = 0
+    for op in [*ops, *["step"] * 200]:
+        if op == "add":
+            prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 9))]
+            s.add(Request(f"r{next_id}", prompt, rng.randrange(1, 6)))
+            next_id += 1
+        elif op == "abort" and s.requests:
+            s.abort(rng.choice(sorted(s.requests)))
+        elif op == "step":
+            step(s)
+        _check_invariants(s)
+        if op == "step" and not s.has_unfinished():
+            break
+    assert not s.has_unfinished()
+    assert s.kv.pool.num_free == 12
+    assert s.kv.tables == {}
+
+
+def _check_invariants(s: Scheduler) -> None:
+    pool = s.kv.pool
+    refs = [0] * pool.num_blocks
+    for table in s.kv.tables.values():
+        for block_id in table:
+            refs[block_id] += 1
+    assert refs == [b.ref_count for b in pool.blocks]
+    assert set(pool.free) == {i for i, r in enumerate(refs) if r == 0}
+    for r in s.running:
+        assert len(s.kv.table(r.request_id)) * s.kv.block_size >= r.num_computed_tokens
