@@ -152,6 +152,11 @@ def _decoder_from_hf(arch: str, cfg: dict[str, Any]) -> ModelConfig:
     layer_types = tuple(cfg.get("layer_types") or ())
     sliding_window = cfg.get("sliding_window")
     if arch == "gemma3":
+        if cfg.get("use_bidirectional_attention"):
+            raise ConfigError("bidirectional Gemma 3 (e.g. EmbeddingGemma) is not supported")
+        # transformers' Gemma3TextConfig defaults for keys that a config.json leaves out.
+        theta = float(cfg.get("rope_theta", 1_000_000.0))
+        sliding_window = cfg.get("sliding_window", 4096)
         params = rope_params or {}
         if "full_attention" in params:  # transformers >= 5 nests one dict per layer type
             rope = RopeConfig.from_hf(params["full_attention"], theta)
@@ -199,7 +204,9 @@ def _decoder_from_hf(arch: str, cfg: dict[str, Any]) -> ModelConfig:
         hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
         sliding_window=sliding_window,
         layer_types=layer_types,
-        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+        query_pre_attn_scalar=cfg.get(
+            "query_pre_attn_scalar", 256 if arch == "gemma3" else None
+        ),
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
         attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
         bos_token_id=cfg.get("bos_token_id"),
@@ -210,6 +217,18 @@ def _decoder_from_hf(arch: str, cfg: dict[str, Any]) -> ModelConfig:
 def _gpt2_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     hidden = cfg["n_embd"]
     heads = cfg["n_head"]
+    if heads <= 0 or hidden % heads:
+        raise ConfigError(f"n_embd ({hidden}) must be a multiple of n_head ({heads})")
+    # reorder_and_upcast_attn needs nothing: attention scores are always computed in float32.
+    unsupported = [
+        flag for flag, bad in (
+            ("scale_attn_weights=false", not cfg.get("scale_attn_weights", True)),
+            ("scale_attn_by_inverse_layer_idx=true", cfg.get("scale_attn_by_inverse_layer_idx")),
+            ("add_cross_attention=true", cfg.get("add_cross_attention")),
+        ) if bad
+    ]
+    if unsupported:
+        raise ConfigError(f"unsupported GPT-2 options: {', '.join(unsupported)}")
     return ModelConfig(
         architecture="gpt2",
         vocab_size=cfg["vocab_size"],
@@ -221,7 +240,7 @@ def _gpt2_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         head_dim=hidden // heads,
         max_position_embeddings=cfg.get("n_positions", 1024),
         norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
-        tie_word_embeddings=True,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         attention_bias=True,
         mlp_bias=True,
         hidden_act=cfg.get("activation_function", "gelu_new"),
