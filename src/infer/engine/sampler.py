@@ -1,0 +1,305 @@
+"""The batched device-side sampler: one call per step for every row that samples a token.
+
+Per row (all rows at once, per-row parameters held in [B, 1] tensors; no loop over the vocab):
+
+0. logprobs: the returned `logprobs` / `top_logprobs` are log_softmax of the RAW logits
+   (before banning, penalties, temperature and filters): the model's own distribution,
+   like vLLM's default "raw_logprobs". They describe the model, not the filtered sampler.
+1. banned ids (e.g. EOS while fewer than min_tokens were generated) -> -inf.
+2. penalties, on tokens seen before: repetition (tokens in the prompt or the output; a
+   positive logit is divided by the penalty, a negative one multiplied), then frequency
+   (minus frequency_penalty * count in the output), then presence (minus presence_penalty
+   if the token occurs in the output at all).
+3. greedy rows (temperature < 1e-5): argmax of the penalised logits. Done.
+4. other rows: divide by temperature; top_k (keep the k largest logits); top_p (keep the
+   smallest prefix of the sorted distribution whose mass is >= top_p, the top token always);
+   min_p (drop tokens whose probability is < min_p * the top token's); then sample.
+   Tokens tied with the last kept one are kept too, so the kept set never depends on how a
+   sort orders ties. top_p is measured after top_k; min_p compares with the top token,
+   which every filter keeps, so its place in the order does not matter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from infer.sampling_params import SamplingParams
+
+# top_p cut: the float32 cumulative sum may land a hair below top_p where the exact mass is
+# exactly top_p; without the tolerance that would keep one extra token at the boundary.
+_TOP_P_TOL = 1e-6
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32: the sampled token's raw logprob
+    top_logprob_ids: torch.Tensor | None = None  # [B, K] int64, most likely first
+    top_logprobs: torch.Tensor | None = None  # [B, K] float32, raw, descending
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling state for one step, on the device. Row i = one sequence.
+
+    Tensors that no row needs are None, and `sample` skips their work entirely.
+    """
+
+    vocab_size: int
+    all_greedy: bool
+    greedy: torch.Tensor | None  # [B] bool; None when no row is greedy
+    temperature: torch.Tensor | None  # [B, 1]; 1 on greedy rows; None when all are greedy
+    top_k: torch.Tensor | None  # [B, 1] int64 in [1, V]; V where disabled
+    max_top_k: int  # largest enabled top_k (< V), 0 if none
+    top_p: torch.Tensor | None  # [B, 1]; 1 where disabled
+    # How many of the largest logits top_p must sort: max_top_k when every top_p row also
+    # has a top_k (a cheap topk instead of a full sort), else V.
+    sort_width: int
+    min_p: torch.Tensor | None  # [B, 1]; 0 where disabled
+    repetition_penalty: torch.Tensor | None  # [B, 1]
+    frequency_penalty: torch.Tensor | None  # [B, 1]
+    presence_penalty: torch.Tensor | None  # [B, 1]
+    output_counts: torch.Tensor | None  # [B, V] float32: occurrences in the output so far
+    prompt_mask: torch.Tensor | None  # [B, V] bool: token occurs in the prompt
+    banned: torch.Tensor | None  # [B, V] bool
+    # Host side: each non-greedy seeded row's (row, seed, index of the token it generates).
+    seeded_rows: list[tuple[int, int, int]]
+    any_unseeded_random: bool
+    num_logprobs: int  # K: max over rows of SamplingParams.logprobs (0: no top-K)
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        vocab_size: int,
+        device: torch.device | str,
+        banned: list[list[int]] | torch.Tensor | None = None,
+        positions: list[int] | None = None,
+    ) -> SamplingBatch:
+        """`positions[i]`: index of the token row i generates (default: its output length)."""
+        b, v = len(params), vocab_size
+        if not len(prompt_token_ids) == len(output_token_ids) == b:
+            raise ValueError("params, prompt_token_ids and output_token_ids differ in length")
+        device = torch.device(device)
+        if positions is None:
+            positions = [len(out) for out in output_token_ids]
+        greedy = [p.greedy for p in params]
+        random_params = [p for p in params if not p.greedy]
+
+        def col(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).view(b, 1).to(device, non_blocking=True)
+
+        def per_row(name: str, disabled: float) -> torch.Tensor:
+            return col([disabled if g else getattr(p, name) for p, g in zip(params, greedy)])
+
+        temperature = top_k = top_p = min_p = None
+        max_top_k, sort_width = 0, v
+        if random_params:
+            temperature = col([1.0 if g else p.temperature for p, g in zip(params, greedy)])
+            ks = [v if g or p.top_k <= 0 else min(p.top_k, v) for p, g in zip(params, greedy)]
+            if any(k < v for k in ks):
+                top_k = col(ks, torch.int64)
+                max_top_k = max(k for k in ks if k < v)
+            if any(p.top_p < 1 for p in random_params):
+                top_p = per_row("top_p", 1.0)
+                if all(0 < p.top_k < v for p in random_params if p.top_p < 1):
+                    sort_width = max_top_k
+            if any(p.min_p > 0 for p in random_params):
+                min_p = per_row("min_p", 0.0)
+
+        rep = freq = pres = counts = prompt_mask = None
+        pen_rows = [
+            i for i, p in enumerate(params)
+            if p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
+        ]
+        if pen_rows:
+            counts = torch.zeros(b, v, device=device)
+            flat = _flat_index(output_token_ids, pen_rows, v).to(device, non_blocking=True)
+            counts.view(-1).scatter_add_(0, flat, torch.ones(flat.numel(), device=device))
+            rep_rows = [i for i in pen_rows if params[i].repetition_penalty != 1]
+            if rep_rows:
+                rep = col([p.repetition_penalty for p in params])
+                prompt_mask = _mask(prompt_token_ids, rep_rows, b, v, device)
+            if any(params[i].frequency_penalty != 0 for i in pen_rows):
+                freq = col([p.frequency_penalty for p in params])
+            if any(params[i].presence_penalty != 0 for i in pen_rows):
+                pres = col([p.presence_penalty for p in params])
+
+        banned_mask = None
+        if isinstance(banned, torch.Tensor):
+            if banned.shape != (b, v):
+                raise ValueError(f"banned mask has shape {tuple(banned.shape)}, want {(b, v)}")
+            banned_mask = banned.to(device=device, dtype=torch.bool)
+        elif banned is not None:
+            if len(banned) != b:
+                raise ValueError(f"banned has {len(banned)} rows for a batch of {b}")
+            rows = [i for i, ids in enumerate(banned) if ids]
+            bad = [t for i in rows for t in banned[i] if not 0 <= t < v]
+            if bad:
+                raise ValueError(f"banned token ids out of range [0, {v}): {bad[:5]}")
+            if rows:
+                banned_mask = _mask(banned, rows, b, v, device)
+
+        seeded = [
+            (i, p.seed, positions[i])
+            for i, (p, g) in enumerate(zip(params, greedy))
+            if not g and p.seed is not None
+        ]
+        return cls(
+            vocab_size=v,
+            all_greedy=not random_params,
+            greedy=col(greedy, torch.bool).view(b) if random_params and any(greedy) else None,
+            temperature=temperature,
+            top_k=top_k,
+            max_top_k=max_top_k,
+            top_p=top_p,
+            sort_width=sort_width,
+            min_p=min_p,
+            repetition_penalty=rep,
+            frequency_penalty=freq,
+            presence_penalty=pres,
+            output_counts=counts,
+            prompt_mask=prompt_mask,
+            banned=banned_mask,
+            seeded_rows=seeded,
+            any_unseeded_random=any(p.seed is None for p in random_params),
+            num_logprobs=min(max((p.logprobs or 0 for p in params), default=0), v),
+        )
+
+
+def _flat_index(token_lists: list[list[int]], rows: list[int], v: int) -> torch.Tensor:
+    """Indices into a flattened [B, V] tensor of every (row, token) pair, rows in `rows`."""
+    lengths = [len(token_lists[i]) for i in rows]
+    flat = np.fromiter(
+        itertools.chain.from_iterable(token_lists[i] for i in rows), np.int64, sum(lengths)
+    )
+    flat += np.repeat(np.asarray(rows, dtype=np.int64) * v, lengths)
+    return torch.from_numpy(flat)
+
+
+def _mask(
+    token_lists: list[list[int]], rows: list[int], b: int, v: int, device: torch.device
+) -> torch.Tensor:
+    mask = torch.zeros(b, v, dtype=torch.bool, device=device)
+    flat = _flat_index(token_lists, rows, v).to(device, non_blocking=True)
+    mask.view(-1).scatter_(0, flat, True)
+    return mask
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition, frequency, presence penalties (out of place; no-op when none is set)."""
+    counts = batch.output_counts
+    if counts is None:
+        return logits
+    if batch.repetition_penalty is not None:
+        seen = batch.prompt_mask | (counts > 0)
+        pen = batch.repetition_penalty
+        penalised = torch.where(logits > 0, logits / pen, logits * pen)
+        logits = torch.where(seen, penalised, logits)
+    if batch.frequency_penalty is not None:
+        logits = logits - batch.frequency_penalty * counts
+    if batch.presence_penalty is not None:
+        logits = logits - batch.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, then top_k / top_p / min_p as -inf masks (out of place)."""
+    neg_inf = float("-inf")
+    x = logits / batch.temperature
+    if batch.top_p is not None:
+        if batch.sort_width < batch.vocab_size:
+            sorted_x = x.topk(batch.sort_width, dim=-1).values
+        else:
+            sorted_x = x.sort(dim=-1, descending=True).values
+        drop = torch.zeros_like(sorted_x, dtype=torch.bool)
+        if batch.top_k is not None:
+            kth = sorted_x.gather(1, batch.top_k.clamp(max=batch.sort_width) - 1)
+            drop = sorted_x < kth
+        probs = sorted_x.masked_fill(drop, neg_inf).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        cut = torch.where(batch.top_p >= 1, float("inf"), batch.top_p - _TOP_P_TOL)
+        drop |= mass_before >= cut
+        drop[:, 0] = False
+        # Both drops are suffixes of the sorted order, so the kept set is a prefix and its
+        # last logit is the cut-off. Rows with neither filter keep everything (their sorted
+        # prefix may be cut short by sort_width).
+        n_keep = (~drop).sum(dim=-1, keepdim=True)
+        cutoff = sorted_x.gather(1, n_keep - 1)
+        if batch.top_k is not None:
+            unfiltered = (batch.top_k >= batch.vocab_size) & (batch.top_p >= 1)
+            cutoff = torch.where(unfiltered, neg_inf, cutoff)
+        x = x.masked_fill(x < cutoff, neg_inf)
+    elif batch.top_k is not None:
+        top = x.topk(batch.max_top_k, dim=-1).values
+        kth = top.gather(1, batch.top_k.clamp(max=batch.max_top_k) - 1)
+        kth = torch.where(batch.top_k >= batch.vocab_size, neg_inf, kth)
+        x = x.masked_fill(x < kth, neg_inf)
+    if batch.min_p is not None:
+        # p_i < min_p * p_max  <=>  x_i - x_max < log(min_p); log(0) = -inf disables it.
+        floor = x.amax(dim=-1, keepdim=True) + torch.log(batch.min_p)
+        x = x.masked_fill(x < floor, neg_inf)
+    return x
+
+
+def _row_seed(seed: int, position: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _race(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Sample each row from softmax(x) by the exponential race: argmax_i p_i / E_i.
+
+    With E_i ~ Exp(1) i.i.d., P(argmax = i) = p_i, and a row's result depends only on its
+    own logits and its own noise. Seeded rows draw their noise from a generator seeded by
+    (seed, position), so they give the same token whatever else is in the batch and
+    wherever the row sits. Computed in log space (x_i - log E_i): no softmax, no underflow.
+    """
+    v = x.shape[1]
+    noise = torch.empty_like(x).exponential_() if batch.any_unseeded_random else torch.ones_like(x)
+    if batch.seeded_rows:
+        draws = []
+        for _, seed, position in batch.seeded_rows:
+            gen = torch.Generator(device=x.device)
+            gen.manual_seed(_row_seed(seed, position))
+            draws.append(torch.empty(v, device=x.device).exponential_(generator=gen))
+        rows = torch.tensor([r for r, _, _ in batch.seeded_rows]).to(x.device, non_blocking=True)
+        noise[rows] = torch.stack(draws)
+    # E = 0 would make log E = -inf and lift a -inf (filtered) token to NaN.
+    noise = noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return (x - noise.log()).argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """Sample one token per row of `logits` [B, V]; never modifies `logits`.
+
+    Reads nothing back to the host: the caller syncs once, on `token_ids`.
+    """
+    if logits.dim() != 2 or logits.shape[1] != batch.vocab_size:
+        raise ValueError(f"logits shape {tuple(logits.shape)}, want [B, {batch.vocab_size}]")
+    logits = logits.float()
+    lse = logits.logsumexp(dim=-1, keepdim=True)
+    top_ids = top_lps = None
+    if batch.num_logprobs > 0:
+        values, top_ids = logits.topk(batch.num_logprobs, dim=-1)
+        top_lps = values - lse
+
+    x = logits
+    if batch.banned is not None:
+        x = x.masked_fill(batch.banned, float("-inf"))
+    x = apply_penalties(x, batch)
+    if batch.all_greedy:
+        tokens = x.argmax(dim=-1)
+    else:
+        tokens = _race(filter_logits(x, batch), batch)
+        if batch.greedy is not None:
+            tokens = torch.where(batch.greedy, x.argmax(dim=-1), tokens)
+    chosen = (logits.gather(1, tokens[:, None]) - lse).squeeze(1)
+    return SamplerOutput(tokens, chosen, top_ids, top_lps)

@@ -1,0 +1,157 @@
+"""User-facing sampling parameters, shaped like vLLM's so a script can swap one import."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+# Temperatures below this are greedy decoding (argmax): dividing by them would overflow.
+GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _int(name: str, value: object, *, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if not _is_int(value):
+        kind = "an int or None" if optional else "an int"
+        raise ValueError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def _float(name: str, value: object) -> float:
+    if not _is_real(value):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    stop: str | list[str] | None = None  # normalised to a list
+    stop_token_ids: list[int] | None = None  # normalised to a list
+    ignore_eos: bool = False
+    # Top logprobs returned per token besides the sampled one's; 0: only the sampled token's.
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.n = _int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+
+        self.temperature = _float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(
+                f"temperature must be >= 0 (0 = greedy), got {self.temperature}"
+            )
+        self.top_p = _float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = disabled), got {self.top_p}")
+        self.top_k = _int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(
+                f"top_k must be -1 or 0 (disabled) or a positive int, got {self.top_k}"
+            )
+        self.min_p = _float("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 = disabled), got {self.min_p}")
+
+        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(
+                "repetition_penalty must be > 0 (1 = disabled, > 1 discourages repeats), "
+                f"got {self.repetition_penalty}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = disabled), got {value}")
+            setattr(self, name, value)
+
+        self.seed = _int("seed", self.seed, optional=True)
+        self.max_tokens = _int("max_tokens", self.max_tokens, optional=True)
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1 (or None), got {self.max_tokens}")
+        self.min_tokens = _int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+
+        self.logprobs = _int("logprobs", self.logprobs, optional=True)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got {self.logprobs}"
+            )
+        self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
+        self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
+        self.include_stop_str_in_output = _bool(
+            "include_stop_str_in_output", self.include_stop_str_in_output
+        )
+
+    @staticmethod
+    def _normalise_stop(stop: object) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        for s in stop:
+            if not isinstance(s, str):
+                raise ValueError(f"stop strings must be strings, got {s!r}")
+            if not s:
+                raise ValueError("stop strings must not be empty")
+        return list(stop)
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: object) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+        for t in ids:
+            if not _is_int(t):
+                raise ValueError(f"stop_token_ids must be ints, got {t!r}")
+            if t < 0:
+                raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+        return [int(t) for t in ids]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
