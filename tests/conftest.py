@@ -8,7 +8,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+# One thread: on a 2-core machine shared with other processes, OpenMP threads that spin
+# while waiting make small matmuls 10-50x slower (measured); one thread never oversubscribes.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

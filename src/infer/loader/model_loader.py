@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from infer.config import ModelConfig
-from infer.loader import hf_dir
+from infer.loader import gguf_file, hf_dir
 from infer.loader.errors import ModelLoadError
+from infer.loader.gguf_metadata import gguf_config
 from infer.models import model_class
 from infer.models.weights import WeightError
 
@@ -47,4 +48,16 @@ def load_hf_dir(
     cfg = hf_dir.load_config(model_dir)
     files = hf_dir.safetensors_files(model_dir)
     model = build_model(cfg, hf_dir.iter_safetensors(files), str(model_dir), dtype, device)
+    return model, cfg
+
+
+def load_gguf(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> tuple[nn.Module, ModelConfig]:
+    """A llama.cpp GGUF file, every tensor dequantised to `dtype` (no quantised runtime)."""
+    reader = gguf_file.open_gguf(path)
+    cfg = gguf_config(reader)
+    gguf_file.check_tensor_types(reader)
+    weights = gguf_file.iter_gguf_weights(reader, cfg)
+    model = build_model(cfg, weights, gguf_file.source_of(reader), dtype, device)
     return model, cfg

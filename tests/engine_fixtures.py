@@ -1,0 +1,56 @@
+"""Test helper: engines over the real SmolLM2 GGUF, loaded once per session, and
+transformers' models loaded from the same GGUF files (the reference)."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+from real_models import gemma3_gguf, smollm2_gguf
+
+from infer.engine import llm_engine
+from infer.engine.setup import load_model_and_tokenizer
+from infer.llm import LLM
+
+
+@cache
+def _loaded(path: str):
+    return load_model_and_tokenizer(path, torch.float32, torch.device("cpu"))
+
+
+def make_llm(path: Path | None = None, **config) -> LLM:
+    """An LLM on a real GGUF model (default SmolLM2), sharing one loaded copy of the
+    weights between engines (each engine binds its own KV cache to it)."""
+    path = path or smollm2_gguf()
+    loaded = _loaded(str(path))
+    original = llm_engine.load_model_and_tokenizer
+    llm_engine.load_model_and_tokenizer = lambda *args: loaded
+    try:
+        return LLM(str(path), device="cpu", **config)
+    finally:
+        llm_engine.load_model_and_tokenizer = original
+
+
+@cache
+def hf_model(path: str):
+    transformers = pytest.importorskip("transformers")
+    p = Path(path)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        p.parent, gguf_file=p.name, dtype=torch.float32
+    ).eval()
+
+
+def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    model = hf_model(str(path))
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            pad_token_id=model.config.eos_token_id,
+        )
+    return out[0, len(prompt_ids):].tolist()
+
+
+__all__ = ["gemma3_gguf", "hf_greedy", "make_llm", "smollm2_gguf"]
