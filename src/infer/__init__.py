@@ -1,0 +1,25 @@
+"""infer: an LLM inference and serving engine on PyTorch.
+
+`from infer import LLM, SamplingParams` (imported lazily, so `infer.loader` and the CLI
+stay light).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "LLM": "infer.llm",
+    "SamplingParams": "infer.sampling_params",
+    "EngineConfig": "infer.engine.config",
+    "RequestOutput": "infer.engine.outputs",
+    "CompletionOutput": "infer.engine.outputs",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'infer' has no attribute {name!r}")

@@ -1,0 +1,124 @@
+"""`infer generate | chat` (and, as they land, `serve | bench`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+
+from infer.engine.config import EngineConfig
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (`--max-num-seqs 8`, `--no-prefix-caching`)."""
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        if hint is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=f.default, help=f"(default: {f.default})")
+            continue
+        kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+        parser.add_argument(flag, dest=f.name, type=kind, default=f.default,
+                            help=f"(default: {f.default})")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{name: getattr(args, name) for name in EngineConfig.field_names()})
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+
+
+def sampling_params(args: argparse.Namespace, **extra):
+    from infer.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, **extra)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from infer.llm import LLM
+
+    llm = LLM(**dataclasses.asdict(engine_config(args)))
+    params = sampling_params(args)
+    if args.chat:
+        prompt = llm.get_tokenizer().encode_chat([{"role": "user", "content": args.prompt}])
+    else:
+        prompt = args.prompt
+    printed = 0
+    for out in llm.stream(prompt, params):
+        text = out.outputs[0].text
+        sys.stdout.write(text[printed:])
+        sys.stdout.flush()
+        printed = len(text)
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from infer.llm import LLM
+
+    llm = LLM(**dataclasses.asdict(engine_config(args)))
+    tokenizer = llm.get_tokenizer()
+    params = sampling_params(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("infer chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        printed, text = 0, ""
+        for out in llm.stream(tokenizer.encode_chat(messages), params):
+            text = out.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": text})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one prompt, streaming to stdout")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt as a user message in the chat template")
+    add_engine_flags(gen)
+    add_sampling_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    chat.add_argument("--system", default=None, help="a system message")
+    add_engine_flags(chat)
+    add_sampling_flags(chat)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, KeyboardInterrupt) as exc:
+        if isinstance(exc, ValueError):
+            print(f"infer: error: {exc}", file=sys.stderr)
+            return 2
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

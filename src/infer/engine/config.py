@@ -1,0 +1,81 @@
+"""EngineConfig: every engine knob, each optimisation an independent toggle.
+
+Plain values only: building one reads no file. Conflicting fields fail here, at
+construction, with a message naming them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct)
+    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    seed: int = 0
+    max_model_len: int | None = None  # None: the model's context length, capped at 8192
+    max_num_seqs: int = 64  # most sequences in one batch
+    max_num_batched_tokens: int = 2048  # token budget per step
+    batching_mode: str = "continuous"  # static | continuous
+    kv_cache: str = "paged"  # paged | contiguous (one max_model_len block per sequence)
+    block_size: int = 16
+    num_blocks: int | None = None  # None: size the pool from memory_fraction
+    memory_fraction: float = 0.9  # of device memory for weights + activations + KV cache
+    chunked_prefill: bool = True
+    prefill_chunk_size: int | None = None  # most prompt tokens per request per step
+    prefix_caching: bool = True
+    attention_backend: str = "torch"  # torch (reference)
+    max_waiting_requests: int | None = None  # None: unbounded queue
+
+    def __post_init__(self) -> None:
+        self._check_choice("dtype", DTYPES)
+        self._check_choice("batching_mode", ("static", "continuous"))
+        self._check_choice("kv_cache", ("paged", "contiguous"))
+        self._check_choice("attention_backend", ("torch",))
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            self._check_positive(name)
+        for name in ("max_model_len", "num_blocks", "prefill_chunk_size",
+                     "max_waiting_requests"):
+            if getattr(self, name) is not None:
+                self._check_positive(name)
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.kv_cache == "contiguous" and self.prefix_caching:
+            raise ValueError(
+                "kv_cache='contiguous' conflicts with prefix_caching=True: a contiguous cache "
+                "gives each sequence one private max_model_len block, so nothing can be shared; "
+                "set prefix_caching=False or kv_cache='paged'"
+            )
+        if self.prefill_chunk_size is not None and not self.chunked_prefill:
+            raise ValueError(
+                "prefill_chunk_size is set but chunked_prefill=False: enable chunked_prefill "
+                "or drop prefill_chunk_size"
+            )
+        if (not self.chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(
+                f"chunked_prefill=False needs max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) >= max_model_len ({self.max_model_len}), "
+                "or a long prompt could never be scheduled; raise the budget or enable "
+                "chunked_prefill"
+            )
+
+    def _check_choice(self, name: str, choices: tuple[str, ...]) -> None:
+        value = getattr(self, name)
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+    def _check_positive(self, name: str) -> None:
+        value = getattr(self, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

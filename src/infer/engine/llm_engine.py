@@ -1,0 +1,293 @@
+"""LLMEngine: requests in, one step at a time, RequestOutputs out.
+
+A user request with `n` completions becomes `n` scheduler requests ("sequences") that share
+the prompt's KV blocks. Each step: schedule -> run the model -> sample -> account ->
+detokenize and check stops -> emit outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from infer.cache.kv_manager import KVCacheManager
+from infer.engine.config import EngineConfig
+from infer.engine.detokenizer import IncrementalDetokenizer
+from infer.engine.memory import plan_kv_cache
+from infer.engine.model_runner import ModelRunner
+from infer.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from infer.engine.request import Request
+from infer.engine.sampler import SamplingBatch, sample
+from infer.engine.scheduler import Scheduler
+from infer.engine.setup import load_model_and_tokenizer, pick_device_and_dtype
+from infer.sampling_params import SamplingParams
+
+
+@dataclass
+class _Sequence:
+    group_id: str
+    request: Request
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    new_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[_Sequence]
+    arrival_time: float
+    first_token_time: float | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+        config = config or EngineConfig(**overrides)
+        self.config = config
+        self.device, self.dtype = pick_device_and_dtype(config.device, config.dtype)
+        self.model, self.model_config, self.tokenizer, self.model_name = (
+            load_model_and_tokenizer(config.model, self.dtype, self.device)
+        )
+        torch.manual_seed(config.seed)
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's context length "
+                f"({mc.max_position_embeddings})"
+            )
+        if not config.chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"chunked_prefill=False needs max_num_batched_tokens "
+                f"({config.max_num_batched_tokens}) >= max_model_len ({self.max_model_len})"
+            )
+        self.block_size, num_blocks = plan_kv_cache(
+            config, mc, self.max_model_len, self.model, self.device, self.dtype
+        )
+        self.kv = KVCacheManager(num_blocks, self.block_size, config.prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+            batching=config.batching_mode, chunked_prefill=config.chunked_prefill,
+            max_prefill_chunk=config.prefill_chunk_size,
+        )
+        self.runner = ModelRunner(
+            self.model, mc, num_blocks, self.block_size, self.device, self.dtype
+        )
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or mc.eos_token_ids
+        self.groups: dict[str, _Group] = {}
+        self.sequences: dict[str, _Sequence] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self._next_id = 0
+
+    # -- requests --------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+    ) -> str:
+        """Queue a request; raises ValueError (and queues nothing) if it cannot be served."""
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        if request_id in self.groups:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        text, ids = self._tokenize(prompt)
+        max_new = self._check_fits(ids, params)
+        now = time.monotonic()
+        sequences = []
+        for i in range(params.n):
+            child = Request(
+                f"{request_id}#{i}" if params.n > 1 else request_id, ids, max_new, now,
+                share_prefix_with=f"{request_id}#0" if i > 0 else None,
+            )
+            seq_params = params
+            if params.seed is not None and i > 0:
+                seq_params = dataclasses.replace(params, seed=params.seed + i)
+            sequences.append(_Sequence(
+                request_id, child, seq_params,
+                IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
+                                       params.stop, params.include_stop_str_in_output),
+                logprobs=[] if params.logprobs is not None else None,
+            ))
+        self.groups[request_id] = _Group(request_id, text, ids, sequences, now)
+        for seq in sequences:
+            self.sequences[seq.request.request_id] = seq
+            self.scheduler.add(seq.request)
+        self.prompt_tokens_total += len(ids)
+        return request_id
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            text: str | None = prompt
+        elif isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            ids, text = list(prompt), None
+        else:
+            raise ValueError("prompt must be a string or a list of token ids")
+        if not ids:
+            raise ValueError("the prompt is empty (no tokens)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        return text, ids
+
+    def _check_fits(self, ids: list[int], params: SamplingParams) -> int:
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; this model serves at most "
+                f"{self.max_model_len} tokens in all (prompt + output), so at most "
+                f"{self.max_model_len - 1} prompt tokens"
+            )
+        room = self.max_model_len - len(ids)
+        max_new = room if params.max_tokens is None else min(params.max_tokens, room)
+        blocks = self.kv.blocks_needed(len(ids) + max_new)
+        if blocks > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"the request needs {blocks} KV blocks ({len(ids)} prompt + {max_new} new "
+                f"tokens) but the pool has {self.kv.pool.num_blocks}; lower max_tokens"
+            )
+        return max_new
+
+    def abort_request(self, request_id: str) -> bool:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return False
+        for seq in group.sequences:
+            self.scheduler.abort(seq.request.request_id)
+            self.sequences.pop(seq.request.request_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # -- the step --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns an output for every request that changed."""
+        out = self.scheduler.schedule()
+        if out.empty:
+            return []
+        inputs = self.runner.prepare(out, self.kv.tables)
+        sampled: dict[str, int] = {}
+        if inputs.sample_request_ids:
+            seqs = [self.sequences[rid] for rid in inputs.sample_request_ids]
+            logits = self.runner.execute(inputs)
+            result = sample(logits, self._sampling_batch(seqs))
+            token_ids = result.token_ids.tolist()
+            chosen_lp = result.logprobs.tolist()
+            tops = None
+            if result.top_logprob_ids is not None:
+                tops = (result.top_logprob_ids.tolist(), result.top_logprobs.tolist())
+            for row, seq in enumerate(seqs):
+                token = token_ids[row]
+                sampled[seq.request.request_id] = token
+                seq.cumulative_logprob += chosen_lp[row]
+                if seq.logprobs is not None:
+                    seq.logprobs.append(self._logprob_entry(
+                        token, chosen_lp[row], tops, row, seq.params.logprobs or 0))
+        else:
+            self.runner.execute(inputs)
+        changed: set[str] = set()
+        for request in self.scheduler.update(out, sampled):
+            seq = self.sequences[request.request_id]
+            seq.new_token_ids.append(request.output_token_ids[-1])
+            self.generation_tokens_total += 1
+            self._check_stop(seq)
+            changed.add(seq.group_id)
+        outputs = [self._output(self.groups[rid]) for rid in changed]
+        for output in outputs:
+            if output.finished:
+                for seq in self.groups.pop(output.request_id).sequences:
+                    del self.sequences[seq.request.request_id]
+        return outputs
+
+    def _sampling_batch(self, seqs: list[_Sequence]) -> SamplingBatch:
+        banned = []
+        for seq in seqs:
+            r, p = seq.request, seq.params
+            if len(r.output_token_ids) < p.min_tokens:
+                banned.append(list(self.eos_token_ids) + list(p.stop_token_ids or []))
+            else:
+                banned.append([])
+        return SamplingBatch.build(
+            [s.params for s in seqs],
+            [s.request.prompt_token_ids for s in seqs],
+            [s.request.output_token_ids for s in seqs],
+            vocab_size=self.model_config.vocab_size, device=self.device, banned=banned,
+        )
+
+    def _logprob_entry(self, token, lp, tops, row, k) -> dict[int, Logprob]:
+        entry = {token: Logprob(lp, None, self.tokenizer.decode([token], False))}
+        if tops is not None:
+            for rank, (tid, tlp) in enumerate(zip(tops[0][row][:k], tops[1][row][:k]), 1):
+                if tid == token:
+                    entry[token] = Logprob(lp, rank, entry[token].decoded_token)
+                else:
+                    entry[tid] = Logprob(tlp, rank, self.tokenizer.decode([tid], False))
+        return entry
+
+    def _check_stop(self, seq: _Sequence) -> None:
+        request, params = seq.request, seq.params
+        token = request.output_token_ids[-1]
+        n_out = len(request.output_token_ids)
+        stop_string = seq.detok.push(token)
+        if n_out >= params.min_tokens:
+            if token in (params.stop_token_ids or []):
+                return self.scheduler.finish(request, "stop", token)
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return self.scheduler.finish(request, "stop", None)
+            if stop_string is not None:
+                return self.scheduler.finish(request, "stop", stop_string)
+        if n_out >= request.max_new_tokens:
+            self.scheduler.finish(request, "length")
+
+    def _output(self, group: _Group) -> RequestOutput:
+        if group.first_token_time is None:
+            group.first_token_time = time.monotonic()
+        outputs = []
+        for i, seq in enumerate(group.sequences):
+            r = seq.request
+            if r.finished:
+                seq.detok.flush()
+            seq.detok.new_text(r.finished)
+            outputs.append(CompletionOutput(
+                index=i, text=seq.detok.text[:seq.detok.emitted],
+                token_ids=list(r.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                logprobs=seq.logprobs, finish_reason=r.finish_reason,
+                stop_reason=r.stop_reason,
+            ))
+        finished = all(s.request.finished for s in group.sequences)
+        return RequestOutput(
+            group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
+            num_cached_tokens=group.sequences[0].request.num_cached_tokens,
+        )
+
+    # -- counters --------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        pool = self.kv.pool
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used,
+            "kv_blocks_free": pool.num_free,
+            "kv_cache_usage": pool.num_used / pool.num_blocks,
+            "prefix_cache_queries": self.kv.prefix_queries,
+            "prefix_cache_hits": self.kv.prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+        }

@@ -1,0 +1,80 @@
+"""Sizing the KV-cache pool."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from infer.config import ModelConfig
+from infer.engine.config import EngineConfig
+
+# On a CPU the pool is capped at this share of available memory (the rest stays for the
+# OS, the model and activations).
+_CPU_SHARE = 0.25
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * cfg.kv_size * torch.finfo(dtype).bits // 8
+
+
+def plan_kv_cache(
+    config: EngineConfig, cfg: ModelConfig, max_model_len: int, model: nn.Module,
+    device: torch.device, dtype: torch.dtype,
+) -> tuple[int, int]:
+    """(block_size, num_blocks). Contiguous = one max_model_len block per sequence."""
+    if config.kv_cache == "contiguous":
+        return max_model_len, config.num_blocks or config.max_num_seqs
+    block_size = config.block_size
+    if config.num_blocks is not None:
+        return block_size, config.num_blocks
+    per_block = kv_bytes_per_token(cfg, dtype) * block_size
+    # No use in more than every sequence at full length, plus as much again for the
+    # prefix cache.
+    useful = 2 * config.max_num_seqs * (-(-max_model_len // block_size))
+    if device.type == "cuda":
+        free = _cuda_free_after_warmup(config, model, device)
+    else:
+        free = int(_available_host_memory() * _CPU_SHARE)
+    num_blocks = min(useful, free // per_block)
+    needed = -(-max_model_len // block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"not enough memory for the KV cache: {num_blocks} blocks fit, one "
+            f"{max_model_len}-token sequence needs {needed}; lower max_model_len or raise "
+            "memory_fraction"
+        )
+    return block_size, num_blocks
+
+
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def _cuda_free_after_warmup(config: EngineConfig, model: nn.Module, device: torch.device):
+    """Memory left for the pool: the budget minus the peak of a full-budget forward."""
+    from infer.attention import AttentionMetadata, allocate_kv_cache
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    n = config.max_num_batched_tokens
+    allocate_kv_cache(model, 1, n, device=device)
+    meta = AttentionMetadata.build([n], [n], [[0]], n, device)
+    with torch.inference_mode():
+        hidden = model(torch.zeros(n, dtype=torch.long, device=device),
+                       torch.arange(n, device=device), meta)
+        model.compute_logits(hidden[-config.max_num_seqs:])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    for m in model.modules():
+        if hasattr(m, "k_cache"):
+            m.k_cache = m.v_cache = None
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    return max(0, int(total * config.memory_fraction) - peak)

@@ -1,0 +1,40 @@
+"""Output objects shaped like vLLM's, so a script can swap one import."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Per generated token: {token_id: logprob} holding the sampled token and the top-N.
+TokenLogprobs = dict[int, "Logprob"]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = most likely; None: outside the requested top-N
+    decoded_token: str | None = None

@@ -1,0 +1,38 @@
+"""Engine start-up: pick device and dtype, load the model and its tokenizer."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from infer.config import ModelConfig
+from infer.loader.resolve import resolve_model
+from infer.loader.tokenizer import Tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but no CUDA device is available; use device='cpu'")
+    dev = torch.device(device)
+    if dtype == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return dev, _DTYPES[dtype]
+
+
+def load_model_and_tokenizer(
+    model: str | None, dtype: torch.dtype, device: torch.device
+) -> tuple[nn.Module, ModelConfig, Tokenizer, str]:
+    from infer.loader import load_gguf, load_hf_dir
+
+    source = resolve_model(model)
+    if source.format == "gguf":
+        net, cfg = load_gguf(source.path, dtype=dtype, device=device)
+        tokenizer = Tokenizer.from_gguf(source.path)
+    else:
+        net, cfg = load_hf_dir(source.path, dtype=dtype, device=device)
+        tokenizer = Tokenizer.from_hf_dir(source.path)
+    return net, cfg, tokenizer, source.name

@@ -1,0 +1,111 @@
+"""The offline API, shaped like vLLM's: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+
+from infer.engine.config import EngineConfig
+from infer.engine.llm_engine import LLMEngine
+from infer.engine.outputs import RequestOutput
+from infer.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **config) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **config))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in prompt order."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        ids: list[str] = []
+        finished: dict[str, RequestOutput] = {}
+        bar = _progress(len(prompts)) if use_tqdm and len(prompts) > 1 else None
+        try:
+            for prompt, sp in zip(prompts, params):
+                ids.append(self._add(prompt, sp))
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            for rid in ids:  # an exception mid-way must not leave requests holding blocks
+                if rid not in finished:
+                    self.engine.abort_request(rid)
+        return [finished[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [tok.encode_chat(c, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yield a RequestOutput (cumulative text) each time the request advances."""
+        rid = self._add(prompt, sampling_params or SamplingParams())
+        done = False
+        try:
+            while not done:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        done = out.finished
+                        yield out
+        finally:
+            if not done:
+                self.engine.abort_request(rid)
+
+    def _add(self, prompt: Prompt, params: SamplingParams) -> str:
+        return self.engine.add_request(f"llm-{next(self._ids)}", prompt, params)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    return prompts
+
+
+def _as_params_list(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+    return params
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generating", unit="req", dynamic_ncols=True)

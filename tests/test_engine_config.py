@@ -1,0 +1,54 @@
+"""EngineConfig validates at construction and names the conflicting fields."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer.cli import build_parser, engine_config
+from infer.engine.config import EngineConfig
+
+
+def test_defaults_are_valid():
+    cfg = EngineConfig()
+    assert cfg.kv_cache == "paged" and cfg.batching_mode == "continuous"
+
+
+@pytest.mark.parametrize(
+    ("fields", "needles"),
+    [
+        (dict(kv_cache="contiguous"), ["kv_cache='contiguous'", "prefix_caching=True"]),
+        (dict(chunked_prefill=False, prefill_chunk_size=64),
+         ["prefill_chunk_size", "chunked_prefill=False"]),
+        (dict(chunked_prefill=False, max_model_len=4096, max_num_batched_tokens=1024),
+         ["max_num_batched_tokens", "max_model_len"]),
+        (dict(batching_mode="dynamic"), ["batching_mode"]),
+        (dict(kv_cache="ring"), ["kv_cache"]),
+        (dict(dtype="fp4"), ["dtype"]),
+        (dict(device="tpu"), ["device"]),
+        (dict(block_size=0), ["block_size"]),
+        (dict(max_num_seqs=-1), ["max_num_seqs"]),
+        (dict(num_blocks=1.5), ["num_blocks"]),
+        (dict(memory_fraction=1.5), ["memory_fraction"]),
+        (dict(attention_backend="cudnn"), ["attention_backend"]),
+    ],
+)
+def test_invalid_fields_fail_with_their_names(fields, needles):
+    with pytest.raises(ValueError) as info:
+        EngineConfig(**fields)
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+def test_contiguous_without_prefix_caching_is_fine():
+    EngineConfig(kv_cache="contiguous", prefix_caching=False)
+
+
+def test_every_field_is_a_cli_flag():
+    args = build_parser().parse_args([
+        "generate", "hi", "--max-num-seqs", "3", "--no-prefix-caching", "--kv-cache",
+        "contiguous", "--num-blocks", "7", "--batching-mode", "static",
+    ])
+    cfg = engine_config(args)
+    assert (cfg.max_num_seqs, cfg.prefix_caching, cfg.kv_cache, cfg.num_blocks,
+            cfg.batching_mode) == (3, False, "contiguous", 7, "static")
+    assert cfg.block_size == EngineConfig().block_size
