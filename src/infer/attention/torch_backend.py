@@ -40,6 +40,9 @@ def paged_attention(
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
+    if meta.num_seqs > 1 and all(n == 1 for n in meta.query_lens_host):
+        return _decode_attention(q, k_cache, v_cache, meta, scale, sliding_window,
+                                 logit_softcap)
     out = torch.empty_like(q)
     start = 0
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
@@ -66,3 +69,38 @@ def paged_attention(
         out[start:start + q_len] = ctx.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
         start += q_len
     return out
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+) -> torch.Tensor:
+    """All sequences decode one token: one batched matmul over block tables padded to the
+    longest sequence, padding masked out (instead of a Python loop per sequence)."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_len = max(meta.seq_lens_host)
+    num_blocks = (max_len + block_size - 1) // block_size
+    blocks = meta.block_tables[:, :num_blocks].long()
+    # [seqs, kv_heads, len, head_dim]
+    keys = k_cache[blocks].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
+    values = v_cache[blocks].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
+    queries = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.matmul(queries, keys.transpose(2, 3)) * scale  # [seqs, kvh, g, len]
+    if logit_softcap:
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    k_pos = torch.arange(max_len, device=q.device).unsqueeze(0)
+    last = meta.seq_lens.long().unsqueeze(1) - 1  # the query's own position
+    visible = k_pos <= last
+    if sliding_window is not None:
+        visible &= last - k_pos < sliding_window
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, values)  # [seqs, kvh, g, head_dim]
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
