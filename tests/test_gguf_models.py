@@ -91,7 +91,7 @@ class _Real:
 
 class TestSmolLM2(_Real):
     prompt_lens = (5, 17, 40)
-    atol = 3e-4  # measured ~8e-5 over 30 layers (logits of magnitude ~30)
+    atol = 2e-4  # measured 6e-5..8e-5 over 30 layers (logits of magnitude ~30)
 
     @staticmethod
     def path() -> Path:
@@ -113,7 +113,7 @@ class TestGemma3(_Real):
     # All prompts are far shorter than the real sliding window (512 tokens), so every layer
     # attends to the whole prefix here; the synthetic Gemma 3 test uses a window of 8.
     prompt_lens = (3, 12, 40)
-    atol = 1e-3
+    atol = 1e-3  # measured 4e-4 over 18 layers
 
     @staticmethod
     def path() -> Path:
@@ -278,7 +278,7 @@ def test_synthetic_llama_quant_types(tmp_path, llama_source, qtype):
     seqs, lens = random_batch(cfg.vocab_size, seed=2, **SYNTH_BATCH)
     err = max_error(model, ref, seqs, lens)
     print(f"llama {qtype.name}: max |logit error| = {err:.3g}")
-    assert err <= 1e-4
+    assert err <= 5e-5  # measured <= 8e-6
 
 
 def test_synthetic_llama_f32_equals_source_weights(tmp_path, llama_source):
@@ -329,7 +329,7 @@ def test_synthetic_qwen_not_permuted(tmp_path, arch, qtype):
     seqs, lens = random_batch(cfg.vocab_size, seed=3, **SYNTH_BATCH)
     err = max_error(model, ref, seqs, lens)
     print(f"{arch} {qtype.name}: max |logit error| = {err:.3g}")
-    assert err <= 1e-4
+    assert err <= 5e-5  # measured <= 8e-6
 
 
 def test_synthetic_gpt2(tmp_path):
@@ -345,7 +345,7 @@ def test_synthetic_gpt2(tmp_path):
     seqs, lens = random_batch(cfg.vocab_size, seed=4, **SYNTH_BATCH)
     err = max_error(model, tf_from_gguf(path), seqs, lens)
     print(f"gpt2 Q8_0: max |logit error| = {err:.3g}")
-    assert err <= 1e-4
+    assert err <= 5e-5  # measured <= 8e-6
 
 
 @needs_gemma3
@@ -364,7 +364,7 @@ def test_synthetic_gemma3(tmp_path):
     seqs, lens = random_batch(cfg.vocab_size, seed=5, **SYNTH_BATCH)
     err = max_error(model, tf_from_gguf(path), seqs, lens)
     print(f"gemma3 Q8_0: max |logit error| = {err:.3g}")
-    assert err <= 1e-4
+    assert err <= 5e-5  # measured <= 8e-6
 
 
 def test_llama3_rope_freqs(tmp_path, llama_source):
@@ -442,6 +442,10 @@ def test_missing_metadata(tmp_path, llama_source):
                       extra_meta={"llama.embedding_length": None})
     with pytest.raises(ModelLoadError, match=r"nokey\.gguf: GGUF metadata lacks "
                                              r"'llama\.embedding_length'"):
+        load_gguf(path)
+    path = write_gguf(tmp_path / "badkey.gguf", "llama", llama_source, extra_meta={
+        "llama.embedding_length": ("wide", gguf.GGUFValueType.STRING)})
+    with pytest.raises(ModelLoadError, match=r"badkey\.gguf: invalid GGUF metadata"):
         load_gguf(path)
 
 

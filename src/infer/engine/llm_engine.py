@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -34,7 +34,6 @@ class _Sequence:
     detok: IncrementalDetokenizer
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
-    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -43,8 +42,6 @@ class _Group:
     prompt: str | None
     prompt_token_ids: list[int]
     sequences: list[_Sequence]
-    arrival_time: float
-    first_token_time: float | None = None
 
 
 class LLMEngine:
@@ -119,7 +116,7 @@ class LLMEngine:
                                        params.stop, params.include_stop_str_in_output),
                 logprobs=[] if params.logprobs is not None else None,
             ))
-        self.groups[request_id] = _Group(request_id, text, ids, sequences, now)
+        self.groups[request_id] = _Group(request_id, text, ids, sequences)
         for seq in sequences:
             self.sequences[seq.request.request_id] = seq
             self.scheduler.add(seq.request)
@@ -202,7 +199,6 @@ class LLMEngine:
         changed: set[str] = set()
         for request in self.scheduler.update(out, sampled):
             seq = self.sequences[request.request_id]
-            seq.new_token_ids.append(request.output_token_ids[-1])
             self.generation_tokens_total += 1
             self._check_stop(seq)
             changed.add(seq.group_id)
@@ -254,8 +250,6 @@ class LLMEngine:
             self.scheduler.finish(request, "length")
 
     def _output(self, group: _Group) -> RequestOutput:
-        if group.first_token_time is None:
-            group.first_token_time = time.monotonic()
         outputs = []
         for i, seq in enumerate(group.sequences):
             r = seq.request

@@ -17,6 +17,17 @@ from infer.models.layers import rope_inv_freq
 def gguf_config(reader: GGUFReader) -> ModelConfig:
     """ModelConfig from GGUF metadata, with the same derivations as transformers' GGUF
     loader (Gemma 3 layer pattern, tied embeddings = no `output.weight`)."""
+    try:
+        return _gguf_config(reader)
+    except ModelLoadError:
+        raise
+    except ConfigError as exc:
+        raise ModelLoadError(f"{source_of(reader)}: {exc}") from None
+    except (TypeError, ValueError, ZeroDivisionError) as exc:  # a field of the wrong kind
+        raise ModelLoadError(f"{source_of(reader)}: invalid GGUF metadata ({exc})") from None
+
+
+def _gguf_config(reader: GGUFReader) -> ModelConfig:
     src = source_of(reader)
     arch = read_field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -52,59 +63,56 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
             if (v := read_field(reader, f"tokenizer.ggml.{key}", None)) is not None
         )),
     )
-    try:
-        if arch == "gpt2":
-            return ModelConfig(
-                **common,
-                intermediate_size=int(meta("feed_forward_length", 4 * hidden)),
-                num_kv_heads=heads,
-                head_dim=hidden // heads,
-                norm_eps=float(meta("attention.layer_norm_epsilon", 1e-5)),
-                attention_bias=True,
-                mlp_bias=True,
-                hidden_act="gelu_new",
-            )
-        head_dim = int(meta("attention.key_length", 0) or meta("rope.dimension_count", 0)
-                       or hidden // heads)
-        rotary = meta("rope.dimension_count", head_dim)
-        if rotary != head_dim:
-            raise ModelLoadError(
-                f"{src}: partial rotary embeddings (rope.dimension_count {rotary} < head_dim "
-                f"{head_dim}) are not supported"
-            )
-        gemma = arch == "gemma3"
-        theta = float(meta("rope.freq_base", 1_000_000.0 if gemma else 10000.0))
-        rope = _rope(reader, arch, theta, head_dim, tensors)
-        extra: dict[str, Any] = {}
-        window = meta("attention.sliding_window", None)
-        if gemma:
-            layers = common["num_layers"]
-            extra = dict(
-                # llama.cpp trains no scaling into the local layers and fixes their base at 1e4.
-                rope_local=RopeConfig(theta=float(meta("rope.freq_base_swa", 10000.0))),
-                layer_types=_gemma3_layer_types(meta("attention.sliding_window_pattern", 6),
-                                                layers),
-                # llama.cpp (and HF's configs): 27B (62 layers) scales queries by
-                # hidden/heads, every other size by head_dim.
-                query_pre_attn_scalar=float(hidden // heads if layers == 62 else head_dim),
-                hidden_act="gelu_pytorch_tanh",
-            )
-            window = 4096 if window is None else window
+    if arch == "gpt2":
         return ModelConfig(
             **common,
-            intermediate_size=int(meta("feed_forward_length")),
-            num_kv_heads=int(kv_heads),
-            head_dim=head_dim,
-            norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope=rope,
-            attention_bias="blk.0.attn_q.bias" in tensors,
-            mlp_bias="blk.0.ffn_up.bias" in tensors,
-            qk_norm=arch in ("qwen3", "gemma3"),
-            sliding_window=None if window is None else int(window),
-            **extra,
+            intermediate_size=int(meta("feed_forward_length", 4 * hidden)),
+            num_kv_heads=heads,
+            head_dim=hidden // heads,
+            norm_eps=float(meta("attention.layer_norm_epsilon", 1e-5)),
+            attention_bias=True,
+            mlp_bias=True,
+            hidden_act="gelu_new",
         )
-    except ConfigError as exc:
-        raise ModelLoadError(f"{src}: {exc}") from None
+    head_dim = int(meta("attention.key_length", 0) or meta("rope.dimension_count", 0)
+                   or hidden // heads)
+    rotary = meta("rope.dimension_count", head_dim)
+    if rotary != head_dim:
+        raise ModelLoadError(
+            f"{src}: rope.dimension_count {rotary} differs from head_dim {head_dim} (partial "
+            "rotary embeddings are not supported)"
+        )
+    gemma = arch == "gemma3"
+    theta = float(meta("rope.freq_base", 1_000_000.0 if gemma else 10000.0))
+    rope = _rope(reader, arch, theta, head_dim, tensors)
+    extra: dict[str, Any] = {}
+    window = meta("attention.sliding_window", None)
+    if gemma:
+        layers = common["num_layers"]
+        extra = dict(
+            # llama.cpp never scales RoPE in the sliding layers; their base is 1e4 by default.
+            rope_local=RopeConfig(theta=float(meta("rope.freq_base_swa", 10000.0))),
+            layer_types=_gemma3_layer_types(meta("attention.sliding_window_pattern", 6),
+                                            layers),
+            # llama.cpp (and HF's configs): 27B (62 layers) scales queries by
+            # hidden/heads, every other size by head_dim.
+            query_pre_attn_scalar=float(hidden // heads if layers == 62 else head_dim),
+            hidden_act="gelu_pytorch_tanh",
+        )
+        window = 4096 if window is None else window
+    return ModelConfig(
+        **common,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_kv_heads=int(kv_heads),
+        head_dim=head_dim,
+        norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope=rope,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        mlp_bias="blk.0.ffn_up.bias" in tensors,
+        qk_norm=arch in ("qwen3", "gemma3"),
+        sliding_window=None if window is None else int(window),
+        **extra,
+    )
 
 
 def _gemma3_layer_types(pattern: int | list[bool], num_layers: int) -> tuple[str, ...]:
