@@ -19,7 +19,7 @@ from torch import nn
 from infer.attention import Attention, AttentionMetadata
 from infer.config import ModelConfig
 from infer.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from infer.models.llama import STACKED
+from infer.models.llama import STACKED, fused_shard_sizes
 from infer.models.weights import load_weights
 
 
@@ -129,11 +129,6 @@ class Gemma3ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         cfg = self.config
 
-        def shard_sizes(name: str) -> list[int]:
-            if "qkv_proj" in name:
-                return [cfg.q_size, cfg.kv_size, cfg.kv_size]
-            return [cfg.intermediate_size] * 2
-
         def rename(name: str) -> str | None:
             # A Gemma3ForConditionalGeneration checkpoint stores the text tower under
             # `language_model.`; its vision tower and projector are not ours.
@@ -144,4 +139,4 @@ class Gemma3ForCausalLM(nn.Module):
                 return None
             return name
 
-        load_weights(self, weights, STACKED, shard_sizes, rename, source=source)
+        load_weights(self, weights, STACKED, fused_shard_sizes(cfg), rename, source=source)

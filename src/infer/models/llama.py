@@ -28,6 +28,17 @@ STACKED = {
 }
 
 
+def fused_shard_sizes(cfg: ModelConfig):
+    """Row counts of the shards of `qkv_proj` (q, k, v) and `gate_up_proj` (gate, up)."""
+
+    def sizes(name: str) -> list[int]:
+        if "qkv_proj" in name:
+            return [cfg.q_size, cfg.kv_size, cfg.kv_size]
+        return [cfg.intermediate_size] * 2
+
+    return sizes
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -117,11 +128,6 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         cfg = self.config
 
-        def shard_sizes(name: str) -> list[int]:
-            if "qkv_proj" in name:
-                return [cfg.q_size, cfg.kv_size, cfg.kv_size]
-            return [cfg.intermediate_size] * 2
-
         def rename(name: str) -> str | None:
             if "rotary_emb.inv_freq" in name:
                 return None
@@ -129,4 +135,4 @@ class LlamaForCausalLM(nn.Module):
                 return None
             return name
 
-        load_weights(self, weights, STACKED, shard_sizes, rename, source=source)
+        load_weights(self, weights, STACKED, fused_shard_sizes(cfg), rename, source=source)
