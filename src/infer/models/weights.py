@@ -54,7 +54,8 @@ def load_weights(
         if tuple(tensor.shape) != tuple(target.shape):
             raise WeightError(
                 f"{source}: tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
-                f"the model expects {tuple(target.shape)} (does the model config match the weights?)"
+                f"the model expects {tuple(target.shape)} "
+                "(does the model config match the weights?)"
             )
         with torch.no_grad():
             target.copy_(tensor)
