@@ -28,7 +28,7 @@ $(VENV)/.dev: $(VENV)/.runtime
 	touch $@
 
 run: $(VENV)/.runtime
-	$(BIN)/infer generate "Write a haiku about the sea."
+	$(BIN)/infer serve
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check src tests benchmarks

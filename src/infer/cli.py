@@ -1,9 +1,10 @@
-"""`infer generate | chat` (and, as they land, `serve | bench`)."""
+"""`infer serve | generate | chat` (and, as it lands, `bench`)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import typing
 
@@ -91,6 +92,40 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Listen at once (/health is 503 while the model loads), then load and serve."""
+    import threading
+
+    import uvicorn
+
+    from infer.engine.llm_engine import LLMEngine
+    from infer.server import AsyncEngine, attach_engine, build_app
+
+    config = engine_config(args)
+    app = build_app(None, args.served_model_name, api_key=args.api_key,
+                    request_timeout=args.request_timeout)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=args.log_level))
+    failure: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            attach_engine(app, AsyncEngine(LLMEngine(config)))
+            print(f"infer: serving on http://{args.host}:{args.port}", file=sys.stderr)
+        except BaseException as exc:
+            failure.append(exc)
+            server.should_exit = True
+
+    threading.Thread(target=load, name="infer-load", daemon=True).start()
+    server.run()
+    if failure:
+        raise failure[0]
+    engine = app.state.engine
+    if engine is not None:
+        engine.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,6 +141,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(chat)
     add_sampling_flags(chat)
     chat.set_defaults(func=cmd_chat)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("INFER_API_KEY"),
+                       help="require `Authorization: Bearer KEY` (default: $INFER_API_KEY)")
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="model name(s) clients use (default: the model's name)")
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds before a request is aborted with 504 (default: none)")
+    serve.add_argument("--log-level", default="info")
+    add_engine_flags(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -1,0 +1,223 @@
+"""The FastAPI app: OpenAI-compatible endpoints, health, metrics, auth and limits."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from infer.server.async_engine import AsyncEngine
+from infer.server.metrics import ServerMetrics
+from infer.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    RequestError,
+    TokenizeRequest,
+)
+from infer.server.serving import ServingContext, create_chat_completion, create_completion
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 8 * 1024 * 1024
+RETRY_AFTER_S = 1
+_OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/redoc")
+
+
+def error_response(status: int, message: str, type: str = "invalid_request_error",
+                   param: str | None = None, code: str | int | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type, "param": param,
+                      "code": code if code is not None else status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def build_app(async_engine: AsyncEngine | None, served_model_name: str | list[str] | None = None,
+              api_key: str | None = None, request_timeout: float | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """`async_engine` may be None while the model loads (then /health is 503); set it
+    later with `attach_engine`."""
+    app = FastAPI(title="infer", version="0.1.0")
+    app.state.engine = None
+    app.state.names = served_model_name
+    app.state.request_timeout = request_timeout
+    if async_engine is not None:
+        attach_engine(app, async_engine)
+    _add_error_handlers(app)
+    _add_routes(app)
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(_BearerAuth, api_key=api_key)
+    return app
+
+
+def attach_engine(app: FastAPI, async_engine: AsyncEngine) -> None:
+    names = app.state.names or async_engine.model_name
+    names = [names] if isinstance(names, str) else list(names)
+    app.state.metrics = ServerMetrics(lambda: _stats(async_engine))
+    async_engine.observer = app.state.metrics
+    app.state.serving = ServingContext(async_engine, names, app.state.request_timeout)
+    app.state.engine = async_engine
+
+
+def _stats(engine: AsyncEngine) -> dict[str, float]:
+    return {**engine.stats, "requests_rejected": engine.requests_rejected,
+            "step_errors": engine.step_errors}
+
+
+def _serving(request: Request) -> ServingContext:
+    if request.app.state.engine is None:
+        raise RequestError("the model is still loading", None, 503, "loading",
+                           "ServiceUnavailable")
+    return request.app.state.serving
+
+
+def _add_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        engine = request.app.state.engine
+        if engine is None or not engine.alive:
+            return error_response(503, "not ready", "ServiceUnavailable")
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> ModelList:
+        ctx = _serving(request)
+        return ModelList(data=[ModelCard(id=name, max_model_len=ctx.engine.max_model_len)
+                               for name in ctx.model_names])
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(body, _serving(request), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(body, _serving(request), request)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        _serving(request)
+        return Response(request.app.state.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/stats")
+    async def stats(request: Request) -> dict[str, float]:
+        return _stats(_serving(request).engine)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+        ctx = _serving(request)
+        if body.model is not None:
+            ctx.check_model(body.model)
+        tok = ctx.engine.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise RequestError("give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            try:
+                ids = tok.encode_chat([m.as_template_message() for m in body.messages],
+                                      body.add_generation_prompt)
+            except ValueError as exc:
+                raise RequestError(str(exc), "messages") from None
+        else:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": ctx.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+        ctx = _serving(request)
+        if body.model is not None:
+            ctx.check_model(body.model)
+        vocab = ctx.engine.engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise RequestError(f"token ids must be in [0, {vocab})", "tokens")
+        return {"prompt": ctx.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, exc: RequestError) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, "the request body is not valid JSON", param=None)
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: "
+            f"{e.get('msg')}" for e in errors[:5])
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), kind,
+                              headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return error_response(500, f"internal error: {type(exc).__name__}", "InternalError")
+
+
+class _BodyLimit:
+    """Refuses bodies over `max_bytes` (413) before any handler parses them."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await _send_error(send, 413, f"body over {self.max_bytes} bytes")
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise HTTPException(413, f"body over {self.max_bytes} bytes")
+            return message
+
+        await self.app(scope, limited, send)
+
+
+class _BearerAuth:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS \
+                or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):
+            return await _send_error(send, 401, "invalid or missing API key "
+                                     "(Authorization: Bearer KEY)", "AuthenticationError")
+        await self.app(scope, receive, send)
+
+
+async def _send_error(send: Send, status: int, message: str,
+                      type: str = "invalid_request_error") -> None:
+    body = json.dumps({"error": {"message": message, "type": type, "param": None,
+                                 "code": status}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,284 @@
+"""OpenAI wire format: request models (validated, strict types) and response models.
+
+Requests reject unknown fields, as the OpenAI API does ("Unrecognized request argument");
+the official client sends only the fields a caller sets (plus `extra_body`). Fields that
+OpenAI accepts but this server cannot honour are declared and refused with a 400 when set
+to anything but their no-op value, rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from infer.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 128
+MAX_TEMPERATURE = 2.0
+
+
+class RequestError(ValueError):
+    """A 4xx with an OpenAI error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str | None = None, type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.type = (
+            message, param, status, code, type)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class _SamplingRequest(_Request):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions (vLLM's names), sent by the openai client through extra_body
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def _check_common(self) -> None:
+        if not 1 <= self.n <= MAX_N:
+            raise RequestError(f"n must be in [1, {MAX_N}], got {self.n}", "n")
+        if self.temperature is not None and not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise RequestError(
+                f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}",
+                "temperature")
+        if self.logit_bias:
+            raise RequestError("logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options is only allowed with stream=true",
+                               "stream_options")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        values: dict[str, Any] = {
+            "n": self.n, "max_tokens": max_tokens, "seed": self.seed, "stop": self.stop,
+            "logprobs": logprobs, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
+            "stop_token_ids": self.stop_token_ids,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            if getattr(self, name) is not None:
+                values[name] = getattr(self, name)
+        try:
+            return SamplingParams(**values)
+        except ValueError as exc:
+            message = str(exc)
+            param = next((k for k in values if message.startswith(k)), None)
+            raise RequestError(message, param) from None
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Prompt
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check(self) -> None:
+        self._check_common()
+        if self.echo:
+            raise RequestError("echo is not supported", "echo")
+        if self.suffix:
+            raise RequestError("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError("best_of other than n is not supported", "best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            prompts: list = [p]
+        elif p and all(isinstance(t, int) for t in p):
+            prompts = [p]
+        else:
+            prompts = list(p)
+        if not prompts:
+            raise RequestError("prompt must not be empty", "prompt")
+        for one in prompts:
+            if len(one) == 0:
+                raise RequestError("prompt must not be empty", "prompt")
+        return prompts
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+    def as_template_message(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": content or ""}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def check(self) -> None:
+        self._check_common()
+        if self.tools or self.tool_choice not in (None, "none", "auto"):
+            raise RequestError("tool calling is not supported", "tools")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise RequestError("only response_format type 'text' is supported",
+                               "response_format")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise RequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
+                                   "top_logprobs")
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+# -- responses ------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut | None = None
+    delta: ChatMessageOut | None = None
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "infer"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]

@@ -1,0 +1,292 @@
+"""The two generation endpoints: requests -> engine streams -> OpenAI responses / SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from infer.engine.outputs import CompletionOutput, RequestOutput
+from infer.loader.chat_template import ChatTemplateError
+from infer.sampling_params import SamplingParams
+from infer.server.async_engine import AsyncEngine, QueueFullError, RequestStream
+from infer.server.logprobs import chat_logprobs, completion_logprobs
+from infer.server.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    RequestError,
+    Usage,
+)
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_NO_MESSAGE = {"choices": {"__all__": {"message"}}}
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncEngine
+    model_names: list[str]
+    request_timeout: float | None = None
+
+    def check_model(self, name: str) -> str:
+        if name not in self.model_names:
+            raise RequestError(f"The model `{name}` does not exist.", "model", 404,
+                               "model_not_found", "NotFoundError")
+        return name
+
+
+async def create_completion(body: CompletionRequest, ctx: ServingContext,
+                            request: Request) -> Response:
+    model = ctx.check_model(body.model)
+    body.check()
+    tok = ctx.engine.tokenizer
+    prompts = [tok.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+    max_tokens = _max_tokens(ctx, prompts, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
+    params = body.sampling_params(max_tokens, body.logprobs)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    streams = await _add_all(ctx.engine, rid, prompts, params)
+
+    def choice(i: int, c: CompletionOutput, sent: _Sent | None) -> CompletionChoice:
+        text = c.text if sent is None else c.text[sent.text:]
+        lps = None
+        if c.logprobs is not None:
+            start = 0 if sent is None else sent.tokens
+            lps = completion_logprobs(c.logprobs[start:], c.token_ids[start:],
+                                      body.logprobs or 0)
+        return CompletionChoice(index=i, text=text, logprobs=lps,
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(i: int, c: CompletionOutput, sent: _Sent) -> str:
+            return CompletionResponse(id=rid, model=model,
+                                      choices=[choice(i, c, sent)]).model_dump_json()
+
+        def usage_chunk(usage: Usage) -> str:
+            return CompletionResponse(id=rid, model=model, choices=[],
+                                      usage=usage).model_dump_json()
+
+        return _sse(_stream_events(streams, params.n, ctx, request, chunk, None,
+                                   usage_chunk if include_usage else None))
+    finals = await _collect(streams, ctx, request)
+    if isinstance(finals, Response):
+        return finals
+    choices = [choice(p * params.n + c.index, c, None)
+               for p, out in enumerate(finals) for c in out.outputs]
+    return JSONResponse(CompletionResponse(
+        id=rid, model=model, choices=choices, usage=_usage(finals)).model_dump())
+
+
+async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContext,
+                                 request: Request) -> Response:
+    model = ctx.check_model(body.model)
+    body.check()
+    messages = [m.as_template_message() for m in body.messages]
+    try:
+        prompt = ctx.engine.tokenizer.encode_chat(
+            messages, body.add_generation_prompt,
+            continue_final_message=body.continue_final_message)
+    except ChatTemplateError as exc:
+        raise RequestError(str(exc), "messages") from None
+    max_tokens = _max_tokens(ctx, [prompt], body.max_new_tokens(), None)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = body.sampling_params(max_tokens, top)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = await _add_all(ctx.engine, rid, [prompt], params)
+
+    def choice(i: int, c: CompletionOutput, sent: _Sent | None) -> ChatChoice:
+        lps = None
+        if c.logprobs is not None:
+            start = 0 if sent is None else sent.tokens
+            lps = chat_logprobs(c.logprobs[start:], c.token_ids[start:], top or 0)
+        if sent is None:
+            return ChatChoice(index=i, message=ChatMessageOut(role="assistant", content=c.text),
+                              logprobs=lps, finish_reason=c.finish_reason,
+                              stop_reason=c.stop_reason)
+        return ChatChoice(index=i, delta=ChatMessageOut(content=c.text[sent.text:]),
+                          logprobs=lps, finish_reason=c.finish_reason,
+                          stop_reason=c.stop_reason)
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(i: int, c: CompletionOutput, sent: _Sent) -> str:
+            return ChatCompletionResponse(id=rid, model=model, object="chat.completion.chunk",
+                                          choices=[choice(i, c, sent)]).model_dump_json(
+                exclude=_NO_MESSAGE)
+
+        def role_chunk(i: int) -> str:
+            delta = ChatChoice(index=i, delta=ChatMessageOut(role="assistant", content=""))
+            return ChatCompletionResponse(id=rid, model=model, object="chat.completion.chunk",
+                                          choices=[delta]).model_dump_json(exclude=_NO_MESSAGE)
+
+        def usage_chunk(usage: Usage) -> str:
+            return ChatCompletionResponse(id=rid, model=model, object="chat.completion.chunk",
+                                          choices=[], usage=usage).model_dump_json()
+
+        return _sse(_stream_events(streams, params.n, ctx, request, chunk, role_chunk,
+                                   usage_chunk if include_usage else None))
+    finals = await _collect(streams, ctx, request)
+    if isinstance(finals, Response):
+        return finals
+    choices = [choice(c.index, c, None) for c in finals[0].outputs]
+    return JSONResponse(ChatCompletionResponse(
+        id=rid, model=model, choices=choices, usage=_usage(finals)).model_dump(
+            exclude={"choices": {"__all__": {"delta"}}}))
+
+
+# -- helpers --------------------------------------------------------------------------
+def _max_tokens(ctx: ServingContext, prompts: list[list[int]], requested: int | None,
+                default: int | None) -> int | None:
+    limit = ctx.engine.max_model_len
+    for ids in prompts:
+        if len(ids) >= limit:
+            raise RequestError(
+                f"This model's maximum context length is {limit} tokens; the prompt has "
+                f"{len(ids)} tokens.", "prompt", code="context_length_exceeded")
+        if requested is not None and requested >= 1 and len(ids) + requested > limit:
+            raise RequestError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {len(ids) + requested} tokens ({len(ids)} in the prompt, "
+                f"{requested} for the completion).", "max_tokens",
+                code="context_length_exceeded")
+    if requested is None and default is not None:
+        return min(default, limit - max(len(ids) for ids in prompts))
+    return requested
+
+
+async def _add_all(engine: AsyncEngine, rid: str, prompts: list[list[int]],
+                   params: SamplingParams) -> list[RequestStream]:
+    streams: list[RequestStream] = []
+    try:
+        for i, ids in enumerate(prompts):
+            streams.append(await engine.add_request(f"{rid}-{i}", ids, params))
+    except BaseException as exc:
+        for stream in streams:
+            stream.abort()
+        if isinstance(exc, QueueFullError):
+            raise RequestError(str(exc), None, 503, "server_busy", "ServiceUnavailable") from None
+        if isinstance(exc, ValueError) and not isinstance(exc, RequestError):
+            raise RequestError(str(exc), "prompt") from None
+        raise
+    return streams
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    output = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, output
+                if not output.finished:
+                    pending[asyncio.ensure_future(streams[i].__anext__())] = i
+    finally:
+        for task in pending:
+            task.cancel()
+        for stream in streams:
+            stream.abort()
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(streams: list[RequestStream], ctx: ServingContext,
+                   request: Request) -> list[RequestOutput] | Response:
+    async def run() -> list[RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        async for i, output in _merge(streams):
+            finals[i] = output
+        return [finals[i] for i in range(len(streams))]
+
+    work = asyncio.ensure_future(run())
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({work, watcher}, timeout=ctx.request_timeout,
+                           return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()  # disconnect or timeout: abort, freeing the KV blocks now
+    if work.cancelled():
+        if watcher.done() and not watcher.cancelled():
+            return Response(status_code=499)
+        raise RequestError("the request timed out", None, 504, "timeout", "Timeout")
+    return work.result()
+
+
+@dataclass
+class _Sent:
+    text: int = 0
+    tokens: int = 0
+    finished: bool = False
+
+
+def _usage(outputs: list[RequestOutput]) -> Usage:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                 total_tokens=prompt + completion)
+
+
+async def _stream_events(
+    streams: list[RequestStream], n: int, ctx: ServingContext, request: Request,
+    chunk: Callable[[int, CompletionOutput, _Sent], str],
+    role_chunk: Callable[[int], str] | None,
+    usage_chunk: Callable[[Usage], str] | None,
+) -> AsyncIterator[str]:
+    sent: dict[int, _Sent] = {}
+    finals: dict[int, RequestOutput] = {}
+    if role_chunk is not None:
+        for i in range(len(streams) * n):
+            yield f"data: {role_chunk(i)}\n\n"
+    merged = _merge(streams)
+    loop = asyncio.get_running_loop()
+    deadline = None if ctx.request_timeout is None else loop.time() + ctx.request_timeout
+    try:
+        while True:
+            timeout = None if deadline is None else max(deadline - loop.time(), 0)
+            try:
+                p, output = await asyncio.wait_for(merged.__anext__(), timeout)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                yield 'data: {"error": {"message": "the request timed out", "type": ' \
+                      '"Timeout", "param": null, "code": 504}}\n\n'
+                return
+            finals[p] = output
+            for c in output.outputs:
+                index = p * n + c.index
+                s = sent.setdefault(index, _Sent())
+                if s.finished or (len(c.text) == s.text and c.finish_reason is None):
+                    continue
+                yield f"data: {chunk(index, c, s)}\n\n"
+                s.text, s.tokens = len(c.text), len(c.token_ids)
+                s.finished = c.finish_reason is not None
+        if usage_chunk is not None:
+            yield f"data: {usage_chunk(_usage(list(finals.values())))}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        await merged.aclose()
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})

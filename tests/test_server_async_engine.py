@@ -1,0 +1,82 @@
+"""AsyncEngine without HTTP: add errors before streaming, cancellation, step failures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from server_fixtures import make_engine
+
+from infer import SamplingParams
+from infer.cli import build_parser
+from infer.server import EngineDeadError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = make_engine(num_blocks=64)
+    yield engine
+    engine.shutdown()
+
+
+async def _text(engine, rid: str, params: SamplingParams = GREEDY) -> str:
+    outputs = [o async for o in engine.generate("The sky is", params, rid)]
+    assert outputs[-1].finished
+    return outputs[-1].outputs[0].text
+
+
+def test_generate_and_add_errors_surface_before_streaming(engine):
+    async def run():
+        text = await _text(engine, "a")
+        with pytest.raises(ValueError, match="empty"):
+            await engine.add_request("b", [], GREEDY)
+        return text
+
+    assert asyncio.run(run())
+    assert engine.engine.kv.pool.num_used == 0
+
+
+def test_cancelled_consumer_aborts_the_request(engine):
+    async def run():
+        params = SamplingParams(max_tokens=400, ignore_eos=True)
+        task = asyncio.ensure_future(_text(engine, "c", params))
+        while engine.engine.kv.pool.num_used == 0:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        for _ in range(500):
+            if not engine.engine.has_unfinished_requests():
+                return
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert engine.engine.kv.pool.num_used == 0
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(engine, monkeypatch):
+    real_step = engine.engine.step
+    calls = []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return real_step()
+
+    monkeypatch.setattr(engine.engine, "step", failing_step)
+
+    async def run():
+        with pytest.raises(EngineDeadError, match="boom"):
+            await _text(engine, "d")
+        return await _text(engine, "e")
+
+    assert asyncio.run(run())
+    assert engine.step_errors == 1 and engine.engine.kv.pool.num_used == 0
+
+
+def test_serve_flags():
+    args = build_parser().parse_args(["serve", "--port", "9000", "--max-waiting-requests",
+                                      "5", "--api-key", "k"])
+    assert (args.host, args.port, args.api_key, args.max_waiting_requests) == (
+        "127.0.0.1", 9000, "k", 5)
