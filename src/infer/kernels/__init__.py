@@ -1,0 +1,17 @@
+"""Triton kernels, each beside a wrapper that asserts shapes/strides/dtypes.
+
+Importing this package never needs Triton; the kernel modules (`rmsnorm`, `rope`,
+`activation`, `kv_store`, `paged_attention`) import it, so check `triton_available()`
+first. Torch references for every kernel live in `reference.py` (attention's reference is
+`infer.attention.torch_backend`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+
+def triton_available() -> bool:
+    """True when `triton` can be imported (kernels then run on CUDA, or on the CPU under
+    `TRITON_INTERPRET=1`)."""
+    return importlib.util.find_spec("triton") is not None

@@ -1,0 +1,59 @@
+"""Gated activations on the fused gate_up projection: `[T, 2*I]` (gate | up) -> `[T, I]`."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(z):
+    # exp of a non-positive argument never overflows.
+    e = tl.exp(-2.0 * tl.abs(z))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(z >= 0, t, -t)
+
+
+@triton.jit
+def _gated_act_kernel(
+    gu_ptr, out_ptr, stride_gu, stride_out, inter,
+    ACT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    if ACT == "silu":
+        act = gate / (1.0 + tl.exp(-gate))
+    else:  # gelu, tanh approximation
+        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = 0.5 * gate * (1.0 + _tanh(z))
+    tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def _gated(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, gate_up.shape
+    # Rows are addressed as base + row * stride(0) + col: columns must be unit-stride.
+    assert gate_up.stride(1) == 1, "gate_up must have unit stride in its last dim"
+    assert gate_up.dtype in (torch.float16, torch.bfloat16, torch.float32), gate_up.dtype
+    tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if tokens:
+        block = min(triton.next_power_of_2(inter), 1024)
+        grid = (tokens, triton.cdiv(inter, block))
+        _gated_act_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter,
+                                ACT=act, BLOCK=block, num_warps=4)
+    return out
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up`, computed in float32."""
+    return _gated(gate_up, "silu")
+
+
+def geglu_tanh(gate_up: torch.Tensor) -> torch.Tensor:
+    """`gelu_tanh(gate) * up` (Gemma's `gelu_pytorch_tanh`), computed in float32."""
+    return _gated(gate_up, "gelu_tanh")

@@ -1,0 +1,53 @@
+"""Store new keys/values `[T, KvH, D]` into the paged caches at their flat slots.
+
+Cache layout (per layer): `[num_blocks, block_size, KvH, D]`, contiguous, so slot
+`s = block * block_size + row` starts at element `s * KvH * D`. Slot -1 means skip.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _kv_store_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    n_heads, head_dim,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    keep = (tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int64) + slot) >= 0
+    mask = (heads < n_heads) & (dims < head_dim) & keep
+    dst = slot * n_heads * head_dim + heads * head_dim + dims
+    k = tl.load(k_ptr + tok * stride_kt + heads * stride_kh + dims, mask=mask)
+    v = tl.load(v_ptr + tok * stride_vt + heads * stride_vh + dims, mask=mask)
+    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """`k_cache.view(-1, KvH, D)[slot_mapping[t]] = k[t]` (same for v), skipping slot -1."""
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (k_cache.shape, v_cache.shape)
+    _, _, n_heads, head_dim = k_cache.shape
+    assert k.dim() == 3 and k.shape == v.shape and k.shape[1:] == (n_heads, head_dim), (
+        k.shape, v.shape, k_cache.shape)
+    # The kernel computes slot offsets from the logical shape: caches must be contiguous.
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k.stride(2) == 1 and v.stride(2) == 1, (k.stride(), v.stride())
+    assert slot_mapping.shape == (k.shape[0],) and not slot_mapping.is_floating_point()
+    assert k_cache.dtype == v_cache.dtype and k.device == k_cache.device == slot_mapping.device
+    if k.shape[0]:
+        _kv_store_kernel[(k.shape[0],)](
+            k, v, k_cache, v_cache, slot_mapping,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            n_heads, head_dim,
+            BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+            num_warps=4,
+        )

@@ -1,0 +1,347 @@
+"""Paged attention over the KV pool: a split-K decode kernel and a varlen prefill kernel.
+
+Cache layout (per layer): `[num_blocks, block_size, KvH, D]`; token `p` of sequence `i`
+is row `p % block_size` of block `block_tables[i, p // block_size]` (see
+`infer.attention.metadata`). Keys are gathered token by token through the block table, so
+blocks may sit anywhere in the pool and a cached prefix is read like any other context.
+
+GQA packing: a program owns one kv head and all `group = H / KvH` query heads that share
+it (rows of its tile are (token, head-in-group) pairs), so each K/V tile is loaded once per
+kv head rather than once per query head.
+
+Softmax runs online in base 2 (scores pre-multiplied by log2(e)); `m` is the running row
+max and `l` the running sum of `2^(s - m)`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from infer.attention.metadata import AttentionMetadata
+from infer.kernels.activation import _tanh
+
+
+@triton.jit
+def _attend(
+    acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_ptr, lo, hi, kv_head,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    scale, softcap, window, head_dim,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Fold keys `[lo, hi)` of one sequence into the running (acc, l, m) of a q tile."""
+    dims = tl.arange(0, BLOCK_D)
+    dmask = dims < head_dim
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        kmask = kpos < hi
+        blk = tl.load(bt_ptr + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
+        row = kpos % BLOCK_SIZE
+        koff = blk * stride_kb + row * stride_kt + kv_head * stride_kh
+        k = tl.load(kc_ptr + koff[None, :] + dims[:, None],
+                    mask=kmask[None, :] & dmask[:, None], other=0.0)
+        s = tl.dot(q, k, input_precision=PRECISION)
+        if SOFTCAP:
+            s = s * scale
+            s = softcap * _tanh(s / softcap) * 1.4426950408889634
+        else:
+            s = s * (scale * 1.4426950408889634)
+        visible = kmask[None, :]
+        if CAUSAL:
+            visible = visible & (kpos[None, :] <= q_pos[:, None])
+        if WINDOW:
+            visible = visible & (q_pos[:, None] - kpos[None, :] < window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing visible yet keeps m = -inf; subtract 0 instead to avoid NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        voff = blk * stride_vb + row * stride_vt + kv_head * stride_vh
+        v = tl.load(vc_ptr + voff[:, None] + dims[None, :],
+                    mask=kmask[:, None] & dmask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_bt, stride_ot, stride_oh,
+    num_heads, num_splits, scale, softcap, window, head_dim, group,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    # Split-K: the visible keys [lo, seq_len) are cut into num_splits chunks (whole tiles
+    # each); chunks past the end are empty and report lse = -inf.
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    s_lo = lo + split * chunk
+    s_hi = tl.minimum(s_lo + chunk, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    dims = tl.arange(0, BLOCK_D)
+    heads = kv_head * group + g
+    qmask = (g[:, None] < group) & (dims[None, :] < head_dim)
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=qmask, other=0.0)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    q_pos = tl.full([BLOCK_G], 0, dtype=tl.int32) + seq_len - 1
+    # The range is already clipped to the causal window, so no per-element masks.
+    acc, l_i, m_i = _attend(
+        acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_ptr + seq * stride_bt, s_lo, s_hi,
+        kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        scale, softcap, window, head_dim,
+        BLOCK_SIZE, BLOCK_N, BLOCK_D, False, SOFTCAP, False, PRECISION,
+    )
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if SPLIT:
+        # Partials: o normalised within the split, lse = m + log2(l) (base 2).
+        row = (seq * num_heads + heads) * num_splits + split
+        tl.store(part_o_ptr + row[:, None] * head_dim + dims[None, :], o, mask=qmask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(part_lse_ptr + row, lse, mask=g < group)
+    else:
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+@triton.jit
+def _reduce_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_heads, num_splits,
+    head_dim, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    smask = splits < num_splits
+    row = (seq * num_heads + head) * num_splits + splits
+    lse = tl.load(part_lse_ptr + row, mask=smask, other=float("-inf"))
+    # Split 0 always holds the first visible key, so the max is finite; empty splits
+    # (lse = -inf) get weight 0.
+    w = tl.exp2(lse - tl.max(lse, 0))
+    o = tl.load(part_o_ptr + row[:, None] * head_dim + dims[None, :],
+                mask=smask[:, None] & (dims[None, :] < head_dim), other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_bt, stride_ot, stride_oh,
+    scale, softcap, window, head_dim, group,
+    BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    qblk = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len  # the new tokens are the last q_len of the sequence
+
+    # Tile rows are (token, head-in-group) pairs: row r = token (r // BLOCK_G), head (r % BLOCK_G).
+    r = tl.arange(0, BLOCK_Q * BLOCK_G)
+    tok = qblk * BLOCK_Q + r // BLOCK_G
+    g = r % BLOCK_G
+    dims = tl.arange(0, BLOCK_D)
+    rmask = (tok < q_len) & (g < group)
+    qmask = rmask[:, None] & (dims[None, :] < head_dim)
+    heads = kv_head * group + g
+    q = tl.load(q_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_qt
+                + heads[:, None] * stride_qh + dims[None, :], mask=qmask, other=0.0)
+    q_pos = ctx + tok
+    first = ctx + qblk * BLOCK_Q
+    hi = tl.minimum(first + BLOCK_Q, seq_len)
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(first - window + 1, 0)
+    if qblk * BLOCK_Q >= q_len:
+        hi = lo
+    acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32)
+    m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _attend(
+        acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_ptr + seq * stride_bt, lo, hi,
+        kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        scale, softcap, window, head_dim,
+        BLOCK_SIZE, BLOCK_N, BLOCK_D, True, SOFTCAP, WINDOW, PRECISION,
+    )
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_ot
+             + heads[:, None] * stride_oh + dims[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    assert q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
+        q.shape, k_cache.shape, v_cache.shape)
+    num_heads, head_dim = q.shape[1:]
+    assert k_cache.shape[3] == head_dim and num_heads % k_cache.shape[2] == 0, (
+        q.shape, k_cache.shape)
+    # Kernels address the head dim (and block-table columns) as `base + index`.
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert block_tables.dim() == 2 and (block_tables.stride(1) == 1 or
+                                        block_tables.shape[1] <= 1)
+    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+    assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype)
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
+    assert q.device == k_cache.device == block_tables.device == seq_lens.device
+
+
+def _common(q: torch.Tensor, k_cache: torch.Tensor, scale: float,
+            sliding_window: int | None, logit_softcap: float | None) -> dict:
+    return dict(
+        scale=float(scale), softcap=float(logit_softcap or 0.0),
+        window=int(sliding_window or 0), head_dim=q.shape[2],
+        group=q.shape[1] // k_cache.shape[2], BLOCK_SIZE=k_cache.shape[1],
+        SOFTCAP=bool(logit_softcap), WINDOW=sliding_window is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
+                       device: torch.device) -> int:
+    """Enough (seq, kv head, split) programs to fill the GPU about twice, but at least
+    256 keys per split; a power of 2 so few kernel variants get compiled."""
+    want = triton.cdiv(2 * _sm_count(device), max(num_seqs * num_kv_heads, 1))
+    splits = max(1, min(want, triton.cdiv(max_seq_len, 256), 64))
+    return triton.next_power_of_2(splits)
+
+
+def paged_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+    block_tables: torch.Tensor, scale: float, sliding_window: int | None = None,
+    logit_softcap: float | None = None, num_splits: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One new query per sequence (`q[i]` is sequence i's token at position seq_lens[i]-1,
+    its K/V already stored). Launch shape depends only on `q.shape` and `num_splits`, never
+    on sequence lengths."""
+    _check(q, k_cache, v_cache, block_tables, seq_lens)
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    assert seq_lens.shape == (num_seqs,) and block_tables.shape[0] == num_seqs
+    assert num_splits >= 1
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    assert out.shape == q.shape and out.stride(2) == 1 and out.dtype == q.dtype
+    if num_seqs == 0:
+        return out
+    common = _common(q, k_cache, scale, sliding_window, logit_softcap)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    split = num_splits > 1
+    if split:
+        part_o = torch.empty(num_seqs, num_heads, num_splits, head_dim,
+                             dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits,
+                               dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        num_heads, num_splits, **common,
+        BLOCK_G=max(16, triton.next_power_of_2(common["group"])),
+        BLOCK_N=64 if head_dim <= 128 else 32, BLOCK_D=block_d, SPLIT=split,
+        num_warps=8,  # 4 warps spill the gathered K/V address tiles (sm_90, D=128)
+    )
+    if split:
+        _reduce_kernel[(num_seqs, num_heads)](
+            part_o, part_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
+            head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out
+
+
+def paged_prefill(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+    max_query_len: int, scale: float, sliding_window: int | None = None,
+    logit_softcap: float | None = None, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of the flattened new tokens `[T, H, D]` (sequence i owns rows
+    query_start_loc[i]:query_start_loc[i+1], the last tokens of its seq_lens[i]) over the
+    paged cache, which already holds their K/V and any cached prefix."""
+    _check(q, k_cache, v_cache, block_tables, seq_lens)
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads = k_cache.shape[2]
+    head_dim = q.shape[2]
+    assert query_start_loc.shape == (num_seqs + 1,) and query_start_loc.dtype == torch.int32
+    assert block_tables.shape[0] == num_seqs
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    assert out.shape == q.shape and out.stride(2) == 1 and out.dtype == q.dtype
+    if num_seqs == 0 or max_query_len == 0:
+        return out
+    common = _common(q, k_cache, scale, sliding_window, logit_softcap)
+    block_g = triton.next_power_of_2(common["group"])
+    # Sizes chosen from the sm_90 resource report: no spills at D=128 (181 registers);
+    # D=256 still spills a little (40 B of stack).
+    block_m = 128 if head_dim <= 128 else 64
+    assert block_g <= block_m, f"GQA group {common['group']} too large"
+    block_q = block_m // block_g
+    _prefill_kernel[(num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_tables.stride(0), out.stride(0), out.stride(1), **common,
+        BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=32 if head_dim <= 128 else 16,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=8, num_stages=2,
+    )
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    scale: float, sliding_window: int | None = None, logit_softcap: float | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Same contract as `infer.attention.torch_backend.paged_attention`: a batch of pure
+    decodes takes the split-K decode kernel, anything else the varlen prefill kernel."""
+    assert k_cache.shape[1] == meta.block_size, (k_cache.shape, meta.block_size)
+    assert q.shape[0] == meta.num_tokens, (q.shape, meta.num_tokens)
+    if meta.num_seqs and all(n == 1 for n in meta.query_lens_host):
+        if num_splits is None:
+            longest = max(meta.seq_lens_host)
+            if sliding_window is not None:
+                longest = min(longest, sliding_window)
+            num_splits = default_num_splits(meta.num_seqs, k_cache.shape[2], longest,
+                                            q.device)
+        return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
+                            sliding_window, logit_softcap, num_splits)
+    return paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                         meta.block_tables, max(meta.query_lens_host, default=0), scale,
+                         sliding_window, logit_softcap)

@@ -1,0 +1,51 @@
+"""Torch references of the elementwise/normalisation kernels, computed in float32 and
+rounded once to the input dtype (what the kernels do)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                offset: float = 0.0) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (offset + weight.float())).to(x.dtype)
+
+
+def fused_add_rmsnorm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns `(rmsnorm(x + residual), x + residual)`; the sum is rounded to the residual's
+    dtype before it is normalised, so the output is exactly the norm of what is stored."""
+    new_residual = (x.float() + residual.float()).to(residual.dtype)
+    return rmsnorm_ref(new_residual, weight, eps, offset), new_residual
+
+
+def rope_ref(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox RoPE (rotate the two halves of each head); returns new tensors."""
+    c = cos[positions].float().unsqueeze(1)
+    s = sin[positions].float().unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def swiglu_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
+
+
+def geglu_tanh_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    inner = math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate.pow(3))
+    return (0.5 * gate * (1.0 + torch.tanh(inner)) * up).to(gate_up.dtype)

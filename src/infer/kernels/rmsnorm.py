@@ -1,0 +1,86 @@
+"""RMSNorm and fused residual-add + RMSNorm: one program per row, float32 accumulation."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr,
+    stride_x, stride_res, stride_out,
+    n_cols, eps, offset,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        # Round the sum to the residual's dtype before normalising it, so the output is
+        # exactly rmsnorm(stored residual), as in the unfused model code.
+        s = (x + r.to(tl.float32)).to(r.dtype)
+        tl.store(res_ptr + row * stride_res + cols, s, mask=mask)
+        x = s.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = x * inv_rms * (w + offset)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x2d: torch.Tensor, res2d: torch.Tensor | None, weight: torch.Tensor,
+            out2d: torch.Tensor, eps: float, offset: float) -> None:
+    rows, n = x2d.shape
+    block = triton.next_power_of_2(n)
+    num_warps = min(max(block // 256, 1), 16)
+    _rmsnorm_kernel[(rows,)](
+        x2d, res2d if res2d is not None else x2d, weight, out2d,
+        x2d.stride(0), res2d.stride(0) if res2d is not None else 0, out2d.stride(0),
+        n, eps, offset,
+        HAS_RESIDUAL=res2d is not None, BLOCK=block, num_warps=num_warps,
+    )
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, offset: float) -> None:
+    assert offset in (0.0, 1.0), "offset is 0 (x * w) or 1 (Gemma's x * (1 + w))"
+    assert weight.dim() == 1 and weight.shape[0] == x.shape[-1], (weight.shape, x.shape)
+    assert weight.is_contiguous() and weight.device == x.device
+    assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), x.dtype
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+            offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm over the last dim of `x` (any leading shape, e.g. `[T, H, D]` for q/k norms).
+    Returns a new contiguous tensor in x's dtype."""
+    _check(x, weight, offset)
+    n = x.shape[-1]
+    # reshape copies only if the leading dims cannot be flattened as a view.
+    x2d = x.reshape(-1, n)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x2d.shape[0]:
+        _launch(x2d, None, weight, out.view(-1, n), eps, offset)
+    return out
+
+
+def fused_add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`residual += x` (in place) and returns `(rmsnorm(residual), residual)`."""
+    _check(x, weight, offset)
+    assert residual.shape == x.shape and residual.device == x.device, (residual.shape, x.shape)
+    # Updated in place, so it must be addressable as rows of unit stride.
+    assert residual.is_contiguous(), "residual is updated in place and must be contiguous"
+    n = x.shape[-1]
+    x2d = x.reshape(-1, n)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x2d.shape[0]:
+        _launch(x2d, residual.view(-1, n), weight, out.view(-1, n), eps, offset)
+    return out, residual

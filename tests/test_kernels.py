@@ -1,0 +1,166 @@
+"""Triton kernels vs their torch references, in the Triton interpreter on the CPU.
+
+Small random shapes, fresh inputs per case, outputs poisoned (NaN) before each run.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+import pytest
+import torch
+
+from infer.kernels import triton_available
+
+if not triton_available():
+    pytest.skip("triton is not installed (pip install triton; Linux x86-64 only)",
+                allow_module_level=True)
+
+from infer.attention import torch_backend
+from infer.attention.metadata import AttentionMetadata
+from infer.kernels import reference as ref
+from infer.kernels.activation import geglu_tanh, swiglu
+from infer.kernels.kv_store import store_kv
+from infer.kernels.paged_attention import paged_attention, paged_decode
+from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+from infer.kernels.rope import rope_
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] != "1" else "cpu"
+
+
+def assert_close(out: torch.Tensor, expected: torch.Tensor, rel: float = 1e-4) -> None:
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    assert torch.isfinite(out).all(), "non-finite (unwritten?) output"
+    err = (out.double() - expected.double()).abs().max().item()
+    scale = expected.double().abs().max().item()
+    assert err <= rel * scale + 1e-6, f"max error {err:.3g} vs max |ref| {scale:.3g}"
+
+
+def randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE)
+
+
+@pytest.mark.parametrize("shape", [(5, 64), (3, 4, 80)])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rmsnorm(shape: tuple[int, ...], offset: float) -> None:
+    x, w = randn(*shape) * 3, randn(shape[-1])
+    assert_close(rmsnorm(x, w, 1e-6, offset), ref.rmsnorm_ref(x, w, 1e-6, offset))
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_fused_add_rmsnorm(offset: float) -> None:
+    x, residual, w = randn(6, 96), randn(6, 96), randn(96)
+    expected_out, expected_res = ref.fused_add_rmsnorm_ref(x, residual, w, 1e-5, offset)
+    out, res = fused_add_rmsnorm(x, residual, w, 1e-5, offset)
+    assert res.data_ptr() == residual.data_ptr(), "residual must be updated in place"
+    assert_close(res, expected_res)
+    assert_close(out, expected_out)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_rope_in_place_on_qkv_views(head_dim: int) -> None:
+    tokens, heads, kv_heads, max_pos = 7, 4, 2, 50
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    before = qkv.clone()
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    angles = torch.rand(max_pos, head_dim // 2, device=DEVICE) * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.randint(0, max_pos, (tokens,), device=DEVICE)
+    expected_q, expected_k = ref.rope_ref(q.clone(), k.clone(), cos, sin, positions)
+    rope_(q, k, cos, sin, positions)
+    assert_close(q, expected_q)
+    assert_close(k, expected_k)
+    v_cols = slice((heads + kv_heads) * head_dim, None)
+    assert torch.equal(qkv[:, v_cols], before[:, v_cols]), "v must be untouched"
+
+
+@pytest.mark.parametrize(("kernel", "reference"), [(swiglu, ref.swiglu_ref),
+                                                   (geglu_tanh, ref.geglu_tanh_ref)])
+def test_gated_activations(kernel, reference) -> None:
+    gate_up = randn(5, 2 * 96) * 4
+    assert_close(kernel(gate_up), reference(gate_up))
+
+
+def test_store_kv_skips_minus_one() -> None:
+    num_blocks, block_size, kv_heads, head_dim, tokens = 6, 4, 2, 64, 9
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
+    slots[3] = -1
+    k, v = randn(tokens, kv_heads, head_dim), randn(tokens, kv_heads, head_dim)
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"),
+                         device=DEVICE)
+    v_cache = k_cache.clone()
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    torch_backend.write_kv(k_ref, v_ref, k, v, slots)
+    store_kv(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache.nan_to_num(7.0), k_ref.nan_to_num(7.0))
+    assert torch.equal(v_cache.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+
+
+def _paged_case(query_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int,
+                head_dim: int, block_size: int = 16):
+    """Random q and a pool with scattered block tables. Returns the metadata, q, the pool
+    for the kernel (unused slots NaN: any read of them shows) and the reference's pool
+    (unused slots 0)."""
+    need = [(s + block_size - 1) // block_size for s in seq_lens]
+    num_blocks = sum(need) + 3
+    order = torch.randperm(num_blocks).tolist()
+    tables, used = [], torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for n, s in zip(need, seq_lens):
+        tables.append(order[:n])
+        order = order[n:]
+        used.view(-1)[torch.tensor([tables[-1][p // block_size] * block_size + p % block_size
+                                    for p in range(s)], dtype=torch.long)] = True
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, DEVICE)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_ref, v_ref = randn(*shape), randn(*shape)
+    used = used.to(DEVICE)[:, :, None, None]
+    k_ref, v_ref = k_ref * used, v_ref * used
+    nan = torch.tensor(float("nan"), device=DEVICE)
+    k_cache, v_cache = torch.where(used, k_ref, nan), torch.where(used, v_ref, nan)
+    q = randn(sum(query_lens), heads, head_dim)
+    return meta, q, (k_cache, v_cache), (k_ref, v_ref)
+
+
+ATTN_CASES = [
+    # heads, kv_heads, head_dim, window, softcap
+    (4, 4, 64, None, None),
+    (4, 2, 64, 20, None),
+    (8, 2, 64, None, 30.0),
+    (6, 2, 80, 7, 20.0),
+]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window", "softcap"), ATTN_CASES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode(heads, kv_heads, head_dim, window, softcap, num_splits) -> None:
+    seq_lens = [1, 40, 17, 66]
+    meta, q, (k_cache, v_cache), (k_ref, v_ref) = _paged_case(
+        [1] * len(seq_lens), seq_lens, heads, kv_heads, head_dim)
+    scale = head_dim ** -0.5
+    expected = torch_backend.paged_attention(q, k_ref, v_ref, meta, scale, window, softcap)
+    out = torch.full_like(q, float("nan"))
+    paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, window,
+                 softcap, num_splits=num_splits, out=out)
+    assert_close(out, expected)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window", "softcap"), ATTN_CASES)
+def test_paged_prefill_with_cached_prefix(heads, kv_heads, head_dim, window, softcap) -> None:
+    # A fresh prompt (several query tiles when the group is > 1), a decode token, a chunk
+    # after a cached prefix, an idle sequence.
+    query_lens, seq_lens = [37, 1, 9, 0], [37, 30, 45, 12]
+    meta, q, (k_cache, v_cache), (k_ref, v_ref) = _paged_case(
+        query_lens, seq_lens, heads, kv_heads, head_dim)
+    scale = head_dim ** -0.5
+    expected = torch_backend.paged_attention(q, k_ref, v_ref, meta, scale, window, softcap)
+    out = paged_attention(q, k_cache, v_cache, meta, scale, window, softcap)
+    assert_close(out, expected)
+
+
+def test_paged_attention_dispatches_decode() -> None:
+    meta, q, (k_cache, v_cache), (k_ref, v_ref) = _paged_case([1, 1], [5, 37], 4, 1, 64)
+    expected = torch_backend.paged_attention(q, k_ref, v_ref, meta, 0.125)
+    assert_close(paged_attention(q, k_cache, v_cache, meta, 0.125), expected)
