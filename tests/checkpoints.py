@@ -32,3 +32,16 @@ def reference_logits(model, sequences: list[list[int]]) -> list[torch.Tensor]:
             ids = torch.tensor([seq])
             out.append(model(input_ids=ids, use_cache=False).logits[0].float())
     return out
+
+
+def save_word_tokenizer(path: Path, vocab_size: int, eos: int = 2) -> None:
+    """A word-level tokenizer `t0 .. t{vocab_size-1}` beside a checkpoint, so an engine can
+    load the directory; tests then prompt with token ids."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"t{eos}"}))

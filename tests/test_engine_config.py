@@ -28,7 +28,7 @@ def test_defaults_are_valid():
         (dict(block_size=0), ["block_size"]),
         (dict(max_num_seqs=-1), ["max_num_seqs"]),
         (dict(num_blocks=1.5), ["num_blocks"]),
-        (dict(memory_fraction=1.5), ["memory_fraction"]),
+        (dict(gpu_memory_utilization=1.5), ["gpu_memory_utilization"]),
         (dict(attention_backend="cudnn"), ["attention_backend"]),
     ],
 )

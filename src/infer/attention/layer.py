@@ -8,6 +8,18 @@ from torch import nn
 from infer.attention import torch_backend
 from infer.attention.metadata import AttentionMetadata
 
+BACKENDS = ("torch", "triton")
+
+
+def _backend_module(name: str):
+    if name == "triton":
+        from infer.attention import triton_backend
+
+        return triton_backend
+    if name == "torch":
+        return torch_backend
+    raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
+
 
 class Attention(nn.Module):
     """Backend-neutral attention over a paged KV cache.
@@ -35,6 +47,7 @@ class Attention(nn.Module):
         # Bound by `allocate_kv_cache`: views [num_blocks, block_size, kv_heads, head_dim].
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.backend = torch_backend
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -45,12 +58,20 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        torch_backend.write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
-        out = torch_backend.paged_attention(
+        self.backend.write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        out = self.backend.paged_attention(
             q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
             self.logit_softcap,
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)
+
+
+def set_attention_backend(model: nn.Module, name: str) -> None:
+    """Point every attention layer of `model` at backend `name` (torch | triton)."""
+    module = _backend_module(name)
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.backend = module
 
 
 def allocate_kv_cache(

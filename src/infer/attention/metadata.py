@@ -34,6 +34,9 @@ class AttentionMetadata:
     # Host copies, so backends can plan without synchronising with the device.
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    # Split-K factor for an all-decode batch (None: the backend picks from the lengths).
+    # CUDA-graph replays fix it, since a captured launch cannot change shape.
+    decode_splits: int | None = None
 
     @property
     def num_seqs(self) -> int:

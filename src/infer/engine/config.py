@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -23,19 +24,24 @@ class EngineConfig:
     batching_mode: str = "continuous"  # static | continuous
     kv_cache: str = "paged"  # paged | contiguous (one max_model_len block per sequence)
     block_size: int = 16
-    num_blocks: int | None = None  # None: size the pool from memory_fraction
-    memory_fraction: float = 0.9  # of device memory for weights + activations + KV cache
+    num_blocks: int | None = None  # None: size the pool from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # device memory share: weights + activations + KV
     chunked_prefill: bool = True
     prefill_chunk_size: int | None = None  # most prompt tokens per request per step
     prefix_caching: bool = True
-    attention_backend: str = "torch"  # torch (reference)
+    # auto: triton on CUDA (when Triton is installed), torch elsewhere; torch is the reference.
+    attention_backend: str = "auto"
+    # Norms, RoPE and gated activations: the same choice as attention_backend.
+    kernel_backend: str = "auto"
+    cuda_graphs: bool = True  # replay captured decode steps (CUDA + triton attention only)
     max_waiting_requests: int | None = None  # None: unbounded queue
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)
         self._check_choice("batching_mode", ("static", "continuous"))
         self._check_choice("kv_cache", ("paged", "contiguous"))
-        self._check_choice("attention_backend", ("torch",))
+        self._check_choice("attention_backend", BACKENDS)
+        self._check_choice("kernel_backend", BACKENDS)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -44,8 +50,9 @@ class EngineConfig:
                      "max_waiting_requests"):
             if getattr(self, name) is not None:
                 self._check_positive(name)
-        if not 0.0 < self.memory_fraction <= 1.0:
-            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache == "contiguous" and self.prefix_caching:
             raise ValueError(
                 "kv_cache='contiguous' conflicts with prefix_caching=True: a contiguous cache "

@@ -41,7 +41,7 @@ def plan_kv_cache(
         raise ValueError(
             f"not enough memory for the KV cache: {num_blocks} blocks fit, one "
             f"{max_model_len}-token sequence needs {needed}; lower max_model_len or raise "
-            "memory_fraction"
+            "gpu_memory_utilization"
         )
     return block_size, num_blocks
 
@@ -77,4 +77,4 @@ def _cuda_free_after_warmup(config: EngineConfig, model: nn.Module, device: torc
             m.k_cache = m.v_cache = None
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
-    return max(0, int(total * config.memory_fraction) - peak)
+    return max(0, int(total * config.gpu_memory_utilization) - peak)

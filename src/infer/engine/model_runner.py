@@ -7,19 +7,32 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from infer.attention import Attention, AttentionMetadata, allocate_kv_cache
+from infer.attention import (
+    Attention,
+    AttentionMetadata,
+    allocate_kv_cache,
+    set_attention_backend,
+)
 from infer.config import ModelConfig
+from infer.engine.cuda_graphs import DecodeGraphs
 from infer.engine.scheduler import SchedulerOutput
+from infer.models.layers import set_kernel_backend
 
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
+    input_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
     # Row of `hidden` holding each sampling request's last token, in scheduled order.
-    sample_rows: torch.Tensor
+    sample_rows: list[int]
     sample_request_ids: list[str]
+
+    @property
+    def is_decode(self) -> bool:
+        return bool(self.query_lens) and all(n == 1 for n in self.query_lens)
 
 
 class ModelRunner:
@@ -31,47 +44,81 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         kv_dtype: torch.dtype,
+        attention_backend: str = "torch",
+        kernel_backend: str = "torch",
     ) -> None:
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
         self.device = device
+        self.attention_backend = attention_backend
+        self.kernel_backend = kernel_backend
         self.kv_pool = allocate_kv_cache(model, num_blocks, block_size, kv_dtype, device)
         # Engines may share one model's weights (tests, draft models): each keeps its own
-        # cache views and re-points the layers at them when another engine ran in between.
+        # cache views and backends, and re-binds the layers when another engine ran.
         self._layers = [m for m in model.modules() if isinstance(m, Attention)]
         self._views = [(m.k_cache, m.v_cache) for m in self._layers]
+        self._bind()
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int,
+                             capture: bool = True) -> DecodeGraphs:
+        """Capture decode graphs (Triton attention only); `capture=False` runs the same
+        static-buffer path eagerly (CPU tests)."""
+        if self.attention_backend != "triton":
+            raise ValueError("decode graphs need attention_backend='triton'")
+        from infer.kernels.paged_attention import default_num_splits
+
+        kv_heads = self.model_config.num_kv_heads
+
+        def splits(batch: int) -> int:  # enough for the longest sequence a step may hold
+            return default_num_splits(batch, kv_heads, max_model_len, self.device)
+
+        self._bind()
+        self.graphs = DecodeGraphs(self.model, max_num_seqs, -(-max_model_len // self.block_size),
+                                   self.block_size, splits, self.device, capture=capture)
+        return self.graphs
+
+    def _bind(self) -> None:
+        set_attention_backend(self.model, self.attention_backend)
+        set_kernel_backend(self.model, self.kernel_backend)
+        for layer, (k, v) in zip(self._layers, self._views):
+            layer.k_cache, layer.v_cache = k, v
 
     def prepare(self, out: SchedulerOutput, tables: dict[str, list[int]]) -> StepInputs:
-        tokens: list[int] = []
-        positions: list[int] = []
-        q_lens, seq_lens, block_tables = [], [], []
-        rows, ids = [], []
+        inputs = StepInputs([], [], [], [], [], [], [])
         for item in out.scheduled:
             request, start, n = item.request, item.start, item.num_new_tokens
-            tokens.extend(request.token_slice(start, start + n))
-            positions.extend(range(start, start + n))
-            q_lens.append(n)
-            seq_lens.append(start + n)
-            block_tables.append(tables[request.request_id])
+            inputs.input_ids.extend(request.token_slice(start, start + n))
+            inputs.positions.extend(range(start, start + n))
+            inputs.query_lens.append(n)
+            inputs.seq_lens.append(start + n)
+            inputs.block_tables.append(tables[request.request_id])
             if item.samples:
-                rows.append(len(tokens) - 1)
-                ids.append(request.request_id)
-        meta = AttentionMetadata.build(q_lens, seq_lens, block_tables, self.block_size,
-                                       self.device)
-        return StepInputs(
-            input_ids=torch.tensor(tokens, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            meta=meta,
-            sample_rows=torch.tensor(rows, dtype=torch.long, device=self.device),
-            sample_request_ids=ids,
-        )
+                inputs.sample_rows.append(len(inputs.input_ids) - 1)
+                inputs.sample_request_ids.append(request.request_id)
+        return inputs
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Float32 logits `[num_sampling_requests, vocab]`."""
         if self._layers[0].k_cache is not self._views[0][0]:
-            for layer, (k, v) in zip(self._layers, self._views):
-                layer.k_cache, layer.v_cache = k, v
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        return self.model.compute_logits(hidden[inputs.sample_rows])
+            self._bind()
+        if (self.graphs is not None and inputs.is_decode
+                and len(inputs.query_lens) <= self.graphs.max_batch):
+            slots = [t[(n - 1) // self.block_size] * self.block_size + (n - 1) % self.block_size
+                     for t, n in zip(inputs.block_tables, inputs.seq_lens)]
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, slots,
+                                     inputs.seq_lens, inputs.block_tables)
+        else:
+            meta = AttentionMetadata.build(inputs.query_lens, inputs.seq_lens,
+                                           inputs.block_tables, self.block_size, self.device)
+            ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)
+            positions = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)
+            hidden = self.model(ids, positions, meta)
+        if not inputs.sample_rows:
+            return hidden[:0]
+        if inputs.sample_rows != list(range(len(inputs.sample_rows))) or \
+                len(inputs.sample_rows) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(inputs.sample_rows, device=self.device)]
+        return self.model.compute_logits(hidden)

@@ -36,3 +36,22 @@ def load_model_and_tokenizer(
         net, cfg = load_hf_dir(source.path, dtype=dtype, device=device)
         tokenizer = Tokenizer.from_hf_dir(source.path)
     return net, cfg, tokenizer, source.name
+
+
+def pick_backend(name: str, choice: str, device: torch.device) -> str:
+    """Resolve an `auto|torch|triton` backend choice for `device` (`name` is the field)."""
+    import os
+
+    from infer.kernels import triton_available
+
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if choice == "triton":
+        if not triton_available():
+            raise ValueError(f"{name}='triton' but triton is not installed (pip install triton)")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"{name}='triton' on {device.type} runs only in the Triton interpreter: set "
+                "TRITON_INTERPRET=1 before start-up (slow; meant for tests), or use 'torch'"
+            )
+    return choice

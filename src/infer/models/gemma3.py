@@ -67,12 +67,17 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        h = self.self_attn(positions, self.input_layernorm(x), meta)
-        x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
-        return x + self.post_feedforward_layernorm(h)
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is `x + residual` (see LlamaDecoderLayer.forward)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, h, meta))
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class Gemma3Model(nn.Module):
@@ -98,10 +103,10 @@ class Gemma3Model(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        x = x * self.embed_scale.to(x.dtype)
+        x, residual = x * self.embed_scale.to(x.dtype), None
         for layer in self.layers:
-            x = layer(positions, x, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, meta)
+        return self.norm(x, residual)[0]
 
 
 class Gemma3ForCausalLM(nn.Module):

@@ -12,15 +12,35 @@ from infer.config import RopeConfig
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32. `offset=1.0` gives Gemma's `x * (1 + w)` form."""
+    """RMSNorm computed in float32. `offset=1.0` gives Gemma's `x * (1 + w)` form.
+
+    Called as `norm(x, residual)` it first adds `x` to the residual stream and returns
+    `(norm(x + residual), x + residual)` (the sum rounded to x's dtype first), which the
+    Triton kernel does in one pass; the caller must not reuse `residual` afterwards.
+    """
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim) if offset == 0.0 else torch.zeros(dim))
         self.eps = eps
         self.offset = offset
+        self.use_triton = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.use_triton:
+            from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+
+            if residual is None:
+                return rmsnorm(x, self.weight, self.eps, self.offset)
+            return fused_add_rmsnorm(x, residual, self.weight, self.eps, self.offset)
+        if residual is None:
+            return self._norm(x)
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -62,11 +82,17 @@ class RotaryEmbedding(nn.Module):
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.use_triton = False
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: `[tokens, heads, head_dim]`, k: `[tokens, kv_heads, head_dim]`."""
+        """q: `[tokens, heads, head_dim]`, k: `[tokens, kv_heads, head_dim]`. The Triton
+        path rotates them in place."""
+        if self.use_triton:
+            from infer.kernels.rope import rope_
+
+            return rope_(q, k, self.cos, self.sin, positions)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -76,6 +102,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
+
+# Gated activations with a fused Triton kernel (`act(gate) * up` in one pass).
+_TRITON_GATED = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu_tanh", "gelu_new": "geglu_tanh"}
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -102,7 +131,24 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
         self.act = activation(act)
+        self.act_name = act
+        self.use_triton = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.use_triton and self.act_name in _TRITON_GATED:
+            from infer.kernels import activation as kernels
+
+            fused = getattr(kernels, _TRITON_GATED[self.act_name])
+            return self.down_proj(fused(gate_up.reshape(-1, gate_up.shape[-1])))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+
+def set_kernel_backend(model: nn.Module, name: str) -> None:
+    """Run the norms, RoPE and gated activations of `model` on `name` (torch | triton)."""
+    if name not in ("torch", "triton"):
+        raise ValueError(f"kernel backend must be torch or triton, got {name!r}")
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, RotaryEmbedding, GatedMLP)):
+            m.use_triton = name == "triton"
