@@ -1,0 +1,286 @@
+"""Offline throughput, nano-vllm's protocol: infer vs HF transformers continuous batching.
+
+Workload (as nano-vllm's bench.py): `random.seed(0)`; 256 sequences; for each, a prompt
+of randint(100, 1024) token ids drawn with randint(0, 10000); then, for each, an output
+length randint(100, 1024); ignore_eos, so every sequence produces exactly its length.
+Sampling is greedy by default (nano-vllm samples at temperature 0.6; pass
+`--temperature 0.6` for that; both engines then sample, HF with top_k=0, top_p=1).
+Shapes qwen3-0.6b and llama-3.2-1b, random weights, bf16 on a GPU. `--num-seqs` shrinks
+the run; `--max-input/--max-output` shorten the sequences for quick runs (recorded).
+
+All infer runs go first, then the HF peer runs (on --peer-models, default all).
+infer runs `LLM.generate` on all prompts at once after a short warm-up; by default the
+script lets the whole batch run together (max_num_seqs = number of sequences, 16384
+tokens per step as in nano-vllm, max_model_len = longest prompt + output); --engine flags
+override these. The HF peer is `model.continuous_batching_context_manager` (the machinery
+behind `generate_batch`), with per-request max_new_tokens and eos_token_id=-1 (never
+stops early), timed from the first add_request until the last result (its CUDA-graph
+warm-up, done before, is reported apart). If this transformers has no continuous
+batching, the peer row says so and no ratio is given.
+
+Roofline (an estimate, to show how far each engine is from the memory floor): the same
+workload is replayed through an idealised scheduler, step by step: at most max_num_seqs
+running, FIFO admission, every running sequence that has finished its prompt decodes one
+token per step, and prompt tokens fill the rest of the max_num_batched_tokens budget
+(chunked). Each step reads
+  - every weight once: (all parameters but the embedding table, plus the LM head) x dtype
+    bytes, a tied embedding counted once as the LM head;
+  - the KV cache of every scheduled token's context: 2 x layers x kv_heads x head_dim x
+    dtype bytes x (tokens already cached for that sequence);
+and the bytes roofline is sum(step bytes) / measured copy bandwidth. "% bytes roofline" =
+that time / measured time. A second estimate, sum over steps of max(bytes / copy BW,
+FLOPs / matmul rate) with FLOPs = 2 x step-weight params x tokens + attention, is shown as
+"% roofline" (large batches and prefill are compute-bound, so this one is the tighter).
+Neither counts sampling, the host, or activation traffic.
+
+    PYTHONPATH=src python benchmarks/throughput.py [--num-seqs 64] [--engine k=v ...]
+    python benchmarks/throughput.py --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+
+
+def workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's bench.py draw order: all prompts first, then all output lengths."""
+    rng = random.Random(args.seed)
+    top = min(10000, vocab - 1)
+    prompts = [[rng.randint(0, top) for _ in range(rng.randint(args.min_input, args.max_input))]
+               for _ in range(args.num_seqs)]
+    outputs = [rng.randint(args.min_output, args.max_output) for _ in range(args.num_seqs)]
+    return prompts, outputs
+
+
+def roofline(prompt_lens: list[int], out_lens: list[int], max_seqs: int, budget: int,
+             counts: common.ShapeCounts, nbytes: int, ceil: dict) -> dict:
+    """Replay the workload through the idealised scheduler of the module docstring."""
+    w_bytes = counts.step_weight_params * nbytes
+    kv_tok = counts.kv_bytes_per_token(nbytes)
+    bw = ceil["copy_GBps"] * 1e9
+    rate = ceil["matmul_TFLOPs"] * 1e12
+    waiting = list(range(len(prompt_lens)))
+    waiting.reverse()
+    running: list[list[int]] = []  # [seq, prompt tokens done, tokens generated]
+    steps = t_bytes = t_max = total_bytes = 0.0
+    while waiting or running:
+        while waiting and len(running) < max_seqs:
+            running.append([waiting.pop(), 0, 0])
+        left = budget
+        kv_read = flops = 0.0
+        for item in running:  # decodes first
+            seq, done, gen = item
+            if done == prompt_lens[seq] and left > 0:
+                kv_read += done + gen
+                flops += counts.attn_flops(1, done + gen + 1)
+                item[2] += 1
+                left -= 1
+        for item in running:  # then prompt chunks
+            seq, done, gen = item
+            if done < prompt_lens[seq] and left > 0:
+                n = min(prompt_lens[seq] - done, left)
+                kv_read += done
+                flops += counts.attn_flops(n, done + (n + 1) / 2)
+                item[1] += n
+                left -= n
+                if item[1] == prompt_lens[seq]:
+                    item[2] += 1  # the prompt's last step samples the first token
+        tokens = budget - left
+        flops += 2.0 * counts.step_weight_params * tokens
+        step_bytes = w_bytes + kv_read * kv_tok
+        total_bytes += step_bytes
+        t_bytes += step_bytes / bw
+        t_max += max(step_bytes / bw, flops / rate)
+        steps += 1
+        running = [it for it in running if it[2] < out_lens[it[0]]]
+    return dict(steps=int(steps), bytes_GB=total_bytes / 1e9, roofline_bytes_s=t_bytes,
+                roofline_max_s=t_max)
+
+
+def run_infer(llm, prompts, outs, temperature) -> dict:
+    from infer import SamplingParams
+
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True)
+              for n in outs]
+    common.sync()
+    t = time.perf_counter()
+    res = llm.generate(prompts, params, use_tqdm=False)
+    common.sync()
+    dt = time.perf_counter() - t
+    produced = sum(len(r.outputs[0].token_ids) for r in res)
+    assert produced == sum(outs), (produced, sum(outs))
+    return dict(engine="infer", seconds=dt, output_tokens=produced)
+
+
+def run_hf_cb(path: Path, dtype, prompts, outs, temperature) -> dict:
+    """HF continuous batching, per-request lengths; a row with 'error' if unavailable."""
+    import transformers
+    from transformers import GenerationConfig
+
+    model = common.load_hf(path, dtype)
+    if not hasattr(model, "continuous_batching_context_manager"):
+        return dict(engine="hf-cb", error="transformers "
+                    f"{transformers.__version__} has no continuous batching")
+    gen_kwargs: dict = dict(max_new_tokens=max(outs), eos_token_id=-1, pad_token_id=0)
+    if temperature > 0:
+        gen_kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        gen_kwargs.update(do_sample=False)
+    config = GenerationConfig(**gen_kwargs)
+    cm_kwargs: dict = dict(generation_config=config, block=True, timeout=30)
+    cm_params = inspect.signature(model.continuous_batching_context_manager).parameters
+    if "workload_hints" in cm_params:
+        try:
+            from transformers.generation.continuous_batching.utils import WorkloadHints
+
+            cm_kwargs["workload_hints"] = WorkloadHints(
+                max_prompt_length=max(len(p) for p in prompts),
+                max_generated_length=max(outs), num_requests=len(prompts))
+        except Exception as exc:  # hints are optional
+            print(f"[hf] no workload hints: {exc}", flush=True)
+    t0 = time.perf_counter()
+    results = {}
+    with model.continuous_batching_context_manager(**cm_kwargs) as manager:
+        warm_s = time.perf_counter() - t0
+        common.sync()
+        t = time.perf_counter()
+        want = {}
+        for p, n in zip(prompts, outs):
+            rid = manager.add_request(p, max_new_tokens=n, eos_token_id=-1)
+            want[rid] = n
+        while len(results) < len(want):
+            r = manager.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                results[r.request_id] = r
+            elif r is None and not manager.is_running():
+                break
+        common.sync()
+        dt = time.perf_counter() - t
+    errors = [r.error for r in results.values() if getattr(r, "error", None)]
+    produced = sum(len(r.generated_tokens) for r in results.values())
+    row = dict(engine="hf-cb", seconds=dt, output_tokens=produced, hf_warmup_s=warm_s)
+    if len(results) < len(want) or errors or produced != sum(outs):
+        row["error"] = (f"{len(results)}/{len(want)} finished, {produced}/{sum(outs)} tokens, "
+                        f"errors {errors[:3]}")
+    del model
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_args(parser)
+    parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.2-1b"])
+    parser.add_argument("--num-seqs", type=int, default=None, help="default 256 (tiny 8)")
+    parser.add_argument("--min-input", type=int, default=None, help="default 100 (tiny 8)")
+    parser.add_argument("--max-input", type=int, default=None, help="default 1024 (tiny 32)")
+    parser.add_argument("--min-output", type=int, default=None, help="default 100 (tiny 8)")
+    parser.add_argument("--max-output", type=int, default=None, help="default 1024 (tiny 32)")
+    parser.add_argument("--peer-models", nargs="+", default=None,
+                        help="models the HF peer runs on (default: all of --models)")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    tiny = args.tiny
+    for name, full, small in (("num_seqs", 256, 8), ("min_input", 100, 8),
+                              ("max_input", 1024, 32), ("min_output", 100, 8),
+                              ("max_output", 1024, 32)):
+        if getattr(args, name) is None:
+            setattr(args, name, small if tiny else full)
+    user_flags = common.parse_engine_flags(args.engine)
+    common.setup_cpu_threads()
+    ceil = common.ceilings()
+    rows: list[dict] = []
+    out = None
+
+    def save() -> None:
+        nonlocal out
+        out = common.write_results("throughput", args, {"ceilings": ceil, "rows": rows})
+
+    def finish(row: dict, base: dict) -> dict:
+        row = {**base, **row}
+        if "error" not in row:
+            row["tok_per_s"] = row["output_tokens"] / row["seconds"]
+            row["frac_bytes_roofline"] = row["roofline_bytes_s"] / row["seconds"]
+            row["frac_roofline"] = row["roofline_max_s"] / row["seconds"]
+        rows.append(row)
+        save()
+        print(f"[{row['engine']}] {row['model']}: " + (
+            f"{row['output_tokens']} tokens in {row['seconds']:.1f} s = "
+            f"{row['tok_per_s']:.0f} tok/s" if "error" not in row else row["error"]),
+            flush=True)
+        return row
+
+    # Every infer run first, then the peers: a peer cut short by a time limit then costs
+    # only its own row.
+    done: dict[str, tuple] = {}
+    for name in args.models:
+        path = common.get_checkpoint(name, tiny, args.ckpt_root)
+        shape = common.load_shape(name, tiny)
+        counts = common.shape_counts(shape)
+        prompts, outs = workload(args, shape["vocab_size"])
+        defaults = dict(max_num_seqs=args.num_seqs, max_num_batched_tokens=16384,
+                        max_model_len=max(len(p) + n for p, n in zip(prompts, outs)) + 16)
+        flags = common.merged_flags(defaults, user_flags)
+        llm, build_s = common.build_llm(path, flags)
+        dtype = llm.engine.dtype
+        cfg = llm.engine.config
+        roof = roofline([len(p) for p in prompts], outs, cfg.max_num_seqs,
+                        cfg.max_num_batched_tokens, counts, common.dtype_bytes(dtype), ceil)
+        base = dict(model=name, num_seqs=args.num_seqs, prompt_tokens=sum(map(len, prompts)),
+                    dtype=str(dtype).replace("torch.", ""), **roof)
+        mine = finish({**run_infer(llm, prompts, outs, args.temperature),
+                       "engine_build_s": build_s, "engine_info": common.engine_info(llm)}, base)
+        done[name] = (path, dtype, prompts, outs, base, mine)
+        del llm
+        common.free_memory()
+
+    peers = [] if args.skip_peer else (args.peer_models or args.models)
+    for name in peers:
+        if name not in done:
+            print(f"[hf] {name} is not in --models; skipped", flush=True)
+            continue
+        path, dtype, prompts, outs, base, mine = done[name]
+        try:
+            peer = finish(run_hf_cb(path, dtype, prompts, outs, args.temperature), base)
+        except Exception as exc:  # the peer must not sink the run; say why
+            peer = finish(dict(engine="hf-cb", error=f"{type(exc).__name__}: {exc}"), base)
+        if "error" not in peer:
+            mine["ratio_vs_hf"] = mine["tok_per_s"] / peer["tok_per_s"]
+            save()
+        common.free_memory()
+
+    print(f"\nwrote {out}")
+    print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, matmul {ceil['matmul_TFLOPs']:.1f} "
+          f"TFLOP/s; {args.num_seqs} seqs, input [{args.min_input}, {args.max_input}], "
+          f"output [{args.min_output}, {args.max_output}], temperature {args.temperature}, "
+          f"engine flags {user_flags or '{}'}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['model']} {r['engine']}: {r['error']}")
+    common.print_table(
+        "throughput (output tokens; roofline = idealised schedule, see the docstring)",
+        [r for r in rows if "error" not in r],
+        [("model", "model", ""), ("engine", "engine", ""), ("seqs", "num_seqs", "d"),
+         ("out tokens", "output_tokens", "d"), ("seconds", "seconds", ".1f"),
+         ("tok/s", "tok_per_s", ".0f"), ("roof steps", "steps", "d"),
+         ("bytes roof s", "roofline_bytes_s", ".2f"),
+         ("%bytes roof", "frac_bytes_roofline", ".1%"), ("roof s", "roofline_max_s", ".2f"),
+         ("%roof", "frac_roofline", ".1%"), ("x HF", "ratio_vs_hf", ".2f")])
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()
