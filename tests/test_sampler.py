@@ -174,6 +174,23 @@ def test_top_p_with_top_k_sorts_only_top_k_and_spares_other_rows():
     assert torch.equal(x[2:], logits[2:]) and torch.equal(y[3], logits[3])
 
 
+def test_top_p_mass_after_top_k_ignores_ties_past_k_whatever_the_sort_width():
+    # Found by hypothesis: logits (0, ..., 0, 0.5), top_k=2, top_p=0.5. top_k keeps 0.5 and
+    # one zero (mass 0.62, 0.38), so top_p keeps 0.5 alone. A batch neighbour without top_k
+    # widens the sort to the whole vocab; the mass must still be over two logits, not over
+    # the nine tied zeros.
+    v = 10
+    row = [0.0] * (v - 1) + [0.5]
+    p = P(top_k=2, top_p=0.5)
+    logits = torch.tensor([row, row])
+    truncated = build([p, P()], v)
+    full = build([p, P(top_p=0.9)], v)
+    assert truncated.sort_width == 2 and full.sort_width == v
+    for batch in (truncated, full):
+        kept = torch.isfinite(filter_logits(logits, batch)[0])
+        assert kept.nonzero().flatten().tolist() == [v - 1]
+
+
 @pytest.mark.parametrize("min_p, t, kept", [
     (0.3, 1.0, {0, 1, 3}),  # threshold 0.3 * 0.40 = 0.12
     (0.62, 1.0, {0, 1}),  # 0.25 / 0.40 = 0.625

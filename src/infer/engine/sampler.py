@@ -219,10 +219,11 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             sorted_x = x.topk(batch.sort_width, dim=-1).values
         else:
             sorted_x = x.sort(dim=-1, descending=True).values
-        drop = torch.zeros_like(sorted_x, dtype=torch.bool)
-        if batch.top_k is not None:
-            kth = sorted_x.gather(1, batch.top_k.clamp(max=batch.sort_width) - 1)
-            drop = sorted_x < kth
+        # top_k drops by position here, so top_p's mass is always over exactly k logits:
+        # counting the ties past the k-th would make it depend on sort_width, i.e. on
+        # the other rows of the batch. Ties with the final cut-off are kept below.
+        rank = torch.arange(sorted_x.shape[-1], device=x.device).expand_as(sorted_x)
+        drop = rank >= (batch.top_k if batch.top_k is not None else batch.vocab_size)
         probs = sorted_x.masked_fill(drop, neg_inf).softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
         cut = torch.where(batch.top_p >= 1, float("inf"), batch.top_p - _TOP_P_TOL)
