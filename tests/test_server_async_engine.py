@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from server_fixtures import make_engine
@@ -80,3 +81,37 @@ def test_serve_flags():
                                       "5", "--api-key", "k"])
     assert (args.host, args.port, args.api_key, args.max_waiting_requests) == (
         "127.0.0.1", 9000, "k", 5)
+
+
+def test_a_failing_forward_fails_only_the_requests_of_that_step(monkeypatch):
+    engine = make_engine(num_blocks=64, max_num_seqs=1)
+    model = engine.engine.runner.model
+    real, armed, calls = model.forward, threading.Event(), []
+
+    def forward(*args, **kwargs):
+        if armed.is_set() and not calls:
+            calls.append(1)
+            raise RuntimeError("forward failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", forward)
+
+    async def run():
+        running = await engine.add_request("x", "The sky is", SamplingParams(
+            max_tokens=200, ignore_eos=True))
+        first = await running.__anext__()  # x holds the one running slot
+        waiting = asyncio.ensure_future(_text(engine, "y"))
+        while engine.stats["num_requests_waiting"] < 1:
+            await asyncio.sleep(0.01)
+        armed.set()
+        with pytest.raises(EngineDeadError, match="forward failed"):
+            async for _ in running:
+                pass
+        return first, await waiting
+
+    try:
+        first, text = asyncio.run(run())
+        assert not first.finished and text == asyncio.run(_text(engine, "z"))
+        assert engine.step_errors == 1 and engine.engine.kv.pool.num_used == 0
+    finally:
+        engine.shutdown()

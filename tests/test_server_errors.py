@@ -61,6 +61,15 @@ CASES = [
     ("tools unsupported", CHAT, _m(tools=[{"type": "function"}]), 400, "tools"),
     ("chat unknown model", CHAT, _m(model="nope"), 404, "model"),
     ("chat unknown field", CHAT, _m(functions_x=1), 400, None),
+    ("lone surrogate prompt", CMPL, b'{"model": "smollm2", "prompt": "a\\ud800"}', 400, "prompt"),
+    ("lone surrogate in a prompt list", CMPL, b'{"model": "smollm2", "prompt": ["ok", "\\udfff"]}',
+     400, "prompt"),
+    ("lone surrogate content", CHAT,
+     b'{"model": "smollm2", "messages": [{"role": "user", "content": "\\ud83d"}]}', 400,
+     "messages"),
+    ("lone surrogate stop", CMPL, b'{"model": "smollm2", "prompt": "hi", "stop": "\\ud800"}',
+     400, "stop"),
+    ("stop_token_ids negative", CMPL, _c(stop_token_ids=[-1]), 400, "stop_token_ids"),
 ]
 
 

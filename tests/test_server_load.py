@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import threading
+import time
 
 import httpx
 import pytest
@@ -53,7 +55,7 @@ def test_64_concurrent_streams_match_alone(server):
     server.wait_idle()
 
 
-def test_clients_dropping_mid_stream_free_their_blocks(server):
+def test_clients_dropping_mid_stream_free_their_blocks(server, caplog):
     async def drop_after_two_chunks(c: httpx.AsyncClient, prompt: str) -> None:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "stream": True,
                 "ignore_eos": True}
@@ -78,11 +80,19 @@ def test_clients_dropping_mid_stream_free_their_blocks(server):
         "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2})
     assert r.status_code == 200
     assert httpx.get(server.url + "/health").status_code == 200
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
 
 
 def _post_quietly(url: str, body: dict) -> None:
     with contextlib.suppress(httpx.HTTPError):  # gives up on purpose: that aborts it
-        httpx.post(url, json=body, timeout=3)
+        httpx.post(url, json=body, timeout=6)
+
+
+def _until(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the engine"
+        time.sleep(0.02)
 
 
 def test_full_waiting_queue_answers_503_with_retry_after():
@@ -93,10 +103,12 @@ def test_full_waiting_queue_answers_503_with_retry_after():
                     "ignore_eos": True}
             threads = [threading.Thread(target=_post_quietly, daemon=True, args=(
                 server.url + "/v1/completions", long)) for _ in range(2)]
-            for t in threads:
-                t.start()
-            while engine.stats["num_requests_waiting"] < 1:  # one running, one waiting
-                threading.Event().wait(0.02)
+            # one after the other: added in the same engine turn, the second would find
+            # the first still waiting and be refused
+            threads[0].start()
+            _until(lambda: engine.stats["num_requests_running"] >= 1)
+            threads[1].start()
+            _until(lambda: engine.stats["num_requests_waiting"] >= 1)  # one runs, one waits
             r = httpx.post(server.url + "/v1/completions", json=long)
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["code"] == "server_busy"

@@ -8,11 +8,13 @@ detokenize and check stops -> emit outputs.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
+from infer.attention import set_attention_backend
 from infer.cache.kv_manager import KVCacheManager
 from infer.engine.config import EngineConfig
 from infer.engine.detokenizer import IncrementalDetokenizer
@@ -21,9 +23,12 @@ from infer.engine.model_runner import ModelRunner
 from infer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from infer.engine.request import Request
 from infer.engine.sampler import SamplingBatch, sample
-from infer.engine.scheduler import Scheduler
-from infer.engine.setup import load_model_and_tokenizer, pick_device_and_dtype
+from infer.engine.scheduler import Scheduler, SchedulerOutput
+from infer.engine.setup import load_model_and_tokenizer, pick_backend, pick_device_and_dtype
+from infer.models.layers import set_kernel_backend
 from infer.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,6 +47,16 @@ class _Group:
     prompt: str | None
     prompt_token_ids: list[int]
     sequences: list[_Sequence]
+    arrival_time: float
+    first_token_time: float | None = None
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served; `param` names the request field to change."""
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class LLMEngine:
@@ -65,6 +80,12 @@ class LLMEngine:
                 f"chunked_prefill=False needs max_num_batched_tokens "
                 f"({config.max_num_batched_tokens}) >= max_model_len ({self.max_model_len})"
             )
+        self.attention_backend = pick_backend("attention_backend", config.attention_backend,
+                                              self.device)
+        self.kernel_backend = pick_backend("kernel_backend", config.kernel_backend, self.device)
+        # Bound before sizing the pool, so the warm-up forward measures the backends in use.
+        set_attention_backend(self.model, self.attention_backend)
+        set_kernel_backend(self.model, self.kernel_backend)
         self.block_size, num_blocks = plan_kv_cache(
             config, mc, self.max_model_len, self.model, self.device, self.dtype
         )
@@ -75,8 +96,17 @@ class LLMEngine:
             max_prefill_chunk=config.prefill_chunk_size,
         )
         self.runner = ModelRunner(
-            self.model, mc, num_blocks, self.block_size, self.device, self.dtype
+            self.model, mc, num_blocks, self.block_size, self.device, self.dtype,
+            self.attention_backend, self.kernel_backend,
         )
+        self.graph_capture_seconds = 0.0
+        if config.cuda_graphs and self.device.type == "cuda":
+            if self.attention_backend != "triton":
+                log.warning("cuda_graphs needs attention_backend='triton'; running eagerly")
+            else:
+                graphs = self.runner.enable_decode_graphs(config.max_num_seqs,
+                                                          self.max_model_len)
+                self.graph_capture_seconds = graphs.capture_seconds
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or mc.eos_token_ids
         self.groups: dict[str, _Group] = {}
         self.sequences: dict[str, _Sequence] = {}
@@ -116,7 +146,7 @@ class LLMEngine:
                                        params.stop, params.include_stop_str_in_output),
                 logprobs=[] if params.logprobs is not None else None,
             ))
-        self.groups[request_id] = _Group(request_id, text, ids, sequences)
+        self.groups[request_id] = _Group(request_id, text, ids, sequences, now)
         for seq in sequences:
             self.sequences[seq.request.request_id] = seq
             self.scheduler.add(seq.request)
@@ -132,29 +162,41 @@ class LLMEngine:
         ):
             ids, text = list(prompt), None
         else:
-            raise ValueError("prompt must be a string or a list of token ids")
+            raise RequestRejected("prompt must be a string or a list of token ids")
         if not ids:
-            raise ValueError("the prompt is empty (no tokens)")
+            raise RequestRejected("the prompt is empty (no tokens)")
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+            raise RequestRejected(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         return text, ids
 
     def _check_fits(self, ids: list[int], params: SamplingParams) -> int:
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens; this model serves at most "
+        n = len(ids)
+        if n >= self.max_model_len:
+            raise RequestRejected(
+                f"the prompt has {n} tokens; this model serves at most "
                 f"{self.max_model_len} tokens in all (prompt + output), so at most "
                 f"{self.max_model_len - 1} prompt tokens"
             )
-        room = self.max_model_len - len(ids)
-        max_new = room if params.max_tokens is None else min(params.max_tokens, room)
-        blocks = self.kv.blocks_needed(len(ids) + max_new)
-        if blocks > self.kv.pool.num_blocks:
-            raise ValueError(
-                f"the request needs {blocks} KV blocks ({len(ids)} prompt + {max_new} new "
-                f"tokens) but the pool has {self.kv.pool.num_blocks}; lower max_tokens"
+        pool = self.kv.pool.num_blocks
+        capacity = pool * self.block_size  # tokens one sequence can hold if it has every block
+        if n >= capacity:
+            raise RequestRejected(
+                f"the prompt has {n} tokens but the KV cache pool holds {capacity} tokens "
+                f"({pool} blocks of {self.block_size}), and the prompt needs room for at least "
+                "one output token; send a shorter prompt or start the engine with more blocks"
+            )
+        room = self.max_model_len - n
+        if params.max_tokens is None:
+            return min(room, capacity - n)  # "as many as fit"
+        max_new = min(params.max_tokens, room)
+        if n + max_new > capacity:
+            raise RequestRejected(
+                f"the request needs {self.kv.blocks_needed(n + max_new)} KV blocks ({n} prompt "
+                f"+ {max_new} new tokens) but the pool has {pool} blocks of "
+                f"{self.block_size} tokens; lower max_tokens to at most {capacity - n}",
+                "max_tokens",
             )
         return max_new
 
@@ -172,10 +214,25 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns an output for every request that changed."""
+        """Run one step; returns an output for every request that changed.
+
+        If the step raises (model forward, sampling, detokenizing), every request it had
+        scheduled is aborted, freeing its KV blocks, before the error propagates: their
+        state may be half-updated. Requests not in the step are untouched, so the engine
+        keeps serving.
+        """
         out = self.scheduler.schedule()
         if out.empty:
             return []
+        group_ids = {self.sequences[item.request.request_id].group_id for item in out.scheduled}
+        try:
+            return self._run(out)
+        except BaseException:
+            for group_id in group_ids:
+                self.abort_request(group_id)
+            raise
+
+    def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
         inputs = self.runner.prepare(out, self.kv.tables)
         sampled: dict[str, int] = {}
         if inputs.sample_request_ids:
@@ -202,7 +259,8 @@ class LLMEngine:
             self.generation_tokens_total += 1
             self._check_stop(seq)
             changed.add(seq.group_id)
-        outputs = [self._output(self.groups[rid]) for rid in changed]
+        now = time.monotonic()
+        outputs = [self._output(self.groups[rid], now) for rid in changed]
         for output in outputs:
             if output.finished:
                 for seq in self.groups.pop(output.request_id).sequences:
@@ -249,7 +307,9 @@ class LLMEngine:
         if n_out >= request.max_new_tokens:
             self.scheduler.finish(request, "length")
 
-    def _output(self, group: _Group) -> RequestOutput:
+    def _output(self, group: _Group, now: float) -> RequestOutput:
+        if group.first_token_time is None:
+            group.first_token_time = now
         outputs = []
         for i, seq in enumerate(group.sequences):
             r = seq.request
@@ -264,9 +324,13 @@ class LLMEngine:
                 stop_reason=r.stop_reason,
             ))
         finished = all(s.request.finished for s in group.sequences)
+        metrics = {"arrival_time": group.arrival_time, "first_token_time": group.first_token_time,
+                   "last_token_time": now}
+        if finished:
+            metrics["finished_time"] = now
         return RequestOutput(
             group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
-            num_cached_tokens=group.sequences[0].request.num_cached_tokens,
+            num_cached_tokens=group.sequences[0].request.num_cached_tokens, metrics=metrics,
         )
 
     # -- counters --------------------------------------------------------------------

@@ -30,6 +30,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # time.monotonic() seconds: arrival_time, first_token_time, last_token_time, and
+    # finished_time once finished.
     metrics: dict[str, float] = field(default_factory=dict)
 
 

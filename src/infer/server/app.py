@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from infer.server.async_engine import AsyncEngine
+from infer.server.async_engine import AsyncEngine, EngineDeadError
 from infer.server.metrics import ServerMetrics
 from infer.server.protocol import (
     ChatCompletionRequest,
@@ -165,6 +165,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, str(exc.detail), kind,
                               headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_error(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(500, str(exc), "InternalError")
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

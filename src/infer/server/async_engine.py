@@ -163,10 +163,9 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # fail what was in flight, keep serving
-                log.exception("engine step failed; failing %d requests", len(self._streams))
+            except Exception as exc:  # fail what the step held, keep serving
                 self.step_errors += 1
-                self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
+                self._fail_step(EngineDeadError(f"engine step failed: {exc!r}"))
                 continue
             self._deliver(outputs, time.monotonic())
             self.stats = self.engine.stats()
@@ -226,6 +225,18 @@ class AsyncEngine:
                 self.observer.observe_e2e(now - stream.arrival)
         if new > 0:
             stream.num_tokens, stream.last_token_time = tokens, now
+
+    def _fail_step(self, exc: Exception) -> None:
+        """LLMEngine.step aborts the requests of a step that raised; fail just those. If
+        it aborted none, the error came from outside the model step: fail everything."""
+        gone = [rid for rid in self._streams if rid not in self.engine.groups]
+        log.exception("engine step failed; failing %d of %d requests",
+                      len(gone) or len(self._streams), len(self._streams))
+        if not gone:
+            return self._fail_all(exc)
+        for request_id in gone:
+            stream = self._streams.pop(request_id)
+            _call(stream.loop, stream.queue.put_nowait, exc)
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id, stream in list(self._streams.items()):

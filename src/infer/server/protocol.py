@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from infer.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -31,6 +31,29 @@ class RequestError(ValueError):
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        _check_unicode(value)
+        return value
+
+
+def _check_unicode(value: Any) -> None:
+    """JSON may escape a lone surrogate ("\\ud800"): valid JSON, but no text a tokenizer
+    can take."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("text must be valid Unicode (it has a lone surrogate)") from None
+    elif isinstance(value, list):
+        for item in value:
+            _check_unicode(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key)
+            _check_unicode(item)
 
 
 class StreamOptions(_Request):
@@ -91,7 +114,7 @@ class _SamplingRequest(_Request):
             return SamplingParams(**values)
         except ValueError as exc:
             message = str(exc)
-            param = next((k for k in values if message.startswith(k)), None)
+            param = max((k for k in values if message.startswith(k)), key=len, default=None)
             raise RequestError(message, param) from None
 
 

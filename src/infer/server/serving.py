@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -13,7 +15,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from infer.engine.outputs import CompletionOutput, RequestOutput
 from infer.loader.chat_template import ChatTemplateError
 from infer.sampling_params import SamplingParams
-from infer.server.async_engine import AsyncEngine, QueueFullError, RequestStream
+from infer.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestStream,
+)
 from infer.server.logprobs import chat_logprobs, completion_logprobs
 from infer.server.protocol import (
     ChatChoice,
@@ -177,7 +184,7 @@ async def _add_all(engine: AsyncEngine, rid: str, prompts: list[list[int]],
         if isinstance(exc, QueueFullError):
             raise RequestError(str(exc), None, 503, "server_busy", "ServiceUnavailable") from None
         if isinstance(exc, ValueError) and not isinstance(exc, RequestError):
-            raise RequestError(str(exc), "prompt") from None
+            raise RequestError(str(exc), getattr(exc, "param", "prompt")) from None
         raise
     return streams
 
@@ -219,17 +226,19 @@ async def _collect(streams: list[RequestStream], ctx: ServingContext,
     work = asyncio.ensure_future(run())
     watcher = asyncio.ensure_future(_until_disconnect(request))
     try:
-        await asyncio.wait({work, watcher}, timeout=ctx.request_timeout,
-                           return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({work, watcher}, timeout=ctx.request_timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not work.done():
             work.cancel()  # disconnect or timeout: abort, freeing the KV blocks now
-    if work.cancelled():
-        if watcher.done() and not watcher.cancelled():
-            return Response(status_code=499)
-        raise RequestError("the request timed out", None, 504, "timeout", "Timeout")
-    return work.result()
+    if work in done:
+        return work.result()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work  # a cancel is only a request: let the abort run before answering
+    if watcher in done:
+        return Response(status_code=499)
+    raise RequestError("the request timed out", None, 504, "timeout", "Timeout")
 
 
 @dataclass
@@ -268,8 +277,10 @@ async def _stream_events(
             except StopAsyncIteration:
                 break
             except asyncio.TimeoutError:
-                yield 'data: {"error": {"message": "the request timed out", "type": ' \
-                      '"Timeout", "param": null, "code": 504}}\n\n'
+                yield _error_event("the request timed out", "Timeout", "timeout")
+                return
+            except EngineDeadError as exc:
+                yield _error_event(str(exc), "InternalError", 500)
                 return
             finals[p] = output
             for c in output.outputs:
@@ -285,6 +296,12 @@ async def _stream_events(
         yield "data: [DONE]\n\n"
     finally:
         await merged.aclose()
+
+
+def _error_event(message: str, type: str, code: str | int) -> str:
+    """After the 200 has gone out, an error can only be an event (and no [DONE])."""
+    body = {"error": {"message": message, "type": type, "param": None, "code": code}}
+    return f"data: {json.dumps(body)}\n\n"
 
 
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:

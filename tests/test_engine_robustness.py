@@ -1,0 +1,104 @@
+"""LLMEngine under failure: a step that raises, requests that can never fit, timings."""
+
+from __future__ import annotations
+
+import pytest
+from engine_fixtures import make_llm
+
+from infer import SamplingParams
+from infer.engine.llm_engine import RequestRejected
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def _run(engine, rid: str, prompt: str, params: SamplingParams = GREEDY):
+    engine.add_request(rid, prompt, params)
+    last = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid:
+                last = out
+    return last
+
+
+def _fail_forward(monkeypatch, engine, on_call: int) -> list[int]:
+    """The model's forward raises on its `on_call`-th call (1-based), once."""
+    model = engine.runner.model
+    real = model.forward
+    calls: list[int] = []
+
+    def forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == on_call:
+            raise RuntimeError("forward failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", forward)
+    return calls
+
+
+def test_a_failing_forward_aborts_the_step_and_frees_its_blocks(monkeypatch):
+    engine = make_llm(num_blocks=64, max_model_len=512).engine
+    expected = _run(engine, "ref", "The capital of France is").outputs[0].token_ids
+    _fail_forward(monkeypatch, engine, on_call=1)
+    engine.add_request("a", "The capital of France is", GREEDY)
+    engine.add_request("b", "Once upon a time", GREEDY)
+    with pytest.raises(RuntimeError, match="forward failed"):
+        engine.step()
+    assert engine.stats()["kv_blocks_used"] == 0
+    assert not engine.has_unfinished_requests() and not engine.sequences
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    # the pool and the prefix cache are sound: the same prompt gives the same tokens
+    again = _run(engine, "after", "The capital of France is")
+    assert again.finished and again.outputs[0].token_ids == expected
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_requests_outside_the_failing_step_keep_going(monkeypatch):
+    engine = make_llm(num_blocks=64, max_model_len=512, max_num_seqs=1).engine
+    expected = _run(engine, "ref", "Once upon a time").outputs[0].token_ids
+    engine.add_request("a", "The capital of France is", GREEDY)
+    engine.add_request("b", "Once upon a time", GREEDY)  # waits: one sequence at a time
+    engine.step()  # a's prefill
+    _fail_forward(monkeypatch, engine, on_call=1)  # a's first decode
+    with pytest.raises(RuntimeError):
+        engine.step()
+    assert "a" not in engine.groups and "b" in engine.groups
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].request_id == "b" and outputs[-1].outputs[0].token_ids == expected
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_output_metrics_are_filled_in_order():
+    engine = make_llm(num_blocks=64, max_model_len=512).engine
+    engine.add_request("m", "Hello", GREEDY)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert len(outputs) == GREEDY.max_tokens
+    first = outputs[0].metrics
+    assert first["arrival_time"] <= first["first_token_time"] == first["last_token_time"]
+    assert "finished_time" not in first
+    last = outputs[-1].metrics
+    assert last["first_token_time"] == first["first_token_time"]
+    assert last["finished_time"] == last["last_token_time"] > first["first_token_time"]
+    assert [o.metrics["last_token_time"] for o in outputs] == sorted(
+        o.metrics["last_token_time"] for o in outputs)
+
+
+def test_prompt_too_long_and_pool_too_small_are_distinct_errors():
+    engine = make_llm(num_blocks=4, block_size=4, max_model_len=64).engine
+    with pytest.raises(RequestRejected, match="this model serves at most 64") as long:
+        engine.add_request(None, list(range(1, 100)), GREEDY)
+    with pytest.raises(RequestRejected, match="KV cache pool holds 16 tokens") as pool:
+        engine.add_request(None, list(range(1, 20)), GREEDY)
+    with pytest.raises(RequestRejected, match="lower max_tokens to at most 6") as blocks:
+        engine.add_request(None, list(range(1, 11)), SamplingParams(max_tokens=20))
+    assert (long.value.param, pool.value.param, blocks.value.param) == (
+        "prompt", "prompt", "max_tokens")
+    assert not engine.has_unfinished_requests()
+    # without max_tokens a request generates as many tokens as its blocks can hold
+    out = _run(engine, "fits", list(range(1, 11)), SamplingParams(max_tokens=None, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].finish_reason == "length"
