@@ -343,15 +343,25 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2"}))
 
 
-def get_checkpoint(name: str, tiny: bool, root_arg: str | None) -> Path:
+def get_checkpoint(name: str, tiny: bool, root_arg: str | None,
+                   tokenizer_dir: Path | None = None) -> Path:
     """Directory of a random-weight bf16 HF checkpoint in the shape `name`; written once per
-    root (the marker file holds the shape) and reused by later scripts of the same run."""
+    root (the marker file holds the shape) and reused by later scripts of the same run.
+
+    With `tokenizer_dir` (tokenizer.json + tokenizer_config.json of a real model), the
+    checkpoint takes that tokenizer and its vocabulary size, so text prompts tokenize as
+    they would for a real model."""
     from transformers import AutoModelForCausalLM
 
     shape = load_shape(name, tiny)
+    suffix = "-tiny" if tiny else ""
+    if tokenizer_dir is not None:
+        vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
+        shape.update(vocab_size=len(vocab), bos_token_id=None, eos_token_id=None)
+        suffix += f"-{tokenizer_dir.name}"
     counts = shape_counts(shape)
     root = checkpoint_root(root_arg, 2 * counts.total_params)
-    path = root / (name + ("-tiny" if tiny else ""))
+    path = root / (name + suffix)
     marker = path / CKPT_MARKER
     if marker.exists() and json.loads(marker.read_text()) == shape:
         print(f"[ckpt] reusing {path}", flush=True)
@@ -370,7 +380,11 @@ def get_checkpoint(name: str, tiny: bool, root_arg: str | None) -> Path:
     model.save_pretrained(tmp)
     del model
     free_memory()
-    write_tokenizer(tmp, config.vocab_size)
+    if tokenizer_dir is None:
+        write_tokenizer(tmp, config.vocab_size)
+    else:
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tokenizer_dir / file, tmp / file)
     (tmp / CKPT_MARKER).write_text(json.dumps(shape))
     tmp.rename(path)
     size = sum(f.stat().st_size for f in path.iterdir()) / 1e9
