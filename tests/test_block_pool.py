@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from infer.attention.metadata import padded_block_tables
 from infer.cache.block_pool import BlockPool
 from infer.cache.kv_manager import KVCacheManager, block_keys
 
@@ -105,3 +107,18 @@ def test_share_prefix_between_siblings():
     kv.free("a")
     kv.free("a#1")
     assert kv.pool.num_free == 8
+
+
+@pytest.mark.parametrize("tables, rows", [
+    ([[3, 1, 4], [1], [5, 9]], None),
+    ([[3, 1, 4], [1], [5, 9]], 5),  # padding rows, as a CUDA-graph batch size
+    ([[7]], 1),
+    ([], 2),
+])
+def test_padded_block_tables(tables, rows):
+    width = max(map(len, tables), default=0)
+    n = len(tables) if rows is None else rows
+    expected = [t + [0] * (width - len(t)) for t in tables] + [[0] * width] * (n - len(tables))
+    out = padded_block_tables(tables, rows)
+    assert out.dtype == torch.int32 and tuple(out.shape) == (n, width)
+    assert out.tolist() == expected

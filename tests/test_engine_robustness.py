@@ -88,6 +88,28 @@ def test_output_metrics_are_filled_in_order():
         o.metrics["last_token_time"] for o in outputs)
 
 
+def test_final_only_requests_report_once_with_the_same_result():
+    engine = make_llm(num_blocks=64, max_model_len=512).engine
+    params = SamplingParams(temperature=0.8, max_tokens=9, ignore_eos=True, n=2, seed=3,
+                            logprobs=1)
+    engine.add_request("every-step", "Hello there", params)
+    engine.add_request("final", "Hello there", params, final_only=True)
+    seen: dict[str, list] = {"every-step": [], "final": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen["every-step"]) >= params.max_tokens  # the 2nd sibling trails by a step
+    [final] = seen["final"]
+    full = seen["every-step"][-1]
+    assert final.finished and full.finished
+    assert [(c.token_ids, c.text, c.finish_reason) for c in final.outputs] == [
+        (c.token_ids, c.text, c.finish_reason) for c in full.outputs]
+    for a, b in zip(final.outputs, full.outputs):  # rows of other batches: float noise only
+        assert [sorted(e) for e in a.logprobs] == [sorted(e) for e in b.logprobs]
+        assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
+    assert final.metrics["first_token_time"] < final.metrics["finished_time"]
+
+
 def test_prompt_too_long_and_pool_too_small_are_distinct_errors():
     engine = make_llm(num_blocks=4, block_size=4, max_model_len=64).engine
     with pytest.raises(RequestRejected, match="this model serves at most 64") as long:

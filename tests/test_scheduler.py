@@ -181,3 +181,13 @@ def _check_invariants(s: Scheduler) -> None:
     assert set(pool.free) == {i for i, r in enumerate(refs) if r == 0}
     for r in s.running:
         assert len(s.kv.table(r.request_id)) * s.kv.block_size >= r.num_computed_tokens
+
+
+@given(st.integers(1, 6), st.integers(0, 6), st.data())
+def test_token_slice_equals_slicing_all_tokens(n_prompt, n_out, data):
+    r = Request("r", list(range(100, 100 + n_prompt)), 8)
+    r.output_token_ids = list(range(200, 200 + n_out))
+    total = n_prompt + n_out
+    start = data.draw(st.integers(0, total))
+    stop = data.draw(st.integers(start, total))
+    assert r.token_slice(start, stop) == r.all_token_ids[start:stop]

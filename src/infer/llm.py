@@ -36,7 +36,7 @@ class LLM:
         bar = _progress(len(prompts)) if use_tqdm and len(prompts) > 1 else None
         try:
             for prompt, sp in zip(prompts, params):
-                ids.append(self._add(prompt, sp))
+                ids.append(self._add(prompt, sp, final_only=True))
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
@@ -81,8 +81,8 @@ class LLM:
             if not done:
                 self.engine.abort_request(rid)
 
-    def _add(self, prompt: Prompt, params: SamplingParams) -> str:
-        return self.engine.add_request(f"llm-{next(self._ids)}", prompt, params)
+    def _add(self, prompt: Prompt, params: SamplingParams, final_only: bool = False) -> str:
+        return self.engine.add_request(f"llm-{next(self._ids)}", prompt, params, final_only)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from infer.attention.metadata import AttentionMetadata
+from infer.attention.metadata import AttentionMetadata, padded_block_tables
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -99,12 +99,11 @@ class DecodeGraphs:
         n = len(input_ids)
         size = next(s for s in self.sizes if s >= n)
         self.steps += 1
-        width = max(len(t) for t in block_tables)
         pad = size - n
         host_long = torch.tensor([input_ids + [0] * pad, positions + [0] * pad,
                                   slots + [-1] * pad], dtype=torch.long)
-        host_int = torch.tensor([t + [0] * (width - len(t)) for t in block_tables]
-                                + [[0] * width] * pad, dtype=torch.int32)
+        host_int = padded_block_tables(block_tables, size)
+        width = host_int.shape[1]
         self.input_ids[:size].copy_(host_long[0], non_blocking=True)
         self.positions[:size].copy_(host_long[1], non_blocking=True)
         self.slot_mapping[:size].copy_(host_long[2], non_blocking=True)

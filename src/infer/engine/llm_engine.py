@@ -48,6 +48,8 @@ class _Group:
     prompt_token_ids: list[int]
     sequences: list[_Sequence]
     arrival_time: float
+    # Only the finished output is wanted (LLM.generate): no RequestOutput per step.
+    final_only: bool = False
     first_token_time: float | None = None
 
 
@@ -120,8 +122,11 @@ class LLMEngine:
         request_id: str | None,
         prompt: str | list[int],
         params: SamplingParams | None = None,
+        final_only: bool = False,
     ) -> str:
-        """Queue a request; raises ValueError (and queues nothing) if it cannot be served."""
+        """Queue a request; raises ValueError (and queues nothing) if it cannot be served.
+        With `final_only`, step() returns this request's output only once it has finished
+        (building a cumulative output every step costs O(output length) per sequence)."""
         params = params or SamplingParams()
         if request_id is None:
             request_id = f"req-{self._next_id}"
@@ -146,7 +151,7 @@ class LLMEngine:
                                        params.stop, params.include_stop_str_in_output),
                 logprobs=[] if params.logprobs is not None else None,
             ))
-        self.groups[request_id] = _Group(request_id, text, ids, sequences, now)
+        self.groups[request_id] = _Group(request_id, text, ids, sequences, now, final_only)
         for seq in sequences:
             self.sequences[seq.request.request_id] = seq
             self.scheduler.add(seq.request)
@@ -260,7 +265,13 @@ class LLMEngine:
             self._check_stop(seq)
             changed.add(seq.group_id)
         now = time.monotonic()
-        outputs = [self._output(self.groups[rid], now) for rid in changed]
+        outputs = []
+        for rid in changed:
+            group = self.groups[rid]
+            if group.first_token_time is None:
+                group.first_token_time = now
+            if not group.final_only or all(s.request.finished for s in group.sequences):
+                outputs.append(self._output(group, now))
         for output in outputs:
             if output.finished:
                 for seq in self.groups.pop(output.request_id).sequences:
@@ -308,8 +319,6 @@ class LLMEngine:
             self.scheduler.finish(request, "length")
 
     def _output(self, group: _Group, now: float) -> RequestOutput:
-        if group.first_token_time is None:
-            group.first_token_time = now
         outputs = []
         for i, seq in enumerate(group.sequences):
             r = seq.request

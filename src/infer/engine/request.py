@@ -38,10 +38,13 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, stop: int) -> list[int]:
+        """all_token_ids[start:stop] without copying the whole sequence."""
         n_prompt = len(self.prompt_token_ids)
         if stop <= n_prompt:
             return self.prompt_token_ids[start:stop]
-        return self.all_token_ids[start:stop]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt:stop - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n_prompt]
 
     @property
     def finished(self) -> bool:

@@ -210,10 +210,13 @@ class Scheduler:
             if request.finished:
                 continue  # aborted while the step ran
             samples = item.samples
+            before = request.num_computed_tokens
             request.num_computed_tokens += item.num_new_tokens
-            self.kv.commit_computed(
-                request.request_id, request.all_token_ids, request.num_computed_tokens
-            )
+            if request.num_computed_tokens // self.kv.block_size > before // self.kv.block_size:
+                # a block filled up (all_token_ids copies the whole sequence: not every step)
+                self.kv.commit_computed(
+                    request.request_id, request.all_token_ids, request.num_computed_tokens
+                )
             if samples:
                 request.output_token_ids.append(sampled[request.request_id])
                 produced.append(request)

@@ -1,0 +1,101 @@
+"""Host time per sequence per decode step: everything LLMEngine.step() does besides the
+model forward (scheduling, input preparation, sampling-batch building, detokenizing and
+stop checks, outputs). It is the same Python on a CPU as next to a GPU, where it is time
+the GPU idles, so it is measured here on a tiny model whose forward is timed apart.
+
+    python benchmarks/host_overhead.py --batch 256 --output-len 512 [--every-step-outputs]
+
+Prints the split per phase and writes benchmarks/results/host_overhead_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--every-step-outputs", action="store_true",
+                   help="a RequestOutput per step (the server's mode) instead of final only")
+    p.add_argument("--ckpt-root")
+    p.add_argument("--suffix", default="")
+    p.add_argument("--results-dir", default=str(common.RESULTS))
+    p.set_defaults(tiny=True)  # the model is always the tiny one (results_path says so)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    from infer import SamplingParams
+    from infer.engine import llm_engine
+
+    path = common.get_checkpoint("llama-3.2-1b", True, args.ckpt_root)
+    blocks = args.batch * -(-(args.prompt_len + args.output_len) // 16)
+    llm, _ = common.build_llm(path, dict(max_model_len=args.prompt_len + args.output_len,
+                                         max_num_seqs=args.batch, device="cpu",
+                                         dtype="float32", num_blocks=blocks))
+    engine = llm.engine
+    phases: collections.Counter[str] = collections.Counter()
+
+    def timed(owner, name: str, label: str) -> None:
+        fn = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                phases[label] += time.perf_counter() - t
+
+        setattr(owner, name, wrapper)
+
+    timed(engine.scheduler, "schedule", "schedule")
+    timed(engine.scheduler, "update", "scheduler update")
+    timed(engine.runner, "prepare", "prepare inputs")
+    timed(engine.runner, "execute", "model forward (not host)")
+    timed(engine, "_sampling_batch", "sampling batch")
+    timed(llm_engine, "sample", "sample")
+    timed(engine, "_check_stop", "detokenize + stop checks")
+    timed(engine, "_output", "build outputs")
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    final_only = {} if args.every_step_outputs else {"final_only": True}  # older engines
+    for i in range(args.batch):                                            # lack the keyword
+        engine.add_request(f"r{i}", [(11 * i + j) % vocab for j in range(args.prompt_len)],
+                           params, **final_only)
+    while any(not s.request.output_token_ids for s in engine.sequences.values()):
+        engine.step()  # prefill
+    phases.clear()
+    steps, start = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    wall = time.perf_counter() - start
+    host = wall - phases["model forward (not host)"]
+    per_seq = host / steps / args.batch * 1e6
+    rows = [(label, seconds / steps * 1e3, seconds / steps / args.batch * 1e6)
+            for label, seconds in phases.most_common()]
+    common.write_results("host_overhead", args, {
+        "batch": args.batch, "prompt_len": args.prompt_len, "output_len": args.output_len,
+        "every_step_outputs": args.every_step_outputs, "steps": steps,
+        "host_us_per_seq_step": per_seq,
+        "phases_ms_per_step": {label: ms for label, ms, _ in rows}})
+    print(f"\nbatch {args.batch}, {steps} decode steps, outputs "
+          f"{'every step' if args.every_step_outputs else 'final only'}: host "
+          f"{host / steps * 1e3:.2f} ms/step = {per_seq:.1f} us per sequence per step")
+    print("| phase | ms/step | us/seq/step |\n|---|---:|---:|")
+    for label, ms, us in rows:
+        print(f"| {label} | {ms:.3f} | {us:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
