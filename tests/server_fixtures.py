@@ -121,3 +121,14 @@ def live_server(engine: AsyncEngine, name: str = MODEL, **app_kwargs) -> Iterato
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@contextmanager
+def tiny_server(name: str) -> Iterator[LiveServer]:
+    """A live server over its own engine on the tiny random Llama, shut down after."""
+    engine = make_tiny_engine(tiny_model_dir())
+    try:
+        with live_server(engine, name) as server:
+            yield server
+    finally:
+        engine.shutdown()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
-from server_fixtures import live_server, make_tiny_engine, tiny_model_dir
+from server_fixtures import tiny_server
 
 from infer.server import build_app
 
@@ -27,12 +27,8 @@ CAPS = {"n": 2, "max_tokens": 8, "max_completion_tokens": 8}
 
 @pytest.fixture(scope="module")
 def server():
-    engine = make_tiny_engine(tiny_model_dir())
-    try:
-        with live_server(engine, NAME) as s:
-            yield s
-    finally:
-        engine.shutdown()
+    with tiny_server(NAME) as s:
+        yield s
 
 
 def _small_and_served(case):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from server_fixtures import live_server, make_tiny_engine, tiny_model_dir
+from server_fixtures import tiny_model_dir, tiny_server
 
 from infer import LLM, SamplingParams
 
@@ -20,12 +20,8 @@ IGNORE_EOS = {"ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def server():
-    engine = make_tiny_engine(tiny_model_dir())
-    try:
-        with live_server(engine, NAME) as s:
-            yield s
-    finally:
-        engine.shutdown()
+    with tiny_server(NAME) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
