@@ -39,15 +39,29 @@ def main() -> None:
     gpu_ms: list[float] = []
     execute = runner.execute
 
-    def timed_execute(inputs):
+    def timed_execute(inputs, device_input_ids=None):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = execute(inputs)
+        out = execute(inputs, device_input_ids)
         end.record()
         gpu_ms.append((start, end))
         return out
 
     runner.execute = timed_execute
+    host_ms: dict[str, list[float]] = {"_launch_ahead": [], "_finish": []}
+
+    def timed(name):  # host time of an engine method (async: does launching ever block?)
+        method = getattr(engine, name)
+
+        def wrapper(*a, **kw):
+            start = time.perf_counter()
+            out = method(*a, **kw)
+            host_ms[name].append((time.perf_counter() - start) * 1e3)
+            return out
+        setattr(engine, name, wrapper)
+
+    for name in host_ms:
+        timed(name)
     vocab = engine.model_config.vocab_size
     prompts = [[(11 * i + j) % vocab for j in range(128)] for i in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
@@ -57,6 +71,8 @@ def main() -> None:
         engine.add_request(f"r{i}", [t + 1 for t in p], params)
     engine.step()  # prefill
     gpu_ms.clear()
+    for times in host_ms.values():
+        times.clear()
     torch.cuda.synchronize()
     profiler = cProfile.Profile()
     steps, start = 0, time.perf_counter()
@@ -71,6 +87,11 @@ def main() -> None:
     print(f"{args.shape} batch {args.batch}: {steps} decode steps, {wall:.3f} ms/step wall, "
           f"{forward:.3f} ms/step GPU in execute (forward + LM head), "
           f"graphs={runner.graphs is not None}")
+    for name, times in host_ms.items():
+        times = sorted(times)
+        print(f"  host {name}: median {times[len(times) // 2]:.3f} ms, "
+              f"mean {sum(times) / len(times):.3f} ms over {len(times)} calls")
+    print(f"  steps launched ahead: {engine.num_steps_launched_ahead} of {engine.num_steps}")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
     if args.kernels:
         from torch.profiler import ProfilerActivity, profile

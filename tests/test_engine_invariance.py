@@ -32,6 +32,7 @@ def _batch(llm) -> list[list[int]]:
 
 VARIANTS = {
     "continuous-paged": dict(num_blocks=64),
+    "synchronous": dict(num_blocks=64, async_scheduling=False),
     "chunked-small": dict(num_blocks=64, prefill_chunk_size=3, max_num_batched_tokens=8),
     "no-chunking": dict(num_blocks=64, chunked_prefill=False, max_num_batched_tokens=256,
                         max_model_len=256),

@@ -155,3 +155,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling depends on the tokens generated so far (not just their count)."""
+        return (self.repetition_penalty != 1 or self.frequency_penalty != 0
+                or self.presence_penalty != 0)

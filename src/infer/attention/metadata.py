@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from infer.transfer import to_device
+
 
 @dataclass
 class AttentionMetadata:
@@ -71,12 +73,11 @@ class AttentionMetadata:
         starts = [0]
         for q_len in query_lens:
             starts.append(starts[-1] + q_len)
-        as_int32 = dict(dtype=torch.int32, device=device)
         return AttentionMetadata(
-            query_start_loc=torch.tensor(starts, **as_int32),
-            seq_lens=torch.tensor(seq_lens, **as_int32),
-            block_tables=padded_block_tables(block_tables).to(device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=to_device(torch.tensor(starts, dtype=torch.int32), device),
+            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32), device),
+            block_tables=to_device(padded_block_tables(block_tables), device),
+            slot_mapping=to_device(torch.tensor(slots, dtype=torch.int64), device),
             block_size=block_size,
             query_lens_host=list(query_lens),
             seq_lens_host=list(seq_lens),

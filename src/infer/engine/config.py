@@ -34,6 +34,9 @@ class EngineConfig:
     # Norms, RoPE and gated activations: the same choice as attention_backend.
     kernel_backend: str = "auto"
     cuda_graphs: bool = True  # replay captured decode steps (CUDA + triton attention only)
+    # Launch the next decode step before this one's tokens reach the host (stop checks run
+    # one step behind), so the GPU does not idle during the host's bookkeeping.
+    async_scheduling: bool = True
     max_waiting_requests: int | None = None  # None: unbounded queue
 
     def __post_init__(self) -> None:

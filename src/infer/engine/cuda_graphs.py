@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from infer.attention.metadata import AttentionMetadata, padded_block_tables
+from infer.transfer import to_device
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -92,24 +93,28 @@ class DecodeGraphs:
         self.capture_seconds = time.perf_counter() - start
 
     def run(
-        self, input_ids: list[int], positions: list[int], slots: list[int],
+        self, input_ids: list[int] | torch.Tensor, positions: list[int], slots: list[int],
         seq_lens: list[int], block_tables: list[list[int]],
     ) -> torch.Tensor:
-        """Hidden states `[n, hidden]` of one all-decode step of n <= max_batch sequences."""
-        n = len(input_ids)
+        """Hidden states `[n, hidden]` of one all-decode step of n <= max_batch sequences.
+        `input_ids` may already be on the device (the tokens the step before sampled)."""
+        n = len(positions)
         size = next(s for s in self.sizes if s >= n)
         self.steps += 1
         pad = size - n
-        host_long = torch.tensor([input_ids + [0] * pad, positions + [0] * pad,
-                                  slots + [-1] * pad], dtype=torch.long)
-        host_int = padded_block_tables(block_tables, size)
-        width = host_int.shape[1]
-        self.input_ids[:size].copy_(host_long[0], non_blocking=True)
-        self.positions[:size].copy_(host_long[1], non_blocking=True)
-        self.slot_mapping[:size].copy_(host_long[2], non_blocking=True)
-        self.seq_lens[:size].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32),
-                                   non_blocking=True)
-        self.block_tables[:size, :width].copy_(host_int, non_blocking=True)
+        on_device = isinstance(input_ids, torch.Tensor)
+        host_ids = [0] * size if on_device else input_ids + [0] * pad
+        rows = to_device(torch.tensor([host_ids, positions + [0] * pad, slots + [-1] * pad,
+                                       seq_lens + [1] * pad], dtype=torch.long), self.device)
+        tables = to_device(padded_block_tables(block_tables, size), self.device)
+        if on_device:
+            self.input_ids[:n].copy_(input_ids)
+        else:
+            self.input_ids[:size].copy_(rows[0])
+        self.positions[:size].copy_(rows[1])
+        self.slot_mapping[:size].copy_(rows[2])
+        self.seq_lens[:size].copy_(rows[3])
+        self.block_tables[:size, :tables.shape[1]].copy_(tables)
         if size in self.graphs:
             self.graphs[size].replay()
             return self.hidden[size][:n]

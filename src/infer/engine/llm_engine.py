@@ -19,14 +19,15 @@ from infer.cache.kv_manager import KVCacheManager
 from infer.engine.config import EngineConfig
 from infer.engine.detokenizer import IncrementalDetokenizer
 from infer.engine.memory import plan_kv_cache
-from infer.engine.model_runner import ModelRunner
+from infer.engine.model_runner import ModelRunner, StepInputs
 from infer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from infer.engine.request import Request
 from infer.engine.sampler import SamplingBatch, sample
-from infer.engine.scheduler import Scheduler, SchedulerOutput
+from infer.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from infer.engine.setup import load_model_and_tokenizer, pick_backend, pick_device_and_dtype
 from infer.models.layers import set_kernel_backend
 from infer.sampling_params import SamplingParams
+from infer.transfer import HostCopy, to_device
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,16 @@ class _Group:
     # Only the finished output is wanted (LLM.generate): no RequestOutput per step.
     final_only: bool = False
     first_token_time: float | None = None
+
+
+@dataclass
+class _StepInFlight:
+    """A launched step not yet accounted: the scheduler and sequences do not show it."""
+
+    out: SchedulerOutput
+    seqs: list[_Sequence]  # the sequences that sample, in row order
+    token_ids: torch.Tensor | None  # [rows] sampled ids on the device
+    results: HostCopy | None  # token ids, logprobs, top logprobs on their way to the host
 
 
 class RequestRejected(ValueError):
@@ -115,6 +126,10 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._next_id = 0
+        self._in_flight: _StepInFlight | None = None
+        self.num_steps = 0
+        self.num_steps_launched_ahead = 0
+        self.num_discarded_tokens = 0  # sampled for a sequence that stopped or was aborted
 
     # -- requests --------------------------------------------------------------------
     def add_request(
@@ -221,45 +236,111 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for every request that changed.
 
+        With async scheduling the next decode step may already be launched on the device
+        (`_launch_ahead`) before this step's tokens are read back and accounted, so the GPU
+        never waits for the host's bookkeeping.
+
         If the step raises (model forward, sampling, detokenizing), every request it had
         scheduled is aborted, freeing its KV blocks, before the error propagates: their
         state may be half-updated. Requests not in the step are untouched, so the engine
         keeps serving.
         """
-        out = self.scheduler.schedule()
+        step, self._in_flight = self._in_flight, None
+        out = step.out if step is not None else self.scheduler.schedule()
         if out.empty:
             return []
-        group_ids = {self.sequences[item.request.request_id].group_id for item in out.scheduled}
         try:
-            return self._run(out)
+            if step is None:
+                step = self._launch(out, self.runner.prepare(out, self.kv.tables))
+            self._in_flight = self._launch_ahead(step)
+            return self._finish(step)
         except BaseException:
-            for group_id in group_ids:
-                self.abort_request(group_id)
+            self._abort_scheduled(out)
+            if self._in_flight is not None:
+                self._abort_scheduled(self._in_flight.out)
+                self._in_flight = None
             raise
 
-    def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
-        inputs = self.runner.prepare(out, self.kv.tables)
+    def _abort_scheduled(self, out: SchedulerOutput) -> None:
+        for item in out.scheduled:
+            seq = self.sequences.get(item.request.request_id)
+            if seq is not None and seq.request is item.request:
+                self.abort_request(seq.group_id)
+
+    def _launch(self, out: SchedulerOutput, inputs: StepInputs,
+                device_input_ids: torch.Tensor | None = None, ahead: int = 0) -> _StepInFlight:
+        """Queue the step's forward and sampling on the device; nothing waits for them."""
+        seqs = [self.sequences[rid] for rid in inputs.sample_request_ids]
+        logits = self.runner.execute(inputs, device_input_ids)
+        self.num_steps += 1
+        self.num_steps_launched_ahead += ahead
+        if not seqs:
+            return _StepInFlight(out, [], None, None)
+        result = sample(logits, self._sampling_batch(seqs, ahead))
+        results = HostCopy(result.token_ids, result.logprobs, result.top_logprob_ids,
+                           result.top_logprobs)
+        return _StepInFlight(out, seqs, result.token_ids, results)
+
+    def _launch_ahead(self, prev: _StepInFlight) -> _StepInFlight | None:
+        """Launch the step after `prev` before prev's tokens reach the host, when that
+        step is sure to be prev's sampling sequences each decoding one more token: nothing
+        waits, nothing is mid-prefill, and no sequence's sampling depends on prev's token
+        values (penalties). Sequences that prev ends by length are left out; one that prev
+        ends by a stop token or string computes one token in vain, dropped when accounted.
+        None: the scheduler plans the next step once prev is accounted."""
+        if not self.config.async_scheduling or self.scheduler.waiting or not prev.seqs:
+            return None
+        live = [(row, seq) for row, seq in enumerate(prev.seqs) if not seq.request.finished]
+        if len(live) != len(self.scheduler.running):
+            return None
+        if any(seq.params.has_penalties for _, seq in live):
+            return None
+        next_pos = {id(i.request): i.start + i.num_new_tokens for i in prev.out.scheduled}
+        rows: list[int] = []
+        seqs: list[_Sequence] = []
+        inputs = StepInputs([], [], [], [], [], [], [])
+        for row, seq in live:
+            request = seq.request
+            if len(request.output_token_ids) + 1 >= request.max_new_tokens:
+                continue  # prev samples its last token
+            pos = next_pos[id(request)]
+            if not self.kv.allocate(request.request_id, pos + 1):
+                return None
+            inputs.positions.append(pos)
+            inputs.query_lens.append(1)
+            inputs.seq_lens.append(pos + 1)
+            inputs.block_tables.append(self.kv.tables[request.request_id])
+            inputs.sample_rows.append(len(rows))
+            inputs.sample_request_ids.append(request.request_id)
+            rows.append(row)
+            seqs.append(seq)
+        if not rows:
+            return None
+        ids = prev.token_ids
+        if rows != list(range(len(prev.seqs))):
+            ids = ids[to_device(torch.tensor(rows), self.device)]
+        out = SchedulerOutput([ScheduledRequest(seq.request, 1) for seq in seqs])
+        return self._launch(out, inputs, ids, ahead=1)
+
+    def _finish(self, step: _StepInFlight) -> list[RequestOutput]:
+        """Wait for the step's tokens, account them, check stops, build outputs."""
         sampled: dict[str, int] = {}
-        if inputs.sample_request_ids:
-            seqs = [self.sequences[rid] for rid in inputs.sample_request_ids]
-            logits = self.runner.execute(inputs)
-            result = sample(logits, self._sampling_batch(seqs))
-            token_ids = result.token_ids.tolist()
-            chosen_lp = result.logprobs.tolist()
-            tops = None
-            if result.top_logprob_ids is not None:
-                tops = (result.top_logprob_ids.tolist(), result.top_logprobs.tolist())
-            for row, seq in enumerate(seqs):
+        if step.seqs:
+            token_ids, chosen_lp, top_ids, top_lps = (
+                None if t is None else t.tolist() for t in step.results.wait())
+            tops = None if top_ids is None else (top_ids, top_lps)
+            for row, seq in enumerate(step.seqs):
+                if seq.request.finished:
+                    self.num_discarded_tokens += 1
+                    continue
                 token = token_ids[row]
                 sampled[seq.request.request_id] = token
                 seq.cumulative_logprob += chosen_lp[row]
                 if seq.logprobs is not None:
                     seq.logprobs.append(self._logprob_entry(
                         token, chosen_lp[row], tops, row, seq.params.logprobs or 0))
-        else:
-            self.runner.execute(inputs)
         changed: set[str] = set()
-        for request in self.scheduler.update(out, sampled):
+        for request in self.scheduler.update(step.out, sampled):
             seq = self.sequences[request.request_id]
             self.generation_tokens_total += 1
             self._check_stop(seq)
@@ -278,12 +359,14 @@ class LLMEngine:
                     del self.sequences[seq.request.request_id]
         return outputs
 
-    def _sampling_batch(self, seqs: list[_Sequence]) -> SamplingBatch:
-        banned = []
+    def _sampling_batch(self, seqs: list[_Sequence], ahead: int = 0) -> SamplingBatch:
+        """`ahead`: tokens each sequence has sampled that are not in its output yet."""
+        banned, positions = [], []
         for seq in seqs:
-            r, p = seq.request, seq.params
-            if len(r.output_token_ids) < p.min_tokens:
-                banned.append(list(self.eos_token_ids) + list(p.stop_token_ids or []))
+            n_out = len(seq.request.output_token_ids) + ahead
+            positions.append(n_out)
+            if n_out < seq.params.min_tokens:
+                banned.append(list(self.eos_token_ids) + list(seq.params.stop_token_ids or []))
             else:
                 banned.append([])
         return SamplingBatch.build(
@@ -291,6 +374,7 @@ class LLMEngine:
             [s.request.prompt_token_ids for s in seqs],
             [s.request.output_token_ids for s in seqs],
             vocab_size=self.model_config.vocab_size, device=self.device, banned=banned,
+            positions=positions,
         )
 
     def _logprob_entry(self, token, lp, tops, row, k) -> dict[int, Logprob]:
@@ -357,4 +441,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
+            "num_steps": self.num_steps,
+            "num_steps_launched_ahead": self.num_steps_launched_ahead,
+            "num_discarded_tokens": self.num_discarded_tokens,
         }

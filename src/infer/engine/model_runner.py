@@ -17,6 +17,7 @@ from infer.config import ModelConfig
 from infer.engine.cuda_graphs import DecodeGraphs
 from infer.engine.scheduler import SchedulerOutput
 from infer.models.layers import set_kernel_backend
+from infer.transfer import to_device
 
 
 @dataclass
@@ -100,25 +101,31 @@ class ModelRunner:
         return inputs
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """Float32 logits `[num_sampling_requests, vocab]`."""
+    def execute(self, inputs: StepInputs, device_input_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Float32 logits `[num_sampling_requests, vocab]`. `device_input_ids` replaces
+        `inputs.input_ids` with ids already on the device (async scheduling: the tokens the
+        step still in flight will have sampled)."""
         if self._layers[0].k_cache is not self._views[0][0]:
             self._bind()
+        ids = inputs.input_ids if device_input_ids is None else device_input_ids
         if (self.graphs is not None and inputs.is_decode
                 and len(inputs.query_lens) <= self.graphs.max_batch):
             slots = [t[(n - 1) // self.block_size] * self.block_size + (n - 1) % self.block_size
                      for t, n in zip(inputs.block_tables, inputs.seq_lens)]
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, slots,
-                                     inputs.seq_lens, inputs.block_tables)
+            hidden = self.graphs.run(ids, inputs.positions, slots, inputs.seq_lens,
+                                     inputs.block_tables)
         else:
             meta = AttentionMetadata.build(inputs.query_lens, inputs.seq_lens,
                                            inputs.block_tables, self.block_size, self.device)
-            ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)
-            positions = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)
+            if device_input_ids is None:
+                ids = to_device(torch.tensor(inputs.input_ids, dtype=torch.long), self.device)
+            positions = to_device(torch.tensor(inputs.positions, dtype=torch.long), self.device)
             hidden = self.model(ids, positions, meta)
         if not inputs.sample_rows:
             return hidden[:0]
         if inputs.sample_rows != list(range(len(inputs.sample_rows))) or \
                 len(inputs.sample_rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(inputs.sample_rows, device=self.device)]
+            rows = to_device(torch.tensor(inputs.sample_rows), self.device)
+            hidden = hidden[rows]
         return self.model.compute_logits(hidden)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from infer.sampling_params import SamplingParams
+from infer.transfer import to_device
 
 # top_p cut: the float32 cumulative sum may land a hair below top_p where the exact mass is
 # exactly top_p; without the tolerance that would keep one extra token at the boundary.
@@ -94,7 +95,7 @@ class SamplingBatch:
         random_params = [p for p in params if not p.greedy]
 
         def col(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).view(b, 1).to(device, non_blocking=True)
+            return to_device(torch.tensor(values, dtype=dtype).view(b, 1), device)
 
         def per_row(name: str, disabled: float) -> torch.Tensor:
             return col([disabled if g else getattr(p, name) for p, g in zip(params, greedy)])
@@ -115,13 +116,10 @@ class SamplingBatch:
                 min_p = per_row("min_p", 0.0)
 
         rep = freq = pres = counts = prompt_mask = None
-        pen_rows = [
-            i for i, p in enumerate(params)
-            if p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
-        ]
+        pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
         if pen_rows:
             counts = torch.zeros(b, v, device=device)
-            flat = _flat_index(output_token_ids, pen_rows, v).to(device, non_blocking=True)
+            flat = to_device(_flat_index(output_token_ids, pen_rows, v), device)
             counts.view(-1).scatter_add_(0, flat, torch.ones(flat.numel(), device=device))
             rep_rows = [i for i in pen_rows if params[i].repetition_penalty != 1]
             if rep_rows:
@@ -188,7 +186,7 @@ def _mask(
     token_lists: list[list[int]], rows: list[int], b: int, v: int, device: torch.device
 ) -> torch.Tensor:
     mask = torch.zeros(b, v, dtype=torch.bool, device=device)
-    flat = _flat_index(token_lists, rows, v).to(device, non_blocking=True)
+    flat = to_device(_flat_index(token_lists, rows, v), device)
     mask.view(-1).scatter_(0, flat, True)
     return mask
 
@@ -271,7 +269,7 @@ def _race(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             gen = torch.Generator(device=x.device)
             gen.manual_seed(_row_seed(seed, position))
             draws.append(torch.empty(v, device=x.device).exponential_(generator=gen))
-        rows = torch.tensor([r for r, _, _ in batch.seeded_rows]).to(x.device, non_blocking=True)
+        rows = to_device(torch.tensor([r for r, _, _ in batch.seeded_rows]), x.device)
         noise[rows] = torch.stack(draws)
     # E = 0 would make log E = -inf and lift a -inf (filtered) token to NaN.
     noise = noise.clamp_min_(torch.finfo(noise.dtype).tiny)

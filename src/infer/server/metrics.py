@@ -26,6 +26,11 @@ _COUNTERS = {
     "generation_tokens": "Tokens generated",
     "request_rejected": "Requests refused because the waiting queue was full",
     "engine_step_errors": "Engine steps that raised",
+    "num_steps": "Engine steps run (model forwards)",
+    "num_steps_launched_ahead": "Decode steps launched before the previous step's tokens "
+                                "were read (async scheduling)",
+    "num_discarded_tokens": "Tokens sampled for a sequence that had already stopped "
+                            "(async scheduling)",
 }
 _COUNTER_SOURCES = {
     "prompt_tokens": "prompt_tokens_total", "generation_tokens": "generation_tokens_total",
