@@ -20,11 +20,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
 
+def prefill(engine) -> None:
+    """Step until every request has its prompt in the cache (only decodes remain)."""
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids)
+                                   for r in scheduler.running):
+        engine.step()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="llama-3.2-1b")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--kernels", action="store_true",
                         help="also print the GPU kernels' share of the decode steps "
                              "(torch.profiler)")
@@ -33,7 +42,8 @@ def main() -> None:
     from infer import SamplingParams
 
     path = common.get_checkpoint(args.shape, args.tiny, args.ckpt_root)
-    flags = {"max_model_len": 1024, **common.parse_engine_flags(args.engine)}
+    flags = {"max_model_len": args.prompt_len + args.steps + 64,
+             "max_num_seqs": max(64, args.batch), **common.parse_engine_flags(args.engine)}
     llm, _ = common.build_llm(path, flags)
     engine, runner = llm.engine, llm.engine.runner
     gpu_ms: list[float] = []
@@ -63,13 +73,14 @@ def main() -> None:
     for name in host_ms:
         timed(name)
     vocab = engine.model_config.vocab_size
-    prompts = [[(11 * i + j) % vocab for j in range(128)] for i in range(args.batch)]
+    prompts = [[(11 * i + j) % vocab for j in range(args.prompt_len)]
+               for i in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", [t + 1 for t in p], params)
-    engine.step()  # prefill
+    prefill(engine)
     gpu_ms.clear()
     for times in host_ms.values():
         times.clear()
@@ -98,7 +109,7 @@ def main() -> None:
 
         for i, p in enumerate(prompts):
             engine.add_request(f"k{i}", [t + 2 for t in p], params)
-        engine.step()
+        prefill(engine)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(32):
                 engine.step()

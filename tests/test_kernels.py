@@ -160,6 +160,30 @@ def test_paged_prefill_with_cached_prefix(heads, kv_heads, head_dim, window, sof
     assert_close(out, expected)
 
 
+@pytest.mark.parametrize(("query_lens", "seq_lens", "window", "num_dense"), [
+    # a decode, a short prompt, then a long prompt and a long chunk after a cached prefix
+    ([1, 3, 9, 6], [20, 3, 9, 30], None, 2),
+    ([8, 12], [40, 12], None, 2),  # every sequence long
+    ([9, 1], [9, 12], None, 0),  # the long one is not at the end: all through our kernel
+    ([9, 6], [9, 30], 5, 0),  # sliding window: our kernel
+])
+def test_triton_backend_sends_long_prefills_to_sdpa(monkeypatch, query_lens, seq_lens, window,
+                                                   num_dense) -> None:
+    from infer.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "DENSE_PREFILL_MIN_TOKENS", 6)
+    calls = []
+    real = triton_backend.dense_prefill
+    monkeypatch.setattr(triton_backend, "dense_prefill",
+                        lambda *args: calls.append(1) or real(*args))
+    meta, q, (k_cache, v_cache), (k_ref, v_ref) = _paged_case(query_lens, seq_lens, 8, 2, 64,
+                                                              block_size=4)
+    expected = torch_backend.paged_attention(q, k_ref, v_ref, meta, 0.125, window)
+    assert_close(triton_backend.paged_attention(q, k_cache, v_cache, meta, 0.125, window),
+                 expected)
+    assert len(calls) == num_dense
+
+
 def test_paged_attention_dispatches_decode() -> None:
     meta, q, (k_cache, v_cache), (k_ref, v_ref) = _paged_case([1, 1], [5, 37], 4, 1, 64)
     expected = torch_backend.paged_attention(q, k_ref, v_ref, meta, 0.125)

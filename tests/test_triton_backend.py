@@ -103,6 +103,25 @@ def test_decode_graph_buffers_match_torch(model_dir):
     _assert_same(outs, ref)
 
 
+def test_long_prefills_through_sdpa_match_torch(model_dir, monkeypatch):
+    """The per-size choice inside the Triton backend (long prefills -> SDPA), with the
+    threshold lowered so that this test's prompts and chunks cross it."""
+    from infer.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "DENSE_PREFILL_MIN_TOKENS", 8)
+    calls = []
+    real = triton_backend.dense_prefill
+    monkeypatch.setattr(triton_backend, "dense_prefill",
+                        lambda *args: calls.append(1) or real(*args))
+    ref = _generate(model_dir, attention_backend="torch", kernel_backend="torch")
+    assert not calls
+    outs = _generate(model_dir, attention_backend="triton",
+                     kernel_backend="torch" if DEVICE == "cpu" else "triton")
+    # every Mistral layer has a sliding window, which stays on our kernel
+    assert bool(calls) == ("mistral" not in model_dir.name)
+    _assert_same(outs, ref)
+
+
 def test_graph_batch_sizes():
     assert graph_batch_sizes(1) == [1]
     assert graph_batch_sizes(6) == [1, 2, 4, 6]
