@@ -61,6 +61,8 @@ def main() -> None:
     timed(engine.scheduler, "schedule", "schedule")
     timed(engine.scheduler, "update", "scheduler update")
     timed(engine.runner, "prepare", "prepare inputs")
+    if hasattr(engine, "_plan_ahead"):  # async scheduling
+        timed(engine, "_plan_ahead", "prepare inputs (launched ahead)")
     timed(engine.runner, "execute", "model forward (not host)")
     timed(engine, "_sampling_batch", "sampling batch")
     timed(llm_engine, "sample", "sample")

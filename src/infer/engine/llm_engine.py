@@ -295,6 +295,20 @@ class LLMEngine:
             return None
         if any(seq.params.has_penalties for _, seq in live):
             return None
+        plan = self._plan_ahead(prev, live)
+        if plan is None:
+            return None
+        inputs, rows, seqs = plan
+        ids = prev.token_ids
+        if rows != list(range(len(prev.seqs))):
+            ids = ids[to_device(torch.tensor(rows), self.device)]
+        out = SchedulerOutput([ScheduledRequest(seq.request, 1) for seq in seqs])
+        return self._launch(out, inputs, ids, ahead=1)
+
+    def _plan_ahead(self, prev: _StepInFlight, live: list[tuple[int, _Sequence]]
+                    ) -> tuple[StepInputs, list[int], list[_Sequence]] | None:
+        """Inputs of the step after `prev` for its `live` (row, sequence) pairs, their
+        blocks allocated; None if the pool is short."""
         next_pos = {id(i.request): i.start + i.num_new_tokens for i in prev.out.scheduled}
         rows: list[int] = []
         seqs: list[_Sequence] = []
@@ -314,13 +328,7 @@ class LLMEngine:
             inputs.sample_request_ids.append(request.request_id)
             rows.append(row)
             seqs.append(seq)
-        if not rows:
-            return None
-        ids = prev.token_ids
-        if rows != list(range(len(prev.seqs))):
-            ids = ids[to_device(torch.tensor(rows), self.device)]
-        out = SchedulerOutput([ScheduledRequest(seq.request, 1) for seq in seqs])
-        return self._launch(out, inputs, ids, ahead=1)
+        return (inputs, rows, seqs) if rows else None
 
     def _finish(self, step: _StepInFlight) -> list[RequestOutput]:
         """Wait for the step's tokens, account them, check stops, build outputs."""
