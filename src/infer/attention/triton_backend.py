@@ -47,7 +47,7 @@ def paged_attention(
     if first == meta.num_seqs:
         return kernels.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window,
                                        logit_softcap, num_splits=meta.decode_splits)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     start = sum(meta.query_lens_host[:first])
     if first > 0:
         kernels.paged_prefill(q[:start], k_cache, v_cache, meta.query_start_loc[:first + 1],
