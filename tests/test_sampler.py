@@ -1,5 +1,7 @@
 """The batched sampler against hand-computed references on small vocabularies."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -295,12 +297,21 @@ def test_logprobs_zero_returns_no_top_arrays():
     assert out.logprobs.shape == (2,)
 
 
+def test_no_logprobs_asked_skips_them_and_keeps_the_tokens():
+    logits = torch.randn(3, 50)
+    params = [P(temperature=0), P(temperature=0.7, seed=5), P(top_k=4, seed=9)]
+    without = sample(logits, build(params, 50))
+    with_lp = sample(logits, build([dataclasses.replace(p, logprobs=0) for p in params], 50))
+    assert without.logprobs is None
+    assert torch.equal(without.token_ids, with_lp.token_ids)
+
+
 # -- banned ids ----------------------------------------------------------------------------
 def test_banned_ids_never_sampled():
     row = [5.0, 4.0, 0.0, 0.0, 3.0, -1.0]
     n = 5000
     logits = torch.tensor([row] * n)
-    params = [P(seed=i) if i % 2 else P() for i in range(n)]
+    params = [P(seed=i, logprobs=0) if i % 2 else P(logprobs=0) for i in range(n)]
     out = sample(logits, build(params, 6, banned=[[0, 1]] * n))
     assert not torch.isin(out.token_ids, torch.tensor([0, 1])).any()
     expected = restricted(softmax64(row), {2, 3, 4, 5})
@@ -455,7 +466,8 @@ def test_mixed_batch_rows_equal_rows_alone(case, rnd):
         j = order.index(i)
         assert int(full.token_ids[i]) == int(alone.token_ids[0]), (i, p)
         assert int(shuffled.token_ids[j]) == int(alone.token_ids[0]), (i, p)
-        assert full.logprobs[i] == alone.logprobs[0] == shuffled.logprobs[j]
+        if alone.logprobs is not None:  # computed only when some row asks
+            assert full.logprobs[i] == alone.logprobs[0] == shuffled.logprobs[j]
         if alone.top_logprobs is not None:
             k = alone.top_logprobs.shape[1]
             assert torch.equal(full.top_logprobs[i, :k], alone.top_logprobs[0])

@@ -343,8 +343,8 @@ class LLMEngine:
                     continue
                 token = token_ids[row]
                 sampled[seq.request.request_id] = token
-                seq.cumulative_logprob += chosen_lp[row]
-                if seq.logprobs is not None:
+                if seq.logprobs is not None:  # then the batch computed chosen_lp
+                    seq.cumulative_logprob += chosen_lp[row]
                     seq.logprobs.append(self._logprob_entry(
                         token, chosen_lp[row], tops, row, seq.params.logprobs or 0))
         changed: set[str] = set()

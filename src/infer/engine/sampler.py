@@ -5,6 +5,7 @@ Per row (all rows at once, per-row parameters held in [B, 1] tensors; no loop ov
 0. logprobs: the returned `logprobs` / `top_logprobs` are log_softmax of the RAW logits
    (before banning, penalties, temperature and filters): the model's own distribution,
    like vLLM's default "raw_logprobs". They describe the model, not the filtered sampler.
+   Computed only when some row asks for logprobs.
 1. banned ids (e.g. EOS while fewer than min_tokens were generated) -> -inf.
 2. penalties, on tokens seen before: repetition (tokens in the prompt or the output; a
    positive logit is divided by the penalty, a negative one multiplied), then frequency
@@ -39,7 +40,9 @@ _TOP_P_TOL = 1e-6
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor  # [B] float32: the sampled token's raw logprob
+    # [B] float32: the sampled token's raw logprob; None when no row asked for logprobs
+    # (it costs a log-softmax pass over the whole vocabulary)
+    logprobs: torch.Tensor | None
     top_logprob_ids: torch.Tensor | None = None  # [B, K] int64, most likely first
     top_logprobs: torch.Tensor | None = None  # [B, K] float32, raw, descending
 
@@ -72,6 +75,7 @@ class SamplingBatch:
     seeded_rows: list[tuple[int, int, int]]
     any_unseeded_random: bool
     num_logprobs: int  # K: max over rows of SamplingParams.logprobs (0: no top-K)
+    want_logprobs: bool  # some row set SamplingParams.logprobs (0 included)
 
     @classmethod
     def build(
@@ -169,6 +173,7 @@ class SamplingBatch:
             seeded_rows=seeded,
             any_unseeded_random=any(p.seed is None for p in random_params),
             num_logprobs=min(max((p.logprobs or 0 for p in params), default=0), v),
+            want_logprobs=any(p.logprobs is not None for p in params),
         )
 
 
@@ -284,7 +289,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if logits.dim() != 2 or logits.shape[1] != batch.vocab_size:
         raise ValueError(f"logits shape {tuple(logits.shape)}, want [B, {batch.vocab_size}]")
     logits = logits.float()
-    lse = logits.logsumexp(dim=-1, keepdim=True)
+    lse = logits.logsumexp(dim=-1, keepdim=True) if batch.want_logprobs else None
     top_ids = top_lps = None
     if batch.num_logprobs > 0:
         values, top_ids = logits.topk(batch.num_logprobs, dim=-1)
@@ -300,5 +305,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         tokens = _race(filter_logits(x, batch), batch)
         if batch.greedy is not None:
             tokens = torch.where(batch.greedy, x.argmax(dim=-1), tokens)
-    chosen = (logits.gather(1, tokens[:, None]) - lse).squeeze(1)
+    chosen = None
+    if lse is not None:
+        chosen = (logits.gather(1, tokens[:, None]) - lse).squeeze(1)
     return SamplerOutput(tokens, chosen, top_ids, top_lps)
