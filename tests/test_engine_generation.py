@@ -154,3 +154,32 @@ def test_request_that_can_never_fit_the_pool_is_rejected():
     llm = make_llm(num_blocks=4, block_size=4, max_model_len=512)
     with pytest.raises(ValueError, match="KV blocks"):
         llm.engine.add_request(None, "hello", SamplingParams(max_tokens=100))
+
+
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_text_decoded_once_at_the_end_equals_the_streamed_text(which, monkeypatch):
+    """LLM.generate wants final outputs only, so without stop strings it decodes the text
+    once at the end; it must equal the text built token by token for a stream."""
+    from infer.engine.detokenizer import IncrementalDetokenizer
+
+    llm = make_llm(gemma3_gguf() if which == "gemma3" else smollm2_gguf(), num_blocks=128)
+    prompts = ["日本の首都は", "Party time 🎉🎉 and", "Ünïcödé façade, naïve café:",
+               "def f(x):\n    return"]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True)
+              for i in range(len(prompts))]
+    engine = llm.engine
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"s{i}", prompt, p)
+    streamed = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed[out.request_id] = out.outputs[0]
+    pushes = []
+    real_push = IncrementalDetokenizer.push
+    monkeypatch.setattr(IncrementalDetokenizer, "push",
+                        lambda self, t: pushes.append(t) or real_push(self, t))
+    at_end = llm.generate(prompts, params, use_tqdm=False)
+    assert not pushes
+    for i, out in enumerate(at_end):
+        assert out.outputs[0].token_ids == streamed[f"s{i}"].token_ids
+        assert out.outputs[0].text == streamed[f"s{i}"].text

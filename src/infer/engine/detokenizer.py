@@ -55,6 +55,11 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return self._find_stop(old_len)
 
+    def append(self, token_id: int) -> None:
+        """Add a token without decoding it (no stop strings to look for, no text wanted
+        before the end): `flush` decodes everything pending in one call."""
+        self.ids.append(token_id)
+
     def flush(self) -> None:
         """At the end: take whatever is pending, even an incomplete character."""
         if self.read_offset < len(self.ids):

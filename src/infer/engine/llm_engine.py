@@ -40,6 +40,8 @@ class _Sequence:
     detok: IncrementalDetokenizer
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
+    # Final output only and no stop strings: the text is decoded once, at the end.
+    text_at_end: bool = False
 
 
 @dataclass
@@ -165,6 +167,7 @@ class LLMEngine:
                 IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                        params.stop, params.include_stop_str_in_output),
                 logprobs=[] if params.logprobs is not None else None,
+                text_at_end=final_only and not params.stop,
             ))
         self.groups[request_id] = _Group(request_id, text, ids, sequences, now, final_only)
         for seq in sequences:
@@ -399,7 +402,11 @@ class LLMEngine:
         request, params = seq.request, seq.params
         token = request.output_token_ids[-1]
         n_out = len(request.output_token_ids)
-        stop_string = seq.detok.push(token)
+        if seq.text_at_end:
+            seq.detok.append(token)
+            stop_string = None
+        else:
+            stop_string = seq.detok.push(token)
         if n_out >= params.min_tokens:
             if token in (params.stop_token_ids or []):
                 return self.scheduler.finish(request, "stop", token)
