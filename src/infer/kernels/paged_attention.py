@@ -244,11 +244,13 @@ def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
     block_tables: torch.Tensor, scale: float, sliding_window: int | None = None,
     logit_softcap: float | None = None, num_splits: int = 1,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, block_n: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None,
 ) -> torch.Tensor:
     """One new query per sequence (`q[i]` is sequence i's token at position seq_lens[i]-1,
     its K/V already stored). Launch shape depends only on `q.shape` and `num_splits`, never
-    on sequence lengths."""
+    on sequence lengths. `block_n` (keys per tile), `num_warps` and `num_stages` override
+    the tuned launch (benchmarks/decode_attention_tuning.py)."""
     _check(q, k_cache, v_cache, block_tables, seq_lens)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -275,8 +277,12 @@ def paged_decode(
         block_tables.stride(0), out.stride(0), out.stride(1),
         num_heads, num_splits, **common,
         BLOCK_G=max(16, triton.next_power_of_2(common["group"])),
-        BLOCK_N=64 if head_dim <= 128 else 32, BLOCK_D=block_d, SPLIT=split,
-        num_warps=8,  # 4 warps spill the gathered K/V address tiles (sm_90, D=128)
+        # Tuned on the H100 for head_dim 128 (benchmarks/decode_attention_tuning.py): 128
+        # keys per tile and 4 warps beat 64 and 8 by 5-20 % from batch 1 to 256. Other
+        # head sizes keep the untuned launch.
+        BLOCK_N=block_n or (128 if head_dim == 128 else 64 if head_dim < 128 else 32),
+        BLOCK_D=block_d, SPLIT=split, num_warps=num_warps or (4 if head_dim == 128 else 8),
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if split:
         _reduce_kernel[(num_seqs, num_heads)](

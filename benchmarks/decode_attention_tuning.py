@@ -1,0 +1,73 @@
+"""Launch settings of the paged decode attention kernel (keys per tile, warps, pipeline
+stages) on the shapes that decide decode speed, bf16 on CUDA: GB/s of KV read (and % of
+the copy bandwidth measured in the same run) per setting; the first row is the default.
+
+    PYTHONPATH=src python benchmarks/decode_attention_tuning.py [out.json]
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels import copy_bandwidth, paged_setup
+
+from infer.kernels.paged_attention import default_num_splits, paged_decode
+
+CASES = [  # name, batch, context, heads, kv_heads, head_dim
+    ("qwen3-0.6b b256 ctx 600", 256, 600, 16, 8, 128),
+    ("llama-3.1-8b b1 ctx 256", 1, 256, 32, 8, 128),
+    ("llama-3.1-8b b32 ctx 2048", 32, 2048, 32, 8, 128),
+]
+SETTINGS = [(None, 8, None), *itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4))]
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    copy_gbs = copy_bandwidth()
+    rows = []
+    for name, batch, ctx, heads, kvh, d in CASES:
+        meta, kc, vc = paged_setup([1] * batch, [ctx] * batch, kvh, d)
+        q = torch.randn(batch, heads, d, device="cuda", dtype=torch.bfloat16)
+        splits = default_num_splits(batch, kvh, ctx, q.device)
+        ref = paged_decode(q, kc, vc, meta.seq_lens, meta.block_tables, d ** -0.5,
+                           num_splits=splits)
+        nbytes = batch * ctx * kvh * d * 2 * 2
+        args = (q, kc, vc, meta.seq_lens, meta.block_tables, d ** -0.5)
+        for block_n, warps, stages in SETTINGS:
+            def run(a=args, n=splits, b=block_n, w=warps, s=stages):
+                return paged_decode(*a, num_splits=n, block_n=b, num_warps=w, num_stages=s)
+            try:
+                err = (run().float() - ref.float()).abs().max().item()
+                ms = do_bench(run, warmup=20, rep=100, return_mode="median")
+            except Exception as e:  # out of resources etc.
+                print(f"{name} {block_n} {warps} {stages}: {str(e).splitlines()[0][:80]}")
+                continue
+            rows.append(dict(case=name, splits=splits, block_n=block_n, num_warps=warps,
+                             num_stages=stages, us=ms * 1e3, GBps=nbytes / ms / 1e6,
+                             frac_copy=nbytes / ms / 1e6 / copy_gbs, max_err=err))
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else (
+        Path(__file__).parent / "results" / "decode_attention_tuning.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_GBps=copy_gbs,
+                                   rows=rows), indent=2))
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s; best 5 settings per case (first: default)")
+    for name, *_ in CASES:
+        case = [r for r in rows if r["case"] == name]
+        if not case:
+            continue
+        best = sorted(case[1:], key=lambda r: r["us"])[:5]
+        for r in [case[0], *best]:
+            print(f"{name:28s} BLOCK_N {r['block_n']!s:>4s} warps {r['num_warps']} stages "
+                  f"{r['num_stages']!s:>4s} splits {r['splits']:2d}: {r['us']:8.1f} us "
+                  f"{r['GBps']:6.0f} GB/s {100 * r['frac_copy']:5.1f}% err {r['max_err']:.1e}")
+
+
+if __name__ == "__main__":
+    main()
