@@ -130,6 +130,7 @@ ATTN_CASES = [
     (4, 2, 64, 20, None),
     (8, 2, 64, None, 30.0),
     (6, 2, 80, 7, 20.0),
+    (4, 2, 128, None, None),  # the tuned decode launch (128 keys per tile, 4 warps)
 ]
 
 
