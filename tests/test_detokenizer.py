@@ -4,6 +4,8 @@ full decode, and no piece ever carries half of a UTF-8 character."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference_tokenizers import ours
 
 from infer.engine.detokenizer import IncrementalDetokenizer
@@ -57,3 +59,42 @@ def test_stop_string_across_tokens_is_held_back_and_cut(name):
     assert not any("two" in p for p in pieces)
     _, kept, _ = stream(tok, [], ids, stop=["two, and"], include_stop_str_in_output=True)
     assert kept == "The answer is forty-two, and"
+
+
+class _CharTokenizer:
+    """One token per character: token i is chr(i)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(map(chr, ids))
+
+
+def _first_stop_by_scanning(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """At the first character that completes a stop string, the leftmost stop string in
+    the text so far (the first listed on a tie): one find per string per character."""
+    for end in range(1, len(text) + 1):
+        found = [(text.find(s, 0, end), i, s) for i, s in enumerate(stops)
+                 if s in text[:end]]
+        if found:
+            return min(found)[::2]
+    return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="abc", max_size=30),
+       stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=6),
+       include=st.booleans())
+def test_one_pass_stop_matching_equals_scanning_each_string(text, stops, include):
+    detok = IncrementalDetokenizer(_CharTokenizer(), [], stop=stops,
+                                   include_stop_str_in_output=include)
+    stop = None
+    for ch in text:
+        stop = detok.push(ord(ch))
+        if stop is not None:
+            break
+    expected = _first_stop_by_scanning(text, stops)
+    if expected is None:
+        assert stop is None and detok.text == text
+    else:
+        at, s = expected
+        assert stop == s
+        assert detok.text == (text[:at + len(s)] if include else text[:at])

@@ -39,6 +39,7 @@ class LLM:
                 ids.append(self._add(prompt, sp, final_only=True))
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
+                    _raise_if_failed(out)
                     if out.finished:
                         finished[out.request_id] = out
                         if bar is not None:
@@ -75,6 +76,7 @@ class LLM:
             while not done:
                 for out in self.engine.step():
                     if out.request_id == rid:
+                        _raise_if_failed(out)
                         done = out.finished
                         yield out
         finally:
@@ -83,6 +85,11 @@ class LLM:
 
     def _add(self, prompt: Prompt, params: SamplingParams, final_only: bool = False) -> str:
         return self.engine.add_request(f"llm-{next(self._ids)}", prompt, params, final_only)
+
+
+def _raise_if_failed(output: RequestOutput) -> None:
+    if output.error is not None:
+        raise RuntimeError(f"request {output.request_id} failed: {output.error}")
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -9,6 +9,11 @@ from dataclasses import dataclass
 # Temperatures below this are greedy decoding (argmax): dividing by them would overflow.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
+# Bounds on stop conditions, so that one request cannot slow every step it shares: each
+# generated token is matched against all of a sequence's stop strings (OpenAI allows 4).
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 128
+MAX_STOP_TOKEN_IDS = 256
 
 
 def _is_int(value: object) -> bool:
@@ -132,11 +137,17 @@ class SamplingParams:
             stop = [stop]
         if not isinstance(stop, (list, tuple)):
             raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} "
+                             "are allowed")
         for s in stop:
             if not isinstance(s, str):
                 raise ValueError(f"stop strings must be strings, got {s!r}")
             if not s:
                 raise ValueError("stop strings must not be empty")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop strings must have at most {MAX_STOP_STRING_CHARS} "
+                                 f"characters, got one of {len(s)}")
         return list(stop)
 
     @staticmethod
@@ -145,6 +156,9 @@ class SamplingParams:
             return []
         if not isinstance(ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(ids)} ids; at most "
+                             f"{MAX_STOP_TOKEN_IDS} are allowed")
         for t in ids:
             if not _is_int(t):
                 raise ValueError(f"stop_token_ids must be ints, got {t!r}")

@@ -8,6 +8,7 @@ tokens is never half-emitted.
 
 from __future__ import annotations
 
+import re
 from typing import Protocol
 
 # Prompt tokens decoded in front of the output, so that tokenizers which strip a leading
@@ -35,6 +36,10 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text = ""
         self.stop = stop or []
+        # One pass over the new text for all stop strings: the leftmost match wins, and at
+        # one position the string listed first (alternation order).
+        self._stop_pattern = re.compile("|".join(map(re.escape, self.stop))) if self.stop \
+            else None
         self.include_stop = include_stop_str_in_output
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
         self.emitted = 0  # characters of `text` already returned by `new_text`
@@ -68,19 +73,13 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.ids)
 
     def _find_stop(self, old_len: int) -> str | None:
-        if not self.stop:
+        if self._stop_pattern is None:
             return None
-        search_from = max(0, old_len - self.hold_back)
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            at = self.text.find(s, search_from)
-            if at != -1 and (best is None or at < best[0]):
-                best = (at, s)
-        if best is None:
+        match = self._stop_pattern.search(self.text, max(0, old_len - self.hold_back))
+        if match is None:
             return None
-        at, s = best
-        self.text = self.text[: at + len(s)] if self.include_stop else self.text[:at]
-        return s
+        self.text = self.text[:match.end()] if self.include_stop else self.text[:match.start()]
+        return match.group()
 
     def new_text(self, finished: bool) -> str:
         """Text not returned before that is safe to show now."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ class _Sequence:
     request: Request
     params: SamplingParams
     detok: IncrementalDetokenizer
+    stop_token_ids: frozenset[int]
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     # Final output only and no stop strings: the text is decoded once, at the end.
@@ -132,6 +134,10 @@ class LLMEngine:
         self.num_steps = 0
         self.num_steps_launched_ahead = 0
         self.num_discarded_tokens = 0  # sampled for a sequence that stopped or was aborted
+        self.num_requests_failed = 0  # charged with a failure of their own (`error` set)
+        # Called once a step is scheduled, before it runs (a server refreshes its gauges:
+        # a long step would otherwise show the state from before it).
+        self.on_step_start: Callable[[], None] | None = None
 
     # -- requests --------------------------------------------------------------------
     def add_request(
@@ -152,6 +158,7 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         text, ids = self._tokenize(prompt)
         max_new = self._check_fits(ids, params)
+        self._check_token_ids(params)
         now = time.monotonic()
         sequences = []
         for i in range(params.n):
@@ -166,6 +173,7 @@ class LLMEngine:
                 request_id, child, seq_params,
                 IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                        params.stop, params.include_stop_str_in_output),
+                frozenset(params.stop_token_ids),
                 logprobs=[] if params.logprobs is not None else None,
                 text_at_end=final_only and not params.stop,
             ))
@@ -193,6 +201,15 @@ class LLMEngine:
         if bad:
             raise RequestRejected(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         return text, ids
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """Every token id a request names must be a row of the logits: one that is not
+        would fail the sampler for every request in the batch."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise RequestRejected(
+                f"stop_token_ids out of range [0, {vocab}): {bad[:5]}", "stop_token_ids")
 
     def _check_fits(self, ids: list[int], params: SamplingParams) -> int:
         n = len(ids)
@@ -243,19 +260,28 @@ class LLMEngine:
         (`_launch_ahead`) before this step's tokens are read back and accounted, so the GPU
         never waits for the host's bookkeeping.
 
-        If the step raises (model forward, sampling, detokenizing), every request it had
-        scheduled is aborted, freeing its KV blocks, before the error propagates: their
-        state may be half-updated. Requests not in the step are untouched, so the engine
-        keeps serving.
+        A failure is charged to the request that caused it whenever that can be told: that
+        request is aborted (its blocks freed) and gets a finished output with `error` set,
+        and the rest of the step goes on. Host-side preparation that fails is re-run one
+        request at a time to find the culprit; then nothing of the step has been accounted,
+        so the others are simply scheduled again. Accounting (logprobs, detokenizing, stop
+        checks, outputs) runs per request. A failure that no single request explains
+        (e.g. the model forward) aborts every request the step had scheduled, freeing their
+        blocks, and propagates; requests outside the step keep going.
         """
         step, self._in_flight = self._in_flight, None
         out = step.out if step is not None else self.scheduler.schedule()
         if out.empty:
             return []
+        if self.on_step_start is not None:
+            self.on_step_start()
         try:
             if step is None:
-                step = self._launch(out, self.runner.prepare(out, self.kv.tables))
-            self._in_flight = self._launch_ahead(step)
+                try:
+                    step = self._launch(out, self.runner.prepare(out, self.kv.tables))
+                except Exception as exc:
+                    return self._fail_launch(out, exc)
+            self._in_flight = self._try_launch_ahead(step)
             return self._finish(step)
         except BaseException:
             self._abort_scheduled(out)
@@ -263,6 +289,38 @@ class LLMEngine:
                 self._abort_scheduled(self._in_flight.out)
                 self._in_flight = None
             raise
+
+    def _fail_launch(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        culprits = self._culprits(out)
+        if not culprits:
+            raise exc
+        log.warning("step preparation failed (%r); failing %d request(s): %s", exc,
+                    len(culprits), ", ".join(culprits))
+        return [self._fail_group(self.groups[gid], exc) for gid in culprits]
+
+    def _culprits(self, out: SchedulerOutput) -> list[str]:
+        """The groups whose host-side step preparation fails when run on its own."""
+        culprits: dict[str, None] = {}
+        for item in out.scheduled:
+            seq = self.sequences.get(item.request.request_id)
+            if seq is None or seq.group_id in culprits:
+                continue
+            try:
+                inputs = self.runner.prepare(SchedulerOutput([item]), self.kv.tables)
+                if inputs.sample_request_ids:
+                    self._sampling_batch([seq])
+            except Exception:
+                culprits[seq.group_id] = None
+        return list(culprits)
+
+    def _try_launch_ahead(self, prev: _StepInFlight) -> _StepInFlight | None:
+        """A launch ahead that fails is dropped: nothing of it was accounted, and the next
+        step prepares the same work again the ordinary way, where a failure is charged."""
+        try:
+            return self._launch_ahead(prev)
+        except Exception as exc:
+            log.debug("launch ahead failed (%r); planning the next step after this one", exc)
+            return None
 
     def _abort_scheduled(self, out: SchedulerOutput) -> None:
         for item in out.scheduled:
@@ -336,6 +394,8 @@ class LLMEngine:
     def _finish(self, step: _StepInFlight) -> list[RequestOutput]:
         """Wait for the step's tokens, account them, check stops, build outputs."""
         sampled: dict[str, int] = {}
+        rows: dict[str, int] = {}
+        chosen_lp = tops = None
         if step.seqs:
             token_ids, chosen_lp, top_ids, top_lps = (
                 None if t is None else t.tolist() for t in step.results.wait())
@@ -344,31 +404,53 @@ class LLMEngine:
                 if seq.request.finished:
                     self.num_discarded_tokens += 1
                     continue
-                token = token_ids[row]
-                sampled[seq.request.request_id] = token
-                if seq.logprobs is not None:  # then the batch computed chosen_lp
-                    seq.cumulative_logprob += chosen_lp[row]
-                    seq.logprobs.append(self._logprob_entry(
-                        token, chosen_lp[row], tops, row, seq.params.logprobs or 0))
-        changed: set[str] = set()
+                sampled[seq.request.request_id] = token_ids[row]
+                rows[seq.request.request_id] = row
+        produced: dict[str, list[_Sequence]] = {}  # group id -> sequences with a new token
         for request in self.scheduler.update(step.out, sampled):
             seq = self.sequences[request.request_id]
+            produced.setdefault(seq.group_id, []).append(seq)
             self.generation_tokens_total += 1
-            self._check_stop(seq)
-            changed.add(seq.group_id)
         now = time.monotonic()
         outputs = []
-        for rid in changed:
-            group = self.groups[rid]
-            if group.first_token_time is None:
-                group.first_token_time = now
-            if not group.final_only or all(s.request.finished for s in group.sequences):
-                outputs.append(self._output(group, now))
-        for output in outputs:
+        for gid, seqs in produced.items():
+            group = self.groups[gid]
+            try:
+                for seq in seqs:
+                    if seq.logprobs is not None:  # then the batch computed chosen_lp
+                        row = rows[seq.request.request_id]
+                        token = seq.request.output_token_ids[-1]
+                        seq.cumulative_logprob += chosen_lp[row]
+                        seq.logprobs.append(self._logprob_entry(
+                            token, chosen_lp[row], tops, row, seq.params.logprobs or 0))
+                    self._check_stop(seq)
+                if group.first_token_time is None:
+                    group.first_token_time = now
+                if group.final_only and not all(s.request.finished for s in group.sequences):
+                    continue
+                output = self._output(group, now)
+            except Exception as exc:
+                log.exception("request %s failed while its output was built", gid)
+                outputs.append(self._fail_group(group, exc))
+                continue
+            outputs.append(output)
             if output.finished:
-                for seq in self.groups.pop(output.request_id).sequences:
+                for seq in self.groups.pop(gid).sequences:
                     del self.sequences[seq.request.request_id]
         return outputs
+
+    def _fail_group(self, group: _Group, exc: Exception) -> RequestOutput:
+        """Abort `group` (freeing its blocks) and return its final, failed output."""
+        self.abort_request(group.request_id)
+        self.num_requests_failed += 1
+        outputs = [CompletionOutput(i, seq.detok.text[:seq.detok.emitted],
+                                    list(seq.request.output_token_ids), finish_reason="error")
+                   for i, seq in enumerate(group.sequences)]
+        now = time.monotonic()
+        metrics = {"arrival_time": group.arrival_time, "first_token_time": group.first_token_time,
+                   "last_token_time": now, "finished_time": now}
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,
+                             True, metrics=metrics, error=f"{type(exc).__name__}: {exc}")
 
     def _sampling_batch(self, seqs: list[_Sequence], ahead: int = 0) -> SamplingBatch:
         """`ahead`: tokens each sequence has sampled that are not in its output yet."""
@@ -408,7 +490,7 @@ class LLMEngine:
         else:
             stop_string = seq.detok.push(token)
         if n_out >= params.min_tokens:
-            if token in (params.stop_token_ids or []):
+            if token in seq.stop_token_ids:
                 return self.scheduler.finish(request, "stop", token)
             if not params.ignore_eos and token in self.eos_token_ids:
                 return self.scheduler.finish(request, "stop", None)
@@ -459,4 +541,5 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_steps_launched_ahead": self.num_steps_launched_ahead,
             "num_discarded_tokens": self.num_discarded_tokens,
+            "num_requests_failed": self.num_requests_failed,
         }

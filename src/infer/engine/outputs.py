@@ -15,7 +15,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
 
     def finished(self) -> bool:
@@ -33,6 +33,9 @@ class RequestOutput:
     # time.monotonic() seconds: arrival_time, first_token_time, last_token_time, and
     # finished_time once finished.
     metrics: dict[str, float] = field(default_factory=dict)
+    # Set when the engine failed this request (and only it): a finished output whose
+    # completions end with finish_reason "error".
+    error: str | None = None
 
 
 @dataclass

@@ -26,6 +26,8 @@ _COUNTERS = {
     "generation_tokens": "Tokens generated",
     "request_rejected": "Requests refused because the waiting queue was full",
     "engine_step_errors": "Engine steps that raised",
+    "num_requests_failed": "Requests failed alone by a fault of their own (the rest of "
+                           "their step went on)",
     "num_steps": "Engine steps run (model forwards)",
     "num_steps_launched_ahead": "Decode steps launched before the previous step's tokens "
                                 "were read (async scheduling)",
