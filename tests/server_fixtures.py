@@ -102,11 +102,13 @@ def _free_port() -> int:
 
 
 @contextmanager
-def live_server(engine: AsyncEngine, name: str = MODEL, **app_kwargs) -> Iterator[LiveServer]:
+def live_server(engine: AsyncEngine, name: str = MODEL, uvicorn_kwargs: dict | None = None,
+                **app_kwargs) -> Iterator[LiveServer]:
+    """`uvicorn_kwargs` go to uvicorn.Config (e.g. `http=`, `timeout_keep_alive=`)."""
     app = build_app(engine, name, **app_kwargs)
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", timeout_keep_alive=30))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **{
+        "log_level": "warning", "timeout_keep_alive": 30, **(uvicorn_kwargs or {})}))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

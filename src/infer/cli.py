@@ -100,12 +100,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from infer.engine.llm_engine import LLMEngine
     from infer.server import AsyncEngine, attach_engine, build_app
+    from infer.server.connections import limited_protocol
 
     config = engine_config(args)
+    limits = {} if args.max_seqs_per_request is None else {
+        "max_seqs_per_request": args.max_seqs_per_request}
     app = build_app(None, args.served_model_name, api_key=args.api_key,
-                    request_timeout=args.request_timeout)
+                    request_timeout=args.request_timeout, **limits)
+    # uvicorn's own limit_concurrency stays unset: it answers a plain-text 503 only once a
+    # request head has arrived (never to a stalled client); our protocol refuses at accept.
+    http = limited_protocol(args.request_read_timeout, args.max_connections)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level))
+                                           log_level=args.log_level, http=http,
+                                           timeout_keep_alive=args.timeout_keep_alive))
     failure: list[BaseException] = []
 
     def load() -> None:
@@ -148,8 +155,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require `Authorization: Bearer KEY` (default: $INFER_API_KEY)")
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="model name(s) clients use (default: the model's name)")
+    serve.add_argument("--max-seqs-per-request", type=int, default=None,
+                       help="most sequences (prompts x n) one request may ask for; more "
+                       "get 400 (default: 1024)")
     serve.add_argument("--request-timeout", type=float, default=None,
                        help="seconds before a request is aborted with 504 (default: none)")
+    serve.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                       help="seconds an idle keep-alive connection stays open (default: 5)")
+    serve.add_argument("--request-read-timeout", type=float, default=30.0,
+                       help="seconds a client has to send a whole request, head and body, "
+                       "before the connection is closed (408) (default: 30)")
+    serve.add_argument("--max-connections", type=int, default=1024,
+                       help="open connections beyond this get 503 (default: 1024)")
     serve.add_argument("--log-level", default="info")
     add_engine_flags(serve)
     serve.set_defaults(func=cmd_serve)

@@ -21,6 +21,7 @@ from infer.loader.chat_template import ChatTemplateError, Message, render_chat_t
 from infer.loader.errors import ModelLoadError
 from infer.loader.gguf_tokenizer import build_gguf_backend, read_gguf_vocab, template_processor
 from infer.loader.hf_dir import read_json
+from infer.loader.token_bound import max_bytes_per_token
 
 # The named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
@@ -60,6 +61,7 @@ class Tokenizer:
             self.chat_templates = dict(chat_template)
         else:
             self.chat_templates = {"default": chat_template} if chat_template else {}
+        self._max_bytes_per_token = max_bytes_per_token(backend)
         # transformers skips this cleanup for BPE models: it would eat real spaces
         self._clean_up = clean_up_tokenization_spaces and type(backend.model).__name__ != "BPE"
 
@@ -183,13 +185,24 @@ class Tokenizer:
     # --- text
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids; `add_special_tokens` adds the BOS/EOS the tokenizer is configured to add."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids; `add_special_tokens` adds the BOS/EOS the tokenizer is configured to add.
+
+        Through the batch call: unlike `Backend.encode` it releases the GIL (a long text
+        does not stall the other threads, e.g. a server's event loop) and skips offsets."""
+        return self.encode_batch([text], add_special_tokens)[0]
 
     def encode_batch(self, texts: Sequence[str],
                      add_special_tokens: bool = True) -> list[list[int]]:
-        encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        encodings = self.backend.encode_batch_fast(list(texts),
+                                                   add_special_tokens=add_special_tokens)
         return [e.ids for e in encodings]
+
+    def min_token_count(self, text: str) -> int:
+        """A lower bound on `len(encode(text))` from the text's length alone (0 when this
+        tokenizer allows no bound): proves a text too long without tokenizing it."""
+        if self._max_bytes_per_token is None:
+            return 0
+        return int(len(text.encode("utf-8")) // self._max_bytes_per_token)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import itertools
 import json
 import logging
 from typing import Any
@@ -15,6 +16,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from infer.server.async_engine import AsyncEngine, EngineDeadError
 from infer.server.metrics import ServerMetrics
+from infer.server.openapi import (
+    API,
+    CHAT_COMPLETION,
+    COMPLETION,
+    HEALTH,
+    METRICS,
+    PROMETHEUS_TEXT,
+    TOKENS,
+    DetokenizeResponse,
+    TokenizeResponse,
+    without_422,
+)
 from infer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -23,8 +36,16 @@ from infer.server.protocol import (
     ModelList,
     RequestError,
     TokenizeRequest,
+    error_body,
 )
-from infer.server.serving import ServingContext, create_chat_completion, create_completion
+from infer.server.serving import (
+    MAX_SEQS_PER_REQUEST,
+    ServingContext,
+    create_chat_completion,
+    create_completion,
+    serve_detokenize,
+    serve_tokenize,
+)
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -35,20 +56,23 @@ _OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/redoc")
 def error_response(status: int, message: str, type: str = "invalid_request_error",
                    param: str | None = None, code: str | int | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type, "param": param,
-                      "code": code if code is not None else status}}
+    body = error_body(message, type, code if code is not None else status, param)
     return JSONResponse(body, status_code=status, headers=headers)
 
 
 def build_app(async_engine: AsyncEngine | None, served_model_name: str | list[str] | None = None,
               api_key: str | None = None, request_timeout: float | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = MAX_BODY_BYTES,
+              max_seqs_per_request: int = MAX_SEQS_PER_REQUEST) -> FastAPI:
     """`async_engine` may be None while the model loads (then /health is 503); set it
     later with `attach_engine`."""
+    if max_seqs_per_request < 1:
+        raise ValueError(f"max_seqs_per_request must be at least 1, got {max_seqs_per_request}")
     app = FastAPI(title="infer", version="0.1.0")
     app.state.engine = None
     app.state.names = served_model_name
     app.state.request_timeout = request_timeout
+    app.state.max_seqs_per_request = max_seqs_per_request
     if async_engine is not None:
         attach_engine(app, async_engine)
     _add_error_handlers(app)
@@ -64,7 +88,8 @@ def attach_engine(app: FastAPI, async_engine: AsyncEngine) -> None:
     names = [names] if isinstance(names, str) else list(names)
     app.state.metrics = ServerMetrics(lambda: _stats(async_engine))
     async_engine.observer = app.state.metrics
-    app.state.serving = ServingContext(async_engine, names, app.state.request_timeout)
+    app.state.serving = ServingContext(async_engine, names, app.state.request_timeout,
+                                       app.state.max_seqs_per_request)
     app.state.engine = async_engine
 
 
@@ -81,64 +106,49 @@ def _serving(request: Request) -> ServingContext:
 
 
 def _add_routes(app: FastAPI) -> None:
-    @app.get("/health")
+    without_422(app)
+
+    # GET is registered first: a 405 from /health then answers `Allow: GET`, not `HEAD`.
+    @app.head("/health", response_class=Response, responses=HEALTH)
+    @app.get("/health", response_class=Response, responses=HEALTH)
     async def health(request: Request) -> Response:
         engine = request.app.state.engine
         if engine is None or not engine.alive:
             return error_response(503, "not ready", "ServiceUnavailable")
         return Response(status_code=200)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=API)
     async def models(request: Request) -> ModelList:
         ctx = _serving(request)
         return ModelList(data=[ModelCard(id=name, max_model_len=ctx.engine.max_model_len)
                                for name in ctx.model_names])
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=COMPLETION)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(body, _serving(request), request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=CHAT_COMPLETION)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(body, _serving(request), request)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=METRICS)
     async def metrics(request: Request) -> Response:
         _serving(request)
-        return Response(request.app.state.metrics.render(),
-                        media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(request.app.state.metrics.render(), media_type=PROMETHEUS_TEXT)
 
-    @app.get("/stats")
+    @app.get("/stats", responses=API)
     async def stats(request: Request) -> dict[str, float]:
         return _stats(_serving(request).engine)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
-        ctx = _serving(request)
-        if body.model is not None:
-            ctx.check_model(body.model)
-        tok = ctx.engine.tokenizer
-        if (body.prompt is None) == (body.messages is None):
-            raise RequestError("give exactly one of prompt and messages", "prompt")
-        if body.messages is not None:
-            try:
-                ids = tok.encode_chat([m.as_template_message() for m in body.messages],
-                                      body.add_generation_prompt)
-            except ValueError as exc:
-                raise RequestError(str(exc), "messages") from None
-        else:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": ctx.engine.max_model_len}
+    @app.post("/tokenize", response_model=None,
+              responses={200: {"model": TokenizeResponse}, **TOKENS})
+    async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+        return await serve_tokenize(body, _serving(request), request)
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
-        ctx = _serving(request)
-        if body.model is not None:
-            ctx.check_model(body.model)
-        vocab = ctx.engine.engine.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise RequestError(f"token ids must be in [0, {vocab})", "tokens")
-        return {"prompt": ctx.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+    @app.post("/detokenize", response_model=None,
+              responses={200: {"model": DetokenizeResponse}, **TOKENS})
+    async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+        return await serve_detokenize(body, _serving(request), request)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -153,8 +163,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             return error_response(400, "the request body is not valid JSON", param=None)
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
+        param = ".".join(_error_param(errors)) or None
         message = "; ".join(
             f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: "
             f"{e.get('msg')}" for e in errors[:5])
@@ -174,6 +183,19 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error")
         return error_response(500, f"internal error: {type(exc).__name__}", "InternalError")
+
+
+def _error_param(errors: list[dict[str, Any]]) -> list[str]:
+    """The field of the first error. A value that fits no member of a union gets one
+    error per member, each with the member's name appended to the location: the field is
+    where the locations of that field's errors part."""
+    loc = [str(p) for p in errors[0].get("loc", ()) if p != "body"]
+    for error in errors[1:]:
+        other = [str(p) for p in error.get("loc", ()) if p != "body"]
+        if other[:1] == loc[:1]:
+            loc = [a for a, _ in itertools.takewhile(lambda ab: ab[0] == ab[1],
+                                                      zip(loc, other))]
+    return loc
 
 
 class _BodyLimit:
@@ -213,15 +235,17 @@ class _BearerAuth:
         given = dict(scope["headers"]).get(b"authorization", b"")
         if not hmac.compare_digest(given, self.expected):
             return await _send_error(send, 401, "invalid or missing API key "
-                                     "(Authorization: Bearer KEY)", "AuthenticationError")
+                                     "(Authorization: Bearer KEY)", "AuthenticationError",
+                                     {"WWW-Authenticate": "Bearer"})
         await self.app(scope, receive, send)
 
 
 async def _send_error(send: Send, status: int, message: str,
-                      type: str = "invalid_request_error") -> None:
-    body = json.dumps({"error": {"message": message, "type": type, "param": None,
-                                 "code": status}}).encode()
+                      type: str = "invalid_request_error",
+                      headers: dict[str, str] | None = None) -> None:
+    body = json.dumps(error_body(message, type, status)).encode()
+    extra = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
+                            (b"content-length", str(len(body)).encode()), *extra]})
     await send({"type": "http.response.body", "body": body})

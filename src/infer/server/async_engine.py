@@ -103,6 +103,7 @@ class AsyncEngine:
         self.step_errors = 0
         self.requests_rejected = 0
         self.stats: dict[str, float] = engine.stats()  # replaced (never mutated) by the thread
+        engine.on_step_start = self._publish_stats
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}  # engine thread only
@@ -114,18 +115,26 @@ class AsyncEngine:
     async def add_request(self, request_id: str, prompt: str | list[int],
                           params: SamplingParams) -> RequestStream:
         """Queue a request; raises ValueError / QueueFullError before any output."""
+        return (await self.add_requests([(request_id, prompt)], params))[0]
+
+    async def add_requests(self, prompts: list[tuple[str, str | list[int]]],
+                           params: SamplingParams) -> list[RequestStream]:
+        """Queue (request id, prompt) pairs that share `params`, all or none, in one turn
+        of the engine thread; raises ValueError / QueueFullError before any output."""
         if self._stopped:
             raise EngineDeadError("the engine is shut down")
         loop = asyncio.get_running_loop()
         added: asyncio.Future = loop.create_future()
-        stream = _Stream(loop, asyncio.Queue())
-        self._send(("add", request_id, prompt, params, stream, added))
+        streams = [_Stream(loop, asyncio.Queue()) for _ in prompts]
+        self._send(("add", prompts, params, streams, added))
         try:
             await added
         except asyncio.CancelledError:
-            self.abort(request_id)  # FIFO: processed after the add
+            for request_id, _ in prompts:
+                self.abort(request_id)  # FIFO: processed after the add
             raise
-        return RequestStream(self, request_id, stream.queue)
+        return [RequestStream(self, rid, stream.queue)
+                for (rid, _), stream in zip(prompts, streams)]
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -158,7 +167,7 @@ class AsyncEngine:
             self._wake.clear()
             self._drain_commands()
             if not self.engine.has_unfinished_requests():
-                self.stats = self.engine.stats()
+                self._publish_stats()
                 self._wake.wait()
                 continue
             try:
@@ -168,9 +177,12 @@ class AsyncEngine:
                 self._fail_step(EngineDeadError(f"engine step failed: {exc!r}"))
                 continue
             self._deliver(outputs, time.monotonic())
-            self.stats = self.engine.stats()
+            self._publish_stats()
         self._drain_commands()
         self._fail_all(EngineDeadError("the engine is shut down"))
+
+    def _publish_stats(self) -> None:
+        self.stats = self.engine.stats()
 
     def _drain_commands(self) -> None:
         while True:
@@ -184,21 +196,27 @@ class AsyncEngine:
                 self.engine.abort_request(command[1])
                 self._streams.pop(command[1], None)
 
-    def _add(self, request_id: str, prompt, params: SamplingParams, stream: _Stream,
-             added: asyncio.Future) -> None:
+    def _add(self, prompts: list[tuple[str, str | list[int]]], params: SamplingParams,
+             streams: list[_Stream], added: asyncio.Future) -> None:
+        done: list[str] = []
         try:
             if self._stopped:
                 raise EngineDeadError("the engine is shut down")
             limit = self.max_waiting_requests
-            if limit is not None and self.engine.stats()["num_requests_waiting"] >= limit:
+            if limit is not None and len(self.engine.scheduler.waiting) >= limit:
                 self.requests_rejected += 1
                 raise QueueFullError(f"{limit} requests are already waiting; retry later")
-            self.engine.add_request(request_id, prompt, params)
+            for request_id, prompt in prompts:
+                self.engine.add_request(request_id, prompt, params)
+                done.append(request_id)
         except Exception as exc:
-            _call(stream.loop, _resolve, added, exc)
+            for request_id in done:
+                self.engine.abort_request(request_id)
+            _call(added.get_loop(), _resolve, added, exc)
             return
-        self._streams[request_id] = stream
-        _call(stream.loop, _resolve, added, None)
+        for (request_id, _), stream in zip(prompts, streams):
+            self._streams[request_id] = stream
+        _call(added.get_loop(), _resolve, added, None)
 
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
         for output in outputs:
@@ -208,6 +226,10 @@ class AsyncEngine:
             self._observe(stream, output, now)
             if output.finished:
                 del self._streams[output.request_id]
+            if output.error is not None:
+                _call(stream.loop, stream.queue.put_nowait,
+                      EngineDeadError(f"the request failed: {output.error}"))
+                continue
             if not _call(stream.loop, stream.queue.put_nowait, output):
                 self.engine.abort_request(output.request_id)  # its event loop is gone
                 self._streams.pop(output.request_id, None)

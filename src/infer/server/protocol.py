@@ -9,11 +9,17 @@ to anything but their no-op value, rather than silently ignored.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from infer.sampling_params import MAX_LOGPROBS, SamplingParams
+from infer.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 
 MAX_N = 128
 MAX_TEMPERATURE = 2.0
@@ -27,6 +33,12 @@ class RequestError(ValueError):
         super().__init__(message)
         self.message, self.param, self.status, self.code, self.type = (
             message, param, status, code, type)
+
+
+def error_body(message: str, type: str, code: str | int | None,
+               param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body, the same for every error the server answers."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 class _Request(BaseModel):
@@ -61,37 +73,40 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool | None = None
 
 
+# Bounds in the types are checked on parse and shown in the OpenAPI schema; they mirror
+# SamplingParams' own checks, which stay the authority.
+Text = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+
+
 class _SamplingRequest(_Request):
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None \
+        = None
     seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions (vLLM's names), sent by the openai client through extra_body
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
     def _check_common(self) -> None:
-        if not 1 <= self.n <= MAX_N:
-            raise RequestError(f"n must be in [1, {MAX_N}], got {self.n}", "n")
-        if self.temperature is not None and not 0 <= self.temperature <= MAX_TEMPERATURE:
-            raise RequestError(
-                f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}",
-                "temperature")
         if self.logit_bias:
             raise RequestError("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -118,12 +133,15 @@ class _SamplingRequest(_Request):
             raise RequestError(message, param) from None
 
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Prompt = (Text | Annotated[list[Text], Field(min_length=1)] | TokenIds
+          | Annotated[list[TokenIds], Field(min_length=1)])
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: Prompt
-    logprobs: int | None = None
+    logprobs: Logprobs | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -136,23 +154,12 @@ class CompletionRequest(_SamplingRequest):
             raise RequestError("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError("best_of other than n is not supported", "best_of")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
-        if isinstance(p, str):
-            prompts: list = [p]
-        elif p and all(isinstance(t, int) for t in p):
-            prompts = [p]
-        else:
-            prompts = list(p)
-        if not prompts:
-            raise RequestError("prompt must not be empty", "prompt")
-        for one in prompts:
-            if len(one) == 0:
-                raise RequestError("prompt must not be empty", "prompt")
-        return prompts
+        if isinstance(p, str) or all(isinstance(t, int) for t in p):
+            return [p]
+        return list(p)
 
 
 class TextPart(_Request):
@@ -182,9 +189,9 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Logprobs | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -201,12 +208,8 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.response_format and self.response_format.get("type") != "text":
             raise RequestError("only response_format type 'text' is supported",
                                "response_format")
-        if self.top_logprobs is not None:
-            if not self.logprobs:
-                raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
-            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise RequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
-                                   "top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
@@ -214,16 +217,20 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class TokenizeRequest(_Request):
+    # exactly one of prompt and messages, not null
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": [key], "properties": {key: {"type": kind}}}
+        for key, kind in (("prompt", "string"), ("messages", "array"))]})
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # -- responses ------------------------------------------------------------------------

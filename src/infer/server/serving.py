@@ -7,7 +7,9 @@ import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -30,12 +32,26 @@ from infer.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
     RequestError,
+    TokenizeRequest,
     Usage,
+    error_body,
 )
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Sequences (prompts x n) one request may ask for: each is queued and scheduled apart.
+MAX_SEQS_PER_REQUEST = 1024
 _NO_MESSAGE = {"choices": {"__all__": {"message"}}}
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was queued."""
+
+
+def _tokenizer_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=2, thread_name_prefix="infer-tokenize")
 
 
 @dataclass
@@ -43,6 +59,10 @@ class ServingContext:
     engine: AsyncEngine
     model_names: list[str]
     request_timeout: float | None = None
+    max_seqs_per_request: int = MAX_SEQS_PER_REQUEST
+    # Chat rendering and tokenization run here, never on the event loop: a long prompt
+    # would stall every stream and /health for as long as it takes.
+    executor: ThreadPoolExecutor = field(default_factory=_tokenizer_pool)
 
     def check_model(self, name: str) -> str:
         if name not in self.model_names:
@@ -50,13 +70,60 @@ class ServingContext:
                                "model_not_found", "NotFoundError")
         return name
 
+    def check_fan_out(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > self.max_seqs_per_request:
+            raise RequestError(
+                f"the request asks for {num_prompts} prompts x n={n} = {num_prompts * n} "
+                f"sequences; this server takes at most {self.max_seqs_per_request} per "
+                "request", "prompt" if num_prompts > 1 else "n")
+
+    async def off_loop(self, request: Request, work: Callable[[], T]) -> T:
+        """`work()` in the tokenizer pool; raises ClientGone if the client leaves first."""
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(self.executor, work)
+        watcher = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            await asyncio.wait({job, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if not job.done():
+            job.cancel()  # a job already running finishes in its thread, unread
+            raise ClientGone
+        return job.result()
+
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt (in the tokenizer pool); a text whose length alone proves
+        it over the context length is refused without being tokenized."""
+        limit = self.engine.max_model_len
+        at_least = self.engine.tokenizer.min_token_count(text)
+        if at_least >= limit:
+            raise RequestError(
+                f"This model's maximum context length is {limit} tokens; the prompt has "
+                f"at least {at_least} tokens.", "prompt", code="context_length_exceeded")
+        return self.engine.tokenizer.encode(text, add_special_tokens)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool,
+                    continue_final_message: bool = False) -> list[int]:
+        """The chat rendered by the model's template, then `encode_prompt`."""
+        try:
+            text = self.engine.tokenizer.apply_chat_template(
+                messages, add_generation_prompt, continue_final_message=continue_final_message)
+        except ChatTemplateError as exc:
+            raise RequestError(str(exc), "messages") from None
+        return self.encode_prompt(text, add_special_tokens=False)
+
 
 async def create_completion(body: CompletionRequest, ctx: ServingContext,
                             request: Request) -> Response:
     model = ctx.check_model(body.model)
     body.check()
-    tok = ctx.engine.tokenizer
-    prompts = [tok.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+    texts = body.prompts()
+    ctx.check_fan_out(len(texts), body.n)
+    try:
+        prompts = await ctx.off_loop(request, lambda: [
+            ctx.encode_prompt(p) if isinstance(p, str) else p for p in texts])
+    except ClientGone:
+        return Response(status_code=499)
     max_tokens = _max_tokens(ctx, prompts, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
     params = body.sampling_params(max_tokens, body.logprobs)
     rid = f"cmpl-{uuid.uuid4().hex}"
@@ -98,13 +165,13 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
                                  request: Request) -> Response:
     model = ctx.check_model(body.model)
     body.check()
+    ctx.check_fan_out(1, body.n)
     messages = [m.as_template_message() for m in body.messages]
     try:
-        prompt = ctx.engine.tokenizer.encode_chat(
-            messages, body.add_generation_prompt,
-            continue_final_message=body.continue_final_message)
-    except ChatTemplateError as exc:
-        raise RequestError(str(exc), "messages") from None
+        prompt = await ctx.off_loop(request, lambda: ctx.encode_chat(
+            messages, body.add_generation_prompt, body.continue_final_message))
+    except ClientGone:
+        return Response(status_code=499)
     max_tokens = _max_tokens(ctx, [prompt], body.max_new_tokens(), None)
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = body.sampling_params(max_tokens, top)
@@ -152,6 +219,51 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
             exclude={"choices": {"__all__": {"delta"}}}))
 
 
+async def serve_tokenize(body: TokenizeRequest, ctx: ServingContext,
+                         request: Request) -> Response:
+    """Token ids of a prompt or a chat; the ids and their JSON are made off the loop."""
+    if body.model is not None:
+        ctx.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise RequestError("give exactly one of prompt and messages", "prompt")
+    tok = ctx.engine.tokenizer
+
+    def work() -> bytes:
+        if body.messages is not None:
+            messages = [m.as_template_message() for m in body.messages]
+            try:
+                ids = tok.encode_chat(messages, body.add_generation_prompt)
+            except ChatTemplateError as exc:
+                raise RequestError(str(exc), "messages") from None
+        else:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return json.dumps({"tokens": ids, "count": len(ids),
+                           "max_model_len": ctx.engine.max_model_len}).encode()
+
+    try:
+        return Response(await ctx.off_loop(request, work), media_type="application/json")
+    except ClientGone:
+        return Response(status_code=499)
+
+
+async def serve_detokenize(body: DetokenizeRequest, ctx: ServingContext,
+                           request: Request) -> Response:
+    if body.model is not None:
+        ctx.check_model(body.model)
+    vocab = ctx.engine.engine.model_config.vocab_size
+
+    def work() -> bytes:
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise RequestError(f"token ids must be in [0, {vocab})", "tokens")
+        text = ctx.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        return json.dumps({"prompt": text}).encode()
+
+    try:
+        return Response(await ctx.off_loop(request, work), media_type="application/json")
+    except ClientGone:
+        return Response(status_code=499)
+
+
 # -- helpers --------------------------------------------------------------------------
 def _max_tokens(ctx: ServingContext, prompts: list[list[int]], requested: int | None,
                 default: int | None) -> int | None:
@@ -174,19 +286,15 @@ def _max_tokens(ctx: ServingContext, prompts: list[list[int]], requested: int | 
 
 async def _add_all(engine: AsyncEngine, rid: str, prompts: list[list[int]],
                    params: SamplingParams) -> list[RequestStream]:
-    streams: list[RequestStream] = []
     try:
-        for i, ids in enumerate(prompts):
-            streams.append(await engine.add_request(f"{rid}-{i}", ids, params))
-    except BaseException as exc:
-        for stream in streams:
-            stream.abort()
+        return await engine.add_requests(
+            [(f"{rid}-{i}", ids) for i, ids in enumerate(prompts)], params)
+    except Exception as exc:
         if isinstance(exc, QueueFullError):
             raise RequestError(str(exc), None, 503, "server_busy", "ServiceUnavailable") from None
         if isinstance(exc, ValueError) and not isinstance(exc, RequestError):
             raise RequestError(str(exc), getattr(exc, "param", "prompt")) from None
         raise
-    return streams
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -300,8 +408,7 @@ async def _stream_events(
 
 def _error_event(message: str, type: str, code: str | int) -> str:
     """After the 200 has gone out, an error can only be an event (and no [DONE])."""
-    body = {"error": {"message": message, "type": type, "param": None, "code": code}}
-    return f"data: {json.dumps(body)}\n\n"
+    return f"data: {json.dumps(error_body(message, type, code))}\n\n"
 
 
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:
