@@ -3,7 +3,7 @@ model forward (scheduling, input preparation, sampling-batch building, detokeniz
 stop checks, outputs). It is the same Python on a CPU as next to a GPU, where it is time
 the GPU idles, so it is measured here on a tiny model whose forward is timed apart.
 
-    python benchmarks/host_overhead.py --batch 256 --output-len 512 [--every-step-outputs]
+    python benchmarks/host_overhead.py --batch 256 --output-len 512 [--output-kind delta]
 
 Prints the split per phase and writes benchmarks/results/host_overhead_<device>.json.
 """
@@ -27,16 +27,16 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=512)
-    p.add_argument("--every-step-outputs", action="store_true",
-                   help="a RequestOutput per step (the server's mode) instead of final only")
+    p.add_argument("--output-kind", choices=["final", "delta", "cumulative"], default="final",
+                   help="final: LLM.generate's; delta: the server's; cumulative: LLM.stream's")
     p.add_argument("--ckpt-root")
     p.add_argument("--suffix", default="")
     p.add_argument("--results-dir", default=str(common.RESULTS))
     p.set_defaults(tiny=True)  # the model is always the tiny one (results_path says so)
     args = p.parse_args()
     torch.set_num_threads(1)
-    from infer import SamplingParams
-    from infer.engine import llm_engine
+    from infer import RequestOutputKind, SamplingParams
+    from infer.engine import engine_core
 
     path = common.get_checkpoint("llama-3.2-1b", True, args.ckpt_root)
     blocks = args.batch * -(-(args.prompt_len + args.output_len) // 16)
@@ -59,22 +59,23 @@ def main() -> None:
         setattr(owner, name, wrapper)
 
     timed(engine.scheduler, "schedule", "schedule")
-    timed(engine.scheduler, "update", "scheduler update")
+    timed(engine.scheduler, "schedule_ahead", "schedule (launched ahead)")
+    timed(engine.scheduler, "update", "scheduler update (+ token stops)")
     timed(engine.runner, "prepare", "prepare inputs")
-    if hasattr(engine, "_plan_ahead"):  # async scheduling
-        timed(engine, "_plan_ahead", "prepare inputs (launched ahead)")
     timed(engine.runner, "execute", "model forward (not host)")
-    timed(engine, "_sampling_batch", "sampling batch")
-    timed(llm_engine, "sample", "sample")
-    timed(engine, "_check_stop", "detokenize + stop checks")
-    timed(engine, "_output", "build outputs")
+    timed(engine.core, "_sampling_batch", "sampling batch")
+    timed(engine_core, "sample", "sample")
+    timed(engine.output_processor, "_apply", "detokenize + stop strings")
+    timed(engine.output_processor, "_output", "build outputs")
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    final_only = {} if args.every_step_outputs else {"final_only": True}  # older engines
-    for i in range(args.batch):                                            # lack the keyword
+    kind = {"final": RequestOutputKind.FINAL_ONLY, "delta": RequestOutputKind.DELTA,
+            "cumulative": RequestOutputKind.CUMULATIVE}[args.output_kind]
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
+                            output_kind=kind)
+    for i in range(args.batch):
         engine.add_request(f"r{i}", [(11 * i + j) % vocab for j in range(args.prompt_len)],
-                           params, **final_only)
-    while any(not s.request.output_token_ids for s in engine.sequences.values()):
+                           params)
+    while any(not s.request.output_token_ids for s in engine.core.sequences.values()):
         engine.step()  # prefill
     phases.clear()
     steps, start = 0, time.perf_counter()
@@ -88,11 +89,10 @@ def main() -> None:
             for label, seconds in phases.most_common()]
     common.write_results("host_overhead", args, {
         "batch": args.batch, "prompt_len": args.prompt_len, "output_len": args.output_len,
-        "every_step_outputs": args.every_step_outputs, "steps": steps,
+        "output_kind": args.output_kind, "steps": steps,
         "host_us_per_seq_step": per_seq,
         "phases_ms_per_step": {label: ms for label, ms, _ in rows}})
-    print(f"\nbatch {args.batch}, {steps} decode steps, outputs "
-          f"{'every step' if args.every_step_outputs else 'final only'}: host "
+    print(f"\nbatch {args.batch}, {steps} decode steps, {args.output_kind} outputs: host "
           f"{host / steps * 1e3:.2f} ms/step = {per_seq:.1f} us per sequence per step")
     print("| phase | ms/step | us/seq/step |\n|---|---:|---:|")
     for label, ms, us in rows:

@@ -60,15 +60,15 @@ def main() -> None:
     runner.execute = timed_execute
     host_ms: dict[str, list[float]] = {"_launch_ahead": [], "_finish": []}
 
-    def timed(name):  # host time of an engine method (async: does launching ever block?)
-        method = getattr(engine, name)
+    def timed(name):  # host time of a core method (async: does launching ever block?)
+        method = getattr(engine.core, name)
 
         def wrapper(*a, **kw):
             start = time.perf_counter()
             out = method(*a, **kw)
             host_ms[name].append((time.perf_counter() - start) * 1e3)
             return out
-        setattr(engine, name, wrapper)
+        setattr(engine.core, name, wrapper)
 
     for name in host_ms:
         timed(name)
@@ -102,7 +102,8 @@ def main() -> None:
         times = sorted(times)
         print(f"  host {name}: median {times[len(times) // 2]:.3f} ms, "
               f"mean {sum(times) / len(times):.3f} ms over {len(times)} calls")
-    print(f"  steps launched ahead: {engine.num_steps_launched_ahead} of {engine.num_steps}")
+    stats = engine.stats()
+    print(f"  steps launched ahead: {stats['num_steps_launched_ahead']} of {stats['num_steps']}")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
     if args.kernels:
         from torch.profiler import ProfilerActivity, profile

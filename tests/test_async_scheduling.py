@@ -87,7 +87,7 @@ def test_abort_while_a_step_is_in_flight_frees_blocks_and_spares_the_rest():
     engine.add_request("b", "Once upon a time", GREEDY)
     for _ in range(3):
         engine.step()
-    assert engine._in_flight is not None
+    assert engine.core._in_flight is not None
     before = engine.stats()["kv_blocks_used"]
     engine.abort_request("a")
     assert engine.stats()["kv_blocks_used"] < before  # freed at once, not after the step
@@ -108,7 +108,7 @@ def test_request_added_while_a_step_is_in_flight_is_served():
     engine.add_request("a", prompts[0], GREEDY)
     for _ in range(3):
         engine.step()
-    assert engine._in_flight is not None
+    assert engine.core._in_flight is not None
     engine.add_request("b", prompts[1], GREEDY)
     final = {}
     while engine.has_unfinished_requests():

@@ -60,31 +60,36 @@ def test_out_of_vocabulary_stop_token_ids_are_refused_by_name(engine):
     assert _drain(engine)["edge"].finished
 
 
-def _inject(monkeypatch, engine: LLMEngine, method: str, culprit: str, calls: list) -> None:
-    """`engine.<method>` raises whenever the sequence(s) it is given belong to `culprit`."""
-    real = getattr(engine, method)
+def _inject(monkeypatch, part: object, method: str, culprit: str, calls: list) -> None:
+    """`part.<method>` raises whenever the sequence(s) it is given belong to `culprit`."""
+    real = getattr(part, method)
+
+    def seq_id(seq) -> str:
+        return seq.request.request_id if hasattr(seq, "request") else seq.seq_id
 
     def faulty(seqs, *args):
         items = seqs if isinstance(seqs, list) else [seqs]
-        if any(s.group_id == culprit for s in items):
+        if any(seq_id(s) == culprit for s in items):
             calls.append(method)
             raise RuntimeError(f"{method} failed")
         return real(seqs, *args)
 
-    monkeypatch.setattr(engine, method, faulty)
+    monkeypatch.setattr(part, method, faulty)
 
 
-@pytest.mark.parametrize("method", ["_sampling_batch", "_check_stop"])
+@pytest.mark.parametrize(("part", "method"), [("core", "_sampling_batch"),
+                                              ("output_processor", "_apply")])
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_a_failure_is_charged_to_its_request_alone(monkeypatch, alone, method, async_scheduling):
-    """_sampling_batch: host-side preparation of the step (found by re-running it one
-    request at a time); _check_stop: accounting after the step."""
+def test_a_failure_is_charged_to_its_request_alone(monkeypatch, alone, part, method,
+                                                    async_scheduling):
+    """core._sampling_batch: host-side preparation of the step (found by re-running it one
+    request at a time); output_processor._apply: accounting after the step."""
     engine = _engine(async_scheduling=async_scheduling)
     calls: list[str] = []
     engine.add_request("h1", HEALTHY["h1"], GREEDY)
     engine.step()  # h1 is running when the culprit joins
     engine.add_request("culprit", [7, 8, 9], GREEDY)
-    _inject(monkeypatch, engine, method, "culprit", calls)
+    _inject(monkeypatch, getattr(engine, part), method, "culprit", calls)
     engine.add_request("h2", HEALTHY["h2"], GREEDY)
     outputs = _drain(engine)
     assert calls
@@ -95,7 +100,8 @@ def test_a_failure_is_charged_to_its_request_alone(monkeypatch, alone, method, a
         assert outputs[rid].error is None and outputs[rid].finished
         assert outputs[rid].outputs[0].token_ids == alone[rid]
     assert engine.num_requests_failed == 1
-    assert engine.kv.pool.num_used == 0 and not engine.sequences and not engine.groups
+    assert engine.kv.pool.num_used == 0
+    assert not engine.core.sequences and not engine.output_processor.groups
 
 
 def test_a_failure_no_request_explains_still_fails_the_whole_step(monkeypatch):
@@ -105,7 +111,7 @@ def test_a_failure_no_request_explains_still_fails_the_whole_step(monkeypatch):
     monkeypatch.setattr(engine.runner, "execute", _raise)
     with pytest.raises(RuntimeError, match="device lost"):
         engine.step()
-    assert not engine.groups and engine.kv.pool.num_used == 0
+    assert not engine.output_processor.groups and engine.kv.pool.num_used == 0
 
 
 def _raise(*args, **kwargs):
@@ -155,6 +161,14 @@ RANDOM_REQUEST = st.tuples(
 @given(requests=st.lists(RANDOM_REQUEST, min_size=1, max_size=3))
 @example(requests=[({"max_tokens": 3, "min_tokens": 1, "stop_token_ids": [320]}, "x")])
 def test_random_requests_never_fail_healthy_ones_nor_leak(engine, alone, requests):
+    try:
+        _random_requests_beside_healthy_ones(engine, alone, requests)
+    finally:  # a failed example must not leave requests behind for the next one
+        for rid in list(engine.output_processor.groups):
+            engine.abort_request(rid)
+
+
+def _random_requests_beside_healthy_ones(engine, alone, requests) -> None:
     failed_before = engine.num_requests_failed
     admitted = []
     for i, (fields, prompt) in enumerate(requests):
@@ -172,5 +186,5 @@ def test_random_requests_never_fail_healthy_ones_nor_leak(engine, alone, request
         assert outputs[rid].outputs[0].token_ids == alone[rid]
     for rid in admitted:
         assert outputs[rid].finished and outputs[rid].error is None
-    assert engine.kv.pool.num_used == 0 and not engine.sequences
+    assert engine.kv.pool.num_used == 0 and not engine.core.sequences
     assert engine.num_requests_failed == failed_before

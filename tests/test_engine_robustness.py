@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from engine_fixtures import make_llm
 
-from infer import SamplingParams
+from infer import RequestOutputKind, SamplingParams
 from infer.engine.llm_engine import RequestRejected
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -46,7 +48,7 @@ def test_a_failing_forward_aborts_the_step_and_frees_its_blocks(monkeypatch):
     with pytest.raises(RuntimeError, match="forward failed"):
         engine.step()
     assert engine.stats()["kv_blocks_used"] == 0
-    assert not engine.has_unfinished_requests() and not engine.sequences
+    assert not engine.has_unfinished_requests() and not engine.core.sequences
     assert not engine.scheduler.running and not engine.scheduler.waiting
     # the pool and the prefix cache are sound: the same prompt gives the same tokens
     again = _run(engine, "after", "The capital of France is")
@@ -63,7 +65,7 @@ def test_requests_outside_the_failing_step_keep_going(monkeypatch):
     _fail_forward(monkeypatch, engine, on_call=1)  # a's first decode
     with pytest.raises(RuntimeError):
         engine.step()
-    assert "a" not in engine.groups and "b" in engine.groups
+    assert "a" not in engine.output_processor.groups and "b" in engine.output_processor.groups
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()
@@ -93,7 +95,8 @@ def test_final_only_requests_report_once_with_the_same_result():
     params = SamplingParams(temperature=0.8, max_tokens=9, ignore_eos=True, n=2, seed=3,
                             logprobs=1)
     engine.add_request("every-step", "Hello there", params)
-    engine.add_request("final", "Hello there", params, final_only=True)
+    engine.add_request("final", "Hello there",
+                       dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
     seen: dict[str, list] = {"every-step": [], "final": []}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -112,7 +115,7 @@ def test_final_only_requests_report_once_with_the_same_result():
 
 def test_prompt_too_long_and_pool_too_small_are_distinct_errors():
     engine = make_llm(num_blocks=4, block_size=4, max_model_len=64).engine
-    with pytest.raises(RequestRejected, match="this model serves at most 64") as long:
+    with pytest.raises(RequestRejected, match="maximum context length is 64 tokens") as long:
         engine.add_request(None, list(range(1, 100)), GREEDY)
     with pytest.raises(RequestRejected, match="KV cache pool holds 16 tokens") as pool:
         engine.add_request(None, list(range(1, 20)), GREEDY)
@@ -124,3 +127,23 @@ def test_prompt_too_long_and_pool_too_small_are_distinct_errors():
     # without max_tokens a request generates as many tokens as its blocks can hold
     out = _run(engine, "fits", list(range(1, 11)), SamplingParams(max_tokens=None, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].finish_reason == "length"
+
+
+def test_contiguous_cache_is_sized_from_the_memory_budget(monkeypatch):
+    """It used to ask for max_num_seqs x max_model_len tokens (64 x 8192 for SmolLM2:
+    24 GB) and was OOM-killed; now it holds as many full-length sequences as the budget
+    allows, and the rest wait for a slot."""
+    from infer.engine import memory
+
+    monkeypatch.setattr(memory, "_available_host_memory", lambda: 4 << 30)
+    llm = make_llm(kv_cache="contiguous", prefix_caching=False)
+    engine = llm.engine
+    mc = engine.model_config
+    per_sequence = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4 * 8192  # float32
+    assert engine.max_model_len == 8192 and engine.kv.block_size == 8192
+    assert engine.kv.pool.num_blocks == (1 << 30) // per_sequence == 2
+    outs = llm.generate(["Hello", "The sky is", "1, 2, 3,"],
+                        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                        use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3, 3]
+    assert engine.kv.pool.num_used == 0

@@ -22,12 +22,11 @@ def req(rid: str, prompt_len: int, max_new: int = 4, **kw) -> Request:
 
 
 def step(s: Scheduler) -> dict[str, int]:
-    """Run one step with a fake model that always samples token 0; finish at max_new."""
+    """Run one step with a fake model that always samples token 0 (the scheduler ends a
+    request at max_new)."""
     out = s.schedule()
-    plan = {i.request.request_id: i.num_new_tokens for i in out.scheduled}
-    for r in s.update(out, {i.request.request_id: 0 for i in out.scheduled}):
-        if len(r.output_token_ids) >= r.max_new_tokens:
-            s.finish(r, "length")
+    plan = {i.request_id: i.num_new_tokens for i in out.scheduled}
+    s.update(out, {i.request_id: [0] for i in out.scheduled if i.samples})
     return plan
 
 
@@ -191,3 +190,103 @@ def test_token_slice_equals_slicing_all_tokens(n_prompt, n_out, data):
     start = data.draw(st.integers(0, total))
     stop = data.draw(st.integers(start, total))
     assert r.token_slice(start, stop) == r.all_token_ids[start:stop]
+
+
+# -- multi-token steps (speculative decoding's verification) ---------------------------
+def _decode_with_drafts(s: Scheduler, rid: str, drafts: list[int], accepted: list[int]):
+    """One step of `rid` with `drafts` proposed; the model keeps `accepted`."""
+    s.requests[rid].spec_token_ids = list(drafts)
+    out = s.schedule()
+    [item] = [i for i in out.scheduled if i.request_id == rid]
+    s.requests[rid].spec_token_ids = []
+    return item, s.update(out, {rid: accepted})
+
+
+def test_rejected_drafts_give_their_blocks_back():
+    s = make(num_blocks=8, block_size=4, budget=16)
+    s.add(req("a", 6, max_new=20))
+    step(s)  # prompt (6) -> blocks [0, 1]; one token out
+    assert s.kv.table("a") == [0, 1] and s.requests["a"].num_tokens == 7
+    item, [update] = _decode_with_drafts(s, "a", [5, 6, 7, 8], accepted=[5, 9])
+    # positions 6..10 ran: the last token plus four drafts, in blocks 1 and 2
+    assert (item.start, item.num_new_tokens, item.samples) == (6, 5, True)
+    assert item.token_ids == (0, 5, 6, 7, 8) and item.spec_token_ids == (5, 6, 7, 8)
+    # draft 5 accepted, 6 rejected (9 sampled instead): positions 6, 7 hold valid KV
+    assert update.new_token_ids == [5, 9] and update.finish_reason is None
+    a = s.requests["a"]
+    assert a.output_token_ids == [0, 5, 9] and a.num_computed_tokens == 8
+    assert s.kv.table("a") == [0, 1]  # block 2 held only rejected drafts
+    assert s.kv.pool.num_free == 6 and 2 in s.kv.pool.free
+    item, [update] = _decode_with_drafts(s, "a", [1, 2], accepted=[1, 2, 3])  # all taken
+    assert update.new_token_ids == [1, 2, 3] and a.num_computed_tokens == 11
+    assert s.kv.table("a") == [0, 1, 3]  # the freed block 2 went to the free list's tail
+
+
+def test_prefix_cache_holds_only_accepted_tokens():
+    s = make(num_blocks=8, block_size=4, budget=16, prefix=True)
+    s.add(req("a", 3, max_new=20))  # prompt 1 2 3
+    step(s)  # + token 0: four tokens, three computed
+    _decode_with_drafts(s, "a", [7, 7, 7, 7, 7], accepted=[7, 8])
+    # computed: 1 2 3 0 | 7 (8 is the new last token): only the first block is full
+    assert s.requests["a"].num_computed_tokens == 5
+    assert len(s.kv.pool.cached) == 1
+    [(key, block_id)] = s.kv.pool.cached.items()
+    assert key[1] == (1, 2, 3, 0) and block_id == s.kv.table("a")[0]
+    s.abort("a")
+    s.add(req("b", 3, max_new=2))
+    s.requests["b"].prompt_token_ids = [1, 2, 3, 0, 7, 7, 7, 7, 5]  # the rejected drafts
+    step(s)
+    assert s.kv.prefix_hits == 4  # the accepted block only; 7 7 7 7 was never cached
+
+
+def test_a_stop_token_among_accepted_tokens_ends_the_request_there():
+    s = make()
+    s.add(Request("a", [1, 2], 10, stop_token_ids=frozenset({42}), min_tokens=3))
+    step(s)  # one token out; the first 42 makes two, below min_tokens: no stop yet
+    _, [update] = _decode_with_drafts(s, "a", [42, 42, 5], accepted=[42, 42, 5, 6])
+    assert update.new_token_ids == [42, 42] and update.finish_reason == "stop"
+    assert update.stop_reason == 42 and "a" not in s.requests
+    assert s.kv.pool.num_free == 16
+
+
+def test_drafts_are_cut_to_the_budget():
+    s = make(budget=3)
+    s.add(req("a", 2, max_new=10))
+    step(s)
+    item, _ = _decode_with_drafts(s, "a", [4, 4, 4, 4], accepted=[4, 4, 1])
+    assert item.num_new_tokens == 3 and item.spec_token_ids == (4, 4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), prefix=st.booleans(),
+       ops=st.lists(st.sampled_from(["add", "step", "step", "abort"]), max_size=50))
+def test_random_multi_token_steps_never_leak(seed, prefix, ops):
+    """Random drafts, random acceptance (0..all of them rejected), aborts, preemption."""
+    rng = random.Random(seed)
+    s = Scheduler(KVCacheManager(num_blocks=14, block_size=2, enable_prefix_caching=prefix),
+                  max_num_seqs=3, max_num_batched_tokens=8)
+    next_id = 0
+    for op in [*ops, *["step"] * 300]:
+        if op == "add":
+            prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 7))]
+            s.add(Request(f"r{next_id}", prompt, rng.randrange(1, 12)))
+            next_id += 1
+        elif op == "abort" and s.requests:
+            s.abort(rng.choice(sorted(s.requests)))
+        elif op == "step":
+            for r in s.running:
+                r.spec_token_ids = [rng.randrange(3) for _ in range(rng.randrange(4))]
+            out = s.schedule()
+            for r in s.requests.values():
+                r.spec_token_ids = []
+            accepted = {i.request_id: [rng.randrange(3) for _ in range(
+                rng.randrange(1, len(i.spec_token_ids) + 2))]
+                for i in out.scheduled if i.samples}
+            s.update(out, accepted)
+        _check_invariants(s)
+        for r in s.running:  # no block beyond what the computed tokens and the next need
+            assert len(s.kv.table(r.request_id)) <= s.kv.blocks_needed(r.num_tokens + 8)
+        if op == "step" and not s.has_unfinished():
+            break
+    assert not s.has_unfinished()
+    assert s.kv.pool.num_free == 14 and s.kv.tables == {}

@@ -103,12 +103,12 @@ def test_prompts_times_n_past_the_cap_are_refused(server):
 
 
 def test_a_batch_with_one_bad_prompt_runs_none(server):
-    steps = server.engine.engine.num_steps
+    steps = server.engine.engine.stats()["num_steps"]
     r = httpx.post(server.url + "/v1/completions", json={
         "model": MODEL, "prompt": [[1, 2], [3, 10**6]], "max_tokens": 1})
     assert r.status_code == 400 and "out of range" in r.json()["error"]["message"]
     server.wait_idle()
-    assert server.engine.engine.num_steps == steps
+    assert server.engine.engine.stats()["num_steps"] == steps
 
 
 def test_a_client_that_leaves_during_tokenization_queues_nothing(server, monkeypatch):
@@ -200,15 +200,15 @@ def test_stats_show_a_step_while_it_runs(server, monkeypatch):
 
 
 def test_a_request_failing_alone_gets_an_error_event_and_the_rest_finish(server, monkeypatch):
-    engine = server.engine.engine
-    real = engine._check_stop
+    processor = server.engine.engine.output_processor
+    real = processor._apply
 
-    def check_stop(seq):
+    def apply(seq, *args):
         if seq.params.seed == 4242:
             raise RuntimeError("detokenizer exploded")
-        return real(seq)
+        return real(seq, *args)
 
-    monkeypatch.setattr(engine, "_check_stop", check_stop)
+    monkeypatch.setattr(processor, "_apply", apply)
 
     async def run():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:

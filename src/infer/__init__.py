@@ -14,6 +14,9 @@ _EXPORTS = {
     "EngineConfig": "infer.engine.config",
     "RequestOutput": "infer.engine.outputs",
     "CompletionOutput": "infer.engine.outputs",
+    "RequestOutputKind": "infer.sampling_params",
+    "TextPrompt": "infer.inputs",
+    "TokensPrompt": "infer.inputs",
 }
 
 __all__ = list(_EXPORTS)

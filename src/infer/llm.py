@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 
 from infer.engine.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.outputs import RequestOutput
-from infer.sampling_params import SamplingParams
+from infer.inputs import PromptType, is_single_prompt
+from infer.sampling_params import RequestOutputKind, SamplingParams
 
-Prompt = str | list[int]
 Message = dict[str, str]
 
 
@@ -24,19 +25,22 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in prompt order."""
-        prompts = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompts))
+        """Generate for every prompt (a string, token ids, {"prompt": ...} or
+        {"prompt_token_ids": ...}, or a list of them); outputs in prompt order."""
+        many = isinstance(prompts, (list, tuple)) and not is_single_prompt(prompts)
+        prompts = list(prompts) if many else [prompts]
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                  for p in _as_params_list(sampling_params, len(prompts))]
         ids: list[str] = []
         finished: dict[str, RequestOutput] = {}
         bar = _progress(len(prompts)) if use_tqdm and len(prompts) > 1 else None
         try:
             for prompt, sp in zip(prompts, params):
-                ids.append(self._add(prompt, sp, final_only=True))
+                ids.append(self._add(prompt, sp))
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     _raise_if_failed(out)
@@ -67,10 +71,12 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
         """Yield a RequestOutput (cumulative text) each time the request advances."""
-        rid = self._add(prompt, sampling_params or SamplingParams())
+        params = dataclasses.replace(sampling_params or SamplingParams(),
+                                     output_kind=RequestOutputKind.CUMULATIVE)
+        rid = self._add(prompt, params)
         done = False
         try:
             while not done:
@@ -83,22 +89,13 @@ class LLM:
             if not done:
                 self.engine.abort_request(rid)
 
-    def _add(self, prompt: Prompt, params: SamplingParams, final_only: bool = False) -> str:
-        return self.engine.add_request(f"llm-{next(self._ids)}", prompt, params, final_only)
+    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
+        return self.engine.add_request(f"llm-{next(self._ids)}", prompt, params)
 
 
 def _raise_if_failed(output: RequestOutput) -> None:
     if output.error is not None:
         raise RuntimeError(f"request {output.request_id} failed: {output.error}")
-
-
-def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]
-    return prompts
 
 
 def _as_params_list(params, count: int) -> list[SamplingParams]:

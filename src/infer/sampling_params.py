@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 from dataclasses import dataclass
@@ -48,6 +49,14 @@ def _bool(name: str, value: object) -> bool:
     return value
 
 
+class RequestOutputKind(enum.Enum):
+    """What each output of a request carries (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far, every step
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # one output, once the request has finished
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -68,6 +77,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n)
@@ -128,6 +138,8 @@ class SamplingParams:
         self.include_stop_str_in_output = _bool(
             "include_stop_str_in_output", self.include_stop_str_in_output
         )
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:

@@ -77,10 +77,6 @@ class KVCacheManager:
         self._keys[request_id] = self._keys[source_id][:count]
         return count * self.block_size
 
-    def can_allocate(self, request_id: str, total_tokens: int) -> bool:
-        need = self.blocks_needed(total_tokens) - len(self.table(request_id))
-        return need <= self.pool.num_free
-
     def allocate(self, request_id: str, total_tokens: int) -> bool:
         """Grow the request's table to hold `total_tokens`; False (and no change) if the
         pool has too few free blocks."""
@@ -93,6 +89,15 @@ class KVCacheManager:
             return False
         table.extend(self.pool.allocate(need))
         return True
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens (slots of rejected draft
+        tokens). They were never full with computed tokens, so none is in the cache."""
+        table = self.tables[request_id]
+        keep = self.blocks_needed(num_tokens)
+        assert keep >= len(self._keys[request_id])
+        self.pool.release(table[keep:][::-1])
+        del table[keep:]
 
     def commit_computed(self, request_id: str, token_ids: Sequence[int], num_computed: int):
         """Register the request's newly full blocks in the prefix cache."""

@@ -21,6 +21,10 @@ class Decoder(Protocol):
 
 
 class IncrementalDetokenizer:
+    """Per token, work in proportion to the new text only: the text is kept as pieces
+    (returned, ready to return) plus a short pending tail, the last `hold_back`
+    characters, which is all a stop string ending in the next token can reach into."""
+
     def __init__(
         self,
         tokenizer: Decoder,
@@ -34,7 +38,6 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""
         self.stop = stop or []
         # One pass over the new text for all stop strings: the leftmost match wins, and at
         # one position the string listed first (alternation order).
@@ -42,23 +45,38 @@ class IncrementalDetokenizer:
             else None
         self.include_stop = include_stop_str_in_output
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
-        self.emitted = 0  # characters of `text` already returned by `new_text`
+        self._returned: list[str] = []  # text `new_text` gave out
+        self._ready: list[str] = []  # text safe to give out, not asked for yet
+        self._pending = ""  # the held-back tail (the whole remainder once stopped)
+
+    @property
+    def text(self) -> str:
+        """All text so far (cut at a stop string once one is found)."""
+        return "".join(self._returned) + "".join(self._ready) + self._pending
+
+    @property
+    def returned_text(self) -> str:
+        return "".join(self._returned)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def push(self, token_id: int) -> str | None:
+    def push(self, token_id: int, check_stop: bool = True) -> str | None:
         """Add one token; returns the stop string if the text now contains one (the text is
-        then cut at it), else None."""
+        then cut at it), else None. `check_stop=False`: no stop string may end here yet."""
         self.ids.append(token_id)
         before = self._decode(self.ids[self.prefix_offset:self.read_offset])
         after = self._decode(self.ids[self.prefix_offset:])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return None
-        old_len = len(self.text)
-        self.text += after[len(before):]
+        self._pending += after[len(before):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return self._find_stop(old_len)
+        stop = self._find_stop() if check_stop else None
+        if stop is None and len(self._pending) > self.hold_back:
+            cut = len(self._pending) - self.hold_back
+            self._ready.append(self._pending[:cut])
+            self._pending = self._pending[cut:]
+        return stop
 
     def append(self, token_id: int) -> None:
         """Add a token without decoding it (no stop strings to look for, no text wanted
@@ -69,21 +87,27 @@ class IncrementalDetokenizer:
         """At the end: take whatever is pending, even an incomplete character."""
         if self.read_offset < len(self.ids):
             before = self._decode(self.ids[self.prefix_offset:self.read_offset])
-            self.text += self._decode(self.ids[self.prefix_offset:])[len(before):]
+            self._pending += self._decode(self.ids[self.prefix_offset:])[len(before):]
             self.read_offset = len(self.ids)
 
-    def _find_stop(self, old_len: int) -> str | None:
+    def _find_stop(self) -> str | None:
+        """The pending tail holds the last `hold_back` characters before the new text, so
+        every stop string that ends in the new text starts inside it."""
         if self._stop_pattern is None:
             return None
-        match = self._stop_pattern.search(self.text, max(0, old_len - self.hold_back))
+        match = self._stop_pattern.search(self._pending)
         if match is None:
             return None
-        self.text = self.text[:match.end()] if self.include_stop else self.text[:match.start()]
+        self._pending = self._pending[:match.end() if self.include_stop else match.start()]
         return match.group()
 
     def new_text(self, finished: bool) -> str:
-        """Text not returned before that is safe to show now."""
-        end = len(self.text) if finished else max(self.emitted, len(self.text) - self.hold_back)
-        delta = self.text[self.emitted:end]
-        self.emitted = end
+        """Text not returned before that is safe to show now (all of it once finished)."""
+        if finished:
+            self._ready.append(self._pending)
+            self._pending = ""
+        delta = "".join(self._ready)
+        self._ready.clear()
+        if delta:
+            self._returned.append(delta)
         return delta

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from infer.config import ModelConfig
 from infer.engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 # On a CPU the pool is capped at this share of available memory (the rest stays for the
 # OS, the model and activations).
@@ -21,28 +25,32 @@ def plan_kv_cache(
     config: EngineConfig, cfg: ModelConfig, max_model_len: int, model: nn.Module,
     device: torch.device, dtype: torch.dtype,
 ) -> tuple[int, int]:
-    """(block_size, num_blocks). Contiguous = one max_model_len block per sequence."""
-    if config.kv_cache == "contiguous":
-        return max_model_len, config.num_blocks or config.max_num_seqs
-    block_size = config.block_size
+    """(block_size, num_blocks), from the same memory budget for both layouts. Contiguous
+    = one max_model_len block per sequence, so the budget may hold fewer sequences than
+    max_num_seqs (as llama.cpp's slots): the scheduler runs as many as have a block."""
+    contiguous = config.kv_cache == "contiguous"
+    block_size = max_model_len if contiguous else config.block_size
     if config.num_blocks is not None:
         return block_size, config.num_blocks
     per_block = kv_bytes_per_token(cfg, dtype) * block_size
-    # No use in more than every sequence at full length, plus as much again for the
-    # prefix cache.
-    useful = 2 * config.max_num_seqs * (-(-max_model_len // block_size))
+    needed = -(-max_model_len // block_size)  # blocks of one full-length sequence
+    # No use in more than every sequence at full length, plus (paged) as much again for
+    # the prefix cache.
+    useful = config.max_num_seqs * needed * (1 if contiguous else 2)
     if device.type == "cuda":
         free = _cuda_free_after_warmup(config, model, device)
     else:
         free = int(_available_host_memory() * _CPU_SHARE)
     num_blocks = min(useful, free // per_block)
-    needed = -(-max_model_len // block_size)
     if num_blocks < needed:
         raise ValueError(
-            f"not enough memory for the KV cache: {num_blocks} blocks fit, one "
-            f"{max_model_len}-token sequence needs {needed}; lower max_model_len or raise "
-            "gpu_memory_utilization"
+            f"not enough memory for the KV cache: {num_blocks} blocks of {block_size} tokens "
+            f"fit, one {max_model_len}-token sequence needs {needed}; lower max_model_len or "
+            "raise gpu_memory_utilization"
         )
+    if contiguous and num_blocks < config.max_num_seqs:
+        log.info("contiguous KV cache: memory for %d sequences of %d tokens (max_num_seqs=%d)",
+                 num_blocks, max_model_len, config.max_num_seqs)
     return block_size, num_blocks
 
 

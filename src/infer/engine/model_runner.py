@@ -87,18 +87,24 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = k, v
 
     def prepare(self, out: SchedulerOutput, tables: dict[str, list[int]]) -> StepInputs:
+        """Host-side inputs of a step. Items without token ids (launched ahead) leave
+        `input_ids` short: the caller passes those ids on the device."""
         inputs = StepInputs([], [], [], [], [], [], [])
+        num_tokens = 0
         for item in out.scheduled:
-            request, start, n = item.request, item.start, item.num_new_tokens
-            inputs.input_ids.extend(request.token_slice(start, start + n))
+            start, n = item.start, item.num_new_tokens
+            if item.token_ids is not None:
+                inputs.input_ids.extend(item.token_ids)
             inputs.positions.extend(range(start, start + n))
             inputs.query_lens.append(n)
             inputs.seq_lens.append(start + n)
-            inputs.block_tables.append(tables[request.request_id])
+            inputs.block_tables.append(tables[item.request_id])
+            num_tokens += n
             if item.samples:
-                inputs.sample_rows.append(len(inputs.input_ids) - 1)
-                inputs.sample_request_ids.append(request.request_id)
+                inputs.sample_rows.append(num_tokens - 1)
+                inputs.sample_request_ids.append(item.request_id)
         return inputs
+
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, device_input_ids: torch.Tensor | None = None

@@ -24,10 +24,19 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    # Token stop conditions, checked by the scheduler as each token is appended: a token
+    # in either set ends the request once `min_tokens` are out (eos_token_ids is empty
+    # with ignore_eos). Stop strings need the text, so the output side checks those.
+    eos_token_ids: frozenset[int] = frozenset()
+    stop_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
+    # Draft tokens proposed for the next step (speculative decoding): scheduled after the
+    # request's last token and verified by that step.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

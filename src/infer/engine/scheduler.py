@@ -20,38 +20,49 @@ Policies on top of the rule:
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from infer.cache.kv_manager import KVCacheManager
 from infer.engine.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
+    """One request's share of a step, as it stood when the step was planned."""
 
-    @property
-    def start(self) -> int:
-        return self.request.num_computed_tokens
+    request_id: str
+    start: int  # tokens of the request already in the KV cache
+    num_new_tokens: int  # positions start .. start + num_new_tokens - 1 run this step
+    # Whether the step ends at the request's last known token (then it samples): its
+    # logits give the next token, and with draft tokens the verdict on each of them.
+    samples: bool
+    # The step's input tokens; None when they are still on the device (a step launched
+    # before the previous one's tokens were read back).
+    token_ids: tuple[int, ...] | None
+    spec_token_ids: tuple[int, ...] = ()  # the last len(...) of token_ids are drafts
 
-    @property
-    def samples(self) -> bool:
-        return self.start + self.num_new_tokens == self.request.num_tokens
 
-
-@dataclass
+@dataclass(frozen=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    """An immutable snapshot of one step's plan."""
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+    scheduled: tuple[ScheduledRequest, ...] = ()
 
     @property
     def empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class RequestUpdate:
+    """What a step did to one request, on the way out: the tokens it kept, and whether a
+    token ended it (a stop token, EOS, or the length limit)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | None = None
 
 
 class Scheduler:
@@ -109,7 +120,7 @@ class Scheduler:
 
     # -- the step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out: list[ScheduledRequest] = []
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
         was_running = bool(self.running)
@@ -123,30 +134,30 @@ class Scheduler:
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
                 continue
-            if not self._grow_or_preempt(request, num_new, scheduled, out):
+            if not self._grow_or_preempt(request, num_new, scheduled):
                 continue
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.append(_plan(request, num_new))
             scheduled.add(request.request_id)
             budget -= num_new
         if not (self.static and was_running):
-            budget = self._admit(budget, out)
-        return out
+            self._admit(budget, out)
+        return SchedulerOutput(tuple(out))
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
+        """Drafts count as tokens to compute; only a request at its last token has any."""
         remaining = request.num_tokens - request.num_computed_tokens
+        if remaining == 1 and request.spec_token_ids:
+            return min(1 + len(request.spec_token_ids), budget)
         if self.chunked_prefill:
             return min(remaining, budget, self.max_prefill_chunk)
         return remaining if remaining <= budget else 0
 
-    def _grow_or_preempt(
-        self, request: Request, num_new: int, scheduled: set[str], out: SchedulerOutput
-    ) -> bool:
+    def _grow_or_preempt(self, request: Request, num_new: int, scheduled: set[str]) -> bool:
         total = request.num_computed_tokens + num_new
         while not self.kv.allocate(request.request_id, total):
             victims = [r for r in self.running if r.request_id not in scheduled]
             victim = victims[-1]  # the newest; `request` itself is always a candidate
             self._preempt(victim)
-            out.preempted.append(victim)
             if victim is request:
                 return False
         return True
@@ -160,7 +171,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _admit(self, budget: int, out: SchedulerOutput) -> int:
+    def _admit(self, budget: int, out: list[ScheduledRequest]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if self._waits_for_sibling(request):
@@ -177,9 +188,8 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.append(_plan(request, num_new))
             budget -= num_new
-        return budget
 
     def _waits_for_sibling(self, request: Request) -> bool:
         """An n > 1 sibling waits until the first sibling has computed its prompt."""
@@ -200,24 +210,90 @@ class Scheduler:
             computed = self.kv.share_prefix(request.request_id, source.request_id, usable)
         return computed
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Account for a finished step: advance computed counts, append sampled tokens,
-        register full blocks for prefix caching. Returns requests that produced a token.
-        Stop checks are the engine's (they need the tokenizer)."""
-        produced = []
+    def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """Plan the step after `prev` before prev's tokens are known (async scheduling):
+        possible when that step is certain to be one more token for each request prev
+        samples, i.e. nothing waits, every running request samples in prev, and none has
+        drafts. Requests prev ends by length are left out; one that prev ends by a stop
+        token computes a row in vain (dropped on the way out). Allocates the blocks;
+        None when the plan is not certain or the pool is short."""
+        if self.waiting:
+            return None
+        sampling = [i for i in prev.scheduled
+                    if i.samples and i.request_id in self.requests]
+        if len(sampling) != len(self.running) or any(i.spec_token_ids for i in sampling):
+            return None
+        out = []
+        for item in sampling:
+            request = self.requests[item.request_id]
+            if len(request.output_token_ids) + 1 >= request.max_new_tokens:
+                continue  # prev samples its last token
+            pos = item.start + item.num_new_tokens
+            if not self.kv.allocate(request.request_id, pos + 1):
+                return None
+            out.append(ScheduledRequest(request.request_id, pos, 1, True, None))
+        return SchedulerOutput(tuple(out)) if out else None
+
+    def update(self, out: SchedulerOutput, sampled: Mapping[str, Sequence[int]]
+               ) -> list[RequestUpdate]:
+        """Account for a finished step. `sampled[request_id]`: the tokens a sampling
+        request accepted, 1 .. 1 + its drafts (the verdict on each draft, then one more);
+        drafts not accepted were computed in vain, and the KV blocks past the accepted
+        tokens go back to the pool. Tokens are appended one by one, stopping at the first
+        that ends the request (stop token, EOS after min_tokens, length), which frees its
+        blocks. Full blocks of accepted tokens enter the prefix cache. A request aborted
+        while the step ran is skipped."""
+        updates = []
         for item in out.scheduled:
-            request = item.request
-            if request.finished:
-                continue  # aborted while the step ran
-            samples = item.samples
+            request = self.requests.get(item.request_id)
+            if request is None:
+                continue  # finished or aborted while the step ran
+            tokens = sampled[item.request_id] if item.samples else ()
+            if item.samples and not 1 <= len(tokens) <= 1 + len(item.spec_token_ids):
+                raise ValueError(f"{item.request_id}: {len(tokens)} tokens accepted from "
+                                 f"{len(item.spec_token_ids)} drafts")
+            rejected = 1 + len(item.spec_token_ids) - len(tokens) if item.samples else 0
             before = request.num_computed_tokens
-            request.num_computed_tokens += item.num_new_tokens
+            request.num_computed_tokens = item.start + item.num_new_tokens - rejected
+            if rejected:
+                self.kv.trim(request.request_id, request.num_computed_tokens)
             if request.num_computed_tokens // self.kv.block_size > before // self.kv.block_size:
                 # a block filled up (all_token_ids copies the whole sequence: not every step)
                 self.kv.commit_computed(
                     request.request_id, request.all_token_ids, request.num_computed_tokens
                 )
-            if samples:
-                request.output_token_ids.append(sampled[request.request_id])
-                produced.append(request)
-        return produced
+            if not item.samples:
+                continue
+            update = RequestUpdate(request.request_id, [])
+            for token in tokens:
+                request.output_token_ids.append(token)
+                update.new_token_ids.append(token)
+                stop = _token_stop(request, token)
+                if stop is not None:
+                    update.finish_reason, update.stop_reason = stop
+                    self.finish(request, *stop)
+                    break
+            updates.append(update)
+        return updates
+
+
+def _plan(request: Request, num_new: int) -> ScheduledRequest:
+    start = request.num_computed_tokens
+    known = min(num_new, request.num_tokens - start)
+    spec = tuple(request.spec_token_ids[:num_new - known])
+    tokens = tuple(request.token_slice(start, start + known)) + spec
+    return ScheduledRequest(request.request_id, start, num_new,
+                            start + known == request.num_tokens, tokens, spec)
+
+
+def _token_stop(request: Request, token: int) -> tuple[str, int | None] | None:
+    """Whether `token`, just appended, ends the request: (finish reason, stop reason)."""
+    n = len(request.output_token_ids)
+    if n >= request.min_tokens:
+        if token in request.stop_token_ids:
+            return "stop", token
+        if token in request.eos_token_ids:
+            return "stop", None
+    if n >= request.max_new_tokens:
+        return "length", None
+    return None

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.outputs import RequestOutput
-from infer.sampling_params import SamplingParams
+from infer.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +45,13 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     arrival: float = field(default_factory=time.monotonic)
+    delta: bool = False  # outputs carry only what is new (RequestOutputKind.DELTA)
     last_token_time: float | None = None
     num_tokens: int = 0
 
 
 class RequestStream:
-    """Async iterator over one request's RequestOutputs (cumulative text).
+    """Async iterator over one request's RequestOutputs (of its params' output kind).
 
     Leaving it early (cancellation, `abort()`) aborts the request in the engine, which
     frees its KV blocks before the next step.
@@ -95,6 +96,7 @@ class AsyncEngine:
                  observer: LatencyObserver | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        self.input_processor = engine.input_processor  # host checks, safe from any thread
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.max_waiting_requests = (max_waiting_requests if max_waiting_requests is not None
@@ -125,7 +127,8 @@ class AsyncEngine:
             raise EngineDeadError("the engine is shut down")
         loop = asyncio.get_running_loop()
         added: asyncio.Future = loop.create_future()
-        streams = [_Stream(loop, asyncio.Queue()) for _ in prompts]
+        delta = params.output_kind is RequestOutputKind.DELTA
+        streams = [_Stream(loop, asyncio.Queue(), delta=delta) for _ in prompts]
         self._send(("add", prompts, params, streams, added))
         try:
             await added
@@ -235,7 +238,12 @@ class AsyncEngine:
                 self._streams.pop(output.request_id, None)
 
     def _observe(self, stream: _Stream, output: RequestOutput, now: float) -> None:
-        tokens = len(output.outputs[0].token_ids) if output.outputs else 0
+        """TTFT, then one ITL per new token (of the request's longest sequence)."""
+        if stream.delta:
+            tokens = stream.num_tokens + max((len(c.token_ids) for c in output.outputs),
+                                             default=0)
+        else:
+            tokens = max((len(c.token_ids) for c in output.outputs), default=0)
         new = tokens - stream.num_tokens
         if self.observer is not None:
             if new > 0 and stream.last_token_time is None:
@@ -251,7 +259,8 @@ class AsyncEngine:
     def _fail_step(self, exc: Exception) -> None:
         """LLMEngine.step aborts the requests of a step that raised; fail just those. If
         it aborted none, the error came from outside the model step: fail everything."""
-        gone = [rid for rid in self._streams if rid not in self.engine.groups]
+        gone = [rid for rid in self._streams
+                if rid not in self.engine.output_processor.groups]
         log.exception("engine step failed; failing %d of %d requests",
                       len(gone) or len(self._streams), len(self._streams))
         if not gone:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -14,9 +15,10 @@ from typing import TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from infer.engine.input_processor import RequestRejected
 from infer.engine.outputs import CompletionOutput, RequestOutput
 from infer.loader.chat_template import ChatTemplateError
-from infer.sampling_params import SamplingParams
+from infer.sampling_params import RequestOutputKind, SamplingParams
 from infer.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -89,18 +91,15 @@ class ServingContext:
         if not job.done():
             job.cancel()  # a job already running finishes in its thread, unread
             raise ClientGone
-        return job.result()
+        try:
+            return job.result()
+        except RequestRejected as exc:
+            raise _request_error(exc) from None
 
     def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt (in the tokenizer pool); a text whose length alone proves
         it over the context length is refused without being tokenized."""
-        limit = self.engine.max_model_len
-        at_least = self.engine.tokenizer.min_token_count(text)
-        if at_least >= limit:
-            raise RequestError(
-                f"This model's maximum context length is {limit} tokens; the prompt has "
-                f"at least {at_least} tokens.", "prompt", code="context_length_exceeded")
-        return self.engine.tokenizer.encode(text, add_special_tokens)
+        return self.engine.input_processor.tokenize(text, add_special_tokens)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool,
                     continue_final_message: bool = False) -> list[int]:
@@ -129,22 +128,19 @@ async def create_completion(body: CompletionRequest, ctx: ServingContext,
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = await _add_all(ctx.engine, rid, prompts, params)
 
-    def choice(i: int, c: CompletionOutput, sent: _Sent | None) -> CompletionChoice:
-        text = c.text if sent is None else c.text[sent.text:]
+    def choice(i: int, c: CompletionOutput) -> CompletionChoice:
         lps = None
         if c.logprobs is not None:
-            start = 0 if sent is None else sent.tokens
-            lps = completion_logprobs(c.logprobs[start:], c.token_ids[start:],
-                                      body.logprobs or 0)
-        return CompletionChoice(index=i, text=text, logprobs=lps,
+            lps = completion_logprobs(c.logprobs, c.token_ids, body.logprobs or 0)
+        return CompletionChoice(index=i, text=c.text, logprobs=lps,
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        def chunk(i: int, c: CompletionOutput, sent: _Sent) -> str:
+        def chunk(i: int, c: CompletionOutput) -> str:
             return CompletionResponse(id=rid, model=model,
-                                      choices=[choice(i, c, sent)]).model_dump_json()
+                                      choices=[choice(i, c)]).model_dump_json()
 
         def usage_chunk(usage: Usage) -> str:
             return CompletionResponse(id=rid, model=model, choices=[],
@@ -155,7 +151,7 @@ async def create_completion(body: CompletionRequest, ctx: ServingContext,
     finals = await _collect(streams, ctx, request)
     if isinstance(finals, Response):
         return finals
-    choices = [choice(p * params.n + c.index, c, None)
+    choices = [choice(p * params.n + c.index, c)
                for p, out in enumerate(finals) for c in out.outputs]
     return JSONResponse(CompletionResponse(
         id=rid, model=model, choices=choices, usage=_usage(finals)).model_dump())
@@ -178,25 +174,24 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await _add_all(ctx.engine, rid, [prompt], params)
 
-    def choice(i: int, c: CompletionOutput, sent: _Sent | None) -> ChatChoice:
+    def choice(i: int, c: CompletionOutput, streamed: bool) -> ChatChoice:
         lps = None
         if c.logprobs is not None:
-            start = 0 if sent is None else sent.tokens
-            lps = chat_logprobs(c.logprobs[start:], c.token_ids[start:], top or 0)
-        if sent is None:
+            lps = chat_logprobs(c.logprobs, c.token_ids, top or 0)
+        if not streamed:
             return ChatChoice(index=i, message=ChatMessageOut(role="assistant", content=c.text),
                               logprobs=lps, finish_reason=c.finish_reason,
                               stop_reason=c.stop_reason)
-        return ChatChoice(index=i, delta=ChatMessageOut(content=c.text[sent.text:]),
+        return ChatChoice(index=i, delta=ChatMessageOut(content=c.text),
                           logprobs=lps, finish_reason=c.finish_reason,
                           stop_reason=c.stop_reason)
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        def chunk(i: int, c: CompletionOutput, sent: _Sent) -> str:
+        def chunk(i: int, c: CompletionOutput) -> str:
             return ChatCompletionResponse(id=rid, model=model, object="chat.completion.chunk",
-                                          choices=[choice(i, c, sent)]).model_dump_json(
+                                          choices=[choice(i, c, True)]).model_dump_json(
                 exclude=_NO_MESSAGE)
 
         def role_chunk(i: int) -> str:
@@ -213,7 +208,7 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
     finals = await _collect(streams, ctx, request)
     if isinstance(finals, Response):
         return finals
-    choices = [choice(c.index, c, None) for c in finals[0].outputs]
+    choices = [choice(c.index, c, False) for c in finals[0].outputs]
     return JSONResponse(ChatCompletionResponse(
         id=rid, model=model, choices=choices, usage=_usage(finals)).model_dump(
             exclude={"choices": {"__all__": {"delta"}}}))
@@ -267,31 +262,36 @@ async def serve_detokenize(body: DetokenizeRequest, ctx: ServingContext,
 # -- helpers --------------------------------------------------------------------------
 def _max_tokens(ctx: ServingContext, prompts: list[list[int]], requested: int | None,
                 default: int | None) -> int | None:
-    limit = ctx.engine.max_model_len
-    for ids in prompts:
-        if len(ids) >= limit:
-            raise RequestError(
-                f"This model's maximum context length is {limit} tokens; the prompt has "
-                f"{len(ids)} tokens.", "prompt", code="context_length_exceeded")
-        if requested is not None and requested >= 1 and len(ids) + requested > limit:
-            raise RequestError(
-                f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {len(ids) + requested} tokens ({len(ids)} in the prompt, "
-                f"{requested} for the completion).", "max_tokens",
-                code="context_length_exceeded")
+    """The request's max_tokens: as asked (refused past the context length, as OpenAI
+    does), or `default` capped to what fits, or None for as many as fit."""
+    fit = ctx.engine.input_processor.max_new_tokens
+    try:
+        for ids in prompts:
+            fit(len(ids), requested, strict=True)
+    except RequestRejected as exc:
+        raise _request_error(exc) from None
     if requested is None and default is not None:
-        return min(default, limit - max(len(ids) for ids in prompts))
+        return min(default, ctx.engine.max_model_len - max(len(ids) for ids in prompts))
     return requested
+
+
+def _request_error(exc: RequestRejected) -> RequestError:
+    return RequestError(str(exc), exc.param, code=exc.code)
 
 
 async def _add_all(engine: AsyncEngine, rid: str, prompts: list[list[int]],
                    params: SamplingParams) -> list[RequestStream]:
+    """Queue every prompt's sequences; outputs come back as deltas (O(new tokens) per
+    step), which the endpoints stream as they are or add up for a final answer."""
+    params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
     try:
         return await engine.add_requests(
             [(f"{rid}-{i}", ids) for i, ids in enumerate(prompts)], params)
     except Exception as exc:
         if isinstance(exc, QueueFullError):
             raise RequestError(str(exc), None, 503, "server_busy", "ServiceUnavailable") from None
+        if isinstance(exc, RequestRejected):
+            raise _request_error(exc) from None
         if isinstance(exc, ValueError) and not isinstance(exc, RequestError):
             raise RequestError(str(exc), getattr(exc, "param", "prompt")) from None
         raise
@@ -326,10 +326,10 @@ async def _until_disconnect(request: Request) -> None:
 async def _collect(streams: list[RequestStream], ctx: ServingContext,
                    request: Request) -> list[RequestOutput] | Response:
     async def run() -> list[RequestOutput]:
-        finals: dict[int, RequestOutput] = {}
+        totals = [_Total() for _ in streams]
         async for i, output in _merge(streams):
-            finals[i] = output
-        return [finals[i] for i in range(len(streams))]
+            totals[i].add(output)
+        return [t.output() for t in totals]
 
     work = asyncio.ensure_future(run())
     watcher = asyncio.ensure_future(_until_disconnect(request))
@@ -350,10 +350,50 @@ async def _collect(streams: list[RequestStream], ctx: ServingContext,
 
 
 @dataclass
-class _Sent:
-    text: int = 0
-    tokens: int = 0
-    finished: bool = False
+class _Choice:
+    """One completion added up from its deltas (text in pieces: no quadratic joins)."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, c: CompletionOutput) -> None:
+        self.text.append(c.text)
+        self.token_ids += c.token_ids
+        if c.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + c.logprobs
+        self.cumulative_logprob = c.cumulative_logprob
+        self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+    def take(self) -> CompletionOutput:
+        """What was added since the last take, as one completion delta."""
+        out = CompletionOutput(self.index, "".join(self.text), self.token_ids,
+                               self.cumulative_logprob, self.logprobs, self.finish_reason,
+                               self.stop_reason)
+        self.text, self.token_ids, self.logprobs = [], [], None
+        return out
+
+
+class _Total:
+    """A request's final output, added up from its delta outputs."""
+
+    def __init__(self) -> None:
+        self.last: RequestOutput | None = None
+        self.choices: dict[int, _Choice] = {}
+
+    def add(self, output: RequestOutput) -> None:
+        self.last = output
+        for c in output.outputs:
+            self.choices.setdefault(c.index, _Choice(c.index)).add(c)
+
+    def output(self) -> RequestOutput:
+        assert self.last is not None and self.last.finished
+        return dataclasses.replace(
+            self.last, outputs=[self.choices[i].take() for i in sorted(self.choices)])
 
 
 def _usage(outputs: list[RequestOutput]) -> Usage:
@@ -365,12 +405,15 @@ def _usage(outputs: list[RequestOutput]) -> Usage:
 
 async def _stream_events(
     streams: list[RequestStream], n: int, ctx: ServingContext, request: Request,
-    chunk: Callable[[int, CompletionOutput, _Sent], str],
+    chunk: Callable[[int, CompletionOutput], str],
     role_chunk: Callable[[int], str] | None,
     usage_chunk: Callable[[Usage], str] | None,
 ) -> AsyncIterator[str]:
-    sent: dict[int, _Sent] = {}
-    finals: dict[int, RequestOutput] = {}
+    """One chunk per choice and step with new text (tokens whose text is held back, e.g.
+    half a character, ride with the next chunk), and one when the choice finishes."""
+    pending: dict[int, _Choice] = {}
+    prompt_tokens = [0] * len(streams)
+    completion_tokens = 0
     if role_chunk is not None:
         for i in range(len(streams) * n):
             yield f"data: {role_chunk(i)}\n\n"
@@ -390,17 +433,19 @@ async def _stream_events(
             except EngineDeadError as exc:
                 yield _error_event(str(exc), "InternalError", 500)
                 return
-            finals[p] = output
+            prompt_tokens[p] = len(output.prompt_token_ids)
             for c in output.outputs:
                 index = p * n + c.index
-                s = sent.setdefault(index, _Sent())
-                if s.finished or (len(c.text) == s.text and c.finish_reason is None):
-                    continue
-                yield f"data: {chunk(index, c, s)}\n\n"
-                s.text, s.tokens = len(c.text), len(c.token_ids)
-                s.finished = c.finish_reason is not None
+                choice = pending.setdefault(index, _Choice(index))
+                choice.add(c)
+                completion_tokens += len(c.token_ids)
+                if c.text or c.finish_reason is not None:
+                    yield f"data: {chunk(index, choice.take())}\n\n"
         if usage_chunk is not None:
-            yield f"data: {usage_chunk(_usage(list(finals.values())))}\n\n"
+            prompt = sum(prompt_tokens)
+            usage = Usage(prompt_tokens=prompt, completion_tokens=completion_tokens,
+                          total_tokens=prompt + completion_tokens)
+            yield f"data: {usage_chunk(usage)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         await merged.aclose()

@@ -1,0 +1,307 @@
+"""EngineCore: the scheduler, the model runner and the sampler, one step at a time.
+
+It deals in sequences (scheduler requests) and token ids only: no tokenizer, no text, no
+request groups. Each step returns a `SequenceOutput` per sequence that changed: the tokens
+it kept, their logprob numbers, and why it finished if it did. Inputs are checked before
+they get here (`InputProcessor`); text, stop strings and outputs are the output
+processor's.
+
+With async scheduling the next decode step is launched on the device (`_launch_ahead`,
+planned by `Scheduler.schedule_ahead`) before this step's tokens are read back and
+accounted, so the GPU never waits for the host's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from infer.attention import set_attention_backend
+from infer.cache.kv_manager import KVCacheManager
+from infer.config import ModelConfig
+from infer.engine.config import EngineConfig
+from infer.engine.memory import plan_kv_cache
+from infer.engine.model_runner import ModelRunner, StepInputs
+from infer.engine.request import Request
+from infer.engine.sampler import SamplingBatch, sample
+from infer.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from infer.engine.setup import pick_backend
+from infer.models.layers import set_kernel_backend
+from infer.sampling_params import SamplingParams
+from infer.transfer import HostCopy, to_device
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SequenceOutput:
+    """What one step did to one sequence."""
+
+    seq_id: str
+    new_token_ids: list[int]
+    # Per new token, when the sequence asked for logprobs: the token's raw logprob, and
+    # the (ids, logprobs) of the `logprobs` most likely tokens.
+    logprobs: list[float] | None = None
+    top_logprobs: list[tuple[list[int], list[float]] | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None  # the step failed for this sequence alone
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    params: SamplingParams
+
+
+@dataclass
+class _StepInFlight:
+    """A launched step not yet accounted: the scheduler and sequences do not show it."""
+
+    out: SchedulerOutput
+    seq_ids: list[str]  # the sequences that sample, in row order
+    token_ids: torch.Tensor | None  # [rows] sampled ids on the device
+    results: HostCopy | None  # token ids, logprobs, top logprobs on their way to the host
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model: nn.Module, model_config: ModelConfig,
+                 device: torch.device, dtype: torch.dtype, max_model_len: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self.config = config
+        self.model_config = mc = model_config
+        self.device, self.dtype = device, dtype
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.attention_backend = pick_backend("attention_backend", config.attention_backend,
+                                              device)
+        self.kernel_backend = pick_backend("kernel_backend", config.kernel_backend, device)
+        # Bound before sizing the pool, so the warm-up forward measures the backends in use.
+        set_attention_backend(model, self.attention_backend)
+        set_kernel_backend(model, self.kernel_backend)
+        self.block_size, num_blocks = plan_kv_cache(config, mc, max_model_len, model, device,
+                                                    dtype)
+        self.kv = KVCacheManager(num_blocks, self.block_size, config.prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+            batching=config.batching_mode, chunked_prefill=config.chunked_prefill,
+            max_prefill_chunk=config.prefill_chunk_size,
+        )
+        self.runner = ModelRunner(model, mc, num_blocks, self.block_size, device, dtype,
+                                  self.attention_backend, self.kernel_backend)
+        self.graph_capture_seconds = 0.0
+        if config.cuda_graphs and device.type == "cuda":
+            if self.attention_backend != "triton":
+                log.warning("cuda_graphs needs attention_backend='triton'; running eagerly")
+            else:
+                graphs = self.runner.enable_decode_graphs(config.max_num_seqs, max_model_len)
+                self.graph_capture_seconds = graphs.capture_seconds
+        self.sequences: dict[str, _Sequence] = {}
+        self._in_flight: _StepInFlight | None = None
+        self.num_steps = 0
+        self.num_steps_launched_ahead = 0
+        self.num_discarded_tokens = 0  # sampled for a sequence that stopped or was aborted
+        # Called once a step is scheduled, before it runs (a server refreshes its gauges:
+        # a long step would otherwise show the state from before it).
+        self.on_step_start: Callable[[], None] | None = None
+
+    # -- sequences -------------------------------------------------------------------
+    def add(self, request: Request, params: SamplingParams) -> None:
+        if not params.ignore_eos:
+            request.eos_token_ids = frozenset(self.eos_token_ids)
+        request.stop_token_ids = frozenset(params.stop_token_ids)
+        request.min_tokens = params.min_tokens
+        self.scheduler.add(request)
+        self.sequences[request.request_id] = _Sequence(request, params)
+
+    def finish(self, seq_id: str, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a sequence now (a stop string, an abort), freeing its blocks."""
+        seq = self.sequences.pop(seq_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq.request, reason, stop_reason)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.sequences)
+
+    # -- the step --------------------------------------------------------------------
+    def step(self) -> list[SequenceOutput]:
+        """Run one step; an output for every sequence that changed.
+
+        A failure is charged to the sequence that caused it whenever that can be told: it
+        is finished (its blocks freed) with an `error` output, and the rest of the step goes
+        on. Host-side preparation that fails is re-run one sequence at a time to find the
+        culprit; then nothing of the step has been accounted, so the others are simply
+        scheduled again. A failure that no single sequence explains (e.g. the model forward)
+        finishes every sequence the step had scheduled, freeing their blocks, and
+        propagates; sequences outside the step keep going.
+        """
+        step, self._in_flight = self._in_flight, None
+        out = step.out if step is not None else self.scheduler.schedule()
+        if out.empty:
+            return []
+        if self.on_step_start is not None:
+            self.on_step_start()
+        try:
+            if step is None:
+                try:
+                    step = self._launch(out, self.runner.prepare(out, self.kv.tables))
+                except Exception as exc:
+                    return self._fail_launch(out, exc)
+            self._in_flight = self._try_launch_ahead(step)
+            return self._finish(step)
+        except BaseException:
+            self._abort_scheduled(out)
+            if self._in_flight is not None:
+                self._abort_scheduled(self._in_flight.out)
+                self._in_flight = None
+            raise
+
+    def _abort_scheduled(self, out: SchedulerOutput) -> None:
+        for item in out.scheduled:
+            self.finish(item.request_id, "abort")
+
+    def _fail_launch(self, out: SchedulerOutput, exc: Exception) -> list[SequenceOutput]:
+        culprits = self._culprits(out)
+        if not culprits:
+            raise exc
+        log.warning("step preparation failed (%r); failing %d sequence(s): %s", exc,
+                    len(culprits), ", ".join(culprits))
+        error = f"{type(exc).__name__}: {exc}"
+        for seq_id in culprits:
+            self.finish(seq_id, "error")
+        return [SequenceOutput(seq_id, [], finish_reason="error", error=error)
+                for seq_id in culprits]
+
+    def _culprits(self, out: SchedulerOutput) -> list[str]:
+        """The sequences whose host-side step preparation fails when run on its own."""
+        culprits = []
+        for item in out.scheduled:
+            seq = self.sequences.get(item.request_id)
+            if seq is None:
+                continue
+            try:
+                inputs = self.runner.prepare(SchedulerOutput((item,)), self.kv.tables)
+                if inputs.sample_request_ids:
+                    self._sampling_batch([seq])
+            except Exception:
+                culprits.append(item.request_id)
+        return culprits
+
+    def _launch(self, out: SchedulerOutput, inputs: StepInputs,
+                device_input_ids: torch.Tensor | None = None, ahead: int = 0) -> _StepInFlight:
+        """Queue the step's forward and sampling on the device; nothing waits for them."""
+        seqs = [self.sequences[rid] for rid in inputs.sample_request_ids]
+        logits = self.runner.execute(inputs, device_input_ids)
+        self.num_steps += 1
+        self.num_steps_launched_ahead += ahead
+        if not seqs:
+            return _StepInFlight(out, [], None, None)
+        result = sample(logits, self._sampling_batch(seqs, ahead))
+        results = HostCopy(result.token_ids, result.logprobs, result.top_logprob_ids,
+                           result.top_logprobs)
+        return _StepInFlight(out, inputs.sample_request_ids, result.token_ids, results)
+
+    def _try_launch_ahead(self, prev: _StepInFlight) -> _StepInFlight | None:
+        """A launch ahead that fails is dropped: nothing of it was accounted, and the next
+        step prepares the same work again the ordinary way, where a failure is charged."""
+        try:
+            return self._launch_ahead(prev)
+        except Exception as exc:
+            log.debug("launch ahead failed (%r); planning the next step after this one", exc)
+            return None
+
+    def _launch_ahead(self, prev: _StepInFlight) -> _StepInFlight | None:
+        """Launch the step after `prev` before prev's tokens reach the host, when the
+        scheduler can plan it now and no sequence's sampling depends on prev's token
+        values (penalties). None: the next step is planned once prev is accounted."""
+        if not self.config.async_scheduling or not prev.seq_ids:
+            return None
+        if any(seq.params.has_penalties for seq in self.sequences.values()):
+            return None
+        plan = self.scheduler.schedule_ahead(prev.out)
+        if plan is None:
+            return None
+        inputs = self.runner.prepare(plan, self.kv.tables)
+        row_of = {seq_id: row for row, seq_id in enumerate(prev.seq_ids)}
+        rows = [row_of[item.request_id] for item in plan.scheduled]
+        ids = prev.token_ids
+        if rows != list(range(len(prev.seq_ids))):
+            ids = ids[to_device(torch.tensor(rows), self.device)]
+        return self._launch(plan, inputs, ids, ahead=1)
+
+    def _finish(self, step: _StepInFlight) -> list[SequenceOutput]:
+        """Wait for the step's tokens and account them."""
+        sampled: dict[str, list[int]] = {}
+        rows: dict[str, int] = {}
+        chosen_lp = top_ids = top_lps = None
+        if step.seq_ids:
+            token_ids, chosen_lp, top_ids, top_lps = (
+                None if t is None else t.tolist() for t in step.results.wait())
+            for row, seq_id in enumerate(step.seq_ids):
+                if seq_id not in self.sequences:
+                    self.num_discarded_tokens += 1
+                    continue
+                sampled[seq_id] = [token_ids[row]]
+                rows[seq_id] = row
+        outputs = []
+        for update in self.scheduler.update(step.out, sampled):
+            seq = self.sequences[update.request_id]
+            output = self._output(update, seq)
+            if output.logprobs is not None:  # then the batch computed chosen_lp
+                row = rows[update.request_id]
+                output.logprobs.append(chosen_lp[row])
+                k = seq.params.logprobs or 0
+                output.top_logprobs.append(
+                    (top_ids[row][:k], top_lps[row][:k]) if top_ids is not None and k else None)
+            outputs.append(output)
+            if update.finish_reason is not None:
+                del self.sequences[update.request_id]
+        return outputs
+
+    def _output(self, update: RequestUpdate, seq: _Sequence) -> SequenceOutput:
+        want = seq.params.logprobs is not None
+        return SequenceOutput(update.request_id, update.new_token_ids,
+                              [] if want else None, [] if want else None,
+                              update.finish_reason, update.stop_reason,
+                              seq.request.num_cached_tokens)
+
+    def _sampling_batch(self, seqs: list[_Sequence], ahead: int = 0) -> SamplingBatch:
+        """`ahead`: tokens each sequence has sampled that are not in its output yet."""
+        banned, positions = [], []
+        for seq in seqs:
+            n_out = len(seq.request.output_token_ids) + ahead
+            positions.append(n_out)
+            if n_out < seq.params.min_tokens:
+                banned.append(list(self.eos_token_ids) + list(seq.params.stop_token_ids))
+            else:
+                banned.append([])
+        return SamplingBatch.build(
+            [s.params for s in seqs],
+            [s.request.prompt_token_ids for s in seqs],
+            [s.request.output_token_ids for s in seqs],
+            vocab_size=self.model_config.vocab_size, device=self.device, banned=banned,
+            positions=positions,
+        )
+
+    # -- counters --------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        pool = self.kv.pool
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used,
+            "kv_blocks_free": pool.num_free,
+            "kv_cache_usage": pool.num_used / pool.num_blocks,
+            "prefix_cache_queries": self.kv.prefix_queries,
+            "prefix_cache_hits": self.kv.prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "num_steps_launched_ahead": self.num_steps_launched_ahead,
+            "num_discarded_tokens": self.num_discarded_tokens,
+        }

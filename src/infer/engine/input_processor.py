@@ -1,0 +1,104 @@
+"""Every check a request passes before it is queued, in one place: prompt forms,
+tokenization, token ids against the vocabulary, and the context length and KV pool.
+
+Pure host work on the tokenizer and a few sizes: the server calls it too (from its
+tokenizer threads) so that it answers 400 before anything is queued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from infer.inputs import parse_prompt
+from infer.loader.tokenizer import Tokenizer
+from infer.sampling_params import SamplingParams
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served; `param` names the request field to change."""
+
+    def __init__(self, message: str, param: str = "prompt",
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    text: str | None
+    token_ids: list[int]
+    max_new_tokens: int
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
+                 num_blocks: int, block_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    def process(self, prompt: object, params: SamplingParams) -> ProcessedPrompt:
+        text, ids = parse_prompt(prompt)
+        if ids is None:
+            ids = self.tokenize(text)
+        self.check_token_ids(ids, params)
+        return ProcessedPrompt(text, ids, self.max_new_tokens(len(ids), params.max_tokens))
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A text whose length alone proves it over the context is refused untokenized."""
+        at_least = self.tokenizer.min_token_count(text)
+        if at_least >= self.max_model_len:
+            raise RequestRejected(
+                f"This model's maximum context length is {self.max_model_len} tokens; the "
+                f"prompt has at least {at_least} tokens.", code="context_length_exceeded")
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    def check_token_ids(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Every token id a request names must be a row of the logits: one that is not
+        would fail the sampler, or the embedding, for every request of its batch."""
+        if not prompt_ids:
+            raise RequestRejected("the prompt is empty (no tokens)")
+        vocab = self.vocab_size
+        for what, ids, field in (("prompt token ids", prompt_ids, "prompt"),
+                                 ("stop_token_ids", params.stop_token_ids, "stop_token_ids")):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestRejected(f"{what} out of range [0, {vocab}): {bad[:5]}", field)
+
+    def max_new_tokens(self, num_prompt: int, max_tokens: int | None,
+                       strict: bool = False) -> int:
+        """How many tokens a request of `num_prompt` prompt tokens may generate.
+        `max_tokens` None: as many as fit. Past the context length `max_tokens` is capped,
+        or with `strict` (the server, as OpenAI) refused."""
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise RequestRejected(
+                f"This model's maximum context length is {limit} tokens (prompt + output); "
+                f"the prompt has {num_prompt} tokens, which leaves no room for output (at "
+                f"most {limit - 1} prompt tokens).", code="context_length_exceeded")
+        if strict and max_tokens is not None and num_prompt + max_tokens > limit:
+            raise RequestRejected(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+                f"{max_tokens} for the completion).", "max_tokens", "context_length_exceeded")
+        capacity = self.num_blocks * self.block_size  # one sequence holding every block
+        if num_prompt >= capacity:
+            raise RequestRejected(
+                f"the prompt has {num_prompt} tokens but the KV cache pool holds {capacity} "
+                f"tokens ({self.num_blocks} blocks of {self.block_size}), and the prompt "
+                "needs room for at least one output token; send a shorter prompt or start "
+                "the engine with more blocks")
+        room = limit - num_prompt
+        if max_tokens is None:
+            return min(room, capacity - num_prompt)
+        max_new = min(max_tokens, room)
+        if num_prompt + max_new > capacity:
+            blocks = -(-(num_prompt + max_new) // self.block_size)
+            raise RequestRejected(
+                f"the request needs {blocks} KV blocks ({num_prompt} prompt + {max_new} new "
+                f"tokens) but the pool has {self.num_blocks} blocks of {self.block_size} "
+                f"tokens; lower max_tokens to at most {capacity - num_prompt}", "max_tokens")
+        return max_new
