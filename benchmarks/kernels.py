@@ -19,10 +19,10 @@ from triton.testing import do_bench
 
 from infer.attention import torch_backend
 from infer.attention.metadata import AttentionMetadata
+from infer.attention.triton_backend import paged_attention_kernels as paged_attention
 from infer.kernels import reference as ref
 from infer.kernels.activation import geglu_tanh, swiglu
 from infer.kernels.kv_store import store_kv
-from infer.kernels.paged_attention import paged_attention
 from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from infer.kernels.rope import rope_
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels import paged_setup, rel_err
 
 from infer.attention import torch_backend
-from infer.kernels.paged_attention import paged_attention
+from infer.attention.triton_backend import paged_attention_kernels as paged_attention
 
 HEADS, KV_HEADS, D = 32, 8, 128
 SCALE = D ** -0.5

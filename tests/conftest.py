@@ -6,6 +6,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+# Triton kernels run in the interpreter on the CPU; read when a kernel module is imported,
+# so set here, before any test module imports triton. `INFER_TEST_DEVICE=cuda` (a GPU
+# run) compiles them for the GPU instead.
+os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("INFER_TEST_DEVICE") else "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # One thread: on a 2-core machine shared with other processes, OpenMP threads that spin

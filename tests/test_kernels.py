@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
-
+import numpy as np
 import pytest
 import torch
 
@@ -20,14 +19,18 @@ if not triton_available():
 
 from infer.attention import torch_backend
 from infer.attention.metadata import AttentionMetadata
+from infer.attention.triton_backend import paged_attention_kernels
 from infer.kernels import reference as ref
 from infer.kernels.activation import geglu_tanh, swiglu
 from infer.kernels.kv_store import store_kv
-from infer.kernels.paged_attention import paged_attention, paged_decode
+from infer.kernels.paged_attention import paged_decode
 from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from infer.kernels.rope import rope_
+from infer.models.layers import RMSNorm
 
-DEVICE = "cuda" if torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] != "1" else "cpu"
+# conftest.py sets TRITON_INTERPRET (1 unless INFER_TEST_DEVICE asks for a GPU run).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
 
 
 def assert_close(out: torch.Tensor, expected: torch.Tensor, rel: float = 1e-4) -> None:
@@ -57,6 +60,57 @@ def test_fused_add_rmsnorm(offset: float) -> None:
     assert res.data_ptr() == residual.data_ptr(), "residual must be updated in place"
     assert_close(res, expected_res)
     assert_close(out, expected_out)
+
+
+@pytest.fixture
+def bf16_rounds_to_nearest(monkeypatch):
+    """The interpreter (triton 3.9, `interpreter.cast_impl`) converts float32 to bfloat16
+    by truncation; GPUs (`cvt.rn.bf16.f32`) and torch round to nearest even. Emulate the
+    GPU so that bf16 results can be compared bit for bit on the CPU."""
+    if not INTERPRETED:
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    truncating = interpreter._convert_float
+
+    def convert(data, src, dst, rounding_mode):
+        if not (src == tl.float32 and dst == tl.bfloat16):
+            return truncating(data, src, dst, rounding_mode)
+        bits = np.ascontiguousarray(data).view(np.uint32)
+        rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+        return np.where(np.isnan(bits.view(np.float32)), np.uint16(0x7FC0), rounded)
+
+    monkeypatch.setattr(interpreter, "_convert_float", convert)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rmsnorm_bf16_bit_exact(bf16_rounds_to_nearest, offset: float) -> None:
+    """Kernel, fused kernel, torch path and reference all round as transformers does."""
+    rows, dim, eps = 16, 200, 1e-6
+    x = (randn(rows, dim) * 3).bfloat16()
+    residual = (randn(rows, dim) * 3).bfloat16()
+    w = (randn(dim) * 0.2 + (0.0 if offset else 1.0)).bfloat16()
+    norm = RMSNorm(dim, eps, offset).to(device=DEVICE, dtype=torch.bfloat16)
+    norm.weight.data.copy_(w)
+    with torch.no_grad():
+        expected = norm(x)
+        expected_fused, expected_sum = norm(x, residual.clone())
+    assert expected.dtype == torch.bfloat16
+    assert torch.equal(rmsnorm(x, w, eps, offset), expected)
+    assert torch.equal(ref.rmsnorm_ref(x, w, eps, offset), expected)
+    out, summed = fused_add_rmsnorm(x, residual.clone(), w, eps, offset)
+    assert torch.equal(summed, expected_sum)
+    assert torch.equal(out, expected_fused)
+    pytest.importorskip("transformers")
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hf = (Gemma3RMSNorm if offset else LlamaRMSNorm)(dim, eps=eps)
+    hf = hf.to(device=DEVICE, dtype=torch.bfloat16)
+    hf.weight.data.copy_(w)
+    with torch.no_grad():
+        assert torch.equal(hf(x), expected)
 
 
 @pytest.mark.parametrize("head_dim", [64, 80])
@@ -157,7 +211,7 @@ def test_paged_prefill_with_cached_prefix(heads, kv_heads, head_dim, window, sof
         query_lens, seq_lens, heads, kv_heads, head_dim)
     scale = head_dim ** -0.5
     expected = torch_backend.paged_attention(q, k_ref, v_ref, meta, scale, window, softcap)
-    out = paged_attention(q, k_cache, v_cache, meta, scale, window, softcap)
+    out = paged_attention_kernels(q, k_cache, v_cache, meta, scale, window, softcap)
     assert_close(out, expected)
 
 
@@ -188,4 +242,4 @@ def test_triton_backend_sends_long_prefills_to_sdpa(monkeypatch, query_lens, seq
 def test_paged_attention_dispatches_decode() -> None:
     meta, q, (k_cache, v_cache), (k_ref, v_ref) = _paged_case([1, 1], [5, 37], 4, 1, 64)
     expected = torch_backend.paged_attention(q, k_ref, v_ref, meta, 0.125)
-    assert_close(paged_attention(q, k_cache, v_cache, meta, 0.125), expected)
+    assert_close(paged_attention_kernels(q, k_cache, v_cache, meta, 0.125), expected)

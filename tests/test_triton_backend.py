@@ -3,15 +3,11 @@ interpreter: greedy tokens and logprobs equal to the torch reference backend on 
 checkpoints of every architecture, with and without the decode-graph static buffers.
 
 On a GPU machine, `INFER_TEST_DEVICE=cuda` runs the same tests on CUDA with the graphs
-really captured."""
+really captured (conftest.py then leaves the interpreter off)."""
 
 from __future__ import annotations
 
 import os
-
-# The interpreter on the CPU; must precede the first triton import.
-os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("INFER_TEST_DEVICE") else "1")
-
 import random
 
 import pytest

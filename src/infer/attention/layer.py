@@ -5,27 +5,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from infer.attention import torch_backend
+from infer.attention.backend import AttentionBackend, make_attention_backend
 from infer.attention.metadata import AttentionMetadata
-
-BACKENDS = ("torch", "triton")
-
-
-def _backend_module(name: str):
-    if name == "triton":
-        from infer.attention import triton_backend
-
-        return triton_backend
-    if name == "torch":
-        return torch_backend
-    raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
+from infer.attention.torch_backend import TorchAttentionBackend
 
 
 class Attention(nn.Module):
     """Backend-neutral attention over a paged KV cache.
 
     Models hand it projected, position-encoded q/k/v of shape `[num_tokens, heads * head_dim]`;
-    which backend runs is decided here, never in model code.
+    the backend object bound by the runner (`set_attention_backend`) writes the cache and
+    attends, so model code never names a backend.
     """
 
     def __init__(
@@ -47,7 +37,7 @@ class Attention(nn.Module):
         # Bound by `allocate_kv_cache`: views [num_blocks, block_size, kv_heads, head_dim].
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        self.backend = torch_backend
+        self.backend: AttentionBackend = TorchAttentionBackend()
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -59,19 +49,20 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         self.backend.write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
-        out = self.backend.paged_attention(
+        out = self.backend.forward(
             q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
             self.logit_softcap,
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
 
-def set_attention_backend(model: nn.Module, name: str) -> None:
-    """Point every attention layer of `model` at backend `name` (torch | triton)."""
-    module = _backend_module(name)
+def set_attention_backend(model: nn.Module, backend: AttentionBackend | str) -> None:
+    """Point every attention layer of `model` at `backend` (an object, or torch | triton)."""
+    if isinstance(backend, str):
+        backend = make_attention_backend(backend)
     for m in model.modules():
         if isinstance(m, Attention):
-            m.backend = module
+            m.backend = backend
 
 
 def allocate_kv_cache(

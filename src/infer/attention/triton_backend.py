@@ -1,8 +1,9 @@
-"""Paged attention on the Triton kernels: the same two functions as `torch_backend`.
+"""Paged attention on the Triton kernels: `TritonAttentionBackend` and the functions it calls.
 
 Unlike the reference, nothing here synchronises with the device or depends on sequence
-lengths for its launch shapes when `meta.decode_splits` is set, so a decode step can be
-captured in a CUDA graph.
+lengths for its launch shapes when `meta.decode_splits` is set (or the batch is not all
+decodes: the prefill launch depends only on the longest query), so a step whose sequences
+all bring the same number of tokens can be captured in a CUDA graph.
 
 Per op by size: sequences that bring at least `DENSE_PREFILL_MIN_TOKENS` new tokens go
 through torch's fused SDPA (cuDNN first, then flash) on keys and values gathered from
@@ -19,13 +20,53 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from infer.attention.graph_metadata import GraphMetadata
 from infer.attention.metadata import AttentionMetadata
-from infer.kernels import paged_attention as kernels
 from infer.kernels.kv_store import store_kv
+from infer.kernels.paged_attention import default_num_splits, paged_decode, paged_prefill
 
 DENSE_PREFILL_MIN_TOKENS = 2048
 _SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                   SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def build_metadata(
+        self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+        block_size: int, device: torch.device | str,
+    ) -> AttentionMetadata:
+        return AttentionMetadata.build(query_lens, seq_lens, block_tables, block_size, device)
+
+    def write_kv(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+    def forward(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> torch.Tensor:
+        return paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap)
+
+    def init_graph_metadata(
+        self, max_batch: int, query_len: int, max_seq_len: int, block_size: int,
+        num_kv_heads: int, device: torch.device,
+    ) -> GraphMetadata:
+        # The dense (SDPA) path plans on host lengths, which graph metadata does not hold.
+        if query_len >= DENSE_PREFILL_MIN_TOKENS:
+            raise ValueError(f"graphs take fewer than {DENSE_PREFILL_MIN_TOKENS} tokens per "
+                             f"sequence, got {query_len}")
+
+        def splits(batch: int) -> int:  # enough for the longest sequence a step may hold
+            return default_num_splits(batch, num_kv_heads, max_seq_len, device)
+
+        # Only an all-decode batch takes the split-K launch.
+        return GraphMetadata(max_batch, query_len, -(-max_seq_len // block_size), block_size,
+                             device, splits if query_len == 1 else None)
 
 
 def write_kv(
@@ -45,20 +86,43 @@ def paged_attention(
         while first > 0 and meta.query_lens_host[first - 1] >= DENSE_PREFILL_MIN_TOKENS:
             first -= 1
     if first == meta.num_seqs:
-        return kernels.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window,
+        return paged_attention_kernels(q, k_cache, v_cache, meta, scale, sliding_window,
                                        logit_softcap, num_splits=meta.decode_splits)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     start = sum(meta.query_lens_host[:first])
     if first > 0:
-        kernels.paged_prefill(q[:start], k_cache, v_cache, meta.query_start_loc[:first + 1],
-                              meta.seq_lens[:first], meta.block_tables[:first],
-                              max(meta.query_lens_host[:first]), scale, out=out[:start])
+        paged_prefill(q[:start], k_cache, v_cache, meta.query_start_loc[:first + 1],
+                      meta.seq_lens[:first], meta.block_tables[:first],
+                      max(meta.query_lens_host[:first]), scale, out=out[:start])
     for i in range(first, meta.num_seqs):
         q_len, s_len = meta.query_lens_host[i], meta.seq_lens_host[i]
         dense_prefill(q[start:start + q_len], k_cache, v_cache, meta.block_tables[i], s_len,
                       scale, out[start:start + q_len])
         start += q_len
     return out
+
+
+def paged_attention_kernels(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    scale: float, sliding_window: int | None = None, logit_softcap: float | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Our kernels only, same contract as `torch_backend.paged_attention`: a batch of pure
+    decodes takes the split-K decode kernel, anything else the varlen prefill kernel."""
+    assert k_cache.shape[1] == meta.block_size, (k_cache.shape, meta.block_size)
+    assert q.shape[0] == meta.num_tokens, (q.shape, meta.num_tokens)
+    if meta.num_seqs and all(n == 1 for n in meta.query_lens_host):
+        if num_splits is None:
+            longest = max(meta.seq_lens_host)
+            if sliding_window is not None:
+                longest = min(longest, sliding_window)
+            num_splits = default_num_splits(meta.num_seqs, k_cache.shape[2], longest,
+                                            q.device)
+        return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
+                            sliding_window, logit_softcap, num_splits)
+    return paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                         meta.block_tables, max(meta.query_lens_host, default=0), scale,
+                         sliding_window, logit_softcap)
 
 
 def dense_prefill(

@@ -1,27 +1,28 @@
-"""Decode steps replayed from captured CUDA graphs.
+"""Steps replayed from captured CUDA graphs: decode, or any fixed number of tokens per sequence.
 
-A decode step of `n` sequences runs the graph captured for the smallest batch size
-`>= n`: the step's inputs are copied into static buffers, rows `n..size-1` are padding
-(slot -1, so nothing is written to the cache; length 1, so attention reads one valid key;
-their outputs are ignored). Graphs of all sizes share one memory pool and the same static
-buffers, captured from the largest down.
+A step of `n` sequences that each bring `tokens_per_seq` new tokens (1 for a decode step,
+k + 1 when verifying k speculative tokens) runs the graph captured for the smallest batch
+size `>= n`: the step's inputs are copied into static buffers sized for
+`max_batch * tokens_per_seq` tokens; rows `n..size-1` are padding (see
+`infer.attention.graph_metadata`: nothing is written to the cache, their outputs are
+ignored). Graphs of all sizes share one memory pool and the same static buffers, captured
+from the largest down. The attention backend supplies the attention buffers
+(`init_graph_metadata`); this file owns the token ids and positions.
 
 Capture needs a backend whose launches never synchronise with the host or change shape
-with the sequence lengths: the Triton backend with a fixed `decode_splits` per size. On a CPU the
-same buffers and padding run eagerly (`capture=False`), so tests cover everything but the
-capture itself.
+with the sequence lengths: the Triton backend, with a fixed split-K factor per size for
+decode. On a CPU the same buffers and padding run eagerly (`capture=False`), so tests
+cover everything but the capture itself.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from infer.attention.metadata import AttentionMetadata, padded_block_tables
-from infer.transfer import to_device
+from infer.attention.graph_metadata import GraphMetadata
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -32,28 +33,24 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
+    """Graphs keyed by batch size, for `attn.query_len` tokens per sequence."""
+
     def __init__(
-        self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-        decode_splits: Callable[[int], int], device: torch.device, capture: bool = True,
+        self, model: nn.Module, attn: GraphMetadata, device: torch.device,
+        capture: bool = True,
     ) -> None:
         self.model = model
-        self.block_size = block_size
-        self.decode_splits = decode_splits
+        self.attn = attn
+        self.tokens_per_seq = attn.query_len
         self.device = device
-        self.sizes = graph_batch_sizes(max_num_seqs)
-        n = self.sizes[-1]
-        as_long = dict(dtype=torch.long, device=device)
-        self.input_ids = torch.zeros(n, **as_long)
-        self.positions = torch.zeros(n, **as_long)
-        self.slot_mapping = torch.full((n,), -1, **as_long)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32,
-                                        device=device)
+        self.sizes = graph_batch_sizes(attn.max_batch)
+        n = self.sizes[-1] * self.tokens_per_seq
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.hidden: dict[int, torch.Tensor] = {}  # graph outputs (or eager results)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
-        self.steps = 0  # decode steps served through the static buffers
+        self.steps = 0  # steps served through the static buffers
         if capture:
             self._capture_all()
 
@@ -61,18 +58,15 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.sizes[-1]
 
-    def _meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
-            block_size=self.block_size, query_lens_host=[1] * size,
-            # Only the kernels read the lengths (from the device); the host list must not
-            # steer anything, so it holds a placeholder.
-            seq_lens_host=[1] * size, decode_splits=self.decode_splits(size),
-        )
+    def fits(self, query_lens: list[int]) -> bool:
+        """Whether a step with these per-sequence token counts can run here."""
+        q = self.tokens_per_seq
+        return 0 < len(query_lens) <= self.max_batch and all(n == q for n in query_lens)
 
     def _forward(self, size: int) -> torch.Tensor:
-        return self.model(self.input_ids[:size], self.positions[:size], self._meta(size))
+        tokens = size * self.tokens_per_seq
+        return self.model(self.input_ids[:tokens], self.positions[:tokens],
+                          self.attn.metadata(size))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -93,30 +87,28 @@ class DecodeGraphs:
         self.capture_seconds = time.perf_counter() - start
 
     def run(
-        self, input_ids: list[int] | torch.Tensor, positions: list[int], slots: list[int],
-        seq_lens: list[int], block_tables: list[list[int]],
+        self, input_ids: list[int] | torch.Tensor, positions: list[int], seq_lens: list[int],
+        block_tables: list[list[int]],
     ) -> torch.Tensor:
-        """Hidden states `[n, hidden]` of one all-decode step of n <= max_batch sequences.
-        `input_ids` may already be on the device (the tokens the step before sampled)."""
-        n = len(positions)
+        """Hidden states `[n * tokens_per_seq, hidden]` of one step of n <= max_batch
+        sequences (flattened, sequence by sequence). `input_ids` may already be on the
+        device (the tokens the step before sampled)."""
+        n = len(seq_lens)
         size = next(s for s in self.sizes if s >= n)
         self.steps += 1
-        pad = size - n
+        tokens, real = size * self.tokens_per_seq, n * self.tokens_per_seq
+        pad = tokens - real
         on_device = isinstance(input_ids, torch.Tensor)
-        host_ids = [0] * size if on_device else input_ids + [0] * pad
-        rows = to_device(torch.tensor([host_ids, positions + [0] * pad, slots + [-1] * pad,
-                                       seq_lens + [1] * pad], dtype=torch.long), self.device)
-        tables = to_device(padded_block_tables(block_tables, size), self.device)
+        host_ids = [0] * tokens if on_device else input_ids + [0] * pad
+        ids, pos = self.attn.prepare_replay(size, seq_lens, block_tables,
+                                            [host_ids, positions + [0] * pad])
         if on_device:
-            self.input_ids[:n].copy_(input_ids)
+            self.input_ids[:real].copy_(input_ids)
         else:
-            self.input_ids[:size].copy_(rows[0])
-        self.positions[:size].copy_(rows[1])
-        self.slot_mapping[:size].copy_(rows[2])
-        self.seq_lens[:size].copy_(rows[3])
-        self.block_tables[:size, :tables.shape[1]].copy_(tables)
+            self.input_ids[:tokens].copy_(ids)
+        self.positions[:tokens].copy_(pos)
         if size in self.graphs:
             self.graphs[size].replay()
-            return self.hidden[size][:n]
+            return self.hidden[size][:real]
         with torch.inference_mode():
-            return self._forward(size)[:n]
+            return self._forward(size)[:real]

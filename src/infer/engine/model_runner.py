@@ -9,8 +9,8 @@ from torch import nn
 
 from infer.attention import (
     Attention,
-    AttentionMetadata,
     allocate_kv_cache,
+    make_attention_backend,
     set_attention_backend,
 )
 from infer.config import ModelConfig
@@ -31,10 +31,6 @@ class StepInputs:
     sample_rows: list[int]
     sample_request_ids: list[str]
 
-    @property
-    def is_decode(self) -> bool:
-        return bool(self.query_lens) and all(n == 1 for n in self.query_lens)
-
 
 class ModelRunner:
     def __init__(
@@ -53,6 +49,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.attention_backend = attention_backend
+        self.backend = make_attention_backend(attention_backend)
         self.kernel_backend = kernel_backend
         self.kv_pool = allocate_kv_cache(model, num_blocks, block_size, kv_dtype, device)
         # Engines may share one model's weights (tests, draft models): each keeps its own
@@ -63,25 +60,19 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int,
-                             capture: bool = True) -> DecodeGraphs:
-        """Capture decode graphs (Triton attention only); `capture=False` runs the same
+                             capture: bool = True, tokens_per_seq: int = 1) -> DecodeGraphs:
+        """Capture graphs for steps whose sequences each bring `tokens_per_seq` tokens (if
+        the backend allows: Triton attention only); `capture=False` runs the same
         static-buffer path eagerly (CPU tests)."""
-        if self.attention_backend != "triton":
-            raise ValueError("decode graphs need attention_backend='triton'")
-        from infer.kernels.paged_attention import default_num_splits
-
-        kv_heads = self.model_config.num_kv_heads
-
-        def splits(batch: int) -> int:  # enough for the longest sequence a step may hold
-            return default_num_splits(batch, kv_heads, max_model_len, self.device)
-
+        attn = self.backend.init_graph_metadata(
+            max_num_seqs, tokens_per_seq, max_model_len, self.block_size,
+            self.model_config.num_kv_heads, self.device)
         self._bind()
-        self.graphs = DecodeGraphs(self.model, max_num_seqs, -(-max_model_len // self.block_size),
-                                   self.block_size, splits, self.device, capture=capture)
+        self.graphs = DecodeGraphs(self.model, attn, self.device, capture=capture)
         return self.graphs
 
     def _bind(self) -> None:
-        set_attention_backend(self.model, self.attention_backend)
+        set_attention_backend(self.model, self.backend)
         set_kernel_backend(self.model, self.kernel_backend)
         for layer, (k, v) in zip(self._layers, self._views):
             layer.k_cache, layer.v_cache = k, v
@@ -105,7 +96,6 @@ class ModelRunner:
                 inputs.sample_request_ids.append(item.request_id)
         return inputs
 
-
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, device_input_ids: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -115,15 +105,13 @@ class ModelRunner:
         if self._layers[0].k_cache is not self._views[0][0]:
             self._bind()
         ids = inputs.input_ids if device_input_ids is None else device_input_ids
-        if (self.graphs is not None and inputs.is_decode
-                and len(inputs.query_lens) <= self.graphs.max_batch):
-            slots = [t[(n - 1) // self.block_size] * self.block_size + (n - 1) % self.block_size
-                     for t, n in zip(inputs.block_tables, inputs.seq_lens)]
-            hidden = self.graphs.run(ids, inputs.positions, slots, inputs.seq_lens,
+        if self.graphs is not None and self.graphs.fits(inputs.query_lens):
+            hidden = self.graphs.run(ids, inputs.positions, inputs.seq_lens,
                                      inputs.block_tables)
         else:
-            meta = AttentionMetadata.build(inputs.query_lens, inputs.seq_lens,
-                                           inputs.block_tables, self.block_size, self.device)
+            meta = self.backend.build_metadata(inputs.query_lens, inputs.seq_lens,
+                                               inputs.block_tables, self.block_size,
+                                               self.device)
             if device_input_ids is None:
                 ids = to_device(torch.tensor(inputs.input_ids, dtype=torch.long), self.device)
             positions = to_device(torch.tensor(inputs.positions, dtype=torch.long), self.device)

@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.attention.metadata import AttentionMetadata
 from infer.kernels.activation import _tanh
 
 
@@ -233,8 +232,9 @@ def _common(q: torch.Tensor, k_cache: torch.Tensor, scale: float,
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
                        device: torch.device) -> int:
-    """Enough (seq, kv head, split) programs to fill the GPU about twice, but at least
-    256 keys per split; a power of 2 so few kernel variants get compiled."""
+    """Split-K factor of a decode launch (the Triton attention backend's policy): enough
+    (seq, kv head, split) programs to fill the GPU about twice, but at least 256 keys per
+    split; a power of 2 so few kernel variants get compiled."""
     want = triton.cdiv(2 * _sm_count(device), max(num_seqs * num_kv_heads, 1))
     splits = max(1, min(want, triton.cdiv(max_seq_len, 256), 64))
     return triton.next_power_of_2(splits)
@@ -328,26 +328,3 @@ def paged_prefill(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=8, num_stages=2,
     )
     return out
-
-
-def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-    scale: float, sliding_window: int | None = None, logit_softcap: float | None = None,
-    num_splits: int | None = None,
-) -> torch.Tensor:
-    """Same contract as `infer.attention.torch_backend.paged_attention`: a batch of pure
-    decodes takes the split-K decode kernel, anything else the varlen prefill kernel."""
-    assert k_cache.shape[1] == meta.block_size, (k_cache.shape, meta.block_size)
-    assert q.shape[0] == meta.num_tokens, (q.shape, meta.num_tokens)
-    if meta.num_seqs and all(n == 1 for n in meta.query_lens_host):
-        if num_splits is None:
-            longest = max(meta.seq_lens_host)
-            if sliding_window is not None:
-                longest = min(longest, sliding_window)
-            num_splits = default_num_splits(meta.num_seqs, k_cache.shape[2], longest,
-                                            q.device)
-        return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
-                            sliding_window, logit_softcap, num_splits)
-    return paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                         meta.block_tables, max(meta.query_lens_host, default=0), scale,
-                         sliding_window, logit_softcap)

@@ -1,5 +1,6 @@
 """Torch references of the elementwise/normalisation kernels, computed in float32 and
-rounded once to the input dtype (what the kernels do)."""
+rounded once to the input dtype (what the kernels do), except where a model's own rounding
+is the contract (RMSNorm rounds as transformers does)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import torch
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                 offset: float = 0.0) -> torch.Tensor:
+    """transformers' rounding: Llama's `w * x_normed.to(dtype)` (offset 0), Gemma's
+    `(x_normed * (1 + w)).to(dtype)` in float32 (offset 1)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset == 0.0:
+        return (weight.float() * xf.to(x.dtype).float()).to(x.dtype)
     return (xf * (offset + weight.float())).to(x.dtype)
 
 

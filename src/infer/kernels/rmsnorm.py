@@ -1,4 +1,10 @@
-"""RMSNorm and fused residual-add + RMSNorm: one program per row, float32 accumulation."""
+"""RMSNorm and fused residual-add + RMSNorm: one program per row, float32 accumulation.
+
+Rounded as transformers rounds (HF `LlamaRMSNorm`, `Gemma3RMSNorm`), so the torch path
+(`infer.models.layers.RMSNorm`) and these kernels agree bit for bit in bf16: `x * w`
+(offset 0) rounds the normalised x to the output dtype, then multiplies by the weight and
+rounds again; Gemma's `x * (1 + w)` (offset 1) scales in float32 and rounds once.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +17,8 @@ import triton.language as tl
 def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr,
     stride_x, stride_res, stride_out,
-    n_cols, eps, offset,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    n_cols, eps,
+    OFFSET: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -27,7 +33,10 @@ def _rmsnorm_kernel(
         x = s.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = x * inv_rms * (w + offset)
+    if OFFSET == 0.0:
+        y = (x * inv_rms).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+    else:
+        y = x * inv_rms * (w + OFFSET)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -39,8 +48,8 @@ def _launch(x2d: torch.Tensor, res2d: torch.Tensor | None, weight: torch.Tensor,
     _rmsnorm_kernel[(rows,)](
         x2d, res2d if res2d is not None else x2d, weight, out2d,
         x2d.stride(0), res2d.stride(0) if res2d is not None else 0, out2d.stride(0),
-        n, eps, offset,
-        HAS_RESIDUAL=res2d is not None, BLOCK=block, num_warps=num_warps,
+        n, eps,
+        OFFSET=offset, HAS_RESIDUAL=res2d is not None, BLOCK=block, num_warps=num_warps,
     )
 
 

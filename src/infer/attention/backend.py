@@ -1,0 +1,66 @@
+"""The attention-backend object: what the runner and the Attention layers ask of a backend.
+
+Two implementations share this protocol: `TorchAttentionBackend` (the reference, CPU and
+GPU) and `TritonAttentionBackend` (our kernels; CUDA graphs). A runner holds one backend
+object, builds each step's `AttentionMetadata` with it, binds it into the model's
+Attention layers, and asks it for the static buffers of captured graphs.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from infer.attention.graph_metadata import GraphMetadata
+from infer.attention.metadata import AttentionMetadata
+
+BACKENDS = ("torch", "triton")
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def build_metadata(
+        self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+        block_size: int, device: torch.device | str,
+    ) -> AttentionMetadata:
+        """The step's metadata, built once per step and passed to every layer."""
+        ...
+
+    def write_kv(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Store new keys/values `[num_tokens, kv_heads, head_dim]` at their slots (-1: skip)."""
+        ...
+
+    def forward(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of new queries `[num_tokens, heads, head_dim]` over the cache,
+        which already holds their keys/values."""
+        ...
+
+    def init_graph_metadata(
+        self, max_batch: int, query_len: int, max_seq_len: int, block_size: int,
+        num_kv_heads: int, device: torch.device,
+    ) -> GraphMetadata:
+        """Static buffers for graphs of up to `max_batch` sequences of `query_len` new tokens
+        each (raises if this backend's launches cannot be captured)."""
+        ...
+
+
+def make_attention_backend(name: str) -> AttentionBackend:
+    """A fresh backend object for `name` (torch | triton)."""
+    if name == "triton":
+        from infer.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    if name == "torch":
+        from infer.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")

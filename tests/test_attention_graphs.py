@@ -1,0 +1,107 @@
+"""Graph static buffers for any number of query tokens per sequence (speculative decoding
+verifies k + 1 per sequence in one replay), run eagerly (`capture=False`) on the CPU with
+the Triton backend in the interpreter: the same hidden states as the ordinary path, and
+padding rows write nothing to the cache. `INFER_TEST_DEVICE=cuda` captures the graphs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from checkpoints import save_random_checkpoint
+
+from infer.attention import GraphMetadata, make_attention_backend
+from infer.kernels import triton_available
+
+if not triton_available():
+    pytest.skip("triton is not installed", allow_module_level=True)
+transformers = pytest.importorskip("transformers")
+
+DEVICE = torch.device(os.environ.get("INFER_TEST_DEVICE", "cpu"))
+BLOCK, NUM_BLOCKS, MAX_LEN = 4, 24, 32
+BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            max_position_embeddings=64)
+
+
+def test_prepare_replay_fills_slots_lengths_and_padding() -> None:
+    meta = GraphMetadata(max_batch=4, query_len=2, max_blocks_per_seq=3, block_size=BLOCK,
+                         device=torch.device("cpu"))
+    tables = [[5, 2], [7, 1, 3]]
+    rows = meta.prepare_replay(4, [6, 9], tables, [[11] * 8, [12] * 8])
+    assert rows.tolist() == [[11] * 8, [12] * 8]
+    # positions 4, 5 of the first sequence (block 2), 7, 8 of the second (blocks 1, 3)
+    assert meta.slot_mapping.tolist() == [8, 9, 7, 12, -1, -1, -1, -1]
+    assert meta.seq_lens.tolist() == [6, 9, 2, 2]
+    assert meta.block_tables.tolist() == [[5, 2, 0], [7, 1, 3], [0, 0, 0], [0, 0, 0]]
+    view = meta.metadata(2)
+    assert view.query_start_loc.tolist() == [0, 2, 4]
+    assert view.query_lens_host == [2, 2] and view.num_tokens == 4
+    assert view.decode_splits is None
+
+
+def test_torch_backend_refuses_graphs() -> None:
+    with pytest.raises(ValueError, match="attention_backend='triton'"):
+        make_attention_backend("torch").init_graph_metadata(4, 1, MAX_LEN, BLOCK, 2, "cpu")
+
+
+@pytest.fixture(scope="module", params=["llama-gqa", "mistral-window"])
+def model(request, tmp_path_factory):
+    from infer.loader import load_hf_dir
+
+    t = transformers
+    config = {
+        "llama-gqa": lambda: t.LlamaConfig(**BASE, num_attention_heads=4,
+                                           num_key_value_heads=2),
+        "mistral-window": lambda: t.MistralConfig(**BASE, num_attention_heads=4,
+                                                  num_key_value_heads=2, sliding_window=5),
+    }[request.param]()
+    path = tmp_path_factory.mktemp(request.param)
+    save_random_checkpoint(config, path, seed=1)
+    return load_hf_dir(path, dtype=torch.float32, device=DEVICE)
+
+
+@pytest.mark.parametrize("query_len", [1, 2, 3])
+def test_static_buffers_match_ordinary_path(model, query_len: int) -> None:
+    from infer.engine.model_runner import ModelRunner
+
+    net, config = model
+    runner = ModelRunner(net, config, NUM_BLOCKS, BLOCK, DEVICE, torch.float32,
+                         attention_backend="triton", kernel_backend="torch")
+    # Block 0 is left to padding rows; unused blocks hold NaN, so a stray write shows.
+    tables = [[3, 9, 4], [6, 1], [8, 11, 2, 5], [7, 10]]
+    context = [5, 1, 9, 6]
+    runner.kv_pool.fill_(float("nan"))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 64, (c + query_len,), generator=gen).tolist() for c in context]
+    backend = runner.backend
+    with torch.inference_mode():
+        meta = backend.build_metadata(context, context, tables, BLOCK, DEVICE)
+        net(torch.tensor([t for p, c in zip(prompts, context) for t in p[:c]], device=DEVICE),
+            torch.tensor([i for c in context for i in range(c)], device=DEVICE), meta)
+    seqs = [0, 1, 2]  # three sequences: graph size 4 with one padding row
+    ids = [t for s in seqs for t in prompts[s][context[s]:]]
+    positions = [p for s in seqs for p in range(context[s], context[s] + query_len)]
+    seq_lens = [context[s] + query_len for s in seqs]
+    step_tables = [tables[s] for s in seqs]
+    before = runner.kv_pool.clone()
+    with torch.inference_mode():
+        meta = backend.build_metadata([query_len] * 3, seq_lens, step_tables, BLOCK, DEVICE)
+        expected = net(torch.tensor(ids, device=DEVICE),
+                       torch.tensor(positions, device=DEVICE), meta)
+    expected_pool = runner.kv_pool.clone()
+    runner.kv_pool.copy_(before)
+
+    graphs = runner.enable_decode_graphs(4, MAX_LEN, capture=DEVICE.type == "cuda",
+                                         tokens_per_seq=query_len)
+    assert graphs.sizes == [1, 2, 4] and graphs.input_ids.shape == (4 * query_len,)
+    assert graphs.fits([query_len] * 3) and not graphs.fits([query_len] * 2 + [query_len + 1])
+    hidden = graphs.run(ids, positions, seq_lens, step_tables)
+    assert hidden.shape == expected.shape
+    # GEMMs of another row count may differ in the last bits (cuBLAS picks by shape).
+    tol = 1e-5 if DEVICE.type == "cpu" else 1e-4
+    torch.testing.assert_close(hidden, expected, rtol=tol, atol=tol)
+    # Padding wrote nothing: the pool equals the ordinary path's, NaNs and block 0 included.
+    torch.testing.assert_close(runner.kv_pool, expected_pool, rtol=tol, atol=tol,
+                               equal_nan=True)
+    assert runner.kv_pool[:, :, 0].isnan().all()
