@@ -9,8 +9,9 @@ import torch
 from checkpoints import reference_logits, save_random_checkpoint
 from paged_runner import run_paged
 
-from infer.config import ConfigError, ModelConfig, RopeConfig
+from infer.config import ConfigError, RopeConfig
 from infer.loader import load_hf_dir
+from infer.models import config_from_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -100,7 +101,7 @@ LEGACY = {
 
 
 def test_legacy_config_parses():
-    cfg = ModelConfig.from_hf(LEGACY)
+    cfg = config_from_hf(LEGACY)
     assert cfg.architecture == "gemma3" and cfg.qk_norm and cfg.tie_word_embeddings
     assert cfg.rope == RopeConfig(theta=1e6, kind="linear", factor=8.0)
     assert cfg.rope_local == RopeConfig(theta=1e4)
@@ -115,7 +116,7 @@ def test_config_defaults_follow_transformers():
     sparse = {k: v for k, v in LEGACY.items()
               if k not in ("rope_theta", "query_pre_attn_scalar", "sliding_window",
                            "rope_scaling")}
-    cfg = ModelConfig.from_hf(sparse)
+    cfg = config_from_hf(sparse)
     assert cfg.rope == RopeConfig(theta=1e6)
     assert cfg.query_pre_attn_scalar == 256
     assert cfg.layer_window(0) == 4096
@@ -123,4 +124,4 @@ def test_config_defaults_follow_transformers():
 
 def test_bidirectional_gemma_refused():
     with pytest.raises(ConfigError, match="bidirectional"):
-        ModelConfig.from_hf({**LEGACY, "use_bidirectional_attention": True})
+        config_from_hf({**LEGACY, "use_bidirectional_attention": True})

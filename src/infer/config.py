@@ -1,23 +1,14 @@
-"""Model configuration: a frozen dataclass parsed from HF `config.json` or GGUF metadata."""
+"""Model configuration: a frozen dataclass parsed from HF `config.json` or GGUF metadata.
+
+Which architectures exist, and how each maps its config, is the models' registry
+(`infer.models`); this module only holds the dataclasses and the config.json parsing that
+several architectures share, and imports neither torch nor the models.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "gpt2")
-
-# HF `model_type` -> our architecture name. Mistral-style configs are Llama with GQA and,
-# optionally, a sliding window on every layer.
-_MODEL_TYPES = {
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "gemma3_text": "gemma3",
-    "gemma3": "gemma3",
-    "gpt2": "gpt2",
-}
 
 
 class ConfigError(ValueError):
@@ -70,7 +61,10 @@ class ModelConfig:
     # Gemma 3's sliding-window layers use their own RoPE base.
     rope_local: RopeConfig | None = None
     tie_word_embeddings: bool = False
+    # Bias on the q/k/v projections, and on the attention output projection (Qwen2 has the
+    # first only).
     attention_bias: bool = False
+    attention_out_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
     hidden_act: str = "silu"
@@ -79,16 +73,10 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
-    attn_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(
-                f"unknown architecture {self.architecture!r}; supported: "
-                + ", ".join(SUPPORTED_ARCHITECTURES)
-            )
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim"):
             if getattr(self, name) <= 0:
@@ -118,74 +106,22 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    @staticmethod
-    def from_hf(cfg: dict[str, Any]) -> ModelConfig:
-        model_type = cfg.get("model_type")
-        if model_type == "gemma3" and "text_config" in cfg:
-            cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
-            model_type = "gemma3_text"
-        arch = _MODEL_TYPES.get(model_type or "")
-        if arch is None:
-            raise ConfigError(
-                f"unsupported model_type {model_type!r}; supported: {', '.join(_MODEL_TYPES)}"
-            )
-        try:
-            if arch == "gpt2":
-                return _gpt2_from_hf(cfg)
-            return _decoder_from_hf(arch, cfg)
-        except KeyError as exc:
-            raise ConfigError(f"config.json lacks the field {exc.args[0]!r}") from None
 
-
-def _eos_ids(value: Any) -> tuple[int, ...]:
+def eos_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
 
 
-def _decoder_from_hf(arch: str, cfg: dict[str, Any]) -> ModelConfig:
+def hf_decoder_config(architecture: str, cfg: dict[str, Any], **fields: Any) -> ModelConfig:
+    """ModelConfig from the `config.json` keys that Llama-style decoders share, with
+    transformers' defaults; `fields` overrides any of them (an architecture's own keys)."""
     heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
-    rope_params = cfg.get("rope_parameters") or cfg.get("rope_scaling")
-    theta = float(cfg.get("rope_theta", 10000.0))
-    rope_local = None
-    layer_types = tuple(cfg.get("layer_types") or ())
-    sliding_window = cfg.get("sliding_window")
-    if arch == "gemma3":
-        if cfg.get("use_bidirectional_attention"):
-            raise ConfigError("bidirectional Gemma 3 (e.g. EmbeddingGemma) is not supported")
-        # transformers' Gemma3TextConfig defaults for keys that a config.json leaves out.
-        theta = float(cfg.get("rope_theta", 1_000_000.0))
-        sliding_window = cfg.get("sliding_window", 4096)
-        params = rope_params or {}
-        if "full_attention" in params:  # transformers >= 5 nests one dict per layer type
-            rope = RopeConfig.from_hf(params["full_attention"], theta)
-            rope_local = RopeConfig.from_hf(params.get("sliding_attention"), 10000.0)
-        else:
-            rope = RopeConfig.from_hf(params, theta)
-            rope_local = RopeConfig(theta=float(cfg.get("rope_local_base_freq", 10000.0)))
-        if not layer_types:
-            pattern = cfg.get("sliding_window_pattern", 6)
-            layer_types = tuple(
-                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                for i in range(cfg["num_hidden_layers"])
-            )
-    else:
-        rope = RopeConfig.from_hf(rope_params, theta)
-        if arch in ("qwen2", "qwen3"):
-            if not cfg.get("use_sliding_window", False):
-                sliding_window = None
-            layer_types = ()
-            if sliding_window:
-                first = cfg.get("max_window_layers", cfg["num_hidden_layers"])
-                layer_types = tuple(
-                    "sliding_attention" if i >= first else "full_attention"
-                    for i in range(cfg["num_hidden_layers"])
-                )
-        elif sliding_window is None:
-            layer_types = ()
-    return ModelConfig(
-        architecture=arch,
+    window = cfg.get("sliding_window")
+    attention_bias = bool(cfg.get("attention_bias", False))
+    standard: dict[str, Any] = dict(
+        architecture=architecture,
         vocab_size=cfg["vocab_size"],
         hidden_size=hidden,
         intermediate_size=cfg["intermediate_size"],
@@ -195,55 +131,21 @@ def _decoder_from_hf(arch: str, cfg: dict[str, Any]) -> ModelConfig:
         head_dim=cfg.get("head_dim") or hidden // heads,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope=rope,
-        rope_local=rope_local,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
-        attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=attention_bias,
+        attention_out_bias=attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=arch in ("qwen3", "gemma3"),
         hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
-        sliding_window=sliding_window,
-        layer_types=layer_types,
-        query_pre_attn_scalar=cfg.get(
-            "query_pre_attn_scalar", 256 if arch == "gemma3" else None
-        ),
+        # Without a window, per-layer kinds are meaningless (all layers attend fully).
+        sliding_window=window,
+        layer_types=tuple(cfg.get("layer_types") or ()) if window is not None else (),
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
-        attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
         bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
+        eos_token_ids=eos_ids(cfg.get("eos_token_id")),
     )
-
-
-def _gpt2_from_hf(cfg: dict[str, Any]) -> ModelConfig:
-    hidden = cfg["n_embd"]
-    heads = cfg["n_head"]
-    if heads <= 0 or hidden % heads:
-        raise ConfigError(f"n_embd ({hidden}) must be a multiple of n_head ({heads})")
-    # reorder_and_upcast_attn needs nothing: attention scores are always computed in float32.
-    unsupported = [
-        flag for flag, bad in (
-            ("scale_attn_weights=false", not cfg.get("scale_attn_weights", True)),
-            ("scale_attn_by_inverse_layer_idx=true", cfg.get("scale_attn_by_inverse_layer_idx")),
-            ("add_cross_attention=true", cfg.get("add_cross_attention")),
-        ) if bad
-    ]
-    if unsupported:
-        raise ConfigError(f"unsupported GPT-2 options: {', '.join(unsupported)}")
-    return ModelConfig(
-        architecture="gpt2",
-        vocab_size=cfg["vocab_size"],
-        hidden_size=hidden,
-        intermediate_size=cfg.get("n_inner") or 4 * hidden,
-        num_layers=cfg["n_layer"],
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
-        max_position_embeddings=cfg.get("n_positions", 1024),
-        norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        attention_bias=True,
-        mlp_bias=True,
-        hidden_act=cfg.get("activation_function", "gelu_new"),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
-    )
+    if "rope" not in fields:
+        standard["rope"] = RopeConfig.from_hf(
+            cfg.get("rope_parameters") or cfg.get("rope_scaling"),
+            float(cfg.get("rope_theta", 10000.0)),
+        )
+    return ModelConfig(**{**standard, **fields})

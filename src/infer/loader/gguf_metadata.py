@@ -1,4 +1,9 @@
-"""GGUF metadata -> ModelConfig, with the derivations transformers' GGUF loader makes."""
+"""GGUF metadata -> ModelConfig, with the derivations transformers' GGUF loader makes.
+
+The file's `general.architecture` picks the registry entry, whose `from_gguf` hook builds
+the config from a `GGUFMetadata`: llama.cpp's keys are the same across architectures
+(`<arch>.embedding_length`, ...), so the reading that they share is here.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,10 @@ import torch
 from gguf import GGUFReader
 from gguf.gguf_reader import ReaderTensor
 
-from infer.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig, RopeConfig
+from infer.config import ConfigError, ModelConfig, RopeConfig
 from infer.loader.errors import ModelLoadError
 from infer.loader.gguf_file import MISSING, dequantize_tensor, read_field, source_of
+from infer.models import REGISTRY
 from infer.models.layers import rope_inv_freq
 
 
@@ -28,103 +34,92 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
 
 
 def _gguf_config(reader: GGUFReader) -> ModelConfig:
-    src = source_of(reader)
-    arch = read_field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    g = GGUFMetadata(reader)
+    entry = REGISTRY.get(g.arch)
+    if entry is None:
         raise ModelLoadError(
-            f"{src}: unsupported architecture {arch!r} (supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"{g.src}: unsupported architecture {g.arch!r} (supported: {', '.join(REGISTRY)})"
         )
-    tensors = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in tensors:
-        raise ModelLoadError(f"{src}: no token_embd.weight tensor")
+    if "token_embd.weight" not in g.tensors:
+        raise ModelLoadError(f"{g.src}: no token_embd.weight tensor")
+    return entry.from_gguf(g)
 
-    def meta(key: str, default: Any = MISSING) -> Any:
-        return read_field(reader, f"{arch}.{key}", default)
 
-    hidden = int(meta("embedding_length"))
-    heads = int(meta("attention.head_count"))
-    kv_heads = meta("attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):  # per-layer counts; only uniform ones are supported
-        if len(set(kv_heads)) != 1:
-            raise ModelLoadError(f"{src}: per-layer KV head counts {kv_heads} are not supported")
-        kv_heads = kv_heads[0]
-    common = dict(
-        architecture=arch,
-        vocab_size=int(tensors["token_embd.weight"].shape[1]),  # ne = [hidden, vocab]
-        hidden_size=hidden,
-        num_layers=int(meta("block_count")),
-        num_heads=heads,
-        max_position_embeddings=int(meta("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=read_field(reader, "tokenizer.ggml.bos_token_id", None),
-        eos_token_ids=tuple(dict.fromkeys(
-            int(v) for key in ("eos_token_id", "eot_token_id", "eom_token_id")
-            if (v := read_field(reader, f"tokenizer.ggml.{key}", None)) is not None
-        )),
-    )
-    if arch == "gpt2":
-        return ModelConfig(
-            **common,
-            intermediate_size=int(meta("feed_forward_length", 4 * hidden)),
-            num_kv_heads=heads,
-            head_dim=hidden // heads,
-            norm_eps=float(meta("attention.layer_norm_epsilon", 1e-5)),
-            attention_bias=True,
-            mlp_bias=True,
-            hidden_act="gelu_new",
+class GGUFMetadata:
+    """One GGUF file's metadata and tensors, as the architectures' `from_gguf` hooks read
+    them."""
+
+    def __init__(self, reader: GGUFReader) -> None:
+        self.reader = reader
+        self.src = source_of(reader)
+        self.arch: str = read_field(reader, "general.architecture")
+        self.tensors: dict[str, ReaderTensor] = {t.name: t for t in reader.tensors}
+
+    def meta(self, key: str, default: Any = MISSING) -> Any:
+        """The architecture's field `<arch>.<key>`."""
+        return read_field(self.reader, f"{self.arch}.{key}", default)
+
+    def common(self) -> dict[str, Any]:
+        """The ModelConfig fields every architecture reads alike."""
+        hidden = int(self.meta("embedding_length"))
+        heads = int(self.meta("attention.head_count"))
+        kv_heads = self.meta("attention.head_count_kv", heads)
+        if isinstance(kv_heads, list):  # per-layer counts; only uniform ones are supported
+            if len(set(kv_heads)) != 1:
+                raise ModelLoadError(
+                    f"{self.src}: per-layer KV head counts {kv_heads} are not supported"
+                )
+            kv_heads = kv_heads[0]
+        return dict(
+            architecture=self.arch,
+            vocab_size=int(self.tensors["token_embd.weight"].shape[1]),  # ne = [hidden, vocab]
+            hidden_size=hidden,
+            num_layers=int(self.meta("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(kv_heads),
+            max_position_embeddings=int(self.meta("context_length", 2048)),
+            tie_word_embeddings="output.weight" not in self.tensors,
+            bos_token_id=read_field(self.reader, "tokenizer.ggml.bos_token_id", None),
+            eos_token_ids=tuple(dict.fromkeys(
+                int(v) for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+                if (v := read_field(self.reader, f"tokenizer.ggml.{key}", None)) is not None
+            )),
         )
-    head_dim = int(meta("attention.key_length", 0) or meta("rope.dimension_count", 0)
+
+    def head_dim(self) -> int:
+        hidden = int(self.meta("embedding_length"))
+        heads = int(self.meta("attention.head_count"))
+        return int(self.meta("attention.key_length", 0) or self.meta("rope.dimension_count", 0)
                    or hidden // heads)
-    rotary = meta("rope.dimension_count", head_dim)
-    if rotary != head_dim:
-        raise ModelLoadError(
-            f"{src}: rope.dimension_count {rotary} differs from head_dim {head_dim} (partial "
-            "rotary embeddings are not supported)"
-        )
-    gemma = arch == "gemma3"
-    theta = float(meta("rope.freq_base", 1_000_000.0 if gemma else 10000.0))
-    rope = _rope(reader, arch, theta, head_dim, tensors)
-    extra: dict[str, Any] = {}
-    window = meta("attention.sliding_window", None)
-    if gemma:
-        layers = common["num_layers"]
-        extra = dict(
-            # llama.cpp never scales RoPE in the sliding layers; their base is 1e4 by default.
-            rope_local=RopeConfig(theta=float(meta("rope.freq_base_swa", 10000.0))),
-            layer_types=_gemma3_layer_types(meta("attention.sliding_window_pattern", 6),
-                                            layers),
-            # llama.cpp (and HF's configs): 27B (62 layers) scales queries by
-            # hidden/heads, every other size by head_dim.
-            query_pre_attn_scalar=float(hidden // heads if layers == 62 else head_dim),
-            hidden_act="gelu_pytorch_tanh",
-        )
-        window = 4096 if window is None else window
-    return ModelConfig(
-        **common,
-        intermediate_size=int(meta("feed_forward_length")),
-        num_kv_heads=int(kv_heads),
-        head_dim=head_dim,
-        norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope=rope,
-        attention_bias="blk.0.attn_q.bias" in tensors,
-        mlp_bias="blk.0.ffn_up.bias" in tensors,
-        qk_norm=arch in ("qwen3", "gemma3"),
-        sliding_window=None if window is None else int(window),
-        **extra,
-    )
 
-
-def _gemma3_layer_types(pattern: int | list[bool], num_layers: int) -> tuple[str, ...]:
-    if isinstance(pattern, list):  # one flag per layer, true = sliding window
-        if len(pattern) != num_layers:
-            raise ConfigError(f"sliding_window_pattern has {len(pattern)} entries")
-        return tuple("sliding_attention" if s else "full_attention" for s in pattern)
-    # Every `pattern`-th layer is global (transformers' and llama.cpp's rule for Gemma 3).
-    return tuple(
-        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-        for i in range(num_layers)
-    )
+    def decoder(
+        self, default_theta: float = 10000.0, default_window: int | None = None, **fields: Any
+    ) -> ModelConfig:
+        """ModelConfig of a Llama-style decoder (RMSNorm, RoPE, gated MLP) from llama.cpp's
+        keys; biases are read off the tensors present; `fields` overrides any field."""
+        common = self.common()
+        head_dim = self.head_dim()
+        rotary = self.meta("rope.dimension_count", head_dim)
+        if rotary != head_dim:
+            raise ModelLoadError(
+                f"{self.src}: rope.dimension_count {rotary} differs from head_dim {head_dim} "
+                "(partial rotary embeddings are not supported)"
+            )
+        theta = float(self.meta("rope.freq_base", default_theta))
+        window = self.meta("attention.sliding_window", None)
+        window = default_window if window is None else window
+        standard = dict(
+            **common,
+            intermediate_size=int(self.meta("feed_forward_length")),
+            head_dim=head_dim,
+            norm_eps=float(self.meta("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope=_rope(self.reader, self.arch, theta, head_dim, self.tensors),
+            attention_bias="blk.0.attn_q.bias" in self.tensors,
+            attention_out_bias="blk.0.attn_output.bias" in self.tensors,
+            mlp_bias="blk.0.ffn_up.bias" in self.tensors,
+            sliding_window=None if window is None else int(window),
+        )
+        return ModelConfig(**{**standard, **fields})
 
 
 def _rope(

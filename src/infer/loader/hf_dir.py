@@ -12,6 +12,7 @@ from safetensors import SafetensorError, safe_open
 
 from infer.config import ConfigError, ModelConfig
 from infer.loader.errors import ModelLoadError
+from infer.models import config_from_hf
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -39,7 +40,7 @@ def load_config(model_dir: Path) -> ModelConfig:
         if gen.get("eos_token_id") is not None:
             raw = {**raw, "eos_token_id": gen["eos_token_id"]}
     try:
-        return ModelConfig.from_hf(raw)
+        return config_from_hf(raw)
     except ConfigError as exc:
         raise ModelLoadError(f"{path}: {exc}") from None
 

@@ -6,61 +6,39 @@ add; the embedding is scaled by sqrt(hidden); layers alternate between sliding-w
 ("sliding_attention", RoPE base `rope_local`) and global ("full_attention", base `rope`,
 possibly scaled); attention is scaled by `query_pre_attn_scalar ** -0.5`; the logits may be
 soft-capped. Module names follow the HF checkpoint, except the fused q/k/v and gate/up.
+
+`attn_logit_softcapping` is deliberately not read: transformers' Gemma 3 keeps it in the
+config but never uses it (Gemma 3 replaced Gemma 2's cap by q/k norms).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from infer.attention import Attention, AttentionMetadata
-from infer.config import ModelConfig
+from infer.attention import AttentionMetadata
+from infer.config import ConfigError, ModelConfig, RopeConfig, hf_decoder_config
+from infer.models.causal_lm import CausalLM, DecoderModel
 from infer.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from infer.models.llama import STACKED, fused_shard_sizes
-from infer.models.weights import load_weights
+from infer.models.llama import GGUF_DECODER_LAYER, GGUF_DECODER_TOP
+from infer.models.registry import ArchitectureEntry, GGUFTensorMap
+from infer.models.self_attention import SelfAttention
+
+if TYPE_CHECKING:
+    from infer.loader.gguf_metadata import GGUFMetadata
 
 
 def _norm(cfg: ModelConfig, dim: int) -> RMSNorm:
     return RMSNorm(dim, cfg.norm_eps, offset=1.0)
 
 
-class Gemma3Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        self.q_size, self.kv_size, self.head_dim = cfg.q_size, cfg.kv_size, cfg.head_dim
-        self.qkv_proj = nn.Linear(
-            cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias
-        )
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_bias)
-        self.q_norm = _norm(cfg, cfg.head_dim)
-        self.k_norm = _norm(cfg, cfg.head_dim)
-        self.rotary = [rotary]  # a list, so the shared module is not registered per layer
-        scalar = cfg.query_pre_attn_scalar or cfg.head_dim
-        # `attn_logit_softcapping` is deliberately not applied: transformers' Gemma 3 keeps
-        # it in the config but never uses it (Gemma 3 replaced Gemma 2's cap by q/k norms).
-        self.attn = Attention(
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scalar**-0.5,
-            sliding_window=cfg.layer_window(layer),
-        )
-
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(x.shape[0], -1, self.head_dim))
-        k = self.k_norm(k.reshape(x.shape[0], -1, self.head_dim))
-        q, k = self.rotary[0](positions, q, k)
-        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v, meta))
-
-
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = _norm(cfg, cfg.hidden_size)
-        self.self_attn = Gemma3Attention(cfg, layer, rotary)
+        self.self_attn = SelfAttention(cfg, layer, rotary, norm_offset=1.0)
         self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
         self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
@@ -80,68 +58,98 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
-class Gemma3Model(nn.Module):
+class Gemma3ForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        # Created in the default (= weight) dtype and cast along with the model, so in bf16
-        # the scale is rounded exactly as transformers rounds it (sqrt(640) -> 25.25).
-        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5), persistent=False)
         rope = {"full_attention": cfg.rope, "sliding_attention": cfg.rope_local or cfg.rope}
         # One table per layer kind in use, shared by all layers of that kind.
-        self.rotary = nn.ModuleDict({
+        rotary = nn.ModuleDict({
             kind: RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, rope[kind])
             for kind in sorted(set(cfg.layer_types))
         })
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, i, self.rotary[kind])
-            for i, kind in enumerate(cfg.layer_types)
-        )
-        self.norm = _norm(cfg, cfg.hidden_size)
+        layers = [Gemma3DecoderLayer(cfg, i, rotary[kind])
+                  for i, kind in enumerate(cfg.layer_types)]
+        model = DecoderModel(cfg, layers, _norm(cfg, cfg.hidden_size), rotary,
+                             scale_embeddings=True)
+        super().__init__(cfg, model)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        x, residual = x * self.embed_scale.to(x.dtype), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        return self.norm(x, residual)[0]
+    def checkpoint_name(self, name: str) -> str | None:
+        # A Gemma3ForConditionalGeneration checkpoint stores the text tower under
+        # `language_model.`; its vision tower and projector are not ours.
+        if name.startswith(("vision_tower.", "multi_modal_projector.")):
+            return None
+        return super().checkpoint_name(name.removeprefix("language_model."))
 
 
-class Gemma3ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = Gemma3Model(cfg)
-        self.lm_head = (
-            None if cfg.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        )
+# ---------------------------------------------------------------- configs and GGUF
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """Final hidden states `[num_tokens, hidden]`; `compute_logits` picks the rows needed."""
-        return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
-        cap = self.config.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap if cap else logits
+def _layer_types(pattern: int | list[bool], num_layers: int) -> tuple[str, ...]:
+    if isinstance(pattern, list):  # one flag per layer (GGUF), true = sliding window
+        if len(pattern) != num_layers:
+            raise ConfigError(f"sliding_window_pattern has {len(pattern)} entries")
+        return tuple("sliding_attention" if s else "full_attention" for s in pattern)
+    # Every `pattern`-th layer is global (transformers' and llama.cpp's rule for Gemma 3).
+    return tuple(
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+        for i in range(num_layers)
+    )
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
-        cfg = self.config
 
-        def rename(name: str) -> str | None:
-            # A Gemma3ForConditionalGeneration checkpoint stores the text tower under
-            # `language_model.`; its vision tower and projector are not ours.
-            if name.startswith(("vision_tower.", "multi_modal_projector.")):
-                return None
-            name = name.removeprefix("language_model.")
-            if "rotary_emb." in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
-                return None
-            return name
+def _from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    if cfg.get("model_type") == "gemma3" and "text_config" in cfg:  # a VLM: its text tower
+        cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
+    if cfg.get("use_bidirectional_attention"):
+        raise ConfigError("bidirectional Gemma 3 (e.g. EmbeddingGemma) is not supported")
+    # transformers' Gemma3TextConfig defaults for keys that a config.json leaves out.
+    theta = float(cfg.get("rope_theta", 1_000_000.0))
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if "full_attention" in params:  # transformers >= 5 nests one dict per layer type
+        rope = RopeConfig.from_hf(params["full_attention"], theta)
+        rope_local = RopeConfig.from_hf(params.get("sliding_attention"), 10000.0)
+    else:
+        rope = RopeConfig.from_hf(params, theta)
+        rope_local = RopeConfig(theta=float(cfg.get("rope_local_base_freq", 10000.0)))
+    layer_types = tuple(cfg.get("layer_types") or ()) or _layer_types(
+        cfg.get("sliding_window_pattern", 6), cfg["num_hidden_layers"]
+    )
+    return hf_decoder_config(
+        "gemma3", cfg, rope=rope, rope_local=rope_local, layer_types=layer_types,
+        sliding_window=cfg.get("sliding_window", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)), qk_norm=True,
+        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
+    )
 
-        load_weights(self, weights, STACKED, fused_shard_sizes(cfg), rename, source=source)
+
+def _from_gguf(g: GGUFMetadata) -> ModelConfig:
+    layers = int(g.meta("block_count"))
+    hidden, heads = int(g.meta("embedding_length")), int(g.meta("attention.head_count"))
+    return g.decoder(
+        default_theta=1_000_000.0, default_window=4096, qk_norm=True,
+        hidden_act="gelu_pytorch_tanh",
+        # llama.cpp never scales RoPE in the sliding layers; their base is 1e4 by default.
+        rope_local=RopeConfig(theta=float(g.meta("rope.freq_base_swa", 10000.0))),
+        layer_types=_layer_types(g.meta("attention.sliding_window_pattern", 6), layers),
+        # llama.cpp (and HF's configs): 27B (62 layers) scales queries by hidden/heads,
+        # every other size by head_dim.
+        query_pre_attn_scalar=float(hidden // heads if layers == 62 else g.head_dim()),
+    )
+
+
+def _gguf_fixup(key: str, weight: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    # llama.cpp stores Gemma's `x * (1 + w)` norm weight as 1 + w.
+    return weight - 1.0 if key.endswith("norm") else weight
+
+
+# Gemma 3 has four norms per layer; llama.cpp's `ffn_norm` is its pre-feed-forward one.
+_GGUF_LAYER = {
+    **GGUF_DECODER_LAYER,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+ENTRY = ArchitectureEntry(
+    name="gemma3", model_types=("gemma3_text", "gemma3"), model=Gemma3ForCausalLM,
+    from_hf=_from_hf, from_gguf=_from_gguf,
+    gguf_tensors=GGUFTensorMap(GGUF_DECODER_TOP, _GGUF_LAYER), gguf_fixup=_gguf_fixup,
+)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.config import RopeConfig
+from infer.models.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
 class RMSNorm(nn.Module):
@@ -41,6 +42,8 @@ class RMSNorm(nn.Module):
         return self._norm(residual), residual
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # transformers' rounding (LlamaRMSNorm, Gemma3RMSNorm), which the Triton kernel
+        # (kernels/rmsnorm.py) matches bit for bit in bf16.
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -124,12 +127,12 @@ def activation(name: str):
 
 
 class GatedMLP(nn.Module):
-    """`down(act(gate(x)) * up(x))` with gate and up fused into one matmul."""
+    """`down(act(gate(x)) * up(x))` with gate and up fused into one matmul (shards 0, 1)."""
 
     def __init__(self, hidden: int, inter: int, act: str, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=bias)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
         self.act = activation(act)
         self.act_name = act
         self.use_triton = False

@@ -1,81 +1,35 @@
 """Llama 2/3/3.1/3.2 (also SmolLM2, TinyLlama, Mistral), Qwen2/2.5 and Qwen3.
 
-The three differ only in switches on `ModelConfig`: Qwen2 adds a bias to q/k/v
-(`attention_bias`), Qwen3 normalises each q/k head with RMSNorm before RoPE (`qk_norm`).
+The three differ only in switches on `ModelConfig`, set by their entries' config hooks:
+Qwen2 adds a bias to q/k/v but not to the output projection (`attention_bias`,
+`attention_out_bias`), Qwen3 normalises each q/k head with RMSNorm before RoPE (`qk_norm`).
 Module names follow the HF checkpoints, so weight loading is a rename-free copy, except for
 the fused q/k/v and gate/up projections.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from infer.attention import Attention, AttentionMetadata
-from infer.config import ModelConfig
+from infer.attention import AttentionMetadata
+from infer.config import ModelConfig, hf_decoder_config
+from infer.models.causal_lm import CausalLM, DecoderModel
 from infer.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from infer.models.weights import load_weights
+from infer.models.registry import ArchitectureEntry, GGUFTensorMap
+from infer.models.self_attention import SelfAttention
 
-STACKED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-
-
-def fused_shard_sizes(cfg: ModelConfig):
-    """Row counts of the shards of `qkv_proj` (q, k, v) and `gate_up_proj` (gate, up)."""
-
-    def sizes(name: str) -> list[int]:
-        if "qkv_proj" in name:
-            return [cfg.q_size, cfg.kv_size, cfg.kv_size]
-        return [cfg.intermediate_size] * 2
-
-    return sizes
-
-
-class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        self.q_size, self.kv_size, self.head_dim = cfg.q_size, cfg.kv_size, cfg.head_dim
-        self.qkv_proj = nn.Linear(
-            cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias
-        )
-        # Qwen2 biases q/k/v only; Llama's `attention_bias` covers the output projection too.
-        o_bias = cfg.attention_bias and cfg.architecture != "qwen2"
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=o_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-        self.qk_norm = cfg.qk_norm
-        self.rotary = [rotary]  # a list, so the shared module is not registered per layer
-        self.attn = Attention(
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5,
-            sliding_window=cfg.layer_window(layer),
-        )
-
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(x.shape[0], -1, self.head_dim)
-        k = k.reshape(x.shape[0], -1, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
-        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v, meta))
+if TYPE_CHECKING:
+    from infer.loader.gguf_metadata import GGUFMetadata
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer, rotary)
+        self.self_attn = SelfAttention(cfg, layer, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
 
@@ -94,53 +48,101 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        layers = [LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers)]
+        norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        super().__init__(cfg, DecoderModel(cfg, layers, norm, rotary))
+
+
+# ---------------------------------------------------------------- configs and GGUF
+
+
+def _qwen_window(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2/3 use their window only with `use_sliding_window`, and only on the layers from
+    `max_window_layers` up."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    layers = cfg["num_hidden_layers"]
+    layer_types: tuple[str, ...] = ()
+    if window:
+        first = cfg.get("max_window_layers", layers)
+        layer_types = tuple(
+            "sliding_attention" if i >= first else "full_attention" for i in range(layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        return self.norm(x, residual)[0]
+    return dict(sliding_window=window, layer_types=layer_types)
 
 
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = (
-            None if cfg.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        )
+def _qwen2_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    return hf_decoder_config(
+        "qwen2", cfg, attention_bias=bool(cfg.get("attention_bias", True)),
+        attention_out_bias=False, **_qwen_window(cfg),
+    )
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """Final hidden states `[num_tokens, hidden]`; `compute_logits` picks the rows needed."""
-        return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+def _qwen3_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    return hf_decoder_config("qwen3", cfg, qk_norm=True, **_qwen_window(cfg))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
-        cfg = self.config
 
-        def rename(name: str) -> str | None:
-            if "rotary_emb.inv_freq" in name:
-                return None
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                return None
-            return name
+def _unpermute_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation. HF rotates the two halves of each head
+    (pairs (i, i + d/2)); GGML's RoPE rotates adjacent rows (2i, 2i + 1), so the converter
+    stores each head's rows as (d/2, 2) -> interleaved. Reading them back as (2, d/2)
+    restores HF's order. Works for weights `[heads*d, in]` and biases `[heads*d]`."""
+    rows = weight.shape[0]
+    per_head = rows // heads
+    return (weight.reshape(heads, per_head // 2, 2, *weight.shape[1:])
+            .transpose(1, 2).reshape(weight.shape))
 
-        load_weights(self, weights, STACKED, fused_shard_sizes(cfg), rename, source=source)
+
+def _llama_gguf_fixup(key: str, weight: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    # Only llama's converter permutes; Qwen GGUFs keep HF's order.
+    if key in ("attn_q", "attn_k"):
+        return _unpermute_qk(weight, cfg.num_heads if key == "attn_q" else cfg.num_kv_heads)
+    return weight
+
+
+# GGUF block tensor -> HF module, for the Llama-style decoders (`blk.N.<key>`).
+GGUF_DECODER_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GGUF_DECODER_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                    "output": "lm_head"}
+_GGUF_TENSORS = GGUFTensorMap(GGUF_DECODER_TOP, GGUF_DECODER_LAYER)
+
+
+def _gguf_decoder(g: GGUFMetadata) -> ModelConfig:
+    return g.decoder()
+
+
+def _qwen3_from_gguf(g: GGUFMetadata) -> ModelConfig:
+    return g.decoder(qk_norm=True)
+
+
+ENTRIES = (
+    # Mistral-style configs are Llama with GQA and, optionally, a sliding window on every
+    # layer.
+    ArchitectureEntry(
+        name="llama", model_types=("llama", "mistral"), model=LlamaForCausalLM,
+        from_hf=lambda cfg: hf_decoder_config("llama", cfg), from_gguf=_gguf_decoder,
+        gguf_tensors=_GGUF_TENSORS, gguf_fixup=_llama_gguf_fixup,
+    ),
+    ArchitectureEntry(
+        name="qwen2", model_types=("qwen2",), model=LlamaForCausalLM,
+        from_hf=_qwen2_from_hf, from_gguf=_gguf_decoder, gguf_tensors=_GGUF_TENSORS,
+    ),
+    ArchitectureEntry(
+        name="qwen3", model_types=("qwen3",), model=LlamaForCausalLM,
+        from_hf=_qwen3_from_hf, from_gguf=_qwen3_from_gguf, gguf_tensors=_GGUF_TENSORS,
+    ),
+)

@@ -1,4 +1,10 @@
-"""Copying checkpoint tensors into a model's parameters, fusing stacked projections."""
+"""Copying checkpoint tensors into a model's parameters through each parameter's loader.
+
+A parameter may carry `weight_loader(param, tensor, shard_id)` (the linear layers and
+embeddings of `linear.py` set theirs: fused shards, a tensor-parallel rank's slice); any
+other parameter (norms) is copied whole by `default_weight_loader`. A parameter that is
+written shard by shard lists its shard ids in `param.shard_ids`.
+"""
 
 from __future__ import annotations
 
@@ -7,70 +13,76 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+# Which part of a fused parameter a checkpoint tensor fills: "q" | "k" | "v" for q/k/v,
+# 0 | 1 for gate/up, None for the whole parameter.
+ShardId = str | int | None
+WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
+# checkpoint tensor name -> (our parameter name, shard id), or None to skip the tensor
+ParamFor = Callable[[str], tuple[str, ShardId] | None]
+
 
 class WeightError(ValueError):
     """A checkpoint that does not match the model built from its config."""
 
 
-# checkpoint sub-name -> (our fused parameter sub-name, shard index)
-StackedMap = dict[str, tuple[str, int]]
+class ShapeMismatch(WeightError):
+    """A loader was given a tensor of the wrong shape; `load_weights` names the tensor."""
+
+    def __init__(self, got: tuple[int, ...], want: tuple[int, ...]) -> None:
+        super().__init__(f"tensor has shape {got}, the model expects {want}")
+        self.got, self.want = got, want
+
+
+def check_shape(tensor: torch.Tensor, want: tuple[int, ...] | torch.Size) -> None:
+    if tuple(tensor.shape) != tuple(want):
+        raise ShapeMismatch(tuple(tensor.shape), tuple(want))
+
+
+def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id: ShardId = None):
+    if shard_id is not None:
+        raise WeightError(f"parameter {tuple(param.shape)} has no shard {shard_id!r}")
+    check_shape(tensor, param.shape)
+    param.data.copy_(tensor)
 
 
 def load_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
-    stacked: StackedMap,
-    shard_sizes: Callable[[str], list[int]],
-    rename: Callable[[str], str | None] = lambda name: name,
-    optional: Callable[[str], bool] = lambda name: False,
+    param_for: ParamFor,
     source: str = "checkpoint",
 ) -> None:
-    """Copy `(name, tensor)` pairs into `model`.
-
-    `rename` maps a checkpoint name to ours (None: skip the tensor). A name containing a key
-    of `stacked` goes into a slice of the fused parameter; `shard_sizes(fused_name)` gives
-    the row counts of its shards. Every parameter must be written, except those for which
-    `optional` is true; a shape that differs from the model's raises `WeightError`.
-    """
+    """Copy `(name, tensor)` pairs into `model`: `param_for` names the parameter (and shard)
+    each tensor fills, the parameter's loader places it. Every parameter must be written
+    (a sharded one: every shard, or the whole at once); a shape that differs from the
+    model's raises `WeightError`."""
     params = dict(model.named_parameters())
-    written: dict[str, set[int]] = {}
+    written: dict[str, set[ShardId]] = {}
     for ckpt_name, tensor in weights:
-        name = rename(ckpt_name)
-        if name is None:
+        target = param_for(ckpt_name)
+        if target is None:
             continue
-        shard = None
-        for part, (fused, index) in stacked.items():
-            if f".{part}." in name:
-                name, shard = name.replace(f".{part}.", f".{fused}."), index
-                break
+        name, shard = target
         param = params.get(name)
         if param is None:
             raise WeightError(f"{source}: unexpected tensor {ckpt_name!r} (no parameter {name!r})")
-        target = param.data
-        if shard is not None:
-            sizes = shard_sizes(name)
-            start = sum(sizes[:shard])
-            target = target.narrow(0, start, sizes[shard])
-        if tuple(tensor.shape) != tuple(target.shape):
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            with torch.no_grad():
+                loader(param, tensor, shard)
+        except ShapeMismatch as exc:
             raise WeightError(
-                f"{source}: tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
-                f"the model expects {tuple(target.shape)} "
-                "(does the model config match the weights?)"
-            )
-        with torch.no_grad():
-            target.copy_(tensor)
-        written.setdefault(name, set()).add(-1 if shard is None else shard)
-    missing = []
-    for name in params:
-        if optional(name):
-            continue
-        expected = None
-        for fused in {f for f, _ in stacked.values()}:
-            if f".{fused}." in name:
-                expected = set(range(len(shard_sizes(name))))
-        got = written.get(name, set())
-        if (expected is None and not got) or (expected is not None and not expected <= got):
-            missing.append(name)
+                f"{source}: tensor {ckpt_name!r} has shape {exc.got}, the model expects "
+                f"{exc.want} (does the model config match the weights?)"
+            ) from None
+        written.setdefault(name, set()).add(shard)
+    missing = [
+        name for name, param in params.items()
+        if not _complete(written.get(name, set()), getattr(param, "shard_ids", ()))
+    ]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise WeightError(f"{source}: missing weights for {len(missing)} parameters: {shown}")
+
+
+def _complete(written: set[ShardId], shard_ids: tuple) -> bool:
+    return None in written or (bool(shard_ids) and set(shard_ids) <= written)

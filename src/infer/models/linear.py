@@ -1,0 +1,249 @@
+"""Linear layers and embeddings whose parameters load themselves.
+
+Every projection of every architecture is one of these layers. Its `quant_method` creates
+its parameters and runs its matmul, so a new weight format (FP8, INT8, GGUF kept
+quantised) is a new method, not a new layer: the layer itself only knows the parameters
+the method registered, and each parameter's `output_dim` / `input_dim` (which of its dims
+are the layer's output and input features; absent: not split).
+
+Tensor parallelism: a layer holds part `tp_rank` of `tp_size` equal parts of its weight,
+cut along the output dim (column-parallel) or the input dim (row-parallel), and each
+parameter's `weight_loader(param, tensor, shard_id)` copies that part of a full checkpoint
+tensor. Today `tp_size` is always 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.models.weights import ShardId, WeightError, WeightLoader, check_shape
+
+
+class LinearMethod:
+    """How a linear layer stores its weight and multiplies by it."""
+
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_sizes: list[int],
+        weight_loader: WeightLoader,
+    ) -> None:
+        """Register on `layer` the parameters of an `input_size -> sum(output_sizes)` matmul
+        (this rank's sizes; `output_sizes` lists the fused shards, e.g. q, k, v), each with
+        `weight_loader` and its `output_dim` / `input_dim`."""
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """A plain `weight [out, in]` in the model's dtype; `F.linear`."""
+
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_sizes: list[int],
+        weight_loader: WeightLoader,
+    ) -> None:
+        weight = nn.Parameter(torch.empty(sum(output_sizes), input_size), requires_grad=False)
+        layer.register_parameter("weight", _with_loader(weight, weight_loader, 0, 1))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class LinearBase(nn.Module):
+    """`y = x W^T + b`. `input_size` and `output_sizes` are this rank's; `shard_ids` names the
+    fused shards of the output (their checkpoint tensors are loaded one by one)."""
+
+    def __init__(
+        self, input_size: int, output_sizes: list[int], bias: bool,
+        shard_ids: tuple[ShardId, ...] = (), quant_method: LinearMethod | None = None,
+        tp_rank: int = 0, tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        self.input_size, self.output_sizes, self.shard_ids = input_size, output_sizes, shard_ids
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, input_size, output_sizes, self.weight_loader)
+        if bias:  # never quantised: the layer owns it
+            b = nn.Parameter(torch.empty(sum(output_sizes)), requires_grad=False)
+            self.bias = _with_loader(b, self.weight_loader, 0, None)
+        else:
+            self.register_parameter("bias", None)
+        for param in self.parameters(recurse=False):
+            param.shard_ids = shard_ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(LinearBase):
+    """The output features are split across ranks; each rank computes its slice of `y`."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False,
+        quant_method: LinearMethod | None = None, tp_rank: int = 0, tp_size: int = 1,
+    ) -> None:
+        super().__init__(input_size, [_divide(output_size, tp_size)], bias, (), quant_method,
+                         tp_rank, tp_size)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        dim = getattr(param, "output_dim", None)
+        if shard_id is None and len(self.shard_ids) > 1 and dim is not None:
+            # A checkpoint that stores the shards already fused (GPT-2's c_attn): each
+            # shard's rows are cut per rank separately.
+            want = list(param.shape)
+            want[dim] = sum(self.output_sizes) * self.tp_size
+            check_shape(loaded, want)
+            parts = loaded.split([n * self.tp_size for n in self.output_sizes], dim)
+            for sid, part in zip(self.shard_ids, parts):
+                self.weight_loader(param, part, sid)
+            return
+        target = param.data
+        if shard_id is not None:
+            if shard_id not in self.shard_ids or dim is None:
+                raise WeightError(f"{type(self).__name__} has no shard {shard_id!r}")
+            index = self.shard_ids.index(shard_id)
+            start = sum(self.output_sizes[:index])
+            target = target.narrow(dim, start, self.output_sizes[index])
+        _load_part(target, loaded, dim, self.tp_rank, self.tp_size)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate and up:
+    shard ids 0, 1, ...); each rank holds its slice of every shard, shards in order."""
+
+    def __init__(
+        self, input_size: int, output_sizes: list[int], bias: bool = False,
+        quant_method: LinearMethod | None = None, tp_rank: int = 0, tp_size: int = 1,
+    ) -> None:
+        LinearBase.__init__(
+            self, input_size, [_divide(n, tp_size) for n in output_sizes], bias,
+            tuple(range(len(output_sizes))), quant_method, tp_rank, tp_size,
+        )
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection (shard ids "q", "k", "v"); each rank holds its heads of each."""
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+        bias: bool = False, quant_method: LinearMethod | None = None,
+        tp_rank: int = 0, tp_size: int = 1,
+    ) -> None:
+        heads, kv_heads = _divide(num_heads, tp_size), _divide(num_kv_heads, tp_size)
+        sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+        LinearBase.__init__(self, hidden_size, sizes, bias, ("q", "k", "v"), quant_method,
+                            tp_rank, tp_size)
+        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, heads, kv_heads
+
+
+class RowParallelLinear(LinearBase):
+    """The input features are split across ranks: each rank multiplies its slice of `x` by
+    its columns of `W`, giving a partial `y` that must be summed over the ranks."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False,
+        quant_method: LinearMethod | None = None, tp_rank: int = 0, tp_size: int = 1,
+    ) -> None:
+        super().__init__(_divide(input_size, tp_size), [output_size], bias, (), quant_method,
+                         tp_rank, tp_size)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        if shard_id is not None:
+            raise WeightError(f"RowParallelLinear has no shard {shard_id!r}")
+        # The bias has no input dim: every rank holds all of it.
+        _load_part(param.data, loaded, getattr(param, "input_dim", None), self.tp_rank,
+                   self.tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            # Here: y = apply(x, bias=None), all-reduce y over the tensor-parallel group,
+            # then add the bias once.
+            raise NotImplementedError("row-parallel all-reduce: tensor parallelism comes later")
+        return self.quant_method.apply(self, x, self.bias)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding table `[vocab, dim]`; rank `tp_rank` holds its slice of the rows."""
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        rows = _divide(num_embeddings, tp_size)
+        weight = nn.Parameter(torch.empty(rows, embedding_dim), requires_grad=False)
+        self.weight = _with_loader(weight, self.weight_loader, 0, 1)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        if shard_id is not None:
+            raise WeightError(f"{type(self).__name__} has no shard {shard_id!r}")
+        _load_part(param.data, loaded, 0, self.tp_rank, self.tp_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            # Here: zero the rows of ids outside this rank's slice, then all-reduce.
+            raise NotImplementedError("vocab-parallel lookup: tensor parallelism comes later")
+        return F.embedding(input_ids, self.weight)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits `hidden @ W^T` over the vocabulary. `tied`: use that embedding's parameter
+    (one tensor, loaded once, under the embedding's name)."""
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int,
+        tied: VocabParallelEmbedding | None = None, tp_rank: int = 0, tp_size: int = 1,
+    ) -> None:
+        if tied is None:
+            super().__init__(num_embeddings, embedding_dim, tp_rank, tp_size)
+            return
+        nn.Module.__init__(self)
+        self.tp_rank, self.tp_size = tied.tp_rank, tied.tp_size
+        self.weight = tied.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            # Here: gather every rank's slice of the vocabulary.
+            raise NotImplementedError("vocab-parallel logits: tensor parallelism comes later")
+        return F.linear(hidden, self.weight)
+
+
+def _with_loader(
+    param: nn.Parameter, loader: WeightLoader, output_dim: int | None, input_dim: int | None
+) -> nn.Parameter:
+    param.weight_loader = loader
+    param.output_dim, param.input_dim = output_dim, input_dim
+    return param
+
+
+def _load_part(
+    target: torch.Tensor, loaded: torch.Tensor, dim: int | None, rank: int, parts: int
+) -> None:
+    """Copy part `rank` of `parts` equal parts of `loaded` along `dim` (None: all of it)
+    into `target`, after checking `loaded` is `parts` times `target` along `dim`."""
+    want = list(target.shape)
+    if dim is not None:
+        want[dim] *= parts
+    check_shape(loaded, want)
+    if dim is not None and parts > 1:
+        loaded = loaded.narrow(dim, rank * target.shape[dim], target.shape[dim])
+    target.copy_(loaded)
+
+
+def _divide(size: int, parts: int) -> int:
+    if size % parts:
+        raise ValueError(f"{size} does not split into {parts} tensor-parallel parts")
+    return size // parts
