@@ -10,6 +10,8 @@ from engine_fixtures import make_llm
 
 from infer import SamplingParams
 
+pytestmark = pytest.mark.slow  # `pytest -m 'not slow'`: the quick inner loop skips it
+
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 MIXED = [

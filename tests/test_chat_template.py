@@ -129,6 +129,7 @@ def test_smollm2_template_matches_transformers(add_generation_prompt: bool) -> N
     assert text.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
 
 
+@pytest.mark.slow  # transformers builds Gemma's 262k-token tokenizer
 def test_gemma_template_adds_exactly_one_bos() -> None:
     tok, ref = ours("gemma3"), reference("gemma3")
     for conversation in CONVERSATIONS:

@@ -11,6 +11,8 @@ from engine_fixtures import gemma3_gguf, hf_greedy, make_llm, smollm2_gguf
 
 from infer import SamplingParams
 
+pytestmark = pytest.mark.slow  # `pytest -m 'not slow'`: the quick inner loop skips it
+
 
 @pytest.fixture(scope="module")
 def llm():

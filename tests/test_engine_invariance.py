@@ -11,6 +11,8 @@ from engine_fixtures import make_llm
 
 from infer import SamplingParams
 
+pytestmark = pytest.mark.slow  # `pytest -m 'not slow'`: the quick inner loop skips it
+
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [
     "The capital of France is",

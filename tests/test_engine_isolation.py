@@ -188,3 +188,16 @@ def _random_requests_beside_healthy_ones(engine, alone, requests) -> None:
         assert outputs[rid].finished and outputs[rid].error is None
     assert engine.kv.pool.num_used == 0 and not engine.core.sequences
     assert engine.num_requests_failed == failed_before
+
+
+def test_a_reused_request_id_gets_nothing_of_the_step_in_flight_for_the_old_one(alone):
+    engine = _engine(async_scheduling=True)
+    engine.add_request("h1", [7, 8, 9], GREEDY)
+    engine.step()
+    engine.step()
+    assert engine.core._in_flight is not None  # launched ahead, holds a row of the old h1
+    engine.abort_request("h1")
+    engine.add_request("h1", HEALTHY["h1"], GREEDY)  # the id again, another prompt
+    outputs = _drain(engine)
+    assert outputs["h1"].outputs[0].token_ids == alone["h1"]
+    assert engine.kv.pool.num_used == 0

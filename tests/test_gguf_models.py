@@ -28,6 +28,8 @@ transformers = pytest.importorskip("transformers")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
 
+pytestmark = pytest.mark.slow  # `pytest -m 'not slow'`: the quick inner loop skips it
+
 needs_gemma3 = pytest.mark.skipif(
     "gemma3" not in ARCHITECTURES, reason="infer has no Gemma 3 model code yet"
 )

@@ -14,6 +14,8 @@ from server_fixtures import MODEL, live_server, shared_engine
 
 from infer import RequestOutputKind, SamplingParams, TextPrompt, TokensPrompt
 
+pytestmark = pytest.mark.slow  # `pytest -m 'not slow'`: the quick inner loop skips it
+
 PARAMS = SamplingParams(n=2, temperature=0.8, seed=11, max_tokens=40, logprobs=2,
                         stop=[" the"], include_stop_str_in_output=True)
 

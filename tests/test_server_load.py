@@ -13,6 +13,8 @@ import httpx
 import pytest
 from server_fixtures import MODEL, live_server, make_engine, shared_engine
 
+pytestmark = pytest.mark.slow  # `pytest -m 'not slow'`: the quick inner loop skips it
+
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time", "def add(a, b):",
            "The sky is", "My favourite food is", "Water boils at", "Hello, my name is"]
 

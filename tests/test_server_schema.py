@@ -17,6 +17,8 @@ pytest.importorskip("transformers")
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.specs.openapi.checks import positive_data_acceptance  # noqa: E402
 
+pytestmark = pytest.mark.slow  # `pytest -m 'not slow'`: the quick inner loop skips it
+
 NAME = "tiny-llama"
 SCHEMA = schemathesis.openapi.from_dict(build_app(None, NAME).openapi())
 OPERATIONS = {op.label: op for op in (r.ok() for r in SCHEMA.get_all_operations())}

@@ -17,6 +17,8 @@ from infer import LLM, SamplingParams
 from infer.engine.cuda_graphs import graph_batch_sizes
 from infer.kernels import triton_available
 
+pytestmark = pytest.mark.slow  # `pytest -m 'not slow'`: the quick inner loop skips it
+
 DEVICE = os.environ.get("INFER_TEST_DEVICE", "cpu")
 if not triton_available():
     pytest.skip("triton is not installed", allow_module_level=True)

@@ -64,6 +64,9 @@ class _StepInFlight:
     """A launched step not yet accounted: the scheduler and sequences do not show it."""
 
     out: SchedulerOutput
+    # The requests it was launched for: an id may be finished and reused by a new request
+    # before the step is accounted, and that one must not receive this step's tokens.
+    requests: dict[str, Request]
     seq_ids: list[str]  # the sequences that sample, in row order
     token_ids: torch.Tensor | None  # [rows] sampled ids on the device
     results: HostCopy | None  # token ids, logprobs, top logprobs on their way to the host
@@ -196,15 +199,16 @@ class EngineCore:
                 device_input_ids: torch.Tensor | None = None, ahead: int = 0) -> _StepInFlight:
         """Queue the step's forward and sampling on the device; nothing waits for them."""
         seqs = [self.sequences[rid] for rid in inputs.sample_request_ids]
+        requests = {i.request_id: self.sequences[i.request_id].request for i in out.scheduled}
         logits = self.runner.execute(inputs, device_input_ids)
         self.num_steps += 1
         self.num_steps_launched_ahead += ahead
         if not seqs:
-            return _StepInFlight(out, [], None, None)
+            return _StepInFlight(out, requests, [], None, None)
         result = sample(logits, self._sampling_batch(seqs, ahead))
         results = HostCopy(result.token_ids, result.logprobs, result.top_logprob_ids,
                            result.top_logprobs)
-        return _StepInFlight(out, inputs.sample_request_ids, result.token_ids, results)
+        return _StepInFlight(out, requests, inputs.sample_request_ids, result.token_ids, results)
 
     def _try_launch_ahead(self, prev: _StepInFlight) -> _StepInFlight | None:
         """A launch ahead that fails is dropped: nothing of it was accounted, and the next
@@ -236,6 +240,8 @@ class EngineCore:
 
     def _finish(self, step: _StepInFlight) -> list[SequenceOutput]:
         """Wait for the step's tokens and account them."""
+        live = {rid for rid, request in step.requests.items()
+                if rid in self.sequences and self.sequences[rid].request is request}
         sampled: dict[str, list[int]] = {}
         rows: dict[str, int] = {}
         chosen_lp = top_ids = top_lps = None
@@ -243,13 +249,16 @@ class EngineCore:
             token_ids, chosen_lp, top_ids, top_lps = (
                 None if t is None else t.tolist() for t in step.results.wait())
             for row, seq_id in enumerate(step.seq_ids):
-                if seq_id not in self.sequences:
+                if seq_id not in live:
                     self.num_discarded_tokens += 1
                     continue
                 sampled[seq_id] = [token_ids[row]]
                 rows[seq_id] = row
         outputs = []
-        for update in self.scheduler.update(step.out, sampled):
+        out = step.out
+        if len(live) < len(out.scheduled):
+            out = SchedulerOutput(tuple(i for i in out.scheduled if i.request_id in live))
+        for update in self.scheduler.update(out, sampled):
             seq = self.sequences[update.request_id]
             output = self._output(update, seq)
             if output.logprobs is not None:  # then the batch computed chosen_lp

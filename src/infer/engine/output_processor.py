@@ -168,7 +168,7 @@ class OutputProcessor:
         return entry
 
     def _output(self, group: _Group, now: float) -> RequestOutput | None:
-        if group.first_token_time is None and any(s.token_ids for s in group.sequences):
+        if group.first_token_time is None:  # the group is here because a token came
             group.first_token_time = now
         finished = group.finished
         if group.kind is RequestOutputKind.FINAL_ONLY and not finished:
