@@ -11,38 +11,6 @@ from infer.attention.graph_metadata import GraphMetadata
 from infer.attention.metadata import AttentionMetadata
 
 
-class TorchAttentionBackend:
-    """The reference backend. It plans on host lengths (`meta.seq_lens_host`), so its
-    steps cannot be captured in CUDA graphs."""
-
-    name = "torch"
-
-    def build_metadata(
-        self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-        block_size: int, device: torch.device | str,
-    ) -> AttentionMetadata:
-        return AttentionMetadata.build(query_lens, seq_lens, block_tables, block_size, device)
-
-    def write_kv(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        write_kv(k_cache, v_cache, k, v, slot_mapping)
-
-    def forward(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-        logit_softcap: float | None = None,
-    ) -> torch.Tensor:
-        return paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap)
-
-    def init_graph_metadata(
-        self, max_batch: int, query_len: int, max_seq_len: int, block_size: int,
-        num_kv_heads: int, device: torch.device,
-    ) -> GraphMetadata:
-        raise ValueError("decode graphs need attention_backend='triton'")
-
-
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     slot_mapping: torch.Tensor,
@@ -137,3 +105,21 @@ def _decode_attention(
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, values)  # [seqs, kvh, g, head_dim]
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+class TorchAttentionBackend:
+    """The reference backend. It plans on host lengths (`meta.seq_lens_host`), so its
+    steps cannot be captured in CUDA graphs."""
+
+    name = "torch"
+
+    # The step's metadata, the KV store and the attention: this module's functions.
+    build_metadata = staticmethod(AttentionMetadata.build)
+    write_kv = staticmethod(write_kv)
+    forward = staticmethod(paged_attention)
+
+    def init_graph_metadata(
+        self, max_batch: int, query_len: int, max_seq_len: int, block_size: int,
+        num_kv_heads: int, device: torch.device,
+    ) -> GraphMetadata:
+        raise ValueError("decode graphs need attention_backend='triton'")

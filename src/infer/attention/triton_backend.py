@@ -30,45 +30,6 @@ _SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                   SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-class TritonAttentionBackend:
-    name = "triton"
-
-    def build_metadata(
-        self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-        block_size: int, device: torch.device | str,
-    ) -> AttentionMetadata:
-        return AttentionMetadata.build(query_lens, seq_lens, block_tables, block_size, device)
-
-    def write_kv(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        write_kv(k_cache, v_cache, k, v, slot_mapping)
-
-    def forward(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-        logit_softcap: float | None = None,
-    ) -> torch.Tensor:
-        return paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, logit_softcap)
-
-    def init_graph_metadata(
-        self, max_batch: int, query_len: int, max_seq_len: int, block_size: int,
-        num_kv_heads: int, device: torch.device,
-    ) -> GraphMetadata:
-        # The dense (SDPA) path plans on host lengths, which graph metadata does not hold.
-        if query_len >= DENSE_PREFILL_MIN_TOKENS:
-            raise ValueError(f"graphs take fewer than {DENSE_PREFILL_MIN_TOKENS} tokens per "
-                             f"sequence, got {query_len}")
-
-        def splits(batch: int) -> int:  # enough for the longest sequence a step may hold
-            return default_num_splits(batch, num_kv_heads, max_seq_len, device)
-
-        # Only an all-decode batch takes the split-K launch.
-        return GraphMetadata(max_batch, query_len, -(-max_seq_len // block_size), block_size,
-                             device, splits if query_len == 1 else None)
-
-
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     slot_mapping: torch.Tensor,
@@ -144,3 +105,28 @@ def dense_prefill(
                                            is_causal=mask is None, scale=scale,
                                            enable_gqa=True)
     out.copy_(o[0].transpose(0, 1))
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    # The step's metadata, the KV store and the attention: this module's functions.
+    build_metadata = staticmethod(AttentionMetadata.build)
+    write_kv = staticmethod(write_kv)
+    forward = staticmethod(paged_attention)
+
+    def init_graph_metadata(
+        self, max_batch: int, query_len: int, max_seq_len: int, block_size: int,
+        num_kv_heads: int, device: torch.device,
+    ) -> GraphMetadata:
+        # The dense (SDPA) path plans on host lengths, which graph metadata does not hold.
+        if query_len >= DENSE_PREFILL_MIN_TOKENS:
+            raise ValueError(f"graphs take fewer than {DENSE_PREFILL_MIN_TOKENS} tokens per "
+                             f"sequence, got {query_len}")
+
+        def splits(batch: int) -> int:  # enough for the longest sequence a step may hold
+            return default_num_splits(batch, num_kv_heads, max_seq_len, device)
+
+        # Only an all-decode batch takes the split-K launch.
+        return GraphMetadata(max_batch, query_len, -(-max_seq_len // block_size), block_size,
+                             device, splits if query_len == 1 else None)
