@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -28,7 +29,7 @@ from infer.engine.memory import plan_kv_cache
 from infer.engine.model_runner import ModelRunner, StepInputs
 from infer.engine.request import Request
 from infer.engine.sampler import SamplingBatch, sample
-from infer.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from infer.engine.scheduler import Scheduler, SchedulerOutput
 from infer.engine.setup import pick_backend
 from infer.models.layers import set_kernel_backend
 from infer.sampling_params import SamplingParams
@@ -37,9 +38,8 @@ from infer.transfer import HostCopy, to_device
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class SequenceOutput:
-    """What one step did to one sequence."""
+class SequenceOutput(NamedTuple):
+    """What one step did to one sequence (a tuple: one is built per sequence per step)."""
 
     seq_id: str
     new_token_ids: list[int]
@@ -259,25 +259,22 @@ class EngineCore:
         if len(live) < len(out.scheduled):
             out = SchedulerOutput(tuple(i for i in out.scheduled if i.request_id in live))
         for update in self.scheduler.update(out, sampled):
-            seq = self.sequences[update.request_id]
-            output = self._output(update, seq)
-            if output.logprobs is not None:  # then the batch computed chosen_lp
-                row = rows[update.request_id]
-                output.logprobs.append(chosen_lp[row])
-                k = seq.params.logprobs or 0
-                output.top_logprobs.append(
-                    (top_ids[row][:k], top_lps[row][:k]) if top_ids is not None and k else None)
+            rid = update.request_id
+            seq = self.sequences[rid]
+            if seq.params.logprobs is None:
+                output = SequenceOutput(rid, update.new_token_ids, None, None,
+                                        update.finish_reason, update.stop_reason,
+                                        seq.request.num_cached_tokens)
+            else:  # then the batch computed chosen_lp
+                row, k = rows[rid], seq.params.logprobs
+                top = (top_ids[row][:k], top_lps[row][:k]) if top_ids is not None and k else None
+                output = SequenceOutput(rid, update.new_token_ids, [chosen_lp[row]], [top],
+                                        update.finish_reason, update.stop_reason,
+                                        seq.request.num_cached_tokens)
             outputs.append(output)
             if update.finish_reason is not None:
-                del self.sequences[update.request_id]
+                del self.sequences[rid]
         return outputs
-
-    def _output(self, update: RequestUpdate, seq: _Sequence) -> SequenceOutput:
-        want = seq.params.logprobs is not None
-        return SequenceOutput(update.request_id, update.new_token_ids,
-                              [] if want else None, [] if want else None,
-                              update.finish_reason, update.stop_reason,
-                              seq.request.num_cached_tokens)
 
     def _sampling_batch(self, seqs: list[_Sequence], ahead: int = 0) -> SamplingBatch:
         """`ahead`: tokens each sequence has sampled that are not in its output yet."""

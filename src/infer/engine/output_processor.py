@@ -103,9 +103,11 @@ class OutputProcessor:
             if found is None:
                 continue  # its request was aborted
             group, seq = found
-            touched[group.request_id] = group
+            if group.first_token_time is None:  # the group is here because a token came
+                group.first_token_time = now
             if update.error is not None:
                 group.error = update.error
+                touched[group.request_id] = group
                 continue
             try:
                 self._apply(seq, update, to_finish)
@@ -114,6 +116,9 @@ class OutputProcessor:
             except Exception as exc:
                 log.exception("request %s failed while its output was built", group.request_id)
                 group.error = f"{type(exc).__name__}: {exc}"
+            if (seq.finish_reason is not None or group.error is not None
+                    or group.kind is not RequestOutputKind.FINAL_ONLY):
+                touched[group.request_id] = group  # FINAL_ONLY: nothing to say until the end
         outputs = []
         for group in touched.values():
             output = None
@@ -168,8 +173,6 @@ class OutputProcessor:
         return entry
 
     def _output(self, group: _Group, now: float) -> RequestOutput | None:
-        if group.first_token_time is None:  # the group is here because a token came
-            group.first_token_time = now
         finished = group.finished
         if group.kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None

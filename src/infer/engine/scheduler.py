@@ -55,8 +55,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass
-class RequestUpdate:
+class RequestUpdate(NamedTuple):
     """What a step did to one request, on the way out: the tokens it kept, and whether a
     token ended it (a stop token, EOS, or the length limit)."""
 
@@ -225,14 +224,16 @@ class Scheduler:
         if len(sampling) != len(self.running) or any(i.spec_token_ids for i in sampling):
             return None
         out = []
+        tables, block_size = self.kv.tables, self.kv.block_size
         for item in sampling:
-            request = self.requests[item.request_id]
+            rid = item.request_id
+            request = self.requests[rid]
             if len(request.output_token_ids) + 1 >= request.max_new_tokens:
                 continue  # prev samples its last token
             pos = item.start + item.num_new_tokens
-            if not self.kv.allocate(request.request_id, pos + 1):
+            if pos >= len(tables[rid]) * block_size and not self.kv.allocate(rid, pos + 1):
                 return None
-            out.append(ScheduledRequest(request.request_id, pos, 1, True, None))
+            out.append(ScheduledRequest(rid, pos, 1, True, None))
         return SchedulerOutput(tuple(out)) if out else None
 
     def update(self, out: SchedulerOutput, sampled: Mapping[str, Sequence[int]]
@@ -245,36 +246,38 @@ class Scheduler:
         blocks. Full blocks of accepted tokens enter the prefix cache. A request aborted
         while the step ran is skipped."""
         updates = []
-        for item in out.scheduled:
-            request = self.requests.get(item.request_id)
+        requests, block_size = self.requests, self.kv.block_size
+        for rid, start, num_new, samples, _, spec in out.scheduled:
+            request = requests.get(rid)
             if request is None:
                 continue  # finished or aborted while the step ran
-            tokens = sampled[item.request_id] if item.samples else ()
-            if item.samples and not 1 <= len(tokens) <= 1 + len(item.spec_token_ids):
-                raise ValueError(f"{item.request_id}: {len(tokens)} tokens accepted from "
-                                 f"{len(item.spec_token_ids)} drafts")
-            rejected = 1 + len(item.spec_token_ids) - len(tokens) if item.samples else 0
             before = request.num_computed_tokens
-            request.num_computed_tokens = item.start + item.num_new_tokens - rejected
-            if rejected:
-                self.kv.trim(request.request_id, request.num_computed_tokens)
-            if request.num_computed_tokens // self.kv.block_size > before // self.kv.block_size:
+            computed = start + num_new
+            if samples:
+                tokens = sampled[rid]
+                rejected = 1 + len(spec) - len(tokens)
+                if not 0 <= rejected <= len(spec):
+                    raise ValueError(f"{rid}: {len(tokens)} tokens accepted from "
+                                     f"{len(spec)} drafts")
+                if rejected:
+                    computed -= rejected
+                    self.kv.trim(rid, computed)
+            request.num_computed_tokens = computed
+            if computed // block_size > before // block_size:
                 # a block filled up (all_token_ids copies the whole sequence: not every step)
-                self.kv.commit_computed(
-                    request.request_id, request.all_token_ids, request.num_computed_tokens
-                )
-            if not item.samples:
+                self.kv.commit_computed(rid, request.all_token_ids, computed)
+            if not samples:
                 continue
-            update = RequestUpdate(request.request_id, [])
+            kept: list[int] = []
+            stop = None
             for token in tokens:
                 request.output_token_ids.append(token)
-                update.new_token_ids.append(token)
+                kept.append(token)
                 stop = _token_stop(request, token)
                 if stop is not None:
-                    update.finish_reason, update.stop_reason = stop
                     self.finish(request, *stop)
                     break
-            updates.append(update)
+            updates.append(RequestUpdate(rid, kept, *(stop or ())))
         return updates
 
 
