@@ -10,7 +10,7 @@ import pytest
 import torch
 from real_models import gemma3_gguf, smollm2_gguf
 
-from infer.engine import llm_engine
+from infer.engine import engine_core
 from infer.engine.setup import load_model_and_tokenizer
 from infer.llm import LLM
 
@@ -25,12 +25,12 @@ def make_llm(path: Path | None = None, **config) -> LLM:
     weights between engines (each engine binds its own KV cache to it)."""
     path = path or smollm2_gguf()
     loaded = _loaded(str(path))
-    original = llm_engine.load_model_and_tokenizer
-    llm_engine.load_model_and_tokenizer = lambda *args: loaded
+    original = engine_core.load_model_and_tokenizer
+    engine_core.load_model_and_tokenizer = lambda *args: loaded
     try:
         return LLM(str(path), device="cpu", **config)
     finally:
-        llm_engine.load_model_and_tokenizer = original
+        engine_core.load_model_and_tokenizer = original
 
 
 @cache

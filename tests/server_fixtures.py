@@ -55,7 +55,7 @@ def shared_engine() -> AsyncEngine:
 
 def make_engine(max_waiting_requests: int | None = None, **config) -> AsyncEngine:
     config = {"num_blocks": 256, "max_model_len": 512, "max_num_seqs": 64, **config}
-    return AsyncEngine(make_llm(**config).engine, max_waiting_requests)
+    return AsyncEngine.in_thread(make_llm(**config).engine, max_waiting_requests)
 
 
 def write_tiny_llama(path: Path) -> Path:
@@ -92,7 +92,7 @@ def tiny_model_dir() -> Path:
 
 def make_tiny_engine(path: Path, **config) -> AsyncEngine:
     config = {"num_blocks": 64, "max_model_len": 128, "block_size": 8, **config}
-    return AsyncEngine(LLMEngine(model=str(path), device="cpu", **config))
+    return AsyncEngine.in_thread(LLMEngine(model=str(path), device="cpu", **config))
 
 
 def _free_port() -> int:

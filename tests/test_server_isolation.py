@@ -123,7 +123,7 @@ def test_a_client_that_leaves_during_tokenization_queues_nothing(server, monkeyp
             finished.set()
 
     monkeypatch.setattr(ctx, "encode_prompt", slow_encode)
-    before = server.engine.engine.prompt_tokens_total
+    before = server.engine.engine.output_processor.prompt_tokens_total
     body = json.dumps({"model": MODEL, "prompt": ["a", "b"], "max_tokens": 50}).encode()
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=5) as sock:
@@ -132,7 +132,7 @@ def test_a_client_that_leaves_during_tokenization_queues_nothing(server, monkeyp
         time.sleep(0.2)
     assert finished.wait(10)
     time.sleep(0.3)  # past the point where the prompts would have been queued
-    assert server.engine.engine.prompt_tokens_total == before
+    assert server.engine.engine.output_processor.prompt_tokens_total == before
     assert not server.engine.engine.has_unfinished_requests()
 
 

@@ -114,10 +114,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                            log_level=args.log_level, http=http,
                                            timeout_keep_alive=args.timeout_keep_alive))
     failure: list[BaseException] = []
+    core_died = threading.Event()
 
     def load() -> None:
         try:
-            attach_engine(app, AsyncEngine(LLMEngine(config)))
+            if args.core_process:
+                engine = AsyncEngine.launch(config)
+            else:
+                engine = AsyncEngine.in_thread(LLMEngine(config))
+            engine.on_core_death = lambda: (core_died.set(), setattr(server, "should_exit", True))
+            attach_engine(app, engine)
             print(f"infer: serving on http://{args.host}:{args.port}", file=sys.stderr)
         except BaseException as exc:
             failure.append(exc)
@@ -125,11 +131,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     threading.Thread(target=load, name="infer-load", daemon=True).start()
     server.run()
-    if failure:
-        raise failure[0]
     engine = app.state.engine
     if engine is not None:
         engine.shutdown()
+    if failure:
+        raise failure[0]
+    if core_died.is_set():
+        print("infer: the engine core died; the server stopped (in-flight requests got "
+              "errors). Restart it, e.g. under a supervisor.", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -167,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "before the connection is closed (408) (default: 30)")
     serve.add_argument("--max-connections", type=int, default=1024,
                        help="open connections beyond this get 503 (default: 1024)")
+    serve.add_argument("--core-process", action=argparse.BooleanOptionalAction, default=True,
+                       help="run the engine core (scheduler, model, sampler) in its own "
+                       "process, apart from HTTP and detokenizing; --no-core-process runs it "
+                       "in a thread of the server (default: on)")
     serve.add_argument("--log-level", default="info")
     add_engine_flags(serve)
     serve.set_defaults(func=cmd_serve)

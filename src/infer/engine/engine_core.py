@@ -30,12 +30,22 @@ from infer.engine.model_runner import ModelRunner, StepInputs
 from infer.engine.request import Request
 from infer.engine.sampler import SamplingBatch, sample
 from infer.engine.scheduler import Scheduler, SchedulerOutput
-from infer.engine.setup import pick_backend
+from infer.engine.setup import load_model_and_tokenizer, pick_backend, pick_device_and_dtype
+from infer.loader.tokenizer import Tokenizer
 from infer.models.layers import set_kernel_backend
 from infer.sampling_params import SamplingParams
 from infer.transfer import HostCopy, to_device
 
 log = logging.getLogger(__name__)
+
+
+class StepFailed(RuntimeError):
+    """A step failed for a reason no single sequence explains (e.g. the forward); the
+    sequences it had scheduled (`seq_ids`) are finished and their blocks freed."""
+
+    def __init__(self, cause: Exception, seq_ids: list[str]) -> None:
+        super().__init__(f"engine step failed: {cause!r}")
+        self.seq_ids = seq_ids
 
 
 class SequenceOutput(NamedTuple):
@@ -140,8 +150,8 @@ class EngineCore:
         on. Host-side preparation that fails is re-run one sequence at a time to find the
         culprit; then nothing of the step has been accounted, so the others are simply
         scheduled again. A failure that no single sequence explains (e.g. the model forward)
-        finishes every sequence the step had scheduled, freeing their blocks, and
-        propagates; sequences outside the step keep going.
+        finishes every sequence the step had scheduled, freeing their blocks, and raises
+        StepFailed naming them; sequences outside the step keep going.
         """
         step, self._in_flight = self._in_flight, None
         out = step.out if step is not None else self.scheduler.schedule()
@@ -157,16 +167,20 @@ class EngineCore:
                     return self._fail_launch(out, exc)
             self._in_flight = self._try_launch_ahead(step)
             return self._finish(step)
-        except BaseException:
-            self._abort_scheduled(out)
+        except BaseException as exc:
+            failed = self._abort_scheduled(out)
             if self._in_flight is not None:
-                self._abort_scheduled(self._in_flight.out)
+                failed += self._abort_scheduled(self._in_flight.out)
                 self._in_flight = None
+            if isinstance(exc, Exception):
+                raise StepFailed(exc, failed) from exc
             raise
 
-    def _abort_scheduled(self, out: SchedulerOutput) -> None:
-        for item in out.scheduled:
-            self.finish(item.request_id, "abort")
+    def _abort_scheduled(self, out: SchedulerOutput) -> list[str]:
+        aborted = [i.request_id for i in out.scheduled if i.request_id in self.sequences]
+        for seq_id in aborted:
+            self.finish(seq_id, "abort")
+        return aborted
 
     def _fail_launch(self, out: SchedulerOutput, exc: Exception) -> list[SequenceOutput]:
         culprits = self._culprits(out)
@@ -311,3 +325,48 @@ class EngineCore:
             "num_steps_launched_ahead": self.num_steps_launched_ahead,
             "num_discarded_tokens": self.num_discarded_tokens,
         }
+
+
+@dataclass(frozen=True)
+class CoreInfo:
+    """What the request side needs to know of a core it may not share a process with."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    device: str
+    dtype: str
+    attention_backend: str
+    kernel_backend: str
+    graph_capture_seconds: float
+
+    @classmethod
+    def of(cls, core: EngineCore, model_name: str) -> CoreInfo:
+        return cls(model_name, core.max_model_len, core.model_config.vocab_size,
+                   core.kv.pool.num_blocks, core.block_size, str(core.device),
+                   str(core.dtype).removeprefix("torch."), core.attention_backend,
+                   core.kernel_backend, core.graph_capture_seconds)
+
+
+def load_core(config: EngineConfig) -> tuple[EngineCore, Tokenizer, str]:
+    """Load the model and its tokenizer, and build the core: (core, tokenizer, model name).
+    The tokenizer gives the EOS ids; the core itself never decodes."""
+    device, dtype = pick_device_and_dtype(config.device, config.dtype)
+    model, mc, tokenizer, model_name = load_model_and_tokenizer(config.model, dtype, device)
+    torch.manual_seed(config.seed)
+    max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
+    if max_model_len > mc.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len ({max_model_len}) exceeds the model's context length "
+            f"({mc.max_position_embeddings})"
+        )
+    if not config.chunked_prefill and config.max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"chunked_prefill=False needs max_num_batched_tokens "
+            f"({config.max_num_batched_tokens}) >= max_model_len ({max_model_len})"
+        )
+    eos_token_ids = tuple(tokenizer.eos_token_ids) or mc.eos_token_ids
+    core = EngineCore(config, model, mc, device, dtype, max_model_len, eos_token_ids)
+    return core, tokenizer, model_name

@@ -7,11 +7,17 @@ tokenizer threads) so that it answers 400 before anything is queued.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from infer.engine.request import Request
 from infer.inputs import parse_prompt
 from infer.loader.tokenizer import Tokenizer
 from infer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from infer.engine.engine_core import CoreInfo
 
 
 class RequestRejected(ValueError):
@@ -40,6 +46,11 @@ class InputProcessor:
         self.num_blocks = num_blocks
         self.block_size = block_size
 
+    @classmethod
+    def for_core(cls, tokenizer: Tokenizer, info: CoreInfo) -> InputProcessor:
+        return cls(tokenizer, info.vocab_size, info.max_model_len, info.num_blocks,
+                   info.block_size)
+
     def process(self, prompt: object, params: SamplingParams) -> ProcessedPrompt:
         text, ids = parse_prompt(prompt)
         if ids is None:
@@ -64,6 +75,8 @@ class InputProcessor:
         vocab = self.vocab_size
         for what, ids, field in (("prompt token ids", prompt_ids, "prompt"),
                                  ("stop_token_ids", params.stop_token_ids, "stop_token_ids")):
+            if not ids or (min(ids) >= 0 and max(ids) < vocab):
+                continue
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise RequestRejected(f"{what} out of range [0, {vocab}): {bad[:5]}", field)
@@ -102,3 +115,18 @@ class InputProcessor:
                 f"tokens) but the pool has {self.num_blocks} blocks of {self.block_size} "
                 f"tokens; lower max_tokens to at most {capacity - num_prompt}", "max_tokens")
         return max_new
+
+
+def split_into_sequences(request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                         arrival_time: float) -> list[tuple[Request, SamplingParams]]:
+    """A request's `n` sequences for the core: `<id>#<i>` when n > 1 (sharing the first
+    one's prompt blocks), each with its own seed (seed + i) when one is set."""
+    sequences = []
+    for i in range(params.n):
+        seq_id = f"{request_id}#{i}" if params.n > 1 else request_id
+        p = params
+        if params.seed is not None and i > 0:
+            p = dataclasses.replace(params, seed=params.seed + i)
+        sequences.append((Request(seq_id, prompt.token_ids, prompt.max_new_tokens, arrival_time,
+                                  share_prefix_with=f"{request_id}#0" if i > 0 else None), p))
+    return sequences

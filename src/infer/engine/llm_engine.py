@@ -13,19 +13,14 @@ KV blocks; the output processor groups them back into one RequestOutput.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 
-import torch
-
 from infer.engine.config import EngineConfig
-from infer.engine.engine_core import EngineCore
-from infer.engine.input_processor import InputProcessor, RequestRejected
+from infer.engine.engine_core import CoreInfo, load_core
+from infer.engine.input_processor import InputProcessor, RequestRejected, split_into_sequences
 from infer.engine.output_processor import OutputProcessor
 from infer.engine.outputs import RequestOutput
-from infer.engine.request import Request
-from infer.engine.setup import load_model_and_tokenizer, pick_device_and_dtype
 from infer.sampling_params import SamplingParams
 
 __all__ = ["LLMEngine", "RequestRejected"]
@@ -35,32 +30,15 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig(**overrides)
         self.config = config
-        self.device, self.dtype = pick_device_and_dtype(config.device, config.dtype)
-        self.model, self.model_config, self.tokenizer, self.model_name = (
-            load_model_and_tokenizer(config.model, self.dtype, self.device)
-        )
-        torch.manual_seed(config.seed)
-        mc = self.model_config
-        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len ({self.max_model_len}) exceeds the model's context length "
-                f"({mc.max_position_embeddings})"
-            )
-        if not config.chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"chunked_prefill=False needs max_num_batched_tokens "
-                f"({config.max_num_batched_tokens}) >= max_model_len ({self.max_model_len})"
-            )
-        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or mc.eos_token_ids
-        self.core = EngineCore(config, self.model, mc, self.device, self.dtype,
-                               self.max_model_len, self.eos_token_ids)
-        self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len,
-                                              self.core.kv.pool.num_blocks, self.core.block_size)
+        self.core, self.tokenizer, self.model_name = load_core(config)
+        self.info = CoreInfo.of(self.core, self.model_name)
+        self.model = self.core.runner.model
+        self.model_config = self.core.model_config
+        self.device, self.dtype = self.core.device, self.core.dtype
+        self.max_model_len = self.core.max_model_len
+        self.eos_token_ids = self.core.eos_token_ids
+        self.input_processor = InputProcessor.for_core(self.tokenizer, self.info)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self.num_requests_failed = 0  # charged with a failure of their own (`error` set)
         self._next_id = 0
 
     # the parts' state, for callers and tests that look inside
@@ -108,19 +86,13 @@ class LLMEngine:
         if request_id in self.output_processor.groups:
             raise ValueError(f"duplicate request id {request_id!r}")
         processed = self.input_processor.process(prompt, params)
-        ids, now = processed.token_ids, time.monotonic()
-        seq_ids, seq_params = [], []
-        for i in range(params.n):
-            seq_id = f"{request_id}#{i}" if params.n > 1 else request_id
-            p = params
-            if params.seed is not None and i > 0:
-                p = dataclasses.replace(params, seed=params.seed + i)
-            self.core.add(Request(seq_id, ids, processed.max_new_tokens, now,
-                                  share_prefix_with=f"{request_id}#0" if i > 0 else None), p)
-            seq_ids.append(seq_id)
-            seq_params.append(p)
-        self.output_processor.add(request_id, processed.text, ids, seq_ids, seq_params, now)
-        self.prompt_tokens_total += len(ids)
+        now = time.monotonic()
+        sequences = split_into_sequences(request_id, processed, params, now)
+        for request, seq_params in sequences:
+            self.core.add(request, seq_params)
+        self.output_processor.add(request_id, processed.text, processed.token_ids,
+                                  [r.request_id for r, _ in sequences],
+                                  [p for _, p in sequences], now)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -147,18 +119,15 @@ class LLMEngine:
                        for s in group.sequences):
                     self.abort_request(request_id)
             raise
-        self.generation_tokens_total += sum(len(u.new_token_ids) for u in updates)
         processed = self.output_processor.process(updates, time.monotonic())
         for seq_id, reason, stop_reason in processed.to_finish:
             self.core.finish(seq_id, reason, stop_reason)
-        self.num_requests_failed += sum(o.error is not None for o in processed.outputs)
         return processed.outputs
 
     # -- counters --------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
-        return {
-            **self.core.stats(),
-            "prompt_tokens_total": self.prompt_tokens_total,
-            "generation_tokens_total": self.generation_tokens_total,
-            "num_requests_failed": self.num_requests_failed,
-        }
+        return {**self.core.stats(), **self.output_processor.stats()}
+
+    @property
+    def num_requests_failed(self) -> int:
+        return self.output_processor.num_requests_failed

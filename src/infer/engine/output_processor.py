@@ -70,9 +70,20 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.groups: dict[str, _Group] = {}
         self._of_seq: dict[str, tuple[_Group, _Sequence]] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_requests_failed = 0  # charged with a failure of their own (`error` set)
+
+    def stats(self) -> dict[str, int]:
+        return {"prompt_tokens_total": self.prompt_tokens_total,
+                "generation_tokens_total": self.generation_tokens_total,
+                "num_requests_failed": self.num_requests_failed}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
             seq_ids: list[str], params: list[SamplingParams], arrival_time: float) -> None:
+        if request_id in self.groups:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self.prompt_tokens_total += len(prompt_token_ids)
         kind = params[0].output_kind
         group = _Group(request_id, prompt, prompt_token_ids, [], kind, arrival_time)
         for i, (seq_id, p) in enumerate(zip(seq_ids, params)):
@@ -103,6 +114,9 @@ class OutputProcessor:
             if found is None:
                 continue  # its request was aborted
             group, seq = found
+            if seq.finish_reason is not None:
+                continue  # ended here by a stop string; the core had not heard yet
+            self.generation_tokens_total += len(update.new_token_ids)
             if group.first_token_time is None:  # the group is here because a token came
                 group.first_token_time = now
             if update.error is not None:
@@ -134,6 +148,7 @@ class OutputProcessor:
                 to_finish += [(seq_id, "error", None) for seq_id in self.remove(group.request_id)]
             if output is not None:
                 outputs.append(output)
+                self.num_requests_failed += output.error is not None
                 if output.finished:
                     self.remove(group.request_id)
         return ProcessedOutputs(outputs, to_finish)

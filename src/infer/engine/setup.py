@@ -38,6 +38,14 @@ def load_model_and_tokenizer(
     return net, cfg, tokenizer, source.name
 
 
+def load_tokenizer(model: str | None) -> Tokenizer:
+    """The tokenizer alone (the request side of a server whose core loads the model)."""
+    source = resolve_model(model)
+    if source.format == "gguf":
+        return Tokenizer.from_gguf(source.path)
+    return Tokenizer.from_hf_dir(source.path)
+
+
 def pick_backend(name: str, choice: str, device: torch.device) -> str:
     """Resolve an `auto|torch|triton` backend choice for `device` (`name` is the field)."""
     import os

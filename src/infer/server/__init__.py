@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: `build_app(AsyncEngine(LLMEngine(...)))`."""
+"""The OpenAI-compatible HTTP server: `build_app(AsyncEngine.launch(EngineConfig(...)))`."""
 
 from infer.server.app import attach_engine, build_app
 from infer.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError

@@ -1,24 +1,33 @@
-"""AsyncEngine: the LLMEngine stepping in its own thread, each request streamed to asyncio.
+"""AsyncEngine: the request side of the server, over an engine core that steps on its own.
 
-Only the engine thread touches the LLMEngine. The event loop talks to it through a
-thread-safe command queue (add / abort) and an Event that wakes the thread; outputs go
-back through each request's asyncio.Queue via `loop.call_soon_threadsafe`, so one
-AsyncEngine can serve callers on several event loops.
+The core (scheduler, model runner, sampler) runs in a process of its own
+(`AsyncEngine.launch`, the server's default), or in a thread (`AsyncEngine.in_thread`);
+either way it is reached through the same pipe and messages (`engine/core_process.py`).
+This side keeps tokenized-prompt checks, detokenizing, stop strings and outputs: a caller
+on any event loop adds requests and reads a RequestStream; one receiving thread turns each
+step's token deltas into RequestOutputs and hands them to each stream's loop, one
+`call_soon_threadsafe` per loop per step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from infer.engine.config import EngineConfig
+from infer.engine.core_process import CoreClient
+from infer.engine.engine_core import CoreInfo, SequenceOutput
+from infer.engine.input_processor import InputProcessor, split_into_sequences
 from infer.engine.llm_engine import LLMEngine
+from infer.engine.output_processor import OutputProcessor
 from infer.engine.outputs import RequestOutput
+from infer.engine.setup import load_tokenizer
+from infer.loader.tokenizer import Tokenizer
 from infer.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -33,7 +42,7 @@ class EngineDeadError(RuntimeError):
 
 
 class LatencyObserver(Protocol):
-    """Receives latencies in seconds; called from the engine thread."""
+    """Receives latencies in seconds; called from the receiving thread."""
 
     def observe_ttft(self, seconds: float) -> None: ...
     def observe_itl(self, seconds: float) -> None: ...
@@ -92,26 +101,66 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
+    """Build with `AsyncEngine.launch(config)` (the core in its own process) or
+    `AsyncEngine.in_thread(engine)` (the core of an engine built here, in a thread)."""
+
+    def __init__(self, client: CoreClient, tokenizer: Tokenizer, info: CoreInfo,
+                 config: EngineConfig, engine: LLMEngine | None = None,
+                 max_waiting_requests: int | None = None,
                  observer: LatencyObserver | None = None) -> None:
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.input_processor = engine.input_processor  # host checks, safe from any thread
-        self.model_name = engine.model_name
-        self.max_model_len = engine.max_model_len
+        self.engine = engine  # None with a core process: the core's state lives there
+        self.config = config
+        self.info = info
+        self.tokenizer = tokenizer
+        self.model_name = info.model_name
+        self.max_model_len = info.max_model_len
+        self.input_processor = (engine.input_processor if engine is not None
+                                else InputProcessor.for_core(tokenizer, info))
+        self.output_processor = (engine.output_processor if engine is not None
+                                 else OutputProcessor(tokenizer))
         self.max_waiting_requests = (max_waiting_requests if max_waiting_requests is not None
-                                     else engine.config.max_waiting_requests)
+                                     else config.max_waiting_requests)
         self.observer = observer
-        self.step_errors = 0
+        # Called (from the receiving thread) once the core has died: a server exits.
+        self.on_core_death: Callable[[], None] | None = None
         self.requests_rejected = 0
-        self.stats: dict[str, float] = engine.stats()  # replaced (never mutated) by the thread
-        engine.on_step_start = self._publish_stats
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}  # engine thread only
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="infer-engine", daemon=True)
-        self._thread.start()
+        self._num_seqs_sent = 0
+        self.core_stats: dict[str, float] = {}  # replaced (never mutated) on each report
+        self._client = client
+        self._lock = threading.Lock()  # the output processor and the streams
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = self._dead = False
+        self._receiver = threading.Thread(target=self._receive, name="infer-outputs",
+                                          daemon=True)
+        self._receiver.start()
+
+    @classmethod
+    def launch(cls, config: EngineConfig, max_waiting_requests: int | None = None,
+               observer: LatencyObserver | None = None) -> AsyncEngine:
+        """Start the engine core in its own process; returns once its model is loaded."""
+        tokenizer = load_tokenizer(config.model)
+        client, info = CoreClient.spawn(config)
+        return cls(client, tokenizer, info, config, None, max_waiting_requests, observer)
+
+    @classmethod
+    def in_thread(cls, engine: LLMEngine, max_waiting_requests: int | None = None,
+                  observer: LatencyObserver | None = None) -> AsyncEngine:
+        """The core of `engine` stepping in a thread of this process, through the same
+        pipe and messages (tests look inside it; nothing is loaded twice)."""
+        return cls(CoreClient.in_thread(engine.core), engine.tokenizer, engine.info,
+                   engine.config, engine, max_waiting_requests, observer)
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return {**self.core_stats, **self.output_processor.stats()}
+
+    @property
+    def step_errors(self) -> int:
+        return int(self.core_stats.get("step_errors", 0))
+
+    @property
+    def core_pid(self) -> int | None:
+        return getattr(self._client.runner, "pid", None)
 
     # -- event-loop side -------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int],
@@ -121,23 +170,43 @@ class AsyncEngine:
 
     async def add_requests(self, prompts: list[tuple[str, str | list[int]]],
                            params: SamplingParams) -> list[RequestStream]:
-        """Queue (request id, prompt) pairs that share `params`, all or none, in one turn
-        of the engine thread; raises ValueError / QueueFullError before any output."""
-        if self._stopped:
-            raise EngineDeadError("the engine is shut down")
+        """Queue (request id, prompt) pairs that share `params`, all or none; raises
+        ValueError / QueueFullError before any output."""
+        if not self.alive:
+            raise EngineDeadError("the engine is shut down" if self._stopped
+                                  else "the engine core is not running")
         loop = asyncio.get_running_loop()
-        added: asyncio.Future = loop.create_future()
+        processed = [self.input_processor.process(prompt, params) for _, prompt in prompts]
+        now = time.monotonic()
         delta = params.output_kind is RequestOutputKind.DELTA
-        streams = [_Stream(loop, asyncio.Queue(), delta=delta) for _ in prompts]
-        self._send(("add", prompts, params, streams, added))
-        try:
-            await added
-        except asyncio.CancelledError:
-            for request_id, _ in prompts:
-                self.abort(request_id)  # FIFO: processed after the add
-            raise
-        return [RequestStream(self, rid, stream.queue)
-                for (rid, _), stream in zip(prompts, streams)]
+        sequences, streams = [], []
+        with self._lock:
+            limit = self.max_waiting_requests
+            if limit is not None and self._num_waiting() >= limit:
+                self.requests_rejected += 1
+                raise QueueFullError(f"{limit} requests are already waiting; retry later")
+            ids = [rid for rid, _ in prompts]
+            taken = [rid for rid in ids if rid in self.output_processor.groups]
+            if taken or len(set(ids)) < len(ids):
+                raise ValueError(f"duplicate request id {(taken or ids)[0]!r}")
+            for request_id, prompt in zip(ids, processed):
+                seqs = split_into_sequences(request_id, prompt, params, now)
+                self.output_processor.add(request_id, prompt.text, prompt.token_ids,
+                                          [r.request_id for r, _ in seqs],
+                                          [p for _, p in seqs], now)
+                stream = _Stream(loop, asyncio.Queue(), now, delta)
+                self._streams[request_id] = stream
+                streams.append(RequestStream(self, request_id, stream.queue))
+                sequences += seqs
+            self._num_seqs_sent += len(sequences)
+        self._client.send(("add", sequences))
+        return streams
+
+    def _num_waiting(self) -> int:
+        """Sequences waiting in the core as of its last report, plus those sent since."""
+        stats = self.core_stats
+        return (int(stats.get("num_requests_waiting", 0)) + self._num_seqs_sent
+                - int(stats.get("num_seqs_added", 0)))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -149,93 +218,68 @@ class AsyncEngine:
             stream.abort()
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        """Forget the request here and free its sequences in the core; any thread."""
+        with self._lock:
+            self._streams.pop(request_id, None)
+            seq_ids = self.output_processor.remove(request_id)
+        if seq_ids:
+            self._client.send(("finish", [(s, "abort", None) for s in seq_ids]))
 
     def shutdown(self) -> None:
         self._stopped = True
-        self._wake.set()
-        self._thread.join(timeout=30)
+        self._client.shutdown()
+        self._receiver.join(timeout=30)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopped
+        return not (self._stopped or self._dead) and self._client.alive()
 
-    def _send(self, command: tuple) -> None:
-        self._commands.put(command)
-        self._wake.set()
-
-    # -- engine thread ---------------------------------------------------------------
-    def _run(self) -> None:
-        while not self._stopped:
-            self._wake.clear()
-            self._drain_commands()
-            if not self.engine.has_unfinished_requests():
-                self._publish_stats()
-                self._wake.wait()
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # fail what the step held, keep serving
-                self.step_errors += 1
-                self._fail_step(EngineDeadError(f"engine step failed: {exc!r}"))
-                continue
-            self._deliver(outputs, time.monotonic())
-            self._publish_stats()
-        self._drain_commands()
-        self._fail_all(EngineDeadError("the engine is shut down"))
-
-    def _publish_stats(self) -> None:
-        self.stats = self.engine.stats()
-
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command[0] == "add":
-                self._add(*command[1:])
-            else:
-                self.engine.abort_request(command[1])
-                self._streams.pop(command[1], None)
-
-    def _add(self, prompts: list[tuple[str, str | list[int]]], params: SamplingParams,
-             streams: list[_Stream], added: asyncio.Future) -> None:
-        done: list[str] = []
+    # -- receiving thread ------------------------------------------------------------
+    def _receive(self) -> None:
         try:
-            if self._stopped:
-                raise EngineDeadError("the engine is shut down")
-            limit = self.max_waiting_requests
-            if limit is not None and len(self.engine.scheduler.waiting) >= limit:
-                self.requests_rejected += 1
-                raise QueueFullError(f"{limit} requests are already waiting; retry later")
-            for request_id, prompt in prompts:
-                self.engine.add_request(request_id, prompt, params)
-                done.append(request_id)
-        except Exception as exc:
-            for request_id in done:
-                self.engine.abort_request(request_id)
-            _call(added.get_loop(), _resolve, added, exc)
-            return
-        for (request_id, _), stream in zip(prompts, streams):
-            self._streams[request_id] = stream
-        _call(added.get_loop(), _resolve, added, None)
+            while True:
+                updates: list[SequenceOutput] = []
+                message = self._client.recv()
+                while True:  # what piled up while the last batch was delivered: one batch
+                    if message[0] == "outputs":
+                        updates += message[1]
+                    elif message[0] == "stats":
+                        self.core_stats = message[1]
+                    if not self._client.poll():
+                        break
+                    message = self._client.recv()
+                if updates:
+                    self._deliver(updates, time.monotonic())
+        except (EOFError, OSError):
+            pass
+        except Exception:
+            log.exception("the output thread failed")
+        self._core_gone()
 
-    def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue
+    def _deliver(self, updates: list[SequenceOutput], now: float) -> None:
+        deliveries: list[tuple[_Stream, RequestOutput]] = []
+        with self._lock:
+            processed = self.output_processor.process(updates, now)
+            for output in processed.outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is None:
+                    continue
+                if output.finished:
+                    del self._streams[output.request_id]
+                deliveries.append((stream, output))
+        if processed.to_finish:
+            self._client.send(("finish", processed.to_finish))
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for stream, output in deliveries:
             self._observe(stream, output, now)
-            if output.finished:
-                del self._streams[output.request_id]
-            if output.error is not None:
-                _call(stream.loop, stream.queue.put_nowait,
-                      EngineDeadError(f"the request failed: {output.error}"))
-                continue
-            if not _call(stream.loop, stream.queue.put_nowait, output):
-                self.engine.abort_request(output.request_id)  # its event loop is gone
-                self._streams.pop(output.request_id, None)
+            item = output if output.error is None else EngineDeadError(
+                f"the request failed: {output.error}")
+            by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, items in by_loop.items():
+            if not _call(loop, _put_all, items):  # that event loop is gone
+                for stream, output in deliveries:
+                    if stream.loop is loop:
+                        self.abort(output.request_id)
 
     def _observe(self, stream: _Stream, output: RequestOutput, now: float) -> None:
         """TTFT, then one ITL per new token (of the request's longest sequence)."""
@@ -256,36 +300,29 @@ class AsyncEngine:
         if new > 0:
             stream.num_tokens, stream.last_token_time = tokens, now
 
-    def _fail_step(self, exc: Exception) -> None:
-        """LLMEngine.step aborts the requests of a step that raised; fail just those. If
-        it aborted none, the error came from outside the model step: fail everything."""
-        gone = [rid for rid in self._streams
-                if rid not in self.engine.output_processor.groups]
-        log.exception("engine step failed; failing %d of %d requests",
-                      len(gone) or len(self._streams), len(self._streams))
-        if not gone:
-            return self._fail_all(exc)
-        for request_id in gone:
-            stream = self._streams.pop(request_id)
-            _call(stream.loop, stream.queue.put_nowait, exc)
-
-    def _fail_all(self, exc: Exception) -> None:
-        for request_id, stream in list(self._streams.items()):
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:
-                log.exception("abort of %s failed", request_id)
-            _call(stream.loop, stream.queue.put_nowait, exc)
-        self._streams.clear()
+    def _core_gone(self) -> None:
+        """The pipe closed: shut down, or the core died. Fail whatever was in flight."""
+        if self._stopped:
+            error = EngineDeadError("the engine is shut down")
+        else:
+            self._dead = True
+            self._client.runner.join(5)
+            error = EngineDeadError(
+                f"the engine core died (exit code {self._client.exitcode})")
+            log.error("%s; failing %d request(s)", error, len(self._streams))
+        with self._lock:
+            streams, self._streams = self._streams, {}
+            for request_id in list(self.output_processor.groups):
+                self.output_processor.remove(request_id)
+        for stream in streams.values():
+            _call(stream.loop, stream.queue.put_nowait, error)
+        if self._dead and self.on_core_death is not None:
+            self.on_core_death()
 
 
-def _resolve(future: asyncio.Future, exc: BaseException | None) -> None:
-    if future.done():
-        return
-    if exc is None:
-        future.set_result(None)
-    else:
-        future.set_exception(exc)
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:

@@ -245,7 +245,7 @@ async def serve_detokenize(body: DetokenizeRequest, ctx: ServingContext,
                            request: Request) -> Response:
     if body.model is not None:
         ctx.check_model(body.model)
-    vocab = ctx.engine.engine.model_config.vocab_size
+    vocab = ctx.engine.input_processor.vocab_size
 
     def work() -> bytes:
         if any(not 0 <= t < vocab for t in body.tokens):
