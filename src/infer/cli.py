@@ -130,10 +130,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     threading.Thread(target=load, name="infer-load", daemon=True).start()
-    server.run()
-    engine = app.state.engine
-    if engine is not None:
-        engine.shutdown()
+    try:
+        server.run()  # re-raises the SIGINT / SIGTERM that stopped it, once stopped
+    finally:
+        engine = app.state.engine
+        if engine is not None:
+            engine.shutdown()
     if failure:
         raise failure[0]
     if core_died.is_set():

@@ -1,0 +1,208 @@
+"""The engine core in a process of its own: the same answers as in one process; a core
+that dies fails its requests (500 / an error event) and stops the server; and no process
+outlives the server, whether it stops cleanly, its core dies, or it is killed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import httpx
+import pytest
+from server_fixtures import _free_port, live_server, tiny_model_dir
+
+from infer import SamplingParams
+from infer.engine.config import EngineConfig
+from infer.engine.llm_engine import LLMEngine
+from infer.server import AsyncEngine
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc")]
+TINY = {"num_blocks": 64, "max_model_len": 128, "block_size": 8, "device": "cpu"}
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with suppress(OSError):  # a thread that just ended
+            found |= {int(c) for c in (task / "children").read_text().split()}
+    return found
+
+
+def _descendants(pid: int) -> set[int]:
+    todo, found = [pid], set()
+    while todo:
+        for child in _children(todo.pop()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _wait_gone(pids: set[int], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(_running(p) for p in pids):
+        assert time.monotonic() < deadline, f"still running: {[p for p in pids if _running(p)]}"
+        time.sleep(0.1)
+
+
+def test_a_core_process_answers_as_the_engine_in_this_process():
+    config = EngineConfig(model=str(tiny_model_dir()), **TINY)
+    expected = [o.outputs[0].token_ids for o in _offline(config)]
+    engine = AsyncEngine.launch(config)
+    pid = engine.core_pid
+    try:
+        assert pid is not None and pid != os.getpid() and _running(pid)
+
+        async def run():
+            streams = await engine.add_requests(
+                [("a", "The quick brown fox"), ("b", "Once upon a time")], GREEDY)
+            got = []
+            for stream in streams:
+                got.append([o async for o in stream][-1].outputs[0].token_ids)
+            with pytest.raises(ValueError, match="out of range"):
+                await engine.add_request("c", [10**6], GREEDY)
+            aborted = await engine.add_request("d", "The sky", SamplingParams(max_tokens=100))
+            await aborted.__anext__()
+            aborted.abort()
+            return got
+
+        assert asyncio.run(run()) == expected
+        deadline = time.monotonic() + 10
+        while engine.stats["kv_blocks_used"] or engine.stats["num_requests_running"]:
+            assert time.monotonic() < deadline, engine.stats  # the abort freed its blocks
+            time.sleep(0.02)
+        assert engine.stats["prompt_tokens_total"] > 0 and engine.alive
+    finally:
+        engine.shutdown()
+    _wait_gone({pid}, 10)
+    assert engine._client.exitcode == 0 and not engine.alive
+
+
+def _offline(config: EngineConfig):
+    engine = LLMEngine(config)
+    for rid, prompt in (("a", "The quick brown fox"), ("b", "Once upon a time")):
+        engine.add_request(rid, prompt, GREEDY)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    return [finished["a"], finished["b"]]
+
+
+@contextmanager
+def _serve() -> Iterator[tuple[subprocess.Popen, str, int]]:
+    """`infer serve` on the tiny model in a subprocess: (process, url, core pid)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "infer.cli", "serve", "--model", str(tiny_model_dir()),
+           "--port", str(port), "--log-level", "warning",
+           *(f"--{k.replace('_', '-')}={v}" for k, v in TINY.items())]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the server did not become healthy"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        # the core, and multiprocessing's resource tracker beside it
+        [core] = [c for c in _children(proc.pid)
+                  if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        yield proc, url, core
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def test_a_dead_core_fails_its_requests_and_stops_the_server():
+    with _serve() as (proc, url, core):
+        events, started = [], threading.Event()
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "Hi", "max_tokens": 4}
+        assert httpx.post(url + "/v1/completions", json=body).status_code == 200
+        client = threading.Thread(target=_stream_into, args=(url, model, events, started),
+                                  daemon=True)
+        client.start()
+        assert started.wait(30)
+        descendants = _descendants(proc.pid)
+        os.kill(core, signal.SIGKILL)
+        client.join(30)
+        assert events and "[DONE]" not in events
+        error = json.loads(events[-1])["error"]
+        assert error["code"] == 500 and "engine core died" in error["message"]
+        assert proc.wait(30) == 1
+        assert "the engine core died" in proc.stdout.read()
+        _wait_gone(descendants)
+
+
+def _stream_into(url: str, model: str, events: list[str], started: threading.Event) -> None:
+    body = {"model": model, "prompt": "The quick brown fox", "max_tokens": 100,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                started.set()
+
+
+def test_a_killed_server_leaves_no_core_behind():
+    with _serve() as (proc, _, core):
+        descendants = _descendants(proc.pid)
+        assert core in descendants
+        proc.kill()
+        proc.wait(10)
+        _wait_gone(descendants)
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, -15)])
+def test_a_stopped_server_stops_its_core(sig, code):
+    with _serve() as (proc, _, core):
+        descendants = _descendants(proc.pid)
+        assert core in descendants
+        proc.send_signal(sig)
+        assert proc.wait(30) == code
+        _wait_gone(descendants)
+
+
+def test_health_turns_503_when_the_core_dies():
+    engine = AsyncEngine.launch(EngineConfig(model=str(tiny_model_dir()), **TINY))
+    died = threading.Event()
+    engine.on_core_death = died.set
+    try:
+        with live_server(engine, "tiny") as server:
+            pid = engine.core_pid
+            os.kill(pid, signal.SIGKILL)
+            assert died.wait(30) and not engine.alive
+            assert httpx.get(server.url + "/health").status_code == 503
+            r = httpx.post(server.url + "/v1/completions",
+                           json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 500 and "core is not running" in r.json()["error"]["message"]
+    finally:
+        engine.shutdown()
+    _wait_gone({pid}, 10)
