@@ -62,8 +62,9 @@ class _Stream:
 class RequestStream:
     """Async iterator over one request's RequestOutputs (of its params' output kind).
 
-    Leaving it early (cancellation, `abort()`) aborts the request in the engine, which
-    frees its KV blocks before the next step.
+    Leaving it early (cancellation, `abort()`) or an error in its place (the engine's, a
+    deadline's) aborts the request in the engine, which frees its KV blocks before the
+    next step.
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str, q: asyncio.Queue) -> None:
@@ -71,6 +72,7 @@ class RequestStream:
         self.request_id = request_id
         self._queue = q
         self._done = False
+        self._error: BaseException | None = None  # taken from the queue, raised next
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -78,17 +80,37 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except asyncio.CancelledError:
-            self.abort()
-            raise
+        if self._error is not None:
+            item, self._error = self._error, None
+        else:
+            try:
+                item = await self._queue.get()
+            except asyncio.CancelledError:
+                self.abort()
+                raise
         if isinstance(item, BaseException):
-            self._done = True
+            self.abort()
             raise item
         if item.finished:
             self._done = True
         return item
+
+    async def next_batch(self) -> list[RequestOutput]:
+        """The next output and every one already queued behind it (a reader that fell
+        behind catches up in one go); raises what the engine put in its place."""
+        batch = [await self.__anext__()]
+        while not self._done and not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, BaseException):
+                self._error = item  # raised by the next call, after this batch
+                break
+            batch.append(item)
+            self._done = item.finished
+        return batch
+
+    def fail_at(self, when: float, error: BaseException) -> asyncio.TimerHandle:
+        """Make the reader raise `error` at loop time `when` (a deadline), unless done."""
+        return asyncio.get_running_loop().call_at(when, self._queue.put_nowait, error)
 
     @property
     def finished(self) -> bool:

@@ -297,23 +297,27 @@ async def _add_all(engine: AsyncEngine, rid: str, prompts: list[list[int]],
         raise
 
 
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+async def _merge(streams: list[RequestStream]
+                 ) -> AsyncIterator[tuple[int, list[RequestOutput]]]:
+    """(stream index, outputs) as they come; one stream is read without any task."""
     try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                i = pending.pop(task)
-                try:
-                    output = task.result()
-                except StopAsyncIteration:
-                    continue
-                yield i, output
-                if not output.finished:
-                    pending[asyncio.ensure_future(streams[i].__anext__())] = i
+        if len(streams) == 1:
+            while not streams[0].finished:
+                yield 0, await streams[0].next_batch()
+            return
+        pending = {asyncio.ensure_future(s.next_batch()): i for i, s in enumerate(streams)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    i = pending.pop(task)
+                    yield i, task.result()
+                    if not streams[i].finished:
+                        pending[asyncio.ensure_future(streams[i].next_batch())] = i
+        finally:
+            for task in pending:
+                task.cancel()
     finally:
-        for task in pending:
-            task.cancel()
         for stream in streams:
             stream.abort()
 
@@ -327,8 +331,9 @@ async def _collect(streams: list[RequestStream], ctx: ServingContext,
                    request: Request) -> list[RequestOutput] | Response:
     async def run() -> list[RequestOutput]:
         totals = [_Total() for _ in streams]
-        async for i, output in _merge(streams):
-            totals[i].add(output)
+        async for i, outputs in _merge(streams):
+            for output in outputs:
+                totals[i].add(output)
         return [t.output() for t in totals]
 
     work = asyncio.ensure_future(run())
@@ -368,6 +373,11 @@ class _Choice:
             self.logprobs = (self.logprobs or []) + c.logprobs
         self.cumulative_logprob = c.cumulative_logprob
         self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+    @property
+    def has_news(self) -> bool:
+        """Text to send, or the end (tokens whose text is held back wait for more)."""
+        return any(self.text) or self.finish_reason is not None
 
     def take(self) -> CompletionOutput:
         """What was added since the last take, as one completion delta."""
@@ -409,8 +419,10 @@ async def _stream_events(
     role_chunk: Callable[[int], str] | None,
     usage_chunk: Callable[[Usage], str] | None,
 ) -> AsyncIterator[str]:
-    """One chunk per choice and step with new text (tokens whose text is held back, e.g.
-    half a character, ride with the next chunk), and one when the choice finishes."""
+    """One chunk per choice with new text each time its stream is read (one step's
+    outputs, or several when the reader fell behind: fewer, larger chunks under load;
+    tokens whose text is held back, e.g. half a character, ride with the next chunk),
+    and one when the choice finishes."""
     pending: dict[int, _Choice] = {}
     prompt_tokens = [0] * len(streams)
     completion_tokens = 0
@@ -418,29 +430,34 @@ async def _stream_events(
         for i in range(len(streams) * n):
             yield f"data: {role_chunk(i)}\n\n"
     merged = _merge(streams)
-    loop = asyncio.get_running_loop()
-    deadline = None if ctx.request_timeout is None else loop.time() + ctx.request_timeout
+    timers = []
+    if ctx.request_timeout is not None:
+        deadline = asyncio.get_running_loop().time() + ctx.request_timeout
+        timers = [stream.fail_at(deadline, _Timeout()) for stream in streams]
     try:
         while True:
-            timeout = None if deadline is None else max(deadline - loop.time(), 0)
             try:
-                p, output = await asyncio.wait_for(merged.__anext__(), timeout)
+                p, outputs = await merged.__anext__()
             except StopAsyncIteration:
                 break
-            except asyncio.TimeoutError:
+            except _Timeout:
                 yield _error_event("the request timed out", "Timeout", "timeout")
                 return
             except EngineDeadError as exc:
                 yield _error_event(str(exc), "InternalError", 500)
                 return
-            prompt_tokens[p] = len(output.prompt_token_ids)
-            for c in output.outputs:
-                index = p * n + c.index
-                choice = pending.setdefault(index, _Choice(index))
-                choice.add(c)
-                completion_tokens += len(c.token_ids)
-                if c.text or c.finish_reason is not None:
-                    yield f"data: {chunk(index, choice.take())}\n\n"
+            touched: dict[int, _Choice] = {}
+            for output in outputs:
+                prompt_tokens[p] = len(output.prompt_token_ids)
+                for c in output.outputs:
+                    index = p * n + c.index
+                    choice = pending.setdefault(index, _Choice(index))
+                    choice.add(c)
+                    completion_tokens += len(c.token_ids)
+                    touched[index] = choice
+            for choice in touched.values():
+                if choice.has_news:
+                    yield f"data: {chunk(choice.index, choice.take())}\n\n"
         if usage_chunk is not None:
             prompt = sum(prompt_tokens)
             usage = Usage(prompt_tokens=prompt, completion_tokens=completion_tokens,
@@ -448,7 +465,13 @@ async def _stream_events(
             yield f"data: {usage_chunk(usage)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
+        for timer in timers:
+            timer.cancel()
         await merged.aclose()
+
+
+class _Timeout(Exception):
+    """Put in a stream's place at its request's deadline."""
 
 
 def _error_event(message: str, type: str, code: str | int) -> str:
