@@ -98,7 +98,8 @@ def _client_process(url: str, model: str, specs: list[Spec], t0: float) -> list[
                         rec["chunks"].append(time.time())
         except httpx.HTTPError as exc:
             rec["error"] = repr(exc)
-        rec["end"] = time.time()
+        finally:
+            rec["end"] = time.time()
         return rec
 
     async def main() -> list[dict]:

@@ -209,6 +209,7 @@ class CoreClient:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the core to stop; a process that does not is terminated, then killed."""
+        atexit.unregister(self.shutdown)
         self.send(("shutdown",))
         self.send(None)
         self._sender.join(timeout)

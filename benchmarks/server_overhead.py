@@ -1,0 +1,153 @@
+"""The server's own cost per token, with the model taken out: `infer serve`'s app and
+request side over a stand-in core (a process that answers every running sequence with
+one token per step after `--step-ms`, no model), driven by streaming clients in other
+processes. What the server process spends (CPU seconds, all threads; the receiving
+thread apart) per generated token and per request is what limits a real server once the
+core is fast, and it is the same on a CPU as beside a GPU.
+
+    python benchmarks/server_overhead.py --streams 256 --output-len 256 --step-ms 5
+
+Prints one table and writes benchmarks/results/server_overhead_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from multiprocessing import get_context
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+import serve_bench
+import serve_vs_offline
+
+
+class InstantCore:
+    """Stands in for EngineCore in a CoreLoop: each step (after `step_s`) gives every
+    sequence the next token of a fixed text, until its max_new_tokens."""
+
+    def __init__(self, token_ids: list[int], step_s: float) -> None:
+        self.token_ids, self.step_s = token_ids, step_s
+        self.sequences: dict = {}
+        self.on_step_start = None
+        self.num_steps = 0
+
+    def add(self, request, params) -> None:
+        self.sequences[request.request_id] = request
+
+    def finish(self, seq_id: str, reason: str, stop_reason=None) -> None:
+        self.sequences.pop(seq_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.sequences)
+
+    def step(self) -> list:
+        from infer.engine.engine_core import SequenceOutput
+
+        if self.on_step_start is not None:
+            self.on_step_start()
+        time.sleep(self.step_s)
+        self.num_steps += 1
+        outputs = []
+        for seq_id, request in list(self.sequences.items()):
+            token = self.token_ids[len(request.output_token_ids) % len(self.token_ids)]
+            request.output_token_ids.append(token)
+            done = len(request.output_token_ids) >= request.max_new_tokens
+            outputs.append(SequenceOutput(seq_id, [token], None, None,
+                                          "length" if done else None, None, 0))
+            if done:
+                del self.sequences[seq_id]
+        return outputs
+
+    def stats(self) -> dict:
+        return {"num_requests_running": len(self.sequences), "num_requests_waiting": 0,
+                "kv_blocks_used": 0, "num_steps": self.num_steps}
+
+
+def _core_main(conn, token_ids: list[int], step_s: float) -> None:
+    from infer.engine.core_process import CoreLoop
+
+    CoreLoop(InstantCore(token_ids, step_s), conn).run()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--streams", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=200)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--step-ms", type=float, default=5.0)
+    p.add_argument("--clients", type=int, default=4, help="client processes")
+    common.add_common_args(p)
+    args = p.parse_args()
+    import uvicorn
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.core_process import CoreClient
+    from infer.engine.engine_core import CoreInfo
+    from infer.engine.setup import load_tokenizer
+    from infer.server import AsyncEngine, build_app
+    from infer.server.connections import limited_protocol
+
+    tokenizer = load_tokenizer(None)  # the embedded SmolLM2: real text, real decoding
+    text_ids = tokenizer.encode("The quick brown fox jumps over the lazy dog, and then it "
+                                "runs back home for supper. " * 4, False)
+    ctx = get_context("spawn")
+    conn, child = ctx.Pipe()
+    core = ctx.Process(target=_core_main, args=(child, text_ids, args.step_ms / 1e3))
+    core.start()
+    child.close()
+    info = CoreInfo("stand-in", 4096, tokenizer.vocab_size, 10**6, 16, "none", "none",
+                    "none", "none", 0.0)
+    engine = AsyncEngine(CoreClient(conn, core), tokenizer, info, EngineConfig())
+    spent = {"thread_s": 0.0}
+    real = engine._deliver
+
+    def deliver(updates, now):
+        t = time.thread_time()
+        real(updates, now)
+        spent["thread_s"] += time.thread_time() - t
+
+    engine._deliver = deliver
+    port = serve_bench._free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, "m"), host="127.0.0.1",
+                                          port=port, log_level="warning",
+                                          http=limited_protocol()))
+    specs = serve_vs_offline.burst(args.streams, args.prompt_len, args.output_len, 1000)
+    result: dict = {}
+
+    def load() -> None:
+        while not server.started:
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{port}"
+        serve_vs_offline.drive(url, specs[:4], 1)  # clients and server warm
+        spent["thread_s"] = 0.0
+        cpu = time.process_time()
+        records = serve_vs_offline.drive(url, specs, args.clients)
+        result["cpu_s"] = time.process_time() - cpu
+        result.update(serve_vs_offline.summarize(records, args.output_len))
+        server.should_exit = True
+
+    threading.Thread(target=load, daemon=True).start()
+    server.run()
+    engine.shutdown()
+    tokens = result["output_tokens"]
+    row = {"streams": args.streams, "output_len": args.output_len, "step_ms": args.step_ms,
+           "out_tok_per_s": result["out_tok_per_s"], "errors": result["errors"],
+           "tokens_per_chunk": result["tokens_per_chunk"],
+           "server_cpu_us_per_token": result["cpu_s"] / tokens * 1e6,
+           "receiving_thread_us_per_token": spent["thread_s"] / tokens * 1e6,
+           "core_bound_tok_per_s": args.streams / (args.step_ms / 1e3)}
+    print("| streams | step ms | out tok/s (core alone) | server CPU µs/token | of which "
+          "receiving thread | tokens/chunk | errors |\n|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"| {args.streams} | {args.step_ms} | {row['out_tok_per_s']:,.0f} "
+          f"({row['core_bound_tok_per_s']:,.0f}) | {row['server_cpu_us_per_token']:.1f} "
+          f"| {row['receiving_thread_us_per_token']:.1f} | {row['tokens_per_chunk']:.2f} "
+          f"| {row['errors']} |")
+    common.write_results("server_overhead", args, row)
+
+
+if __name__ == "__main__":
+    main()
