@@ -80,6 +80,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--step-ms", type=float, default=5.0)
     p.add_argument("--clients", type=int, default=4, help="client processes")
+    p.add_argument("--tokenizer", default=None,
+                   help="model whose tokenizer decodes (default: the embedded SmolLM2)")
     common.add_common_args(p)
     args = p.parse_args()
     import uvicorn
@@ -91,7 +93,7 @@ def main() -> None:
     from infer.server import AsyncEngine, build_app
     from infer.server.connections import limited_protocol
 
-    tokenizer = load_tokenizer(None)  # the embedded SmolLM2: real text, real decoding
+    tokenizer = load_tokenizer(args.tokenizer)  # a real BPE: real text, real decoding
     text_ids = tokenizer.encode("The quick brown fox jumps over the lazy dog, and then it "
                                 "runs back home for supper. " * 4, False)
     ctx = get_context("spawn")
