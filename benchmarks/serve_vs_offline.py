@@ -7,7 +7,7 @@ is several processes (one Python event loop would be the bottleneck at 30k token
 ITL is the gap between a stream's chunks; a chunk may carry more than one token when the
 server falls behind the core (tokens/chunk says how many).
 
-    python benchmarks/serve_vs_offline.py --model-shape llama-3.2-1b --seqs default 256 \\
+    python benchmarks/serve_vs_offline.py --model-shape llama-3.2-1b --seqs 64 256 \\
         --servers core-process core-thread [--old-root .ab/pre11] [--pressure]
     python benchmarks/serve_vs_offline.py --tiny --engine device=cpu --num-requests 16 ...
 
@@ -180,8 +180,9 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=200)
     p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--seqs", nargs="+", default=["default", "256"],
-                   help="max_num_seqs settings to run ('default': the engine's)")
+    p.add_argument("--seqs", nargs="+", default=["64", "256"],
+                   help="max_num_seqs settings to run, the same for both paths ('default': "
+                   "each path's own default: the server sizes its batch to the device)")
     p.add_argument("--servers", nargs="*", default=["core-process", "core-thread"],
                    choices=["core-process", "core-thread", "old"])
     p.add_argument("--old-root", help="tree of an older commit, for --servers old")

@@ -13,6 +13,8 @@ Prints one table and writes benchmarks/results/server_overhead_<device>.json.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import threading
 import time
@@ -80,6 +82,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--step-ms", type=float, default=5.0)
     p.add_argument("--clients", type=int, default=4, help="client processes")
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile the event loop's thread; print the top functions")
     p.add_argument("--tokenizer", default=None,
                    help="model whose tokenizer decodes (default: the embedded SmolLM2)")
     common.add_common_args(p)
@@ -133,8 +137,14 @@ def main() -> None:
         server.should_exit = True
 
     threading.Thread(target=load, daemon=True).start()
+    profile = cProfile.Profile() if args.profile else None
+    if profile is not None:
+        profile.enable()
     server.run()
     engine.shutdown()
+    if profile is not None:
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(40)
     tokens = result["output_tokens"]
     row = {"streams": args.streams, "output_len": args.output_len, "step_ms": args.step_ms,
            "out_tok_per_s": result["out_tok_per_s"], "errors": result["errors"],

@@ -9,7 +9,7 @@ import pytest
 from server_fixtures import make_engine
 
 from infer import SamplingParams
-from infer.cli import build_parser
+from infer.cli import build_parser, serve_engine_config
 from infer.server import EngineDeadError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
@@ -74,6 +74,14 @@ def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(engine, mo
 
     assert asyncio.run(run())
     assert engine.step_errors == 1 and engine.engine.kv.pool.num_used == 0
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--device", "cuda"], 256), (["--device", "cpu"], 64),
+    (["--device", "cuda", "--max-num-seqs", "8"], 8)])
+def test_the_server_sizes_its_batch_to_the_device(argv, expected):
+    args = build_parser().parse_args(["serve", *argv])
+    assert serve_engine_config(args).max_num_seqs == expected
 
 
 def test_serve_flags():

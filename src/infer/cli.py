@@ -92,6 +92,28 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+# Measured on an H100 (docs/performance.md, "Serving vs offline"): a burst of 256 streams
+# is served 1.5x faster with 256 sequences per batch than with 64, and starts sooner.
+SERVE_GPU_MAX_NUM_SEQS = 256
+
+
+def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine flags, with the server's batch size sized to the device when not given:
+    a GPU batches many streams at little cost per step; a CPU keeps the engine's default."""
+    if args.max_num_seqs is None:
+        on_gpu = args.device.startswith("cuda") or (args.device == "auto" and _has_cuda())
+        args.max_num_seqs = SERVE_GPU_MAX_NUM_SEQS if on_gpu else EngineConfig.max_num_seqs
+        print(f"infer: max_num_seqs={args.max_num_seqs}, the server's default on a "
+              f"{'GPU' if on_gpu else 'CPU'} (--max-num-seqs to change)", file=sys.stderr)
+    return engine_config(args)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Listen at once (/health is 503 while the model loads), then load and serve."""
     import threading
@@ -102,7 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from infer.server import AsyncEngine, attach_engine, build_app
     from infer.server.connections import limited_protocol
 
-    config = engine_config(args)
+    config = serve_engine_config(args)
     limits = {} if args.max_seqs_per_request is None else {
         "max_seqs_per_request": args.max_seqs_per_request}
     app = build_app(None, args.served_model_name, api_key=args.api_key,
@@ -145,6 +167,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _set_help(parser: argparse.ArgumentParser, dest: str, text: str) -> None:
+    for action in parser._actions:
+        if action.dest == dest:
+            action.help = text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -185,7 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "in a thread of the server (default: on)")
     serve.add_argument("--log-level", default="info")
     add_engine_flags(serve)
-    serve.set_defaults(func=cmd_serve)
+    serve.set_defaults(func=cmd_serve, max_num_seqs=None)
+    _set_help(serve, "max_num_seqs", "most sequences in one batch (default: "
+              f"{SERVE_GPU_MAX_NUM_SEQS} on a GPU, {EngineConfig.max_num_seqs} on a CPU)")
     return parser
 
 
