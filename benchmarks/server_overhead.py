@@ -82,6 +82,9 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--step-ms", type=float, default=5.0)
     p.add_argument("--clients", type=int, default=4, help="client processes")
+    p.add_argument("--http", choices=["limited-h11", "h11", "httptools"], default="limited-h11",
+                   help="the HTTP protocol: infer serve's (h11 with connection limits), or "
+                   "uvicorn's own (for comparison)")
     p.add_argument("--profile", action="store_true",
                    help="cProfile the event loop's thread; print the top functions")
     p.add_argument("--tokenizer", default=None,
@@ -120,7 +123,8 @@ def main() -> None:
     port = serve_bench._free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(engine, "m"), host="127.0.0.1",
                                           port=port, log_level="warning",
-                                          http=limited_protocol()))
+                                          http=limited_protocol() if args.http ==
+                                          "limited-h11" else args.http))
     specs = serve_vs_offline.burst(args.streams, args.prompt_len, args.output_len, 1000)
     result: dict = {}
 
@@ -146,7 +150,8 @@ def main() -> None:
         profile.disable()
         pstats.Stats(profile).sort_stats("tottime").print_stats(40)
     tokens = result["output_tokens"]
-    row = {"streams": args.streams, "output_len": args.output_len, "step_ms": args.step_ms,
+    row = {"streams": args.streams, "http": args.http, "output_len": args.output_len,
+           "step_ms": args.step_ms,
            "out_tok_per_s": result["out_tok_per_s"], "errors": result["errors"],
            "tokens_per_chunk": result["tokens_per_chunk"],
            "server_cpu_us_per_token": result["cpu_s"] / tokens * 1e6,
