@@ -132,9 +132,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # uvicorn's own limit_concurrency stays unset: it answers a plain-text 503 only once a
     # request head has arrived (never to a stalled client); our protocol refuses at accept.
     http = limited_protocol(args.request_read_timeout, args.max_connections)
+    # lifespan off: the app has no startup or shutdown hooks (the engine loads in a thread),
+    # and uvicorn's lifespan task would log a traceback on every Ctrl-C.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level, http=http,
-                                           timeout_keep_alive=args.timeout_keep_alive))
+                                           timeout_keep_alive=args.timeout_keep_alive,
+                                           lifespan="off"))
     failure: list[BaseException] = []
     core_died = threading.Event()
 
