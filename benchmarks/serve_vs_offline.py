@@ -124,7 +124,7 @@ def drive(url: str, specs: list[Spec], clients: int) -> list[dict]:
 
 def summarize(records: list[dict], expected_tokens: int) -> dict:
     errors = [r["error"] for r in records if r["error"]]
-    short = sum(r["tokens"] != s for r, s in zip(records, [expected_tokens] * len(records)))
+    short = sum(r["tokens"] != expected_tokens for r in records)
     start, end = min(r["start"] for r in records), max(r["end"] for r in records)
     tokens = sum(r["tokens"] for r in records)
     ttft = [r["chunks"][0] - r["start"] for r in records if r["chunks"]]

@@ -81,8 +81,6 @@ class OutputProcessor:
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
             seq_ids: list[str], params: list[SamplingParams], arrival_time: float) -> None:
-        if request_id in self.groups:
-            raise ValueError(f"duplicate request id {request_id!r}")
         self.prompt_tokens_total += len(prompt_token_ids)
         kind = params[0].output_kind
         group = _Group(request_id, prompt, prompt_token_ids, [], kind, arrival_time)
