@@ -46,6 +46,15 @@ def alone(engine) -> dict[str, list[int]]:
     return result
 
 
+def test_a_duplicate_request_id_is_refused_and_the_first_runs_on(engine):
+    engine.add_request("dup", [5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
+    with pytest.raises(ValueError, match="duplicate request id 'dup'"):
+        engine.add_request("dup", [7, 8], SamplingParams(max_tokens=3))
+    out = _drain(engine)["dup"]
+    assert out.prompt_token_ids == [5, 6] and len(out.outputs[0].token_ids) == 3
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
 def test_out_of_vocabulary_stop_token_ids_are_refused_by_name(engine):
     vocab = engine.model_config.vocab_size
     for extra in ({}, {"min_tokens": 1}):

@@ -39,6 +39,21 @@ def test_generate_and_add_errors_surface_before_streaming(engine):
     assert engine.engine.kv.pool.num_used == 0
 
 
+def test_duplicate_request_ids_are_refused_and_nothing_is_queued(engine):
+    async def run():
+        with pytest.raises(ValueError, match="duplicate request id 'x'"):
+            await engine.add_requests([("x", "The sky"), ("x", "The sea")], GREEDY)
+        assert not engine.engine.has_unfinished_requests()
+        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        first = await engine.add_requests([("y", "The sky")], long)
+        with pytest.raises(ValueError, match="duplicate request id 'y'"):
+            await engine.add_requests([("z", "The sea"), ("y", "The sea")], GREEDY)
+        assert set(engine.engine.output_processor.groups) == {"y"}  # z was not queued
+        first[0].abort()
+
+    asyncio.run(run())
+
+
 def test_cancelled_consumer_aborts_the_request(engine):
     async def run():
         params = SamplingParams(max_tokens=400, ignore_eos=True)
