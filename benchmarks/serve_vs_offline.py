@@ -180,14 +180,15 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=200)
     p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--seqs", nargs="+", default=["64", "256"],
+    p.add_argument("--seqs", nargs="*", default=["64", "256"],
                    help="max_num_seqs settings to run, the same for both paths ('default': "
                    "each path's own default: the server sizes its batch to the device)")
     p.add_argument("--servers", nargs="*", default=["core-process", "core-thread"],
                    choices=["core-process", "core-thread", "old"])
     p.add_argument("--old-root", help="tree of an older commit, for --servers old")
     p.add_argument("--pressure", action="store_true",
-                   help="also the prefill-pressure workload (core-process, default flags)")
+                   help="also the prefill-pressure workload (core-process, the server's "
+                   "defaults plus --engine flags)")
     p.add_argument("--clients", type=int, default=8, help="client processes")
     common.add_common_args(p)
     args = p.parse_args()
@@ -217,7 +218,8 @@ def main() -> None:
     if args.pressure:
         pspecs = pressure(vocab, scale=0.125 if args.tiny else 1.0,
                           long_len=64 if args.tiny else 2000)
-        r = run_server("core-process", path, [], pspecs, args.clients, pspecs[0][1],
+        cli = [f"--{k.replace('_', '-')}={v}" for k, v in user.items()]
+        r = run_server("core-process", path, cli, pspecs, args.clients, pspecs[0][1],
                        None, results_dir)
         r["itl_p99_over_p50"] = (r["itl_s"]["p99"] or 0) / (r["itl_s"]["p50"] or 1)
         rows.append({"max_num_seqs": "default", "path": "prefill pressure (serve)", **r})

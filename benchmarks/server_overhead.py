@@ -75,6 +75,12 @@ def _core_main(conn, token_ids: list[int], step_s: float) -> None:
     CoreLoop(InstantCore(token_ids, step_s), conn).run()
 
 
+def _thread_cpu(threads: dict[str, threading.Thread]) -> dict[str, float]:
+    """CPU seconds each thread has used so far (Linux: per-thread clocks)."""
+    return {name: time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            for name, t in threads.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--streams", type=int, default=256)
@@ -87,6 +93,7 @@ def main() -> None:
                    "uvicorn's own (for comparison)")
     p.add_argument("--profile", action="store_true",
                    help="cProfile the event loop's thread; print the top functions")
+    p.add_argument("--profile-sort", default="tottime", help="pstats sort key")
     p.add_argument("--tokenizer", default=None,
                    help="model whose tokenizer decodes (default: the embedded SmolLM2)")
     common.add_common_args(p)
@@ -96,7 +103,7 @@ def main() -> None:
     from infer.engine.config import EngineConfig
     from infer.engine.core_process import CoreClient
     from infer.engine.engine_core import CoreInfo
-    from infer.engine.setup import load_tokenizer
+    from infer.engine.setup import freeze_startup_objects, load_tokenizer
     from infer.server import AsyncEngine, build_app
     from infer.server.connections import limited_protocol
 
@@ -111,15 +118,8 @@ def main() -> None:
     info = CoreInfo("stand-in", 4096, tokenizer.vocab_size, 10**6, 16, "none", "none",
                     "none", "none", 0.0)
     engine = AsyncEngine(CoreClient(conn, core), tokenizer, info, EngineConfig())
-    spent = {"thread_s": 0.0}
-    real = engine._deliver
-
-    def deliver(updates, now):
-        t = time.thread_time()
-        real(updates, now)
-        spent["thread_s"] += time.thread_time() - t
-
-    engine._deliver = deliver
+    threads = {"event_loop": threading.main_thread(), "receiving": engine._receiver}
+    freeze_startup_objects()  # as infer serve does
     port = serve_bench._free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(engine, "m"), host="127.0.0.1",
                                           port=port, log_level="warning",
@@ -133,10 +133,12 @@ def main() -> None:
             time.sleep(0.05)
         url = f"http://127.0.0.1:{port}"
         serve_vs_offline.drive(url, specs[:4], 1)  # clients and server warm
-        spent["thread_s"] = 0.0
+        before = _thread_cpu(threads)
         cpu = time.process_time()
         records = serve_vs_offline.drive(url, specs, args.clients)
         result["cpu_s"] = time.process_time() - cpu
+        after = _thread_cpu(threads)
+        result["threads_s"] = {name: after[name] - before[name] for name in threads}
         result.update(serve_vs_offline.summarize(records, args.output_len))
         server.should_exit = True
 
@@ -148,19 +150,22 @@ def main() -> None:
     engine.shutdown()
     if profile is not None:
         profile.disable()
-        pstats.Stats(profile).sort_stats("tottime").print_stats(40)
+        pstats.Stats(profile).sort_stats(args.profile_sort).print_stats(45)
     tokens = result["output_tokens"]
     row = {"streams": args.streams, "http": args.http, "output_len": args.output_len,
            "step_ms": args.step_ms,
            "out_tok_per_s": result["out_tok_per_s"], "errors": result["errors"],
            "tokens_per_chunk": result["tokens_per_chunk"],
            "server_cpu_us_per_token": result["cpu_s"] / tokens * 1e6,
-           "receiving_thread_us_per_token": spent["thread_s"] / tokens * 1e6,
+           **{f"{name}_thread_us_per_token": seconds / tokens * 1e6
+              for name, seconds in result["threads_s"].items()},
            "core_bound_tok_per_s": args.streams / (args.step_ms / 1e3)}
-    print("| streams | step ms | out tok/s (core alone) | server CPU µs/token | of which "
-          "receiving thread | tokens/chunk | errors |\n|---:|---:|---:|---:|---:|---:|---:|")
+    print("| streams | step ms | out tok/s (core alone) | server CPU µs/token | event loop "
+          "| receiving thread | tokens/chunk | errors |\n"
+          "|---:|---:|---:|---:|---:|---:|---:|---:|")
     print(f"| {args.streams} | {args.step_ms} | {row['out_tok_per_s']:,.0f} "
           f"({row['core_bound_tok_per_s']:,.0f}) | {row['server_cpu_us_per_token']:.1f} "
+          f"| {row['event_loop_thread_us_per_token']:.1f} "
           f"| {row['receiving_thread_us_per_token']:.1f} | {row['tokens_per_chunk']:.2f} "
           f"| {row['errors']} |")
     common.write_results("server_overhead", args, row)

@@ -20,6 +20,35 @@ TEXTS = [
 ]
 
 
+class _WithoutStream:
+    """The same tokenizer, offering no incremental decoder: the two-decode path."""
+
+    def __init__(self, tok):
+        self.decode = tok.decode
+
+
+class _StreamFailsAt:
+    """The tokenizer's stream, raising at its `n`-th step (as DecodeStream does when a
+    decode rewrites earlier text): the detokenizer goes on with its own decodes."""
+
+    def __init__(self, tok, n):
+        self.decode, self.tok, self.n = tok.decode, tok, n
+
+    def decode_stream(self, skip_special_tokens=True):
+        step, calls = self.tok.decode_stream(skip_special_tokens), [0]
+
+        def failing(token_id):
+            calls[0] += 1
+            if calls[0] == self.n:
+                raise RuntimeError("invalid prefix")
+            return step(token_id)
+        return failing
+
+
+DECODERS = {"stream": lambda tok: tok, "two-decode": _WithoutStream,
+            "stream-fails": lambda tok: _StreamFailsAt(tok, 12)}
+
+
 def stream(tokenizer, prompt_ids, ids, **kw):
     detok = IncrementalDetokenizer(tokenizer, prompt_ids, **kw)
     pieces, stop = [], None
@@ -33,18 +62,30 @@ def stream(tokenizer, prompt_ids, ids, **kw):
     return pieces, detok.text, stop
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 @pytest.mark.parametrize("text", TEXTS)
-def test_pieces_add_up_and_never_split_a_character(name, text):
+def test_pieces_add_up_and_never_split_a_character(name, text, decoder):
     tok = ours(name)
     prompt = tok.encode("Some prompt:", add_special_tokens=False)
     ids = tok.encode(text, add_special_tokens=False)
-    pieces, full, _ = stream(tok, prompt, ids)
+    pieces, full, _ = stream(DECODERS[decoder](tok), prompt, ids)
     assert "".join(pieces) == full == tok.decode(ids)
     assert all("\ufffd" not in p for p in pieces)
     # Byte-level tokens really do split characters here (otherwise this test proves little).
     if name == "smollm2" and "🙂" in text:
         assert any("\ufffd" in tok.decode([i]) for i in ids)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_the_tokenizers_stream_is_used_and_gives_the_same_pieces(name):
+    tok = ours(name)
+    prompt = tok.encode("Some prompt:", add_special_tokens=False)
+    ids = tok.encode(" ".join(TEXTS), add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt)
+    detok.push(ids[0])
+    assert detok._step is not None
+    assert stream(tok, prompt, ids) == stream(_WithoutStream(tok), prompt, ids)
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])

@@ -121,6 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from infer.engine.llm_engine import LLMEngine
+    from infer.engine.setup import freeze_startup_objects
     from infer.server import AsyncEngine, attach_engine, build_app
     from infer.server.connections import limited_protocol
 
@@ -149,6 +150,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 engine = AsyncEngine.in_thread(LLMEngine(config))
             engine.on_core_death = lambda: (core_died.set(), setattr(server, "should_exit", True))
             attach_engine(app, engine)
+            freeze_startup_objects()
             print(f"infer: serving on http://{args.host}:{args.port}", file=sys.stderr)
         except BaseException as exc:
             failure.append(exc)

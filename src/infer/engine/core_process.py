@@ -30,6 +30,7 @@ from multiprocessing.connection import Connection
 
 from infer.engine.config import EngineConfig
 from infer.engine.engine_core import CoreInfo, EngineCore, SequenceOutput, StepFailed, load_core
+from infer.engine.setup import freeze_startup_objects
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.01
@@ -139,6 +140,7 @@ def run_core_process(config: EngineConfig, conn: Connection) -> None:
         conn.close()
         return
     conn.send(("ready", CoreInfo.of(core, model_name)))
+    freeze_startup_objects()
     CoreLoop(core, conn).run()
 
 

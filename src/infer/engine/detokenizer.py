@@ -9,6 +9,7 @@ tokens is never half-emitted.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Protocol
 
 # Prompt tokens decoded in front of the output, so that tokenizers which strip a leading
@@ -18,6 +19,11 @@ _CONTEXT_TOKENS = 6
 
 class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+def _no_stream(skip_special_tokens: bool) -> None:
+    return None
+
 
 
 class IncrementalDetokenizer:
@@ -48,6 +54,11 @@ class IncrementalDetokenizer:
         self._returned: list[str] = []  # text `new_text` gave out
         self._ready: list[str] = []  # text safe to give out, not asked for yet
         self._pending = ""  # the held-back tail (the whole remainder once stopped)
+        # The tokenizer's own incremental decoder where it has one (one call per token in
+        # place of two decodes), made at the first push. Once it has given text, its
+        # window is prefix_offset / read_offset, so `_decode_new` can take over any time.
+        self._step: Callable[[int], str | None] | None = None
+        self._stream_tried = False
 
     @property
     def text(self) -> str:
@@ -61,15 +72,40 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def push(self, token_id: int, check_stop: bool = True) -> str | None:
-        """Add one token; returns the stop string if the text now contains one (the text is
-        then cut at it), else None. `check_stop=False`: no stop string may end here yet."""
-        self.ids.append(token_id)
+    def _decode_new(self) -> str | None:
+        """The text the tokens after read_offset add, or None while it is incomplete."""
         before = self._decode(self.ids[self.prefix_offset:self.read_offset])
         after = self._decode(self.ids[self.prefix_offset:])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return None
-        self._pending += after[len(before):]
+        return after[len(before):]
+
+    def _start_stream(self) -> Callable[[int], str | None] | None:
+        step = getattr(self.tokenizer, "decode_stream", _no_stream)(self.skip_special_tokens)
+        if step is not None:
+            for token_id in self.ids[:self.read_offset]:  # the prompt's tail, as context
+                step(token_id)
+            if self.read_offset != len(self.ids) or self.prefix_offset != 0:
+                return None  # tokens came before the first push: keep to _decode_new
+        return step
+
+    def push(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Add one token; returns the stop string if the text now contains one (the text is
+        then cut at it), else None. `check_stop=False`: no stop string may end here yet."""
+        if not self._stream_tried:
+            self._stream_tried, self._step = True, self._start_stream()
+        self.ids.append(token_id)
+        new = None
+        if self._step is not None:
+            try:
+                new = self._step(token_id)
+            except Exception:  # the stream refuses a decode that rewrote earlier text
+                self._step = None
+        if self._step is None:
+            new = self._decode_new()
+        if new is None:
+            return None
+        self._pending += new
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         stop = self._find_stop() if check_stop else None
         if stop is None and len(self._pending) > self.hold_back:

@@ -52,10 +52,11 @@ class _Group:
     first_token_time: float | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    num_finished: int = 0  # sequences with a finish_reason
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.sequences)
+        return self.num_finished == len(self.sequences)
 
 
 @dataclass
@@ -123,6 +124,7 @@ class OutputProcessor:
                 continue
             try:
                 self._apply(seq, update, to_finish)
+                group.num_finished += seq.finish_reason is not None
                 if seq.index == 0:
                     group.num_cached_tokens = update.num_cached_tokens
             except Exception as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch import nn
 
@@ -63,3 +65,13 @@ def pick_backend(name: str, choice: str, device: torch.device) -> str:
                 "TRITON_INTERPRET=1 before start-up (slow; meant for tests), or use 'torch'"
             )
     return choice
+
+
+def freeze_startup_objects() -> None:
+    """Exempt everything loaded so far from garbage collection. A serving process holds
+    many long-lived objects (modules, tokenizer, model, schemas) that each collection of
+    the oldest generation would walk again, and the per-token work allocates enough to
+    trigger those often (measured on a CPU: ~11 -> ~7 us of the server's output work per
+    token)."""
+    gc.collect()
+    gc.freeze()

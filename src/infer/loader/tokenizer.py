@@ -8,14 +8,15 @@ transformers' (`AutoTokenizer`) for the same files; tests/test_tokenizer.py chec
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from functools import cached_property
+from collections.abc import Callable, Mapping, Sequence
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
 from gguf import GGUFReader
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
+from tokenizers.decoders import DecodeStream
 
 from infer.loader.chat_template import ChatTemplateError, Message, render_chat_template
 from infer.loader.errors import ModelLoadError
@@ -210,6 +211,15 @@ class Tokenizer:
             for old, new in _CLEANUPS:
                 text = text.replace(old, new)
         return text
+
+    def decode_stream(self, skip_special_tokens: bool = True
+                      ) -> Callable[[int], str | None] | None:
+        """An incremental decoder in Rust (`tokenizers`' DecodeStream): step(id) returns
+        the new text, or None while it ends in an incomplete character. None where
+        `decode` post-processes the text (space cleanup), which a stream would not do."""
+        if self._clean_up:
+            return None
+        return partial(DecodeStream(skip_special_tokens=skip_special_tokens).step, self.backend)
 
     # --- chat
 

@@ -4,9 +4,9 @@ The core (scheduler, model runner, sampler) runs in a process of its own
 (`AsyncEngine.launch`, the server's default), or in a thread (`AsyncEngine.in_thread`);
 either way it is reached through the same pipe and messages (`engine/core_process.py`).
 This side keeps tokenized-prompt checks, detokenizing, stop strings and outputs: a caller
-on any event loop adds requests and reads a RequestStream; one receiving thread turns each
-step's token deltas into RequestOutputs and hands them to each stream's loop, one
-`call_soon_threadsafe` per loop per step.
+on any event loop adds requests and reads a RequestStream; one receiving thread turns the
+token deltas of each step (of every step that piled up while a loop was busy) into
+RequestOutputs and hands them to each stream's loop, one `call_soon_threadsafe` per loop.
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ from infer.sampling_params import RequestOutputKind, SamplingParams
 log = logging.getLogger(__name__)
 
 
+# Longest the receiving thread waits for a loop to take a delivery before it reads on
+# (a loop blocked that long gets its outputs queued, as without the wait).
+DELIVERY_WAIT_S = 1.0
+
+
 class QueueFullError(RuntimeError):
     """Too many requests are waiting; the caller should retry later (HTTP 503)."""
 
@@ -45,7 +50,8 @@ class LatencyObserver(Protocol):
     """Receives latencies in seconds; called from the receiving thread."""
 
     def observe_ttft(self, seconds: float) -> None: ...
-    def observe_itl(self, seconds: float) -> None: ...
+    def observe_itl(self, seconds: float, count: int = 1) -> None:
+        """`count` inter-token latencies of `seconds` each."""
     def observe_e2e(self, seconds: float) -> None: ...
 
 
@@ -271,14 +277,19 @@ class AsyncEngine:
                         break
                     message = self._client.recv()
                 if updates:
-                    self._deliver(updates, time.monotonic())
+                    for delivered in self._deliver(updates, time.monotonic()):
+                        delivered.wait(DELIVERY_WAIT_S)
         except (EOFError, OSError):
             pass
         except Exception:
             log.exception("the output thread failed")
         self._core_gone()
 
-    def _deliver(self, updates: list[SequenceOutput], now: float) -> None:
+    def _deliver(self, updates: list[SequenceOutput], now: float) -> list[threading.Event]:
+        """Hand the outputs to their streams' loops; returns an event per loop, set once
+        that loop has run every stream the outputs woke. The receiving thread waits for
+        them before it reads on, so steps that arrive meanwhile are delivered together:
+        a loop that falls behind gets fewer, larger outputs, not a queue of small ones."""
         deliveries: list[tuple[_Stream, RequestOutput]] = []
         with self._lock:
             processed = self.output_processor.process(updates, now)
@@ -297,26 +308,29 @@ class AsyncEngine:
             item = output if output.error is None else EngineDeadError(
                 f"the request failed: {output.error}")
             by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        delivered = []
         for loop, items in by_loop.items():
-            if not _call(loop, _put_all, items):  # that event loop is gone
+            done = threading.Event()
+            if _call(loop, _put_all, items, done):
+                delivered.append(done)
+            else:  # that event loop is gone
                 for stream, output in deliveries:
                     if stream.loop is loop:
                         self.abort(output.request_id)
+        return delivered
 
     def _observe(self, stream: _Stream, output: RequestOutput, now: float) -> None:
         """TTFT, then one ITL per new token (of the request's longest sequence)."""
-        if stream.delta:
-            tokens = stream.num_tokens + max((len(c.token_ids) for c in output.outputs),
-                                             default=0)
-        else:
-            tokens = max((len(c.token_ids) for c in output.outputs), default=0)
+        completions = output.outputs
+        longest = (len(completions[0].token_ids) if len(completions) == 1
+                   else max((len(c.token_ids) for c in completions), default=0))
+        tokens = stream.num_tokens + longest if stream.delta else longest
         new = tokens - stream.num_tokens
         if self.observer is not None:
             if new > 0 and stream.last_token_time is None:
                 self.observer.observe_ttft(now - stream.arrival)
             elif new > 0:
-                for _ in range(new):
-                    self.observer.observe_itl((now - stream.last_token_time) / new)
+                self.observer.observe_itl((now - stream.last_token_time) / new, new)
             if output.finished:
                 self.observer.observe_e2e(now - stream.arrival)
         if new > 0:
@@ -342,9 +356,11 @@ class AsyncEngine:
             self.on_core_death()
 
 
-def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue, object]], done: threading.Event) -> None:
     for q, item in items:
         q.put_nowait(item)
+    # The readers these puts woke run first (call_soon is FIFO), then `done` is set.
+    asyncio.get_running_loop().call_soon(done.set)
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +41,7 @@ from infer.server.protocol import (
     Usage,
     error_body,
 )
+from infer.server.text_chunks import with_text_fast_path
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Sequences (prompts x n) one request may ask for: each is queued and scheduled apart.
@@ -138,15 +140,18 @@ async def create_completion(body: CompletionRequest, ctx: ServingContext,
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
+        created = int(time.time())
+
         def chunk(i: int, c: CompletionOutput) -> str:
-            return CompletionResponse(id=rid, model=model,
+            return CompletionResponse(id=rid, model=model, created=created,
                                       choices=[choice(i, c)]).model_dump_json()
 
         def usage_chunk(usage: Usage) -> str:
-            return CompletionResponse(id=rid, model=model, choices=[],
+            return CompletionResponse(id=rid, model=model, created=created, choices=[],
                                       usage=usage).model_dump_json()
 
-        return _sse(_stream_events(streams, params.n, ctx, request, chunk, None,
+        return _sse(_stream_events(streams, params.n, ctx, request,
+                                   with_text_fast_path(chunk), None,
                                    usage_chunk if include_usage else None))
     finals = await _collect(streams, ctx, request)
     if isinstance(finals, Response):
@@ -189,21 +194,25 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
+        created = int(time.time())
+
+        def response(choices: list[ChatChoice], usage: Usage | None = None) -> str:
+            return ChatCompletionResponse(
+                id=rid, model=model, object="chat.completion.chunk", created=created,
+                choices=choices, usage=usage).model_dump_json(exclude=_NO_MESSAGE)
+
         def chunk(i: int, c: CompletionOutput) -> str:
-            return ChatCompletionResponse(id=rid, model=model, object="chat.completion.chunk",
-                                          choices=[choice(i, c, True)]).model_dump_json(
-                exclude=_NO_MESSAGE)
+            return response([choice(i, c, True)])
 
         def role_chunk(i: int) -> str:
-            delta = ChatChoice(index=i, delta=ChatMessageOut(role="assistant", content=""))
-            return ChatCompletionResponse(id=rid, model=model, object="chat.completion.chunk",
-                                          choices=[delta]).model_dump_json(exclude=_NO_MESSAGE)
+            return response([ChatChoice(index=i, delta=ChatMessageOut(role="assistant",
+                                                                      content=""))])
 
         def usage_chunk(usage: Usage) -> str:
-            return ChatCompletionResponse(id=rid, model=model, object="chat.completion.chunk",
-                                          choices=[], usage=usage).model_dump_json()
+            return response([], usage)
 
-        return _sse(_stream_events(streams, params.n, ctx, request, chunk, role_chunk,
+        return _sse(_stream_events(streams, params.n, ctx, request,
+                                   with_text_fast_path(chunk), role_chunk,
                                    usage_chunk if include_usage else None))
     finals = await _collect(streams, ctx, request)
     if isinstance(finals, Response):
