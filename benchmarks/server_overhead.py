@@ -93,6 +93,9 @@ def main() -> None:
                    "uvicorn's own (for comparison)")
     p.add_argument("--profile", action="store_true",
                    help="cProfile the event loop's thread; print the top functions")
+    p.add_argument("--delivery-wait-s", type=float, default=None,
+                   help="override AsyncEngine's DELIVERY_WAIT_S (0: deliver without waiting "
+                   "for the loop)")
     p.add_argument("--profile-sort", default="tottime", help="pstats sort key")
     p.add_argument("--tokenizer", default=None,
                    help="model whose tokenizer decodes (default: the embedded SmolLM2)")
@@ -104,9 +107,11 @@ def main() -> None:
     from infer.engine.core_process import CoreClient
     from infer.engine.engine_core import CoreInfo
     from infer.engine.setup import freeze_startup_objects, load_tokenizer
-    from infer.server import AsyncEngine, build_app
+    from infer.server import AsyncEngine, async_engine, build_app
     from infer.server.connections import limited_protocol
 
+    if args.delivery_wait_s is not None:
+        async_engine.DELIVERY_WAIT_S = args.delivery_wait_s
     tokenizer = load_tokenizer(args.tokenizer)  # a real BPE: real text, real decoding
     text_ids = tokenizer.encode("The quick brown fox jumps over the lazy dog, and then it "
                                 "runs back home for supper. " * 4, False)
@@ -152,7 +157,8 @@ def main() -> None:
         profile.disable()
         pstats.Stats(profile).sort_stats(args.profile_sort).print_stats(45)
     tokens = result["output_tokens"]
-    row = {"streams": args.streams, "http": args.http, "output_len": args.output_len,
+    row = {"streams": args.streams, "http": args.http,
+           "delivery_wait_s": async_engine.DELIVERY_WAIT_S, "output_len": args.output_len,
            "step_ms": args.step_ms,
            "out_tok_per_s": result["out_tok_per_s"], "errors": result["errors"],
            "tokens_per_chunk": result["tokens_per_chunk"],

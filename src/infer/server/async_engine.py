@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 # Longest the receiving thread waits for a loop to take a delivery before it reads on
-# (a loop blocked that long gets its outputs queued, as without the wait).
+# (a loop blocked that long gets its outputs queued, as without the wait; 0: no wait).
 DELIVERY_WAIT_S = 1.0
 
 
@@ -278,7 +278,8 @@ class AsyncEngine:
                     message = self._client.recv()
                 if updates:
                     for delivered in self._deliver(updates, time.monotonic()):
-                        delivered.wait(DELIVERY_WAIT_S)
+                        if DELIVERY_WAIT_S > 0:
+                            delivered.wait(DELIVERY_WAIT_S)
         except (EOFError, OSError):
             pass
         except Exception:
