@@ -20,7 +20,7 @@ import httpx
 import pytest
 from server_fixtures import _free_port, live_server, tiny_model_dir
 
-from infer import SamplingParams
+from infer import LLM, SamplingParams
 from infer.engine.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
 from infer.server import AsyncEngine
@@ -96,6 +96,54 @@ def test_a_core_process_answers_as_the_engine_in_this_process():
         engine.shutdown()
     _wait_gone({pid}, 10)
     assert engine._client.exitcode == 0 and not engine.alive
+
+
+def test_the_offline_api_with_a_core_process_answers_as_without():
+    prompts = ["The quick brown fox", "Once upon a time"]
+    params = [GREEDY, SamplingParams(max_tokens=24, temperature=0.8, seed=5, n=2,
+                                     stop=[" the"], logprobs=2)]
+    here = LLM(str(tiny_model_dir()), **TINY)
+    apart = LLM(str(tiny_model_dir()), core_process=True, **TINY)
+    pid = apart.engine.core.client.runner.pid
+    try:
+        assert pid != os.getpid() and _running(pid)
+        want = here.generate(prompts, params, use_tqdm=False)
+        got = apart.generate(prompts, params, use_tqdm=False)
+        for a, b in zip(got, want):
+            assert [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in a.outputs] \
+                == [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in b.outputs]
+            for c, d in zip(a.outputs, b.outputs):  # float sums: the core has more threads
+                if d.logprobs is not None:
+                    assert [{t: lp.logprob for t, lp in e.items()} for e in c.logprobs] == [
+                        pytest.approx({t: lp.logprob for t, lp in e.items()}, abs=1e-4)
+                        for e in d.logprobs]
+        for out in apart.stream("Once upon a time", GREEDY):  # left after one output
+            break
+        [again] = apart.generate(prompts[:1], GREEDY, use_tqdm=False)
+        assert again.outputs[0].token_ids == want[0].outputs[0].token_ids
+        deadline = time.monotonic() + 10  # the core's last report: every block free
+        while apart.engine.stats().get("kv_blocks_used", -1) != 0:
+            assert time.monotonic() < deadline, apart.engine.stats()
+            time.sleep(0.05)
+    finally:
+        apart.engine.shutdown()
+    _wait_gone({pid})
+
+
+def test_an_offline_engine_whose_core_dies_raises_instead_of_hanging():
+    llm = LLM(str(tiny_model_dir()), core_process=True, **TINY)
+    pid = llm.engine.core.client.runner.pid
+    long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    stream = llm.stream("The quick brown fox", long)
+    next(stream)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="engine core died"):
+        for _ in stream:
+            pass
+    with pytest.raises(RuntimeError, match="engine core died"):
+        llm.generate("Once upon a time", long, use_tqdm=False)
+    llm.engine.shutdown()
+    _wait_gone({pid})
 
 
 def _offline(config: EngineConfig):

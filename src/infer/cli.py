@@ -144,7 +144,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def load() -> None:
         try:
-            if args.core_process:
+            if config.core_process:
                 engine = AsyncEngine.launch(config)
             else:
                 engine = AsyncEngine.in_thread(LLMEngine(config))
@@ -212,13 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "before the connection is closed (408) (default: 30)")
     serve.add_argument("--max-connections", type=int, default=1024,
                        help="open connections beyond this get 503 (default: 1024)")
-    serve.add_argument("--core-process", action=argparse.BooleanOptionalAction, default=True,
-                       help="run the engine core (scheduler, model, sampler) in its own "
-                       "process, apart from HTTP and detokenizing; --no-core-process runs it "
-                       "in a thread of the server (default: on)")
     serve.add_argument("--log-level", default="info")
     add_engine_flags(serve)
-    serve.set_defaults(func=cmd_serve, max_num_seqs=None)
+    serve.set_defaults(func=cmd_serve, max_num_seqs=None, core_process=True)
+    _set_help(serve, "core_process", "run the engine core (scheduler, model, sampler) in its "
+              "own process, apart from HTTP and detokenizing; --no-core-process runs it in a "
+              "thread of the server (default: on)")
     _set_help(serve, "max_num_seqs", "most sequences in one batch (default: "
               f"{SERVE_GPU_MAX_NUM_SEQS} on a GPU, {EngineConfig.max_num_seqs} on a CPU)")
     return parser

@@ -38,6 +38,9 @@ class EngineConfig:
     # one step behind), so the GPU does not idle during the host's bookkeeping.
     async_scheduling: bool = True
     max_waiting_requests: int | None = None  # None: unbounded queue
+    # The core (scheduler, model, sampler) in a process of its own, apart from tokenizing
+    # and detokenizing. Off for LLM (no IPC in the way); `infer serve` turns it on.
+    core_process: bool = False
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)

@@ -30,7 +30,9 @@ from multiprocessing.connection import Connection
 
 from infer.engine.config import EngineConfig
 from infer.engine.engine_core import CoreInfo, EngineCore, SequenceOutput, StepFailed, load_core
+from infer.engine.request import Request
 from infer.engine.setup import freeze_startup_objects
+from infer.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.01
@@ -238,3 +240,63 @@ class CoreClient:
                     self.conn.send(message)
                 except OSError:  # the core is gone; the receiver reports it
                     return
+
+
+class RemoteCore:
+    """The EngineCore calls an LLMEngine makes (add, finish, step, stats), over a
+    CoreClient: an offline engine whose core runs in a process of its own
+    (`EngineConfig.core_process`). Adds wait for the next `step`, which sends them in one
+    message and returns the next step's outputs from the core (waiting for them)."""
+
+    def __init__(self, client: CoreClient) -> None:
+        self.client = client
+        self.sequences: set[str] = set()  # added here, not yet seen to finish
+        self._adds: list[tuple[Request, SamplingParams]] = []
+        self._received: list[list[SequenceOutput]] = []  # outputs read by `stats`
+        self._stats: dict[str, float] = {}
+
+    def add(self, request: Request, params: SamplingParams) -> None:
+        self._adds.append((request, params))
+        self.sequences.add(request.request_id)
+
+    def finish(self, seq_id: str, reason: str, stop_reason: int | str | None = None) -> None:
+        if seq_id in self.sequences:
+            self.sequences.discard(seq_id)
+            self.client.send(("finish", [(seq_id, reason, stop_reason)]))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.sequences)
+
+    def step(self) -> list[SequenceOutput]:
+        if self._adds:
+            self.client.send(("add", self._adds))
+            self._adds = []
+        while not self._received:
+            self._read()
+        outputs = self._received.pop(0)
+        for output in outputs:
+            if output.finish_reason is not None:
+                self.sequences.discard(output.seq_id)
+        return outputs
+
+    def stats(self) -> dict[str, float]:
+        """The core's counters as of its last report (reports that have come are read)."""
+        while self.client.poll():
+            self._read()
+        return dict(self._stats)
+
+    def _read(self) -> None:
+        try:
+            message = self.client.recv()
+        except (EOFError, OSError):
+            self.sequences.clear()
+            self.client.runner.join(5)
+            raise RuntimeError(
+                f"the engine core died (exit code {self.client.exitcode})") from None
+        if message[0] == "stats":
+            self._stats = message[1]
+        elif message[0] == "outputs":
+            self._received.append(message[1])
+
+    def shutdown(self) -> None:
+        self.client.shutdown()

@@ -16,27 +16,42 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import torch
+
 from infer.engine.config import EngineConfig
-from infer.engine.engine_core import CoreInfo, load_core
+from infer.engine.core_process import CoreClient, RemoteCore
+from infer.engine.engine_core import CoreInfo, EngineCore, load_core
 from infer.engine.input_processor import InputProcessor, RequestRejected, split_into_sequences
 from infer.engine.output_processor import OutputProcessor
 from infer.engine.outputs import RequestOutput
+from infer.engine.setup import load_tokenizer
 from infer.sampling_params import SamplingParams
 
 __all__ = ["LLMEngine", "RequestRejected"]
 
 
 class LLMEngine:
+    """With `config.core_process`, the core runs in a process of its own behind a pipe
+    (`RemoteCore`); its model and cache are then not reachable from here."""
+
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig(**overrides)
         self.config = config
-        self.core, self.tokenizer, self.model_name = load_core(config)
-        self.info = CoreInfo.of(self.core, self.model_name)
-        self.model = self.core.runner.model
-        self.model_config = self.core.model_config
-        self.device, self.dtype = self.core.device, self.core.dtype
-        self.max_model_len = self.core.max_model_len
-        self.eos_token_ids = self.core.eos_token_ids
+        self.core: EngineCore | RemoteCore
+        if config.core_process:
+            client, self.info = CoreClient.spawn(config)
+            self.core, self.tokenizer = RemoteCore(client), load_tokenizer(config.model)
+            self.model_name = self.info.model_name
+            self.model = self.model_config = None
+            self.device = torch.device(self.info.device)
+            self.dtype = getattr(torch, self.info.dtype)
+        else:
+            self.core, self.tokenizer, self.model_name = load_core(config)
+            self.info = CoreInfo.of(self.core, self.model_name)
+            self.model = self.core.runner.model
+            self.model_config = self.core.model_config
+            self.device, self.dtype = self.core.device, self.core.dtype
+        self.max_model_len = self.info.max_model_len
         self.input_processor = InputProcessor.for_core(self.tokenizer, self.info)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._next_id = 0
@@ -131,3 +146,8 @@ class LLMEngine:
     @property
     def num_requests_failed(self) -> int:
         return self.output_processor.num_requests_failed
+
+    def shutdown(self) -> None:
+        """Stop a core process (at exit otherwise); nothing to do for a core in here."""
+        if isinstance(self.core, RemoteCore):
+            self.core.shutdown()
