@@ -117,7 +117,7 @@ def test_the_offline_api_with_a_core_process_answers_as_without():
                     assert [{t: lp.logprob for t, lp in e.items()} for e in c.logprobs] == [
                         pytest.approx({t: lp.logprob for t, lp in e.items()}, abs=1e-4)
                         for e in d.logprobs]
-        for out in apart.stream("Once upon a time", GREEDY):  # left after one output
+        for _out in apart.stream("Once upon a time", GREEDY):  # left after one output
             break
         [again] = apart.generate(prompts[:1], GREEDY, use_tqdm=False)
         assert again.outputs[0].token_ids == want[0].outputs[0].token_ids
@@ -143,6 +143,14 @@ def test_an_offline_engine_whose_core_dies_raises_instead_of_hanging():
     with pytest.raises(RuntimeError, match="engine core died"):
         llm.generate("Once upon a time", long, use_tqdm=False)
     llm.engine.shutdown()
+    _wait_gone({pid})
+
+
+def test_an_offline_engine_let_go_stops_its_core():
+    llm = LLM(str(tiny_model_dir()), core_process=True, **TINY)
+    pid = llm.engine.core.client.runner.pid
+    assert llm.generate("Once upon a time", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    del llm
     _wait_gone({pid})
 
 

@@ -155,6 +155,7 @@ class CoreClient:
 
     def __init__(self, conn: Connection, runner: multiprocessing.Process | threading.Thread):
         self.conn, self.runner = conn, runner
+        self._shut_down = False
         self._outbox: list[tuple | None] = []
         self._ready = threading.Condition()
         self._sender = threading.Thread(target=self._send_loop, name="infer-core-send",
@@ -213,6 +214,9 @@ class CoreClient:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the core to stop; a process that does not is terminated, then killed."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         atexit.unregister(self.shutdown)
         self.send(("shutdown",))
         self.send(None)

@@ -14,6 +14,7 @@ KV blocks; the output processor groups them back into one RequestOutput.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -40,6 +41,7 @@ class LLMEngine:
         self.core: EngineCore | RemoteCore
         if config.core_process:
             client, self.info = CoreClient.spawn(config)
+            weakref.finalize(self, client.shutdown)  # an engine let go stops its core
             self.core, self.tokenizer = RemoteCore(client), load_tokenizer(config.model)
             self.model_name = self.info.model_name
             self.model = self.model_config = None
