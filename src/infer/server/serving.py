@@ -376,7 +376,8 @@ class _Choice:
     stop_reason: int | str | None = None
 
     def add(self, c: CompletionOutput) -> None:
-        self.text.append(c.text)
+        if c.text:
+            self.text.append(c.text)
         self.token_ids += c.token_ids
         if c.logprobs is not None:
             self.logprobs = (self.logprobs or []) + c.logprobs
@@ -386,13 +387,13 @@ class _Choice:
     @property
     def has_news(self) -> bool:
         """Text to send, or the end (tokens whose text is held back wait for more)."""
-        return any(self.text) or self.finish_reason is not None
+        return bool(self.text) or self.finish_reason is not None
 
     def take(self) -> CompletionOutput:
         """What was added since the last take, as one completion delta."""
-        out = CompletionOutput(self.index, "".join(self.text), self.token_ids,
-                               self.cumulative_logprob, self.logprobs, self.finish_reason,
-                               self.stop_reason)
+        text = self.text[0] if len(self.text) == 1 else "".join(self.text)
+        out = CompletionOutput(self.index, text, self.token_ids, self.cumulative_logprob,
+                               self.logprobs, self.finish_reason, self.stop_reason)
         self.text, self.token_ids, self.logprobs = [], [], None
         return out
 
@@ -407,7 +408,10 @@ class _Total:
     def add(self, output: RequestOutput) -> None:
         self.last = output
         for c in output.outputs:
-            self.choices.setdefault(c.index, _Choice(c.index)).add(c)
+            choice = self.choices.get(c.index)
+            if choice is None:
+                choice = self.choices[c.index] = _Choice(c.index)
+            choice.add(c)
 
     def output(self) -> RequestOutput:
         assert self.last is not None and self.last.finished
@@ -460,7 +464,9 @@ async def _stream_events(
                 prompt_tokens[p] = len(output.prompt_token_ids)
                 for c in output.outputs:
                     index = p * n + c.index
-                    choice = pending.setdefault(index, _Choice(index))
+                    choice = pending.get(index)
+                    if choice is None:
+                        choice = pending[index] = _Choice(index)
                     choice.add(c)
                     completion_tokens += len(c.token_ids)
                     touched[index] = choice
