@@ -218,7 +218,12 @@ def main() -> None:
     common.add_common_args(p)
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from reference_tokenizers import ours
+    from real_models import gemma3_gguf, smollm2_gguf
+
+    from infer.loader.tokenizer import Tokenizer
+
+    def ours(name: str) -> Tokenizer:
+        return Tokenizer.from_gguf(smollm2_gguf() if name == "smollm2" else gemma3_gguf())
 
     rows, batches = [], []
     for name in args.tokenizers:
