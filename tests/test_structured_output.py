@@ -1,0 +1,195 @@
+"""Constrained decoding with the grammar library on the real SmolLM2 vocabulary: whatever
+tokens a sampler picks among the allowed ones, an output that ends (the grammar takes its
+stop token) is valid, checked by independent parsers (json + jsonschema, re.fullmatch)."""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import cache
+
+import pytest
+import torch
+from reference_tokenizers import ours
+
+from infer.engine.structured_output import StructuredOutputs, StructuredOutputsParams
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar")
+
+NAME = {"type": "string", "minLength": 1, "maxLength": 12}
+SCHEMAS = [
+    {"type": "object", "properties": {"name": NAME}, "required": ["name"]},
+    {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0,
+                                              "maximum": 120}}, "required": ["age"]},
+    {"type": "object", "properties": {"x": {"type": "number", "minimum": -5,
+                                            "maximum": 5}}, "required": ["x"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": "null"}},
+     "required": ["ok", "note"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}},
+     "required": ["color"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": NAME,
+                                               "minItems": 1, "maxItems": 3}},
+     "required": ["tags"]},
+    {"type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer"},
+                                              "minItems": 2, "maxItems": 2}},
+     "required": ["ids"]},
+    {"type": "object", "properties": {"code": {"type": "string",
+                                               "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
+     "required": ["code"]},
+    {"type": "object", "properties": {"owner": {"type": "object", "properties": {
+        "name": NAME, "age": {"type": "integer", "minimum": 0}}, "required": ["name"]}},
+     "required": ["owner"]},
+    {"type": "object", "properties": {"name": NAME, "nick": NAME}, "required": ["name"]},
+    {"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}},
+                "required": ["a"]},
+               {"type": "object", "properties": {"b": {"type": "boolean"}},
+                "required": ["b"]}]},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+     "maxItems": 4},
+    {"type": "integer", "minimum": 10, "maximum": 99},
+    {"type": "string", "enum": ["yes", "no"]},
+    {"type": "object", "properties": {"p": {"type": "object", "properties": {
+        "q": {"type": "array", "items": {"enum": [1, 2, 3]}, "maxItems": 2}},
+        "required": ["q"]}}, "required": ["p"]},
+    {"type": "object", "properties": {"kind": {"const": "point"}, "x": {"type": "integer"},
+                                      "y": {"type": "integer"}},
+     "required": ["kind", "x", "y"]},
+    {"type": "object", "properties": {"v": {"oneOf": [{"type": "integer"},
+                                                      {"type": "string", "maxLength": 4}]}},
+     "required": ["v"]},
+    {"type": "object", "properties": {"ratio": {"type": "number", "exclusiveMinimum": 0,
+                                                "maximum": 1}}, "required": ["ratio"]},
+    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 2, "items": {
+        "type": "object", "properties": {"id": {"type": "integer"}, "qty": {
+            "type": "integer", "minimum": 1}}, "required": ["id", "qty"]}}},
+     "required": ["items"]},
+    {"type": "object", "properties": {"date": {"type": "string",
+                                               "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}},
+     "required": ["date"]},
+    {"type": "boolean"},
+]
+
+
+@cache
+def _so() -> StructuredOutputs:
+    tok = ours("smollm2")
+    return StructuredOutputs(tok, tok.vocab_size)
+
+
+@cache
+def _closing_bonus() -> torch.Tensor:
+    """Tokens that close things (quotes, brackets, digits, the stop token) get a head start,
+    so random walks end within the budget; any allowed token may still be chosen."""
+    tok = ours("smollm2")
+    bonus = torch.zeros(tok.vocab_size)
+    for token_id in range(tok.vocab_size):
+        text = tok.decode([token_id], skip_special_tokens=False)
+        if text and len(text) <= 2 and any(c in '"]})0123456789,' for c in text):
+            bonus[token_id] = 3.0
+    for eos in tok.eos_token_ids:
+        bonus[eos] = 6.0
+    return bonus
+
+
+def _walk(params: StructuredOutputsParams, seed: int, max_tokens: int = 120):
+    """Sample among the allowed tokens with random logits until the grammar takes its
+    stop token: (text, ended). Each pick is checked against the mask independently."""
+    so, tok = _so(), ours("smollm2")
+    matcher = so.matcher(so.compile(params))
+    masks = so.allocate_masks(1)
+    gen = torch.Generator().manual_seed(seed)
+    ids = []
+    for _ in range(max_tokens):
+        so.fill_masks([matcher], masks)
+        logits = torch.randn(1, tok.vocab_size, generator=gen) + _closing_bonus()
+        so.apply_masks(logits, masks)
+        allowed = torch.isfinite(logits[0])
+        assert allowed.any(), "the grammar allows no token"
+        token = int(torch.multinomial(torch.softmax(logits[0], -1), 1, generator=gen))
+        bit = (int(masks[0, token // 32]) >> (token % 32)) & 1
+        assert bit == 1 and bool(allowed[token])
+        assert matcher.accept(token)
+        if matcher.terminated:
+            assert token in tok.eos_token_ids
+            return tok.decode(ids), True
+        ids.append(token)
+    return tok.decode(ids), False
+
+
+@pytest.mark.parametrize("index", range(len(SCHEMAS)))
+def test_json_schema_outputs_that_end_validate(index):
+    schema = SCHEMAS[index]
+    ended = 0
+    for seed in range(4):
+        text, done = _walk(StructuredOutputsParams(json=schema), seed)
+        if done:
+            ended += 1
+            jsonschema.validate(json.loads(text), schema)
+    assert ended >= 1  # the test must see at least one finished output
+
+
+def test_json_object_regex_and_choice_outputs():
+    for seed in range(3):
+        text, done = _walk(StructuredOutputsParams(json_object=True), seed)
+        assert not done or isinstance(json.loads(text), dict)
+        text, done = _walk(StructuredOutputsParams(regex=r"[a-c]{2,5}-\d{1,3}"), seed)
+        assert done and re.fullmatch(r"[a-c]{2,5}-\d{1,3}", text), text
+        choices = ["positive", "negative", "very neutral"]
+        text, done = _walk(StructuredOutputsParams(choice=choices), seed)
+        assert done and text in choices, text
+
+
+def test_a_grammar_ends_only_where_it_accepts():
+    grammar = 'root ::= "(" digits ")"\ndigits ::= [0-9] | [0-9] digits'
+    tok = ours("smollm2")
+    for seed in range(3):
+        text, done = _walk(StructuredOutputsParams(grammar=grammar), seed)
+        assert done and re.fullmatch(r"\(\d+\)", text), text
+    # Before the closing parenthesis the stop token is masked out.
+    so = _so()
+    matcher = so.matcher(so.compile(StructuredOutputsParams(grammar=grammar)))
+    for token in tok.encode("(12", add_special_tokens=False):
+        assert matcher.accept(token)
+    masks = so.allocate_masks(1)
+    so.fill_masks([matcher], masks)
+    eos = tok.eos_token_ids[0]
+    assert (int(masks[0, eos // 32]) >> (eos % 32)) & 1 == 0
+
+
+def test_unconstrained_rows_are_left_alone():
+    so = _so()
+    matchers = [so.matcher(so.compile(StructuredOutputsParams(choice=["yes", "no"])))]
+    masks = so.allocate_masks(2)
+    so.fill_masks(matchers, masks)
+    logits = torch.randn(2, so.vocab_size)
+    before = logits.clone()
+    so.apply_masks(logits, masks, rows=[0])
+    assert torch.equal(logits[1], before[1])
+    kept = torch.isfinite(logits[0])
+    assert 0 < int(kept.sum()) < 10 and torch.equal(logits[0][kept], before[0][kept])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({}, "exactly one"),
+    ({"json": {"type": "object"}, "regex": "a"}, "exactly one"),
+    ({"choice": []}, "choice must be a non-empty list"),
+    ({"choice": ["a", ""]}, "non-empty"),
+    ({"choice": "ab"}, "non-empty list"),
+    ({"regex": 5}, "non-empty string"),
+    ({"json": 3}, "JSON schema"),
+])
+def test_malformed_params_are_refused_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StructuredOutputsParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"json": "{not json"}, "structured_outputs.json"),
+    ({"json": {"type": "nonsense"}}, "structured_outputs.json"),
+    ({"regex": "(unclosed"}, "structured_outputs.regex"),
+    ({"grammar": "root ::= ("}, "structured_outputs.grammar"),
+])
+def test_constraints_the_library_cannot_compile_are_refused_by_name(kwargs, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        _so().compile(StructuredOutputsParams(**kwargs))
