@@ -213,7 +213,9 @@ def measure_batch(lib, tokenizer, batch: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokenizers", nargs="+", default=["smollm2", "gemma3"])
+    p.add_argument("--tokenizers", nargs="+", default=["smollm2", "gemma3"],
+                   help="smollm2 and gemma3 (from their model packages), or NAME=DIR for a "
+                   "tokenizer directory (tokenizer.json + tokenizer_config.json)")
     p.add_argument("--batches", type=int, nargs="*", default=[32, 256])
     common.add_common_args(p)
     args = p.parse_args()
@@ -223,11 +225,13 @@ def main() -> None:
     from infer.loader.tokenizer import Tokenizer
 
     def ours(name: str) -> Tokenizer:
+        if "=" in name:
+            return Tokenizer.from_hf_dir(name.split("=", 1)[1])
         return Tokenizer.from_gguf(smollm2_gguf() if name == "smollm2" else gemma3_gguf())
 
     rows, batches = [], []
-    for name in args.tokenizers:
-        tokenizer = ours(name)
+    for spec in args.tokenizers:
+        tokenizer, name = ours(spec), spec.split("=", 1)[0]
         vocab = tokenizer.vocab_size
         hf = _hf_tokenizer(tokenizer)
         for cls in (XGrammar, LLGuidance):

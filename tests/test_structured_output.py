@@ -1,6 +1,7 @@
 """Constrained decoding with the grammar library on the real SmolLM2 vocabulary: whatever
 tokens a sampler picks among the allowed ones, an output that ends (the grammar takes its
-stop token) is valid, checked by independent parsers (json + jsonschema, re.fullmatch)."""
+stop token, or allows nothing else) is valid, checked by independent parsers (json +
+jsonschema, re.fullmatch)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from reference_tokenizers import ours
 from infer.engine.structured_output import StructuredOutputs, StructuredOutputsParams
 
 jsonschema = pytest.importorskip("jsonschema")
-pytest.importorskip("xgrammar")
+pytest.importorskip("llguidance")
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 12}
 SCHEMAS = [
@@ -93,8 +94,9 @@ def _closing_bonus() -> torch.Tensor:
 
 
 def _walk(params: StructuredOutputsParams, seed: int, max_tokens: int = 120):
-    """Sample among the allowed tokens with random logits until the grammar takes its
-    stop token: (text, ended). Each pick is checked against the mask independently."""
+    """Sample among the allowed tokens with random logits until the grammar is finished:
+    (text, ended). Each pick is checked against the mask independently, and a finished
+    grammar must allow nothing but the stop token."""
     so, tok = _so(), ours("smollm2")
     matcher = so.matcher(so.compile(params))
     masks = so.allocate_masks(1)
@@ -110,10 +112,17 @@ def _walk(params: StructuredOutputsParams, seed: int, max_tokens: int = 120):
         bit = (int(masks[0, token // 32]) >> (token % 32)) & 1
         assert bit == 1 and bool(allowed[token])
         assert matcher.accept(token)
-        if matcher.terminated:
-            assert token in tok.eos_token_ids
+        if token in tok.eos_token_ids:
+            assert matcher.terminated
             return tok.decode(ids), True
         ids.append(token)
+        if matcher.terminated:
+            so.fill_masks([matcher], masks)
+            logits = torch.zeros(1, tok.vocab_size)
+            so.apply_masks(logits, masks)
+            assert set(torch.isfinite(logits[0]).nonzero().flatten().tolist()) <= set(
+                tok.eos_token_ids)
+            return tok.decode(ids), True
     return tok.decode(ids), False
 
 
@@ -193,3 +202,36 @@ def test_malformed_params_are_refused_by_name(kwargs, match):
 def test_constraints_the_library_cannot_compile_are_refused_by_name(kwargs, field):
     with pytest.raises(ValueError, match=re.escape(field)):
         _so().compile(StructuredOutputsParams(**kwargs))
+
+
+def test_objects_are_closed_unless_the_schema_says_otherwise():
+    from infer.engine.structured_output import _closed_objects
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+        "open": {"type": "object", "additionalProperties": True},
+        "list": {"type": "array", "items": {"properties": {"c": {}}}},
+        "either": {"anyOf": [{"type": "object"}, {"type": "string"}]},
+        "lit": {"enum": [{"type": "object"}], "default": {"type": "object"}}},
+        "$defs": {"d": {"type": "object"}}}
+    closed = {"type": "object", "additionalProperties": False, "properties": {
+        "a": {"type": "object", "additionalProperties": False,
+              "properties": {"b": {"type": "integer"}}},
+        "open": {"type": "object", "additionalProperties": True},
+        "list": {"type": "array", "items": {"properties": {"c": {}},
+                                            "additionalProperties": False}},
+        "either": {"anyOf": [{"type": "object", "additionalProperties": False},
+                             {"type": "string"}]},
+        "lit": {"enum": [{"type": "object"}], "default": {"type": "object"}}},
+        "$defs": {"d": {"type": "object", "additionalProperties": False}}}
+    assert _closed_objects(schema) == closed
+    # In use: after the one property it names, an object may only close.
+    so, tok = _so(), ours("smollm2")
+    matcher = so.matcher(so.compile(StructuredOutputsParams(json=SCHEMAS[0])))
+    assert all(matcher.accept(t) for t in tok.encode('{"name":"x"', add_special_tokens=False))
+    masks = so.allocate_masks(1)
+    so.fill_masks([matcher], masks)
+    logits = torch.zeros(1, so.vocab_size)
+    so.apply_masks(logits, masks)
+    allowed = {tok.decode([t]) for t in torch.isfinite(logits[0]).nonzero().flatten().tolist()}
+    assert "}" in allowed and not any("," in text for text in allowed)
