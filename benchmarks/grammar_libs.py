@@ -7,7 +7,9 @@ first mask ("compile", cold: nothing cached); and the time to fill one next-toke
 over the tokens of a valid answer written by hand (both libraries walk the same tokens,
 and must accept them).
 
-    python benchmarks/grammar_libs.py [--tokenizers smollm2 gemma3]
+    python benchmarks/grammar_libs.py [--tokenizers smollm2 gemma3 | NAME=DIR ...]
+
+Needs both libraries (`pip install xgrammar llguidance`; only llguidance is a dependency).
 
 Prints one table and writes benchmarks/results/grammar_libs_<device>.json.
 """
