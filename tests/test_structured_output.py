@@ -13,7 +13,8 @@ import pytest
 import torch
 from reference_tokenizers import ours
 
-from infer.engine.structured_output import StructuredOutputs, StructuredOutputsParams
+from infer.engine.structured_output import StructuredOutputs
+from infer.sampling_params import SamplingParams, StructuredOutputsParams
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
@@ -205,7 +206,7 @@ def test_constraints_the_library_cannot_compile_are_refused_by_name(kwargs, fiel
 
 
 def test_objects_are_closed_unless_the_schema_says_otherwise():
-    from infer.engine.structured_output import _closed_objects
+    from infer.structured_outputs import _closed_objects
 
     schema = {"type": "object", "properties": {
         "a": {"type": "object", "properties": {"b": {"type": "integer"}}},
@@ -235,3 +236,76 @@ def test_objects_are_closed_unless_the_schema_says_otherwise():
     so.apply_masks(logits, masks)
     allowed = {tok.decode([t]) for t in torch.isfinite(logits[0]).nonzero().flatten().tolist()}
     assert "}" in allowed and not any("," in text for text in allowed)
+
+
+# -- in the engine, on the real SmolLM2 ------------------------------------------------
+ENGINE_SCHEMAS = [SCHEMAS[i] for i in (0, 1, 4, 5, 6, 12, 15)]
+PROMPT = "Answer in JSON. A record for a small grey cat named Tom who is 3 years old:"
+
+
+@cache
+def _llm(async_scheduling: bool = True):
+    from engine_fixtures import make_llm
+
+    return make_llm(num_blocks=256, async_scheduling=async_scheduling)
+
+
+def _constrained(seed: int, **constraint) -> SamplingParams:
+    return SamplingParams(max_tokens=48, temperature=0.7, seed=seed,
+                          structured_outputs=StructuredOutputsParams(**constraint))
+
+
+def test_the_engine_generates_outputs_that_validate():
+    llm = _llm()
+    params = [_constrained(seed, json=schema) for schema in ENGINE_SCHEMAS for seed in (1, 2)]
+    outs = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    stopped = 0
+    for out, p in zip(outs, params):
+        c = out.outputs[0]
+        assert c.finish_reason in ("stop", "length")
+        if c.finish_reason == "stop":
+            stopped += 1
+            jsonschema.validate(json.loads(c.text), p.structured_outputs.json)
+    assert stopped >= len(params) // 2
+    [choice, regex] = llm.generate(
+        [PROMPT, PROMPT], [_constrained(3, choice=["cat", "dog", "a grey cat"]),
+                           _constrained(4, regex=r"Tom is [0-9] years old\.")],
+        use_tqdm=False)
+    assert choice.outputs[0].text in ("cat", "dog", "a grey cat")
+    assert choice.outputs[0].finish_reason == "stop"
+    assert re.fullmatch(r"Tom is [0-9] years old\.", regex.outputs[0].text)
+    assert llm.engine.stats()["num_steps_launched_ahead"] > 0  # the async path ran
+
+
+def test_launching_ahead_changes_nothing_and_neighbours_are_untouched():
+    greedy = [SamplingParams(max_tokens=32, temperature=0,
+                             structured_outputs=StructuredOutputsParams(json=schema))
+              for schema in ENGINE_SCHEMAS[:4]]
+    plain = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = [PROMPT] * len(greedy) + ["The capital of France is"]
+    ahead = _llm(True).generate(prompts, [*greedy, plain], use_tqdm=False)
+    in_step = _llm(False).generate(prompts, [*greedy, plain], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ahead] == [o.outputs[0].token_ids for o in in_step]
+    [alone] = _llm(True).generate(prompts[-1:], [plain], use_tqdm=False)
+    assert alone.outputs[0].token_ids == ahead[-1].outputs[0].token_ids
+
+
+def test_a_bad_constraint_is_refused_and_the_engine_goes_on():
+    llm = _llm()
+    with pytest.raises(ValueError, match=r"structured_outputs\.regex"):
+        llm.generate(PROMPT, _constrained(1, regex="(unclosed"), use_tqdm=False)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a"))
+    [out] = llm.generate(PROMPT, _constrained(1, choice=["yes", "no"]), use_tqdm=False)
+    assert out.outputs[0].text in ("yes", "no")
+    assert llm.engine.stats()["kv_blocks_used"] == 0
+
+
+def test_properties_come_in_the_order_the_schema_lists_them():
+    schema = {"type": "object", "properties": {"zeta": {"type": "boolean"},
+                                               "alpha": {"type": "boolean"}},
+              "required": ["zeta", "alpha"]}
+    for seed in range(3):
+        text, done = _walk(StructuredOutputsParams(json=schema), seed)
+        assert done and text.startswith('{"zeta":') and json.loads(text).keys() == {
+            "zeta", "alpha"}, text

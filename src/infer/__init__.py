@@ -15,6 +15,7 @@ _EXPORTS = {
     "RequestOutput": "infer.engine.outputs",
     "CompletionOutput": "infer.engine.outputs",
     "RequestOutputKind": "infer.sampling_params",
+    "StructuredOutputsParams": "infer.sampling_params",
     "TextPrompt": "infer.inputs",
     "TokensPrompt": "infer.inputs",
 }

@@ -7,6 +7,10 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from infer.structured_outputs import StructuredOutputsParams
+
+__all__ = ["RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
+
 # Temperatures below this are greedy decoding (argmax): dividing by them would overflow.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
@@ -78,6 +82,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output obeys
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n)
@@ -140,6 +145,13 @@ class SamplingParams:
         )
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}")
+            if self.min_tokens:
+                raise ValueError("min_tokens cannot be combined with structured_outputs: the "
+                                 "grammar decides where the output may end")
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:

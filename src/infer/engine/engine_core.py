@@ -31,6 +31,7 @@ from infer.engine.request import Request
 from infer.engine.sampler import SamplingBatch, sample
 from infer.engine.scheduler import Scheduler, SchedulerOutput
 from infer.engine.setup import load_model_and_tokenizer, pick_backend, pick_device_and_dtype
+from infer.engine.structured_output import GrammarMatcher, StructuredOutputs
 from infer.loader.tokenizer import Tokenizer
 from infer.models.layers import set_kernel_backend
 from infer.sampling_params import SamplingParams
@@ -67,6 +68,7 @@ class SequenceOutput(NamedTuple):
 class _Sequence:
     request: Request
     params: SamplingParams
+    grammar: GrammarMatcher | None = None  # structured output: where it stands
 
 
 @dataclass
@@ -80,13 +82,16 @@ class _StepInFlight:
     seq_ids: list[str]  # the sequences that sample, in row order
     token_ids: torch.Tensor | None  # [rows] sampled ids on the device
     results: HostCopy | None  # token ids, logprobs, top logprobs on their way to the host
+    grammars_advanced: bool = False  # its tokens were fed to the sequences' grammars
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model: nn.Module, model_config: ModelConfig,
                  device: torch.device, dtype: torch.dtype, max_model_len: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], tokenizer: Tokenizer | None = None) -> None:
         self.config = config
+        self.tokenizer = tokenizer  # for structured output's grammars only; never decodes
+        self._structured: StructuredOutputs | None = None
         self.model_config = mc = model_config
         self.device, self.dtype = device, dtype
         self.max_model_len = max_model_len
@@ -125,12 +130,25 @@ class EngineCore:
 
     # -- sequences -------------------------------------------------------------------
     def add(self, request: Request, params: SamplingParams) -> None:
+        grammar = None
+        if params.structured_outputs is not None:  # a bad constraint raises ValueError here
+            structured = self.structured_outputs()
+            grammar = structured.matcher(structured.compile(params.structured_outputs))
         if not params.ignore_eos:
             request.eos_token_ids = frozenset(self.eos_token_ids)
         request.stop_token_ids = frozenset(params.stop_token_ids)
         request.min_tokens = params.min_tokens
         self.scheduler.add(request)
-        self.sequences[request.request_id] = _Sequence(request, params)
+        self.sequences[request.request_id] = _Sequence(request, params, grammar)
+
+    def structured_outputs(self) -> StructuredOutputs:
+        """The grammar library bound to this model's vocabulary (made when first needed)."""
+        if self._structured is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the engine's tokenizer, which "
+                                 "this core was built without")
+            self._structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
+        return self._structured
 
     def finish(self, seq_id: str, reason: str, stop_reason: int | str | None = None) -> None:
         """End a sequence now (a stop string, an abort), freeing its blocks."""
@@ -210,8 +228,11 @@ class EngineCore:
         return culprits
 
     def _launch(self, out: SchedulerOutput, inputs: StepInputs,
-                device_input_ids: torch.Tensor | None = None, ahead: int = 0) -> _StepInFlight:
-        """Queue the step's forward and sampling on the device; nothing waits for them."""
+                device_input_ids: torch.Tensor | None = None, ahead: int = 0,
+                prev: _StepInFlight | None = None) -> _StepInFlight:
+        """Queue the step's forward and sampling on the device; nothing waits for them,
+        except constrained rows of a step launched ahead: their masks need `prev`'s
+        tokens, which are read (and fed to the grammars) while this forward runs."""
         seqs = [self.sequences[rid] for rid in inputs.sample_request_ids]
         requests = {i.request_id: self.sequences[i.request_id].request for i in out.scheduled}
         logits = self.runner.execute(inputs, device_input_ids)
@@ -219,6 +240,10 @@ class EngineCore:
         self.num_steps_launched_ahead += ahead
         if not seqs:
             return _StepInFlight(out, requests, [], None, None)
+        if any(seq.grammar is not None for seq in seqs):
+            if prev is not None:
+                self._advance_grammars(prev)
+            self._mask(logits, seqs)
         result = sample(logits, self._sampling_batch(seqs, ahead))
         results = HostCopy(result.token_ids, result.logprobs, result.top_logprob_ids,
                            result.top_logprobs)
@@ -250,12 +275,13 @@ class EngineCore:
         ids = prev.token_ids
         if rows != list(range(len(prev.seq_ids))):
             ids = ids[to_device(torch.tensor(rows), self.device)]
-        return self._launch(plan, inputs, ids, ahead=1)
+        return self._launch(plan, inputs, ids, ahead=1, prev=prev)
 
     def _finish(self, step: _StepInFlight) -> list[SequenceOutput]:
         """Wait for the step's tokens and account them."""
         live = {rid for rid, request in step.requests.items()
                 if rid in self.sequences and self.sequences[rid].request is request}
+        self._advance_grammars(step)
         sampled: dict[str, list[int]] = {}
         rows: dict[str, int] = {}
         chosen_lp = top_ids = top_lps = None
@@ -275,6 +301,10 @@ class EngineCore:
         for update in self.scheduler.update(out, sampled):
             rid = update.request_id
             seq = self.sequences[rid]
+            if (seq.grammar is not None and update.finish_reason is None
+                    and seq.grammar.terminated):  # the grammar allows nothing more
+                self.scheduler.finish(seq.request, "stop")
+                update = update._replace(finish_reason="stop")
             if seq.params.logprobs is None:
                 output = SequenceOutput(rid, update.new_token_ids, None, None,
                                         update.finish_reason, update.stop_reason,
@@ -289,6 +319,37 @@ class EngineCore:
             if update.finish_reason is not None:
                 del self.sequences[rid]
         return outputs
+
+    def _advance_grammars(self, step: _StepInFlight) -> None:
+        """Feed the step's sampled tokens to their sequences' grammars, once."""
+        if step.grammars_advanced or not step.seq_ids:
+            return
+        step.grammars_advanced = True
+        token_ids = None
+        for row, seq_id in enumerate(step.seq_ids):
+            seq = self.sequences.get(seq_id)
+            if seq is None or seq.grammar is None or seq.grammar.terminated \
+                    or seq.request is not step.requests.get(seq_id):
+                continue
+            if token_ids is None:
+                token_ids = step.results.wait()[0].tolist()
+            # Masked sampling only picks allowed tokens; a refusal would be a bug here.
+            if not seq.grammar.accept(token_ids[row]):
+                raise RuntimeError(f"sequence {seq_id}: sampled token {token_ids[row]} is "
+                                   "not allowed by its grammar")
+
+    def _mask(self, logits: torch.Tensor, seqs: list[_Sequence]) -> None:
+        """Disallowed tokens -> -inf on the rows of constrained sequences (a finished
+        grammar's row is left alone: its token is discarded with the sequence)."""
+        rows = [row for row, seq in enumerate(seqs)
+                if seq.grammar is not None and not seq.grammar.terminated]
+        if not rows:
+            return
+        structured = self.structured_outputs()
+        masks = structured.allocate_masks(len(seqs))
+        structured.fill_masks([seqs[row].grammar for row in rows], masks, rows)
+        with torch.inference_mode():  # the logits are inference tensors
+            structured.apply_masks(logits, masks, rows)
 
     def _sampling_batch(self, seqs: list[_Sequence], ahead: int = 0) -> SamplingBatch:
         """`ahead`: tokens each sequence has sampled that are not in its output yet."""
@@ -368,5 +429,6 @@ def load_core(config: EngineConfig) -> tuple[EngineCore, Tokenizer, str]:
             f"({config.max_num_batched_tokens}) >= max_model_len ({max_model_len})"
         )
     eos_token_ids = tuple(tokenizer.eos_token_ids) or mc.eos_token_ids
-    core = EngineCore(config, model, mc, device, dtype, max_model_len, eos_token_ids)
+    core = EngineCore(config, model, mc, device, dtype, max_model_len, eos_token_ids,
+                      tokenizer)
     return core, tokenizer, model_name

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from infer.engine.request import Request
+from infer.engine.structured_output import StructuredOutputs
 from infer.inputs import parse_prompt
 from infer.loader.tokenizer import Tokenizer
 from infer.sampling_params import SamplingParams
@@ -45,6 +46,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self._structured: StructuredOutputs | None = None
 
     @classmethod
     def for_core(cls, tokenizer: Tokenizer, info: CoreInfo) -> InputProcessor:
@@ -56,7 +58,19 @@ class InputProcessor:
         if ids is None:
             ids = self.tokenize(text)
         self.check_token_ids(ids, params)
+        if params.structured_outputs is not None:
+            self.check_constraint(params)
         return ProcessedPrompt(text, ids, self.max_new_tokens(len(ids), params.max_tokens))
+
+    def check_constraint(self, params: SamplingParams) -> None:
+        """A constraint the grammar library cannot compile is refused before anything is
+        queued (the core compiles it again for its matchers; each side caches)."""
+        if self._structured is None:
+            self._structured = StructuredOutputs(self.tokenizer, self.vocab_size)
+        try:
+            self._structured.compile(params.structured_outputs)
+        except ValueError as exc:
+            raise RequestRejected(str(exc), "structured_outputs") from None
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A text whose length alone proves it over the context is refused untokenized."""

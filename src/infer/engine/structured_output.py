@@ -18,106 +18,14 @@ import copy
 import json
 import re
 from collections import OrderedDict
-from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from infer.loader.tokenizer import Tokenizer
+from infer.structured_outputs import StructuredOutputsParams
 
 GRAMMAR_CACHE_SIZE = 256
-
-
-@dataclass(frozen=True)
-class StructuredOutputsParams:
-    """One constraint on a request's output, as vLLM spells it: exactly one field set.
-
-    json: a JSON schema (dict or its JSON text; objects take only the properties they
-    name unless they say `additionalProperties`); json_object: any JSON object;
-    regex: the whole output matches it; choice: the output is one of the strings;
-    grammar: a Lark grammar, or a GBNF-style EBNF one (rules with `::=`, start `root`).
-    """
-
-    json: dict[str, Any] | str | None = None
-    json_object: bool = False
-    regex: str | None = None
-    choice: tuple[str, ...] | list[str] | None = None
-    grammar: str | None = None
-
-    def __post_init__(self) -> None:
-        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
-        if len(given) != 1:
-            raise ValueError("structured_outputs takes exactly one of json, json_object, "
-                             f"regex, choice, grammar; got {', '.join(given) or 'none'}")
-        if self.choice is not None:
-            if isinstance(self.choice, str) or not self.choice or not all(
-                    isinstance(c, str) and c for c in self.choice):
-                raise ValueError("structured_outputs.choice must be a non-empty list of "
-                                 "non-empty strings")
-            object.__setattr__(self, "choice", tuple(self.choice))
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
-        if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise ValueError("structured_outputs.json must be a JSON schema: an object or "
-                             "its JSON text")
-
-    @property
-    def kind(self) -> str:
-        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
-
-    def key(self) -> tuple[str, str]:
-        """(kind, canonical text): equal constraints share one compiled grammar."""
-        if self.json is not None:
-            schema = _closed_objects(_parse_schema(self.json))
-            return "json", json.dumps(schema, sort_keys=True, separators=(",", ":"))
-        if self.choice is not None:
-            return "choice", json.dumps(list(self.choice))
-        if self.json_object:
-            return "json_object", ""
-        return self.kind, self.regex if self.regex is not None else str(self.grammar)
-
-
-def _parse_schema(schema: dict[str, Any] | str) -> dict[str, Any]:
-    if isinstance(schema, dict):
-        return schema
-    try:
-        parsed = json.loads(schema)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
-    if not isinstance(parsed, dict):
-        raise ValueError("structured_outputs.json must be a JSON schema object")
-    return parsed
-
-
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_VALUES = ("items", "additionalItems", "contains", "not", "if", "then", "else",
-                  "propertyNames", "additionalProperties", "unevaluatedItems")
-
-
-def _closed_objects(schema: Any) -> Any:
-    """The schema with `additionalProperties: false` on every object schema that does not
-    say otherwise: an object holds the properties it names and no others (what OpenAI's
-    strict schemas mean, and what a model needs to finish an object). Literal values
-    (enum, const, default) are left alone."""
-    if isinstance(schema, list):
-        return [_closed_objects(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: _closed_objects(s) for name, s in value.items()}
-        elif key in _SCHEMA_LISTS or key in _SCHEMA_VALUES:
-            out[key] = _closed_objects(value)
-        else:
-            out[key] = value
-    if (out.get("type") == "object" or "properties" in out) \
-            and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 class GrammarMatcher:
@@ -200,10 +108,13 @@ class StructuredOutputs:
         token 32 i + j is allowed."""
         return torch.zeros((rows, (self.vocab_size + 31) // 32), dtype=torch.int32)
 
-    def fill_masks(self, matchers: list[GrammarMatcher], masks: torch.Tensor) -> None:
-        """Row i of `masks` := the tokens `matchers[i]` allows next (in parallel)."""
+    def fill_masks(self, matchers: list[GrammarMatcher], masks: torch.Tensor,
+                   rows: list[int] | None = None) -> None:
+        """Row rows[i] (default: i) of `masks` := the tokens `matchers[i]` allows next,
+        filled in parallel."""
+        rows = rows if rows is not None else list(range(len(matchers)))
         self._llg_torch.fill_next_token_bitmask_par(
-            self._executor, [(m._matcher, row) for row, m in enumerate(matchers)], masks)
+            self._executor, [(m._matcher, row) for m, row in zip(matchers, rows)], masks)
 
     def apply_masks(self, logits: torch.Tensor, masks: torch.Tensor,
                     rows: list[int] | None = None) -> None:
