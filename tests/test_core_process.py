@@ -186,9 +186,14 @@ def _serve() -> Iterator[tuple[subprocess.Popen, str, int]]:
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        # the core, and multiprocessing's resource tracker beside it
-        [core] = [c for c in _children(proc.pid)
-                  if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        # The core (beside multiprocessing's resource tracker). Its parent, the thread that
+        # loaded the engine, exits after /health turns 200: for a moment the core is being
+        # handed to another thread and is nobody's child.
+        while not (cores := [c for c in _children(proc.pid)
+                             if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]):
+            assert time.monotonic() < deadline, "no engine core process found"
+            time.sleep(0.05)
+        [core] = cores
         yield proc, url, core
     finally:
         if proc.poll() is None:

@@ -149,8 +149,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             else:
                 engine = AsyncEngine.in_thread(LLMEngine(config))
             engine.on_core_death = lambda: (core_died.set(), setattr(server, "should_exit", True))
-            attach_engine(app, engine)
             freeze_startup_objects()
+            attach_engine(app, engine)
             print(f"infer: serving on http://{args.host}:{args.port}", file=sys.stderr)
         except BaseException as exc:
             failure.append(exc)

@@ -346,7 +346,7 @@ class EngineCore:
         if not rows:
             return
         structured = self.structured_outputs()
-        masks = structured.allocate_masks(len(seqs))
+        masks = structured.step_masks(len(seqs))
         structured.fill_masks([seqs[row].grammar for row in rows], masks, rows)
         with torch.inference_mode():  # the logits are inference tensors
             structured.apply_masks(logits, masks, rows)

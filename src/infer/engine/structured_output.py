@@ -63,6 +63,7 @@ class StructuredOutputs:
         self._executor = llguidance.LLExecutor()
         self.vocab_size = vocab_size
         self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._buffer: torch.Tensor | None = None
 
     def compile(self, params: StructuredOutputsParams) -> str:
         """The library's grammar for a constraint, checked against the vocabulary (the
@@ -107,6 +108,16 @@ class StructuredOutputs:
         """[rows, ceil(vocab / 32)] int32 bitmasks on the CPU: bit j of word i set means
         token 32 i + j is allowed."""
         return torch.zeros((rows, (self.vocab_size + 31) // 32), dtype=torch.int32)
+
+    def step_masks(self, rows: int) -> torch.Tensor:
+        """`allocate_masks(rows)` for one step, from a buffer kept between steps (pinned
+        where CUDA is, so the copy to the device can be queued): rows not filled this
+        step hold stale bits and must be left out of `apply_masks`."""
+        if self._buffer is None or len(self._buffer) < rows:
+            self._buffer = self.allocate_masks(max(rows, 2 * len(self._buffer or ())))
+            if torch.cuda.is_available():
+                self._buffer = self._buffer.pin_memory()
+        return self._buffer[:rows]
 
     def fill_masks(self, matchers: list[GrammarMatcher], masks: torch.Tensor,
                    rows: list[int] | None = None) -> None:
