@@ -309,3 +309,12 @@ def test_properties_come_in_the_order_the_schema_lists_them():
         text, done = _walk(StructuredOutputsParams(json=schema), seed)
         assert done and text.startswith('{"zeta":') and json.loads(text).keys() == {
             "zeta", "alpha"}, text
+
+
+def test_the_step_mask_buffer_grows_and_is_reused():
+    so = StructuredOutputs(ours("smollm2"), ours("smollm2").vocab_size)
+    assert so.step_masks(2).shape[0] == 2
+    grown = so.step_masks(5)
+    assert grown.shape == (5, (so.vocab_size + 31) // 32)
+    assert so.step_masks(3).data_ptr() == grown.data_ptr()  # reused, not reallocated
+    assert so.step_masks(11).shape[0] == 11

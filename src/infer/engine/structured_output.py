@@ -113,8 +113,9 @@ class StructuredOutputs:
         """`allocate_masks(rows)` for one step, from a buffer kept between steps (pinned
         where CUDA is, so the copy to the device can be queued): rows not filled this
         step hold stale bits and must be left out of `apply_masks`."""
-        if self._buffer is None or len(self._buffer) < rows:
-            self._buffer = self.allocate_masks(max(rows, 2 * len(self._buffer or ())))
+        have = 0 if self._buffer is None else len(self._buffer)
+        if have < rows:
+            self._buffer = self.allocate_masks(max(rows, 2 * have))
             if torch.cuda.is_available():
                 self._buffer = self._buffer.pin_memory()
         return self._buffer[:rows]
