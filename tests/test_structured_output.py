@@ -301,6 +301,11 @@ def test_a_bad_constraint_is_refused_and_the_engine_goes_on():
     assert llm.engine.stats()["kv_blocks_used"] == 0
 
 
+def test_an_engine_in_one_process_sets_up_the_grammar_library_once():
+    engine = _llm().engine
+    assert engine.input_processor.structured_outputs() is engine.core.structured_outputs()
+
+
 def test_properties_come_in_the_order_the_schema_lists_them():
     schema = {"type": "object", "properties": {"zeta": {"type": "boolean"},
                                                "alpha": {"type": "boolean"}},

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any
 
 
@@ -48,8 +49,10 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
 
+    @cached_property
     def key(self) -> tuple[str, str]:
-        """(kind, canonical text): equal constraints share one compiled grammar."""
+        """(kind, canonical text): equal constraints share one compiled grammar. Computed
+        once (the schema walk), however many sequences and sides look it up."""
         if self.json is not None:
             schema = _closed_objects(_parse_schema(self.json))
             # key order kept: properties are generated in the order the schema lists them

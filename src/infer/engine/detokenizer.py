@@ -25,7 +25,6 @@ def _no_stream(skip_special_tokens: bool) -> None:
     return None
 
 
-
 class IncrementalDetokenizer:
     """Per token, work in proportion to the new text only: the text is kept as pieces
     (returned, ready to return) plus a short pending tail, the last `hold_back`

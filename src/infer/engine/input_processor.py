@@ -8,6 +8,7 @@ tokenizer threads) so that it answers 400 before anything is queued.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,6 +48,9 @@ class InputProcessor:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._structured: StructuredOutputs | None = None
+        # Where constraints are compiled: this side's own grammar library, unless the
+        # engine shares its core's (one vocabulary set-up and one compile per constraint).
+        self.structured_outputs: Callable[[], StructuredOutputs] = self._own_structured_outputs
 
     @classmethod
     def for_core(cls, tokenizer: Tokenizer, info: CoreInfo) -> InputProcessor:
@@ -64,13 +68,16 @@ class InputProcessor:
 
     def check_constraint(self, params: SamplingParams) -> None:
         """A constraint the grammar library cannot compile is refused before anything is
-        queued (the core compiles it again for its matchers; each side caches)."""
-        if self._structured is None:
-            self._structured = StructuredOutputs(self.tokenizer, self.vocab_size)
+        queued (a core in another process compiles it again for its matchers)."""
         try:
-            self._structured.compile(params.structured_outputs)
+            self.structured_outputs().compile(params.structured_outputs)
         except ValueError as exc:
             raise RequestRejected(str(exc), "structured_outputs") from None
+
+    def _own_structured_outputs(self) -> StructuredOutputs:
+        if self._structured is None:
+            self._structured = StructuredOutputs(self.tokenizer, self.vocab_size)
+        return self._structured
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A text whose length alone proves it over the context is refused untokenized."""

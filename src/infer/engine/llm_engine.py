@@ -55,6 +55,8 @@ class LLMEngine:
             self.device, self.dtype = self.core.device, self.core.dtype
         self.max_model_len = self.info.max_model_len
         self.input_processor = InputProcessor.for_core(self.tokenizer, self.info)
+        if isinstance(self.core, EngineCore):
+            self.input_processor.structured_outputs = self.core.structured_outputs
         self.output_processor = OutputProcessor(self.tokenizer)
         self._next_id = 0
 

@@ -68,7 +68,7 @@ class StructuredOutputs:
     def compile(self, params: StructuredOutputsParams) -> str:
         """The library's grammar for a constraint, checked against the vocabulary (the
         last GRAMMAR_CACHE_SIZE are kept); ValueError naming the field if it is not one."""
-        key = params.key()
+        key = params.key
         grammar = self._grammars.get(key)
         if grammar is not None:
             self._grammars.move_to_end(key)
