@@ -398,6 +398,14 @@ class _Choice:
         return out
 
 
+def _choice(choices: dict[int, _Choice], index: int) -> _Choice:
+    """The choice at `index`, made on first use (no throwaway object per call)."""
+    choice = choices.get(index)
+    if choice is None:
+        choice = choices[index] = _Choice(index)
+    return choice
+
+
 class _Total:
     """A request's final output, added up from its delta outputs."""
 
@@ -408,10 +416,7 @@ class _Total:
     def add(self, output: RequestOutput) -> None:
         self.last = output
         for c in output.outputs:
-            choice = self.choices.get(c.index)
-            if choice is None:
-                choice = self.choices[c.index] = _Choice(c.index)
-            choice.add(c)
+            _choice(self.choices, c.index).add(c)
 
     def output(self) -> RequestOutput:
         assert self.last is not None and self.last.finished
@@ -464,9 +469,7 @@ async def _stream_events(
                 prompt_tokens[p] = len(output.prompt_token_ids)
                 for c in output.outputs:
                     index = p * n + c.index
-                    choice = pending.get(index)
-                    if choice is None:
-                        choice = pending[index] = _Choice(index)
+                    choice = _choice(pending, index)
                     choice.add(c)
                     completion_tokens += len(c.token_ids)
                     touched[index] = choice
