@@ -1,0 +1,93 @@
+"""What a constraint costs per decode step: the same requests plain and under a regex and a
+JSON-schema constraint, at several batch sizes, through `LLM.generate` with its defaults
+(CUDA graphs, async scheduling). Random weights in a model shape, with a real vocabulary
+(`--tokenizer`, a directory with tokenizer.json) so that the grammars are real; 64
+constrained JSON answers are checked first (stopped ones must parse and fit the schema).
+
+    python benchmarks/structured_output.py --tokenizer DIR [--batches 1 32 256]
+
+Prints one table and writes benchmarks/results/structured_output_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 10},
+    "age": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["name", "age"]}
+
+
+def _valid_person(text: str) -> bool:
+    record = json.loads(text)
+    return (set(record) == {"name", "age"} and isinstance(record["name"], str)
+            and len(record["name"]) <= 10 and isinstance(record["age"], int)
+            and 0 <= record["age"] <= 99)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-shape", default="llama-3.2-1b")
+    p.add_argument("--tokenizer", required=True, help="directory with tokenizer.json")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
+    p.add_argument("--output-len", type=int, default=128)
+    common.add_common_args(p)
+    args = p.parse_args()
+    from infer import SamplingParams, StructuredOutputsParams
+
+    path = common.get_checkpoint(args.model_shape, args.tiny, args.ckpt_root,
+                                 tokenizer_dir=Path(args.tokenizer))
+    flags = {"max_num_seqs": max(args.batches), **common.parse_engine_flags(args.engine)}
+    llm, _ = common.build_llm(path, flags)
+    person = [SamplingParams(max_tokens=64, temperature=0.8, seed=i,
+                             structured_outputs=StructuredOutputsParams(json=PERSON))
+              for i in range(64)]
+    outs = llm.generate(["A record:"] * 64, person, use_tqdm=False)
+    stopped = [o.outputs[0].text for o in outs if o.outputs[0].finish_reason == "stop"]
+    valid = sum(_valid_person(text) for text in stopped)
+    print(f"JSON answers: {len(stopped)}/64 stopped, {valid} valid", flush=True)
+    constraints = {"none": None,
+                   "regex [a-z ]+": StructuredOutputsParams(regex="[a-z ]+"),
+                   "JSON array of strings": StructuredOutputsParams(
+                       json={"type": "array", "items": {"type": "string"}})}
+    vocab = llm.engine.info.vocab_size  # the tokenizer's, which the checkpoint took
+    rng = random.Random(0)
+    rows = []
+    for batch in args.batches:
+        prompts = [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(32)]}
+                   for _ in range(batch)]
+        for name, constraint in constraints.items():
+            params = [SamplingParams(max_tokens=args.output_len, temperature=0.8, seed=i,
+                                     ignore_eos=True, structured_outputs=constraint)
+                      for i in range(batch)]
+            llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm
+            steps = llm.engine.stats()["num_steps"]
+            common.sync()
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            common.sync()
+            seconds = time.perf_counter() - t
+            steps = llm.engine.stats()["num_steps"] - steps
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            rows.append({"batch": batch, "constraint": name, "tokens": tokens,
+                         "out_tok_per_s": tokens / seconds, "ms_per_step": seconds / steps * 1e3})
+    plain = {r["batch"]: r["ms_per_step"] for r in rows if r["constraint"] == "none"}
+    print("| batch | constraint | ms/step | vs none | out tok/s |\n|---:|---|---:|---:|---:|")
+    for r in rows:
+        r["vs_none"] = r["ms_per_step"] / plain[r["batch"]]
+        print(f"| {r['batch']} | {r['constraint']} | {r['ms_per_step']:.2f} "
+              f"| {r['vs_none']:.2f}x | {r['out_tok_per_s']:,.0f} |")
+    common.write_results("structured_output", args, {
+        "json_stopped": len(stopped), "json_valid": valid, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
