@@ -105,3 +105,63 @@ def test_static_buffers_match_ordinary_path(model, query_len: int) -> None:
     torch.testing.assert_close(runner.kv_pool, expected_pool, rtol=tol, atol=tol,
                                equal_nan=True)
     assert runner.kv_pool[:, :, 0].isnan().all()
+
+
+def test_token_buckets() -> None:
+    from infer.engine.piecewise_graphs import token_buckets
+
+    assert token_buckets(16) == [16]
+    assert token_buckets(100) == [16, 32, 64, 100]
+    assert token_buckets(1000) == [16, 32, 64, 128, 256, 320, 384, 448, 512, 640, 768, 896,
+                                   1000]
+    assert token_buckets(2048)[-5:] == [1024, 1280, 1536, 1792, 2048]
+
+
+@pytest.mark.parametrize("max_tokens", [16, 64])
+def test_piecewise_graphs_match_ordinary_path(model, max_tokens: int) -> None:
+    """A mixed step (a prefill chunk over a cached prefix, a whole prompt, two decodes) of
+    13 tokens through the graphs cut at attention, padded to a bucket of 16: the same
+    hidden states and cache as the ordinary path, and the padding writes nothing."""
+    from infer.engine.model_runner import ModelRunner
+
+    net, config = model
+    runner = ModelRunner(net, config, NUM_BLOCKS, BLOCK, DEVICE, torch.float32,
+                         attention_backend="triton", kernel_backend="torch")
+    tables = [[3, 9, 4], [6, 1], [8, 11, 2, 5], [7, 10]]
+    context = [5, 0, 9, 6]  # tokens already cached per sequence
+    new = [4, 7, 1, 1]  # tokens this step brings
+    runner.kv_pool.fill_(float("nan"))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 64, (c + q,), generator=gen).tolist()
+               for c, q in zip(context, new)]
+    backend = runner.backend
+    cached = [i for i, c in enumerate(context) if c]
+    with torch.inference_mode():
+        meta = backend.build_metadata([context[i] for i in cached], [context[i] for i in cached],
+                                      [tables[i] for i in cached], BLOCK, DEVICE)
+        net(torch.tensor([t for i in cached for t in prompts[i][:context[i]]], device=DEVICE),
+            torch.tensor([p for i in cached for p in range(context[i])], device=DEVICE), meta)
+    ids = [t for p, c in zip(prompts, context) for t in p[c:]]
+    positions = [p for c, q in zip(context, new) for p in range(c, c + q)]
+    seq_lens = [c + q for c, q in zip(context, new)]
+    before = runner.kv_pool.clone()
+    with torch.inference_mode():
+        meta = backend.build_metadata(new, seq_lens, tables, BLOCK, DEVICE)
+        expected = net(torch.tensor(ids, device=DEVICE), torch.tensor(positions, device=DEVICE),
+                       meta)
+    expected_pool = runner.kv_pool.clone()
+    runner.kv_pool.copy_(before)
+
+    graphs = runner.enable_piecewise_graphs(max_tokens, capture=DEVICE.type == "cuda")
+    assert graphs.fits(13) and not graphs.fits(max_tokens + 1)
+    with torch.inference_mode():
+        hidden = graphs.run(ids, positions, meta)
+        again = graphs.run(ids, positions, meta)  # replays read the buffers afresh
+    assert hidden.shape == expected.shape
+    tol = 1e-5 if DEVICE.type == "cpu" else 1e-4
+    torch.testing.assert_close(hidden, expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(again, expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(runner.kv_pool, expected_pool, rtol=tol, atol=tol,
+                               equal_nan=True)
+    assert runner.kv_pool[:, :, 0].isnan().all()
+    assert graphs.steps == 2

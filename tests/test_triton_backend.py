@@ -71,11 +71,13 @@ def _generate(path, graphs: bool = False, **flags):
               max_num_batched_tokens=16, **flags)  # 16: long prompts go in chunks
     if graphs:
         llm.engine.runner.enable_decode_graphs(6, 64, capture=DEVICE != "cpu")
+        llm.engine.runner.enable_piecewise_graphs(16, capture=DEVICE != "cpu")
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=0)
     outs = llm.generate(_prompts(), params, use_tqdm=False)
     assert llm.engine.attention_backend == flags["attention_backend"]
     if graphs:
         assert llm.engine.runner.graphs.steps >= 6
+        assert llm.engine.runner.piecewise.steps >= 3  # every step with prompt tokens
     return outs
 
 
@@ -93,8 +95,9 @@ def test_triton_backend_matches_torch(model_dir):
 
 
 def test_decode_graph_buffers_match_torch(model_dir):
-    """The padded static-buffer path of CUDA graphs (run eagerly here): 5 sequences run
-    as graph size 6, then fewer as they finish, all against the reference."""
+    """The padded static-buffer paths of CUDA graphs (run eagerly here): 5 sequences
+    decode as graph size 6, then fewer as they finish; the steps with prompt tokens go
+    through the graphs cut at attention; all against the reference."""
     ref = _generate(model_dir, attention_backend="torch", kernel_backend="torch")
     outs = _generate(model_dir, graphs=True, attention_backend="triton",
                      kernel_backend="torch" if DEVICE == "cpu" else "triton")

@@ -34,6 +34,9 @@ class EngineConfig:
     # Norms, RoPE and gated activations: the same choice as attention_backend.
     kernel_backend: str = "auto"
     cuda_graphs: bool = True  # replay captured decode steps (CUDA + triton attention only)
+    # With cuda_graphs: replay the steps that carry prompt tokens too, from graphs cut
+    # where each layer attends (attention itself runs eagerly between them).
+    piecewise_graphs: bool = True
     # Launch the next decode step before this one's tokens reach the host (stop checks run
     # one step behind), so the GPU does not idle during the host's bookkeeping.
     async_scheduling: bool = True

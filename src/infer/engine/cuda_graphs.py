@@ -49,6 +49,7 @@ class DecodeGraphs:
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.hidden: dict[int, torch.Tensor] = {}  # graph outputs (or eager results)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool: object = None  # the graphs' memory pool (other graphs may share it)
         self.capture_seconds = 0.0
         self.steps = 0  # steps served through the static buffers
         if capture:
@@ -71,16 +72,15 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         start = time.perf_counter()
-        pool = None
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for size in reversed(self.sizes):
                 self._forward(size)  # compile the kernels and warm the allocator first
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     self.hidden[size] = self._forward(size)
-                pool = graph.pool()
+                self.pool = graph.pool()
                 self.graphs[size] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)

@@ -119,6 +119,10 @@ class EngineCore:
             else:
                 graphs = self.runner.enable_decode_graphs(config.max_num_seqs, max_model_len)
                 self.graph_capture_seconds = graphs.capture_seconds
+                if config.piecewise_graphs:
+                    pieces = self.runner.enable_piecewise_graphs(
+                        config.max_num_batched_tokens)
+                    self.graph_capture_seconds += pieces.capture_seconds
         self.sequences: dict[str, _Sequence] = {}
         self._in_flight: _StepInFlight | None = None
         self.num_steps = 0

@@ -15,6 +15,7 @@ from infer.attention import (
 )
 from infer.config import ModelConfig
 from infer.engine.cuda_graphs import DecodeGraphs
+from infer.engine.piecewise_graphs import PiecewiseGraphs
 from infer.engine.scheduler import SchedulerOutput
 from infer.models.layers import set_kernel_backend
 from infer.transfer import to_device
@@ -58,6 +59,7 @@ class ModelRunner:
         self._views = [(m.k_cache, m.v_cache) for m in self._layers]
         self._bind()
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int,
                              capture: bool = True, tokens_per_seq: int = 1) -> DecodeGraphs:
@@ -70,6 +72,17 @@ class ModelRunner:
         self._bind()
         self.graphs = DecodeGraphs(self.model, attn, self.device, capture=capture)
         return self.graphs
+
+    def enable_piecewise_graphs(self, max_tokens: int, capture: bool = True
+                                ) -> PiecewiseGraphs:
+        """Capture graphs cut at attention for steps of up to `max_tokens` tokens that the
+        decode graphs do not take (sharing their memory pool); `capture=False` runs the
+        same static-buffer path eagerly (CPU tests)."""
+        self._bind()
+        pool = self.graphs.pool if self.graphs is not None else None
+        self.piecewise = PiecewiseGraphs(self.model, self.backend, max_tokens, self.device,
+                                         capture=capture, pool=pool)
+        return self.piecewise
 
     def _bind(self) -> None:
         set_attention_backend(self.model, self.backend)
@@ -112,10 +125,15 @@ class ModelRunner:
             meta = self.backend.build_metadata(inputs.query_lens, inputs.seq_lens,
                                                inputs.block_tables, self.block_size,
                                                self.device)
-            if device_input_ids is None:
-                ids = to_device(torch.tensor(inputs.input_ids, dtype=torch.long), self.device)
-            positions = to_device(torch.tensor(inputs.positions, dtype=torch.long), self.device)
-            hidden = self.model(ids, positions, meta)
+            if self.piecewise is not None and self.piecewise.fits(meta.num_tokens):
+                hidden = self.piecewise.run(ids, inputs.positions, meta)
+            else:
+                if device_input_ids is None:
+                    ids = to_device(torch.tensor(inputs.input_ids, dtype=torch.long),
+                                    self.device)
+                positions = to_device(torch.tensor(inputs.positions, dtype=torch.long),
+                                      self.device)
+                hidden = self.model(ids, positions, meta)
         if not inputs.sample_rows:
             return hidden[:0]
         if inputs.sample_rows != list(range(len(inputs.sample_rows))) or \
