@@ -108,7 +108,7 @@ def test_static_buffers_match_ordinary_path(model, query_len: int) -> None:
 
 
 def test_token_buckets() -> None:
-    from infer.engine.piecewise_graphs import token_buckets
+    from infer.engine.cuda_graphs import token_buckets
 
     assert token_buckets(16) == [16]
     assert token_buckets(100) == [16, 32, 64, 100]
@@ -117,11 +117,13 @@ def test_token_buckets() -> None:
     assert token_buckets(2048)[-5:] == [1024, 1280, 1536, 1792, 2048]
 
 
+@pytest.mark.parametrize("kind", ["mixed", "piecewise"])
 @pytest.mark.parametrize("max_tokens", [16, 64])
-def test_piecewise_graphs_match_ordinary_path(model, max_tokens: int) -> None:
+def test_mixed_step_graphs_match_ordinary_path(model, kind: str, max_tokens: int) -> None:
     """A mixed step (a prefill chunk over a cached prefix, a whole prompt, two decodes) of
-    13 tokens through the graphs cut at attention, padded to a bucket of 16: the same
-    hidden states and cache as the ordinary path, and the padding writes nothing."""
+    13 tokens through whole-step graphs or graphs cut at attention, padded to a bucket of
+    16 (and 6 sequences): the same hidden states and cache as the ordinary path, and the
+    padding writes nothing."""
     from infer.engine.model_runner import ModelRunner
 
     net, config = model
@@ -152,11 +154,23 @@ def test_piecewise_graphs_match_ordinary_path(model, max_tokens: int) -> None:
     expected_pool = runner.kv_pool.clone()
     runner.kv_pool.copy_(before)
 
-    graphs = runner.enable_piecewise_graphs(max_tokens, capture=DEVICE.type == "cuda")
-    assert graphs.fits(13) and not graphs.fits(max_tokens + 1)
+    capture = DEVICE.type == "cuda"
+    if kind == "mixed":
+        graphs = runner.enable_mixed_graphs(max_tokens, 6, MAX_LEN, capture=capture)
+        assert graphs.fits(new) and not graphs.fits([1] * 7)
+        assert not graphs.fits([max_tokens - 3, 4])
+
+        def run():
+            return graphs.run(ids, positions, new, seq_lens, tables)
+    else:
+        graphs = runner.enable_piecewise_graphs(max_tokens, capture=capture)
+        assert graphs.fits(13) and not graphs.fits(max_tokens + 1)
+
+        def run():
+            return graphs.run(ids, positions, meta)
     with torch.inference_mode():
-        hidden = graphs.run(ids, positions, meta)
-        again = graphs.run(ids, positions, meta)  # replays read the buffers afresh
+        hidden = run()
+        again = run()  # replays read the buffers afresh
     assert hidden.shape == expected.shape
     tol = 1e-5 if DEVICE.type == "cpu" else 1e-4
     torch.testing.assert_close(hidden, expected, rtol=tol, atol=tol)

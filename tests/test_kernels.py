@@ -23,7 +23,7 @@ from infer.attention.triton_backend import paged_attention_kernels
 from infer.kernels import reference as ref
 from infer.kernels.activation import geglu_tanh, swiglu
 from infer.kernels.kv_store import store_kv
-from infer.kernels.paged_attention import paged_decode
+from infer.kernels.paged_attention import paged_decode, paged_prefill, prefill_block_q
 from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from infer.kernels.rope import rope_
 from infer.models.layers import RMSNorm
@@ -212,6 +212,26 @@ def test_paged_prefill_with_cached_prefix(heads, kv_heads, head_dim, window, sof
     scale = head_dim ** -0.5
     expected = torch_backend.paged_attention(q, k_ref, v_ref, meta, scale, window, softcap)
     out = paged_attention_kernels(q, k_cache, v_cache, meta, scale, window, softcap)
+    assert_close(out, expected)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window", "softcap"), ATTN_CASES)
+def test_paged_prefill_tiled_launch(heads, kv_heads, head_dim, window, softcap) -> None:
+    """The launch CUDA graphs hold: a fixed number of programs that find their sequence
+    from the tile prefix sums; sequences without queries (one in the middle, padding rows
+    at the end), and programs past the last tile, do nothing."""
+    query_lens, seq_lens = [37, 1, 0, 9, 2, 0, 0], [37, 30, 12, 45, 2, 0, 0]
+    meta, q, (k_cache, v_cache), (k_ref, v_ref) = _paged_case(
+        query_lens, seq_lens, heads, kv_heads, head_dim)
+    scale = head_dim ** -0.5
+    expected = torch_backend.paged_attention(q, k_ref, v_ref, meta, scale, window, softcap)
+    block_q = prefill_block_q(heads, kv_heads, head_dim)
+    starts = np.cumsum([0] + [-(-n // block_q) for n in query_lens]).tolist()
+    tile_start = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                  0, scale, window, softcap, out=out, tile_start=tile_start,
+                  max_tiles=starts[-1] + 5)
     assert_close(out, expected)
 
 

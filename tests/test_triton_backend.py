@@ -65,19 +65,23 @@ def _prompts() -> list[list[int]]:
         [rng.randrange(3, VOCAB) for _ in range(n)] for n in (2, 17)]
 
 
-def _generate(path, graphs: bool = False, **flags):
+def _generate(path, graphs: str | None = None, **flags):
     llm = LLM(str(path), device=DEVICE, dtype="float32", cuda_graphs=False, block_size=4,
               max_model_len=64, max_num_seqs=6,
               max_num_batched_tokens=16, **flags)  # 16: long prompts go in chunks
     if graphs:
         llm.engine.runner.enable_decode_graphs(6, 64, capture=DEVICE != "cpu")
-        llm.engine.runner.enable_piecewise_graphs(16, capture=DEVICE != "cpu")
+        if graphs == "mixed":
+            llm.engine.runner.enable_mixed_graphs(16, 6, 64, capture=DEVICE != "cpu")
+        else:
+            llm.engine.runner.enable_piecewise_graphs(16, capture=DEVICE != "cpu")
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=0)
     outs = llm.generate(_prompts(), params, use_tqdm=False)
     assert llm.engine.attention_backend == flags["attention_backend"]
     if graphs:
         assert llm.engine.runner.graphs.steps >= 6
-        assert llm.engine.runner.piecewise.steps >= 3  # every step with prompt tokens
+        served = llm.engine.runner.mixed if graphs == "mixed" else llm.engine.runner.piecewise
+        assert served.steps >= 3  # every step with prompt tokens
     return outs
 
 
@@ -94,12 +98,13 @@ def test_triton_backend_matches_torch(model_dir):
     _assert_same(_generate(model_dir, attention_backend="triton", kernel_backend="triton"), ref)
 
 
-def test_decode_graph_buffers_match_torch(model_dir):
+@pytest.mark.parametrize("graphs", ["mixed", "piecewise"])
+def test_graph_buffers_match_torch(model_dir, graphs):
     """The padded static-buffer paths of CUDA graphs (run eagerly here): 5 sequences
     decode as graph size 6, then fewer as they finish; the steps with prompt tokens go
-    through the graphs cut at attention; all against the reference."""
+    through whole-step graphs or graphs cut at attention; all against the reference."""
     ref = _generate(model_dir, attention_backend="torch", kernel_backend="torch")
-    outs = _generate(model_dir, graphs=True, attention_backend="triton",
+    outs = _generate(model_dir, graphs=graphs, attention_backend="triton",
                      kernel_backend="torch" if DEVICE == "cpu" else "triton")
     _assert_same(outs, ref)
 

@@ -14,6 +14,7 @@ import torch
 
 from infer.attention.graph_metadata import GraphMetadata
 from infer.attention.metadata import AttentionMetadata
+from infer.attention.varlen_graph_metadata import VarlenGraphMetadata
 
 BACKENDS = ("torch", "triton")
 
@@ -50,6 +51,14 @@ class AttentionBackend(Protocol):
     ) -> GraphMetadata:
         """Static buffers for graphs of up to `max_batch` sequences of `query_len` new tokens
         each (raises if this backend's launches cannot be captured)."""
+        ...
+
+    def init_varlen_graph_metadata(
+        self, max_tokens: int, max_seqs: int, max_seq_len: int, block_size: int,
+        num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
+    ) -> VarlenGraphMetadata:
+        """Static buffers for graphs of steps of any shape, up to `max_tokens` tokens over
+        up to `max_seqs` sequences (raises if this backend's launches cannot be captured)."""
         ...
 
 

@@ -9,6 +9,7 @@ import torch
 
 from infer.attention.graph_metadata import GraphMetadata
 from infer.attention.metadata import AttentionMetadata
+from infer.attention.varlen_graph_metadata import VarlenGraphMetadata
 
 
 def write_kv(
@@ -123,3 +124,9 @@ class TorchAttentionBackend:
         num_kv_heads: int, device: torch.device,
     ) -> GraphMetadata:
         raise ValueError("decode graphs need attention_backend='triton'")
+
+    def init_varlen_graph_metadata(
+        self, max_tokens: int, max_seqs: int, max_seq_len: int, block_size: int,
+        num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
+    ) -> VarlenGraphMetadata:
+        raise ValueError("graphs of mixed steps need attention_backend='triton'")

@@ -22,8 +22,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from infer.attention.graph_metadata import GraphMetadata
 from infer.attention.metadata import AttentionMetadata
+from infer.attention.varlen_graph_metadata import VarlenGraphMetadata
 from infer.kernels.kv_store import store_kv
-from infer.kernels.paged_attention import default_num_splits, paged_decode, paged_prefill
+from infer.kernels.paged_attention import (
+    default_num_splits,
+    paged_decode,
+    paged_prefill,
+    prefill_block_q,
+)
 
 DENSE_PREFILL_MIN_TOKENS = 2048
 _SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
@@ -41,6 +47,10 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     scale: float, sliding_window: int | None = None, logit_softcap: float | None = None,
 ) -> torch.Tensor:
+    if meta.prefill_tiles is not None:  # a captured step of any shape: one fixed launch
+        return paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                             meta.block_tables, 0, scale, sliding_window, logit_softcap,
+                             tile_start=meta.prefill_tiles, max_tiles=meta.max_prefill_tiles)
     first = meta.num_seqs
     if sliding_window is None and logit_softcap is None:
         # The trailing run of long sequences (the scheduler puts new prefills last).
@@ -130,3 +140,13 @@ class TritonAttentionBackend:
         # Only an all-decode batch takes the split-K launch.
         return GraphMetadata(max_batch, query_len, -(-max_seq_len // block_size), block_size,
                              device, splits if query_len == 1 else None)
+
+    def init_varlen_graph_metadata(
+        self, max_tokens: int, max_seqs: int, max_seq_len: int, block_size: int,
+        num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
+    ) -> VarlenGraphMetadata:
+        # Longer queries go to SDPA, which plans on host lengths: not in a graph.
+        return VarlenGraphMetadata(max_tokens, max_seqs, -(-max_seq_len // block_size),
+                                   block_size, prefill_block_q(num_heads, num_kv_heads,
+                                                               head_dim),
+                                   DENSE_PREFILL_MIN_TOKENS - 1, device)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "triton")
+MIXED_STEP_GRAPHS = ("full", "piecewise", "off")
 
 
 @dataclass(frozen=True)
@@ -34,9 +35,10 @@ class EngineConfig:
     # Norms, RoPE and gated activations: the same choice as attention_backend.
     kernel_backend: str = "auto"
     cuda_graphs: bool = True  # replay captured decode steps (CUDA + triton attention only)
-    # With cuda_graphs: replay the steps that carry prompt tokens too, from graphs cut
-    # where each layer attends (attention itself runs eagerly between them).
-    piecewise_graphs: bool = True
+    # With cuda_graphs, the steps that carry prompt tokens: full = whole-step graphs
+    # (and piecewise ones for steps with a sequence too long for their attention launch),
+    # piecewise = graphs cut where each layer attends (attention eager), off = eager.
+    mixed_step_graphs: str = "full"
     # Launch the next decode step before this one's tokens reach the host (stop checks run
     # one step behind), so the GPU does not idle during the host's bookkeeping.
     async_scheduling: bool = True
@@ -51,6 +53,7 @@ class EngineConfig:
         self._check_choice("kv_cache", ("paged", "contiguous"))
         self._check_choice("attention_backend", BACKENDS)
         self._check_choice("kernel_backend", BACKENDS)
+        self._check_choice("mixed_step_graphs", MIXED_STEP_GRAPHS)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -11,18 +11,49 @@ from the largest down. The attention backend supplies the attention buffers
 
 Capture needs a backend whose launches never synchronise with the host or change shape
 with the sequence lengths: the Triton backend, with a fixed split-K factor per size for
-decode. On a CPU the same buffers and padding run eagerly (`capture=False`), so tests
+decode. `MixedGraphs` does the same for steps of any shape (prefill chunks beside decodes), keyed
+by token count: one fixed attention launch covers any mix of sequences
+(`infer.attention.varlen_graph_metadata`).
+
+On a CPU the same buffers and padding run eagerly (`capture=False`), so tests
 cover everything but the capture itself.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from infer.attention.graph_metadata import GraphMetadata
+from infer.attention.varlen_graph_metadata import VarlenGraphMetadata
+
+
+@torch.inference_mode()
+def capture_graphs(
+    sizes: list[int], forward: Callable[[int], torch.Tensor],
+    graphs: dict[int, torch.cuda.CUDAGraph], outputs: dict[int, torch.Tensor],
+    device: torch.device, pool: object = None,
+) -> tuple[object, float]:
+    """Capture `forward(size)` for every size, largest first, into `graphs` and their
+    outputs into `outputs`, all in one memory pool (`pool`, or a new one); returns the
+    pool and the seconds it took."""
+    start = time.perf_counter()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for size in reversed(sizes):
+            forward(size)  # compile the kernels and warm the allocator first
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                outputs[size] = forward(size)
+            pool = graph.pool()
+            graphs[size] = graph
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    return pool, time.perf_counter() - start
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -30,6 +61,16 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes = [s for s in (1, 2, 4) if s < max_num_seqs]
     sizes += list(range(8, max_num_seqs, 8))
     return [*sizes, max_num_seqs]
+
+
+def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
+    """Powers of two up to 256, then four sizes per doubling (at most 25 % padding), up to
+    and including max_tokens."""
+    sizes, size = [], smallest
+    while size < max_tokens:
+        sizes.append(size)
+        size += size if size < 256 else 1 << (size.bit_length() - 3)
+    return [*sizes, max_tokens]
 
 
 class DecodeGraphs:
@@ -53,7 +94,8 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
         self.steps = 0  # steps served through the static buffers
         if capture:
-            self._capture_all()
+            self.pool, self.capture_seconds = capture_graphs(
+                self.sizes, self._forward, self.graphs, self.hidden, device)
 
     @property
     def max_batch(self) -> int:
@@ -68,23 +110,6 @@ class DecodeGraphs:
         tokens = size * self.tokens_per_seq
         return self.model(self.input_ids[:tokens], self.positions[:tokens],
                           self.attn.metadata(size))
-
-    @torch.inference_mode()
-    def _capture_all(self) -> None:
-        start = time.perf_counter()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):
-                self._forward(size)  # compile the kernels and warm the allocator first
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    self.hidden[size] = self._forward(size)
-                self.pool = graph.pool()
-                self.graphs[size] = graph
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        self.capture_seconds = time.perf_counter() - start
 
     def run(
         self, input_ids: list[int] | torch.Tensor, positions: list[int], seq_lens: list[int],
@@ -112,3 +137,57 @@ class DecodeGraphs:
             return self.hidden[size][:real]
         with torch.inference_mode():
             return self._forward(size)[:real]
+
+
+class MixedGraphs:
+    """Graphs keyed by token count (`token_buckets`), for steps of up to `attn.max_seqs`
+    sequences that each bring at most `attn.max_query_len` tokens."""
+
+    def __init__(
+        self, model: nn.Module, attn: VarlenGraphMetadata, device: torch.device,
+        capture: bool = True, pool: object = None,
+    ) -> None:
+        self.model = model
+        self.attn = attn
+        self.device = device
+        self.sizes = token_buckets(attn.max_tokens)
+        # Row 0: token ids, row 1: positions.
+        self.tokens = torch.zeros(2, self.sizes[-1], dtype=torch.long, device=device)
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = pool
+        self.capture_seconds = 0.0
+        self.steps = 0
+        if capture:
+            self.pool, self.capture_seconds = capture_graphs(
+                self.sizes, self._forward, self.graphs, self.hidden, device, pool)
+
+    def fits(self, query_lens: list[int]) -> bool:
+        return self.attn.fits(query_lens)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        return self.model(self.tokens[0, :size], self.tokens[1, :size],
+                          self.attn.metadata(size))
+
+    def run(
+        self, input_ids: list[int] | torch.Tensor, positions: list[int], query_lens: list[int],
+        seq_lens: list[int], block_tables: list[list[int]],
+    ) -> torch.Tensor:
+        """Hidden states `[n, hidden]` of one step of n tokens. `input_ids` may already be
+        on the device."""
+        n = len(positions)
+        size = next(s for s in self.sizes if s >= n)
+        self.steps += 1
+        pad = [0] * (size - n)
+        on_device = isinstance(input_ids, torch.Tensor)
+        rows = self.attn.prepare_replay(
+            size, query_lens, seq_lens, block_tables,
+            [[0] * size if on_device else input_ids + pad, positions + pad])
+        self.tokens[:, :size].copy_(rows)
+        if on_device:
+            self.tokens[0, :n].copy_(input_ids)
+        if size in self.graphs:
+            self.graphs[size].replay()
+            return self.hidden[size][:n]
+        with torch.inference_mode():
+            return self._forward(size)[:n]

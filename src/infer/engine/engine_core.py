@@ -119,9 +119,13 @@ class EngineCore:
             else:
                 graphs = self.runner.enable_decode_graphs(config.max_num_seqs, max_model_len)
                 self.graph_capture_seconds = graphs.capture_seconds
-                if config.piecewise_graphs:
-                    pieces = self.runner.enable_piecewise_graphs(
-                        config.max_num_batched_tokens)
+                budget = config.max_num_batched_tokens
+                if config.mixed_step_graphs == "full":
+                    mixed = self.runner.enable_mixed_graphs(budget, config.max_num_seqs,
+                                                            max_model_len)
+                    self.graph_capture_seconds += mixed.capture_seconds
+                if config.mixed_step_graphs != "off":
+                    pieces = self.runner.enable_piecewise_graphs(budget)
                     self.graph_capture_seconds += pieces.capture_seconds
         self.sequences: dict[str, _Sequence] = {}
         self._in_flight: _StepInFlight | None = None

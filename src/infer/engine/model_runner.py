@@ -14,7 +14,7 @@ from infer.attention import (
     set_attention_backend,
 )
 from infer.config import ModelConfig
-from infer.engine.cuda_graphs import DecodeGraphs
+from infer.engine.cuda_graphs import DecodeGraphs, MixedGraphs
 from infer.engine.piecewise_graphs import PiecewiseGraphs
 from infer.engine.scheduler import SchedulerOutput
 from infer.models.layers import set_kernel_backend
@@ -59,6 +59,7 @@ class ModelRunner:
         self._views = [(m.k_cache, m.v_cache) for m in self._layers]
         self._bind()
         self.graphs: DecodeGraphs | None = None
+        self.mixed: MixedGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int,
@@ -73,16 +74,35 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, attn, self.device, capture=capture)
         return self.graphs
 
+    def enable_mixed_graphs(self, max_tokens: int, max_num_seqs: int, max_model_len: int,
+                            capture: bool = True) -> MixedGraphs:
+        """Capture graphs for steps of any shape up to `max_tokens` tokens (the token
+        budget), sharing the decode graphs' memory pool; `capture=False`: see above."""
+        layer = self._layers[0]
+        attn = self.backend.init_varlen_graph_metadata(
+            max_tokens, max_num_seqs, max_model_len, self.block_size, layer.num_heads,
+            layer.num_kv_heads, layer.head_dim, self.device)
+        self._bind()
+        self.mixed = MixedGraphs(self.model, attn, self.device, capture=capture,
+                                 pool=self._graph_pool())
+        return self.mixed
+
     def enable_piecewise_graphs(self, max_tokens: int, capture: bool = True
                                 ) -> PiecewiseGraphs:
         """Capture graphs cut at attention for steps of up to `max_tokens` tokens that the
-        decode graphs do not take (sharing their memory pool); `capture=False` runs the
-        same static-buffer path eagerly (CPU tests)."""
+        other graphs do not take (sharing their memory pool); `capture=False`: see above."""
         self._bind()
-        pool = self.graphs.pool if self.graphs is not None else None
         self.piecewise = PiecewiseGraphs(self.model, self.backend, max_tokens, self.device,
-                                         capture=capture, pool=pool)
+                                         capture=capture, pool=self._graph_pool())
         return self.piecewise
+
+    def _graph_pool(self) -> object:
+        """The memory pool graphs captured so far share (None: none captured yet). Steps
+        never overlap, so all graphs of the runner can share one."""
+        for graphs in (self.mixed, self.graphs):
+            if graphs is not None and graphs.pool is not None:
+                return graphs.pool
+        return None
 
     def _bind(self) -> None:
         set_attention_backend(self.model, self.backend)
@@ -121,6 +141,9 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(inputs.query_lens):
             hidden = self.graphs.run(ids, inputs.positions, inputs.seq_lens,
                                      inputs.block_tables)
+        elif self.mixed is not None and self.mixed.fits(inputs.query_lens):
+            hidden = self.mixed.run(ids, inputs.positions, inputs.query_lens,
+                                    inputs.seq_lens, inputs.block_tables)
         else:
             meta = self.backend.build_metadata(inputs.query_lens, inputs.seq_lens,
                                                inputs.block_tables, self.block_size,

@@ -35,17 +35,8 @@ from torch import nn
 
 from infer.attention import Attention, AttentionMetadata, set_attention_backend
 from infer.attention.backend import AttentionBackend
+from infer.engine.cuda_graphs import token_buckets
 from infer.transfer import to_device
-
-
-def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
-    """Powers of two up to 256, then four sizes per doubling (at most 25 % padding), up to
-    and including max_tokens."""
-    sizes, size = [], smallest
-    while size < max_tokens:
-        sizes.append(size)
-        size += size if size < 256 else 1 << (size.bit_length() - 3)
-    return [*sizes, max_tokens]
 
 
 def _unowned(t: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,7 @@ def _attend(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -144,19 +144,38 @@ def _reduce_kernel(
              out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
 
 
-@triton.jit
+# Lengths that change from step to step are not specialised on (Triton would compile
+# another variant the first time one is a multiple of 16: ~0.5 s in the middle of serving).
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr, tile_start_ptr,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ot, stride_oh,
-    scale, softcap, window, head_dim, group,
+    scale, softcap, window, head_dim, group, num_seqs,
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, SOFTCAP: tl.constexpr,
-    WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, PRECISION: tl.constexpr, TILED: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
-    qblk = tl.program_id(1)
     kv_head = tl.program_id(2)
+    if TILED:
+        # Program t takes query tile t of the step: tile_start[i] is the first tile of
+        # sequence i (tile_start[num_seqs]: the total). Programs past it have nothing to do.
+        t = tl.program_id(0)
+        if t >= tl.load(tile_start_ptr + num_seqs):
+            return
+        lo_s = 0
+        hi_s = num_seqs - 1
+        while lo_s < hi_s:  # the last sequence whose first tile is <= t
+            mid = (lo_s + hi_s + 1) // 2
+            if tl.load(tile_start_ptr + mid) <= t:
+                lo_s = mid
+            else:
+                hi_s = mid - 1
+        seq = lo_s.to(tl.int64)
+        qblk = t - tl.load(tile_start_ptr + seq)
+    else:
+        seq = tl.program_id(0).to(tl.int64)
+        qblk = tl.program_id(1)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -293,15 +312,30 @@ def paged_decode(
     return out
 
 
+def prefill_block_q(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """Query tokens per program of the prefill kernel (its tiles hold tokens x the heads of
+    one GQA group). Sizes chosen from the sm_90 resource report: no spills at D=128 (181
+    registers); D=256 still spills a little (40 B of stack)."""
+    block_m = 128 if head_dim <= 128 else 64
+    block_g = triton.next_power_of_2(num_heads // num_kv_heads)
+    assert block_g <= block_m, f"GQA group {num_heads // num_kv_heads} too large"
+    return block_m // block_g
+
+
 def paged_prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
     max_query_len: int, scale: float, sliding_window: int | None = None,
     logit_softcap: float | None = None, out: torch.Tensor | None = None,
+    tile_start: torch.Tensor | None = None, max_tiles: int = 0,
 ) -> torch.Tensor:
     """Causal attention of the flattened new tokens `[T, H, D]` (sequence i owns rows
     query_start_loc[i]:query_start_loc[i+1], the last tokens of its seq_lens[i]) over the
-    paged cache, which already holds their K/V and any cached prefix."""
+    paged cache, which already holds their K/V and any cached prefix.
+
+    With `tile_start` (int32 `[num_seqs + 1]`: prefix sums of each sequence's query tiles
+    of `prefill_block_q` tokens) the launch is `max_tiles` programs per kv head, whatever
+    the lengths, so a CUDA graph can hold it; `max_query_len` is then unused."""
     _check(q, k_cache, v_cache, block_tables, seq_lens)
     num_seqs = seq_lens.shape[0]
     num_kv_heads = k_cache.shape[2]
@@ -311,20 +345,20 @@ def paged_prefill(
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     assert out.shape == q.shape and out.stride(2) == 1 and out.dtype == q.dtype
-    if num_seqs == 0 or max_query_len == 0:
+    tiled = tile_start is not None
+    if num_seqs == 0 or (max_tiles if tiled else max_query_len) == 0:
         return out
     common = _common(q, k_cache, scale, sliding_window, logit_softcap)
-    block_g = triton.next_power_of_2(common["group"])
-    # Sizes chosen from the sm_90 resource report: no spills at D=128 (181 registers);
-    # D=256 still spills a little (40 B of stack).
-    block_m = 128 if head_dim <= 128 else 64
-    assert block_g <= block_m, f"GQA group {common['group']} too large"
-    block_q = block_m // block_g
-    _prefill_kernel[(num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)](
+    block_q = prefill_block_q(q.shape[1], num_kv_heads, head_dim)
+    grid = ((max_tiles, 1, num_kv_heads) if tiled else
+            (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads))
+    _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        tile_start if tiled else seq_lens,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_tables.stride(0), out.stride(0), out.stride(1), **common,
-        BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=32 if head_dim <= 128 else 16,
+        block_tables.stride(0), out.stride(0), out.stride(1), **common, num_seqs=num_seqs,
+        BLOCK_Q=block_q, BLOCK_G=triton.next_power_of_2(common["group"]),
+        BLOCK_N=32 if head_dim <= 128 else 16, TILED=tiled,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=8, num_stages=2,
     )
     return out
