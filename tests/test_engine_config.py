@@ -30,6 +30,7 @@ def test_defaults_are_valid():
         (dict(num_blocks=1.5), ["num_blocks"]),
         (dict(gpu_memory_utilization=1.5), ["gpu_memory_utilization"]),
         (dict(attention_backend="cudnn"), ["attention_backend"]),
+        (dict(mixed_step_graphs="yes"), ["mixed_step_graphs", "piecewise"]),
     ],
 )
 def test_invalid_fields_fail_with_their_names(fields, needles):
