@@ -11,12 +11,14 @@ from the largest down. The attention backend supplies the attention buffers
 
 Capture needs a backend whose launches never synchronise with the host or change shape
 with the sequence lengths: the Triton backend, with a fixed split-K factor per size for
-decode. `MixedGraphs` does the same for steps of any shape (prefill chunks beside decodes), keyed
+decode.
+
+`MixedGraphs` does the same for steps of any shape (prefill chunks beside decodes), keyed
 by token count: one fixed attention launch covers any mix of sequences
 (`infer.attention.varlen_graph_metadata`).
 
-On a CPU the same buffers and padding run eagerly (`capture=False`), so tests
-cover everything but the capture itself.
+On a CPU the same buffers and padding run eagerly (`capture=False`), so tests cover
+everything but the capture itself.
 """
 
 from __future__ import annotations

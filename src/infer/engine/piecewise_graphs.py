@@ -49,8 +49,8 @@ def _unowned(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _LayerAttention:
-    """One layer's attention as the model called it: its cache, its options, its queries
-(those of the captured graph before it)."""
+    """One layer's attention as the model called it: its cache, its options and (once
+    captured) the queries that the graph before it leaves."""
 
     backend: AttentionBackend
     k_cache: torch.Tensor
