@@ -8,6 +8,7 @@ tokenizer threads) so that it answers 400 before anything is queued.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ from infer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from infer.engine.engine_core import CoreInfo
+    from infer.structured_outputs import StructuredOutputsParams
 
 
 class RequestRejected(ValueError):
@@ -48,6 +50,7 @@ class InputProcessor:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._structured: StructuredOutputs | None = None
+        self._structured_lock = threading.Lock()  # made once, whichever thread asks first
         # Where constraints are compiled: this side's own grammar library, unless the
         # engine shares its core's (one vocabulary set-up and one compile per constraint).
         self.structured_outputs: Callable[[], StructuredOutputs] = self._own_structured_outputs
@@ -68,15 +71,27 @@ class InputProcessor:
 
     def check_constraint(self, params: SamplingParams) -> None:
         """A constraint the grammar library cannot compile is refused before anything is
-        queued (a core in another process compiles it again for its matchers)."""
+        queued (a core in another process compiles it again for its matchers). Compiled
+        constraints are cached, so a server compiles each in its tokenizer threads first
+        (`compile_constraint`) and this check is then a lookup."""
+        self.compile_constraint(params.structured_outputs)
+
+    def compile_constraint(self, constraint: StructuredOutputsParams,
+                           field: str = "structured_outputs") -> None:
         try:
-            self.structured_outputs().compile(params.structured_outputs)
+            library = self.structured_outputs()
+        except Exception as exc:  # e.g. a tokenizer the library cannot read
+            raise RequestRejected(f"{field}: structured output is not available for this "
+                                  f"model's tokenizer ({exc})", field) from None
+        try:
+            library.compile(constraint)
         except ValueError as exc:
-            raise RequestRejected(str(exc), "structured_outputs") from None
+            raise RequestRejected(str(exc), field) from None
 
     def _own_structured_outputs(self) -> StructuredOutputs:
-        if self._structured is None:
-            self._structured = StructuredOutputs(self.tokenizer, self.vocab_size)
+        with self._structured_lock:
+            if self._structured is None:
+                self._structured = StructuredOutputs(self.tokenizer, self.vocab_size)
         return self._structured
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -63,16 +64,19 @@ class StructuredOutputs:
         self._executor = llguidance.LLExecutor()
         self.vocab_size = vocab_size
         self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
+        # A server compiles in its tokenizer threads while its event loop looks up.
+        self._lock = threading.Lock()
         self._buffer: torch.Tensor | None = None
 
     def compile(self, params: StructuredOutputsParams) -> str:
         """The library's grammar for a constraint, checked against the vocabulary (the
         last GRAMMAR_CACHE_SIZE are kept); ValueError naming the field if it is not one."""
         key = params.key
-        grammar = self._grammars.get(key)
-        if grammar is not None:
-            self._grammars.move_to_end(key)
-            return grammar
+        with self._lock:
+            grammar = self._grammars.get(key)
+            if grammar is not None:
+                self._grammars.move_to_end(key)
+                return grammar
         kind, text = key
         matcher = self._llg.LLMatcher
         any_to_lark = self._llg.gbnf_to_lark.any_to_lark
@@ -93,9 +97,10 @@ class StructuredOutputs:
             error = str(exc).strip() or repr(exc)
         if error:
             raise ValueError(f"structured_outputs.{kind}: {error.splitlines()[0]}")
-        self._grammars[key] = grammar
-        if len(self._grammars) > GRAMMAR_CACHE_SIZE:
-            self._grammars.popitem(last=False)
+        with self._lock:
+            self._grammars[key] = grammar
+            if len(self._grammars) > GRAMMAR_CACHE_SIZE:
+                self._grammars.popitem(last=False)
         return grammar
 
     def matcher(self, grammar: str) -> GrammarMatcher:

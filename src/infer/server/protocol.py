@@ -20,6 +20,8 @@ from infer.sampling_params import (
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
 )
+from infer.server.constraints import GUIDED, ConstraintError, output_constraint
+from infer.structured_outputs import StructuredOutputsParams
 
 MAX_N = 128
 MAX_TEMPERATURE = 2.0
@@ -105,6 +107,21 @@ class _SamplingRequest(_Request):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Output constraints (`constraints.py`): OpenAI's response_format and vLLM's fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraint(self) -> tuple[StructuredOutputsParams, str] | None:
+        """The output constraint asked for and the field that asked (None: none)."""
+        names = ("response_format", "structured_outputs", *GUIDED)
+        try:
+            return output_constraint({name: getattr(self, name) for name in names})
+        except ConstraintError as exc:
+            raise RequestError(str(exc), exc.param) from None
 
     def _check_common(self) -> None:
         if self.logit_bias:
@@ -114,12 +131,14 @@ class _SamplingRequest(_Request):
                                "stream_options")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        constraint = self.constraint()
         values: dict[str, Any] = {
             "n": self.n, "max_tokens": max_tokens, "seed": self.seed, "stop": self.stop,
             "logprobs": logprobs, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
             "stop_token_ids": self.stop_token_ids,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "structured_outputs": constraint[0] if constraint else None,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty"):
@@ -130,6 +149,8 @@ class _SamplingRequest(_Request):
         except ValueError as exc:
             message = str(exc)
             param = max((k for k in values if message.startswith(k)), key=len, default=None)
+            if param == "structured_outputs" and constraint is not None:
+                param = constraint[1]
             raise RequestError(message, param) from None
 
 
@@ -195,7 +216,6 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     add_generation_prompt: bool = True
@@ -205,9 +225,6 @@ class ChatCompletionRequest(_SamplingRequest):
         self._check_common()
         if self.tools or self.tool_choice not in (None, "none", "auto"):
             raise RequestError("tool calling is not supported", "tools")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise RequestError("only response_format type 'text' is supported",
-                               "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
 

@@ -42,6 +42,7 @@ from infer.server.protocol import (
     error_body,
 )
 from infer.server.text_chunks import with_text_fast_path
+from infer.structured_outputs import StructuredOutputsParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Sequences (prompts x n) one request may ask for: each is queued and scheduled apart.
@@ -98,6 +99,14 @@ class ServingContext:
         except RequestRejected as exc:
             raise _request_error(exc) from None
 
+    def compile_constraint(self, constraint: tuple[StructuredOutputsParams, str] | None
+                           ) -> None:
+        """(In the tokenizer pool.) The request's output constraint compiled now, so that
+        the check when it is added is a cache lookup; one the grammar library cannot take
+        is a 400 naming the field that carried it."""
+        if constraint is not None:
+            self.engine.input_processor.compile_constraint(*constraint)
+
     def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt (in the tokenizer pool); a text whose length alone proves
         it over the context length is refused without being tokenized."""
@@ -120,9 +129,14 @@ async def create_completion(body: CompletionRequest, ctx: ServingContext,
     body.check()
     texts = body.prompts()
     ctx.check_fan_out(len(texts), body.n)
+    constraint = body.constraint()
+
+    def prepare() -> list[list[int]]:
+        ctx.compile_constraint(constraint)
+        return [ctx.encode_prompt(p) if isinstance(p, str) else p for p in texts]
+
     try:
-        prompts = await ctx.off_loop(request, lambda: [
-            ctx.encode_prompt(p) if isinstance(p, str) else p for p in texts])
+        prompts = await ctx.off_loop(request, prepare)
     except ClientGone:
         return Response(status_code=499)
     max_tokens = _max_tokens(ctx, prompts, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
@@ -168,9 +182,15 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
     body.check()
     ctx.check_fan_out(1, body.n)
     messages = [m.as_template_message() for m in body.messages]
+    constraint = body.constraint()
+
+    def prepare() -> list[int]:
+        ctx.compile_constraint(constraint)
+        return ctx.encode_chat(messages, body.add_generation_prompt,
+                               body.continue_final_message)
+
     try:
-        prompt = await ctx.off_loop(request, lambda: ctx.encode_chat(
-            messages, body.add_generation_prompt, body.continue_final_message))
+        prompt = await ctx.off_loop(request, prepare)
     except ClientGone:
         return Response(status_code=499)
     max_tokens = _max_tokens(ctx, [prompt], body.max_new_tokens(), None)
