@@ -179,6 +179,8 @@ def run_server(kind: str, path: Path, flags: list[str], specs: list[Spec], clien
     server_flags = ["--model", str(path), *flags]
     if kind == "core-thread":
         server_flags.append("--no-core-process")
+    elif kind.startswith("api-"):  # core process, this many API server processes
+        server_flags += ["--api-server-count", kind.removeprefix("api-")]
     log = results_dir / f"serve_vs_offline_{kind}.log"
     with _pythonpath(old_root if kind == "old" else None), \
             serve_bench.launched(server_flags, None, log, 900) as url:
@@ -196,7 +198,8 @@ def main() -> None:
                    help="max_num_seqs settings to run, the same for both paths ('default': "
                    "each path's own default: the server sizes its batch to the device)")
     p.add_argument("--servers", nargs="*", default=["core-process", "core-thread"],
-                   choices=["core-process", "core-thread", "old"])
+                   choices=["core-process", "core-thread", "old", "api-2", "api-4"],
+                   help="api-N: the core process and N API server processes")
     p.add_argument("--old-root", help="tree of an older commit, for --servers old")
     p.add_argument("--pressure", action="store_true",
                    help="also the prefill-pressure workload (core-process, the server's "

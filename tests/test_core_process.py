@@ -166,12 +166,18 @@ def _offline(config: EngineConfig):
     return [finished["a"], finished["b"]]
 
 
+def _started(pid: int) -> int:
+    """When a process started (clock ticks since boot)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+
+
 @contextmanager
-def _serve() -> Iterator[tuple[subprocess.Popen, str, int]]:
-    """`infer serve` on the tiny model in a subprocess: (process, url, core pid)."""
+def _serve(*flags: str, spawned: int = 1) -> Iterator[tuple[subprocess.Popen, str, int]]:
+    """`infer serve` on the tiny model in a subprocess: (process, url, core pid). With
+    `spawned` > 1, the last item is the pids of the processes it spawned, the core first."""
     port = _free_port()
     cmd = [sys.executable, "-m", "infer.cli", "serve", "--model", str(tiny_model_dir()),
-           "--port", str(port), "--log-level", "warning",
+           "--port", str(port), "--log-level", "warning", *flags,
            *(f"--{k.replace('_', '-')}={v}" for k, v in TINY.items())]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -189,12 +195,16 @@ def _serve() -> Iterator[tuple[subprocess.Popen, str, int]]:
         # The core (beside multiprocessing's resource tracker). Its parent, the thread that
         # loaded the engine, exits after /health turns 200: for a moment the core is being
         # handed to another thread and is nobody's child.
-        while not (cores := [c for c in _children(proc.pid)
-                             if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]):
+        while len(cores := [c for c in _children(proc.pid)
+                            if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+                  ) < spawned:
             assert time.monotonic() < deadline, "no engine core process found"
             time.sleep(0.05)
-        [core] = cores
-        yield proc, url, core
+        if spawned == 1:
+            [core] = cores
+            yield proc, url, core
+        else:
+            yield proc, url, sorted(cores, key=_started)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -267,3 +277,41 @@ def test_health_turns_503_when_the_core_dies():
     finally:
         engine.shutdown()
     _wait_gone({pid}, 10)
+
+
+def test_further_api_processes_serve_the_port_and_any_death_stops_all():
+    with _serve("--api-server-count", "2", spawned=2) as (proc, url, (core, api)):
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "Hi", "max_tokens": 4}
+        os.kill(proc.pid, signal.SIGSTOP)  # only the further process can answer now
+        try:
+            for _ in range(3):
+                r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+        descendants = _descendants(proc.pid)
+        assert {core, api} <= descendants
+        os.kill(api, signal.SIGKILL)
+        assert proc.wait(30) == 1
+        assert "an API server process died" in proc.stdout.read()
+        _wait_gone(descendants)
+
+
+def test_a_server_with_further_api_processes_stops_them_all():
+    with _serve("--api-server-count", "2", spawned=2) as (proc, _, spawned):
+        descendants = _descendants(proc.pid)
+        assert set(spawned) <= descendants
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == -15
+        _wait_gone(descendants)
+
+
+def test_a_killed_server_leaves_no_further_api_process_behind():
+    with _serve("--api-server-count", "2", spawned=2) as (proc, _, spawned):
+        descendants = _descendants(proc.pid)
+        assert set(spawned) <= descendants
+        proc.kill()
+        proc.wait(10)
+        _wait_gone(descendants)

@@ -114,60 +114,92 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    """Listen at once (/health is 503 while the model loads), then load and serve."""
-    import threading
+def serve_app(args: argparse.Namespace):
+    """The server's app, without an engine yet (/health is 503 until one is attached)."""
+    from infer.server import build_app
 
-    import uvicorn
-
-    from infer.engine.llm_engine import LLMEngine
-    from infer.engine.setup import freeze_startup_objects
-    from infer.server import AsyncEngine, attach_engine, build_app
-    from infer.server.connections import limited_protocol
-
-    config = serve_engine_config(args)
     limits = {} if args.max_seqs_per_request is None else {
         "max_seqs_per_request": args.max_seqs_per_request}
-    app = build_app(None, args.served_model_name, api_key=args.api_key,
-                    request_timeout=args.request_timeout, **limits)
+    return build_app(None, args.served_model_name, api_key=args.api_key,
+                     request_timeout=args.request_timeout, **limits)
+
+
+def uvicorn_server(app, args: argparse.Namespace):
+    import uvicorn
+
+    from infer.server.connections import limited_protocol
+
     # uvicorn's own limit_concurrency stays unset: it answers a plain-text 503 only once a
     # request head has arrived (never to a stalled client); our protocol refuses at accept.
     http = limited_protocol(args.request_read_timeout, args.max_connections)
     # lifespan off: the app has no startup or shutdown hooks (the engine loads in a thread),
     # and uvicorn's lifespan task would log a traceback on every Ctrl-C.
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level, http=http,
-                                           timeout_keep_alive=args.timeout_keep_alive,
-                                           lifespan="off"))
+    return uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                         log_level=args.log_level, http=http,
+                                         timeout_keep_alive=args.timeout_keep_alive,
+                                         lifespan="off"))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Listen at once (/health is 503 while the model loads), then load and serve."""
+    import threading
+
+    from infer.engine.llm_engine import LLMEngine
+    from infer.engine.setup import freeze_startup_objects
+    from infer.server import AsyncEngine, attach_engine
+    from infer.server.api_servers import ApiServers, listening_socket
+
+    config = serve_engine_config(args)
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
+    if args.api_server_count > 1 and not config.core_process:
+        raise ValueError("--api-server-count above 1 needs the core in its own process "
+                         "(drop --no-core-process)")
+    app = serve_app(args)
+    server = uvicorn_server(app, args)
+    sock = listening_socket(args.host, args.port) if args.api_server_count > 1 else None
     failure: list[BaseException] = []
-    core_died = threading.Event()
+    died: list[str] = []
+    others: list[ApiServers] = []
+
+    def stop(what: str) -> None:
+        died.append(what)
+        server.should_exit = True
 
     def load() -> None:
         try:
-            if config.core_process:
+            if sock is not None:
+                engine, sides = AsyncEngine.launch_shared(config, args.api_server_count)
+                others.append(ApiServers(args, sides, sock,
+                                         lambda: stop("an API server process")))
+            elif config.core_process:
                 engine = AsyncEngine.launch(config)
             else:
                 engine = AsyncEngine.in_thread(LLMEngine(config))
-            engine.on_core_death = lambda: (core_died.set(), setattr(server, "should_exit", True))
+            engine.on_core_death = lambda: stop("the engine core")
             freeze_startup_objects()
             attach_engine(app, engine)
-            print(f"infer: serving on http://{args.host}:{args.port}", file=sys.stderr)
+            print(f"infer: serving on http://{args.host}:{args.port}"
+                  + (f" ({args.api_server_count} API server processes)" if sock else ""),
+                  file=sys.stderr)
         except BaseException as exc:
             failure.append(exc)
             server.should_exit = True
 
     threading.Thread(target=load, name="infer-load", daemon=True).start()
     try:
-        server.run()  # re-raises the SIGINT / SIGTERM that stopped it, once stopped
-    finally:
+        server.run(sockets=[sock] if sock is not None else None)  # re-raises the signal
+    finally:                                                      # that stopped it
+        for group in others:
+            group.stop()
         engine = app.state.engine
         if engine is not None:
             engine.shutdown()
     if failure:
         raise failure[0]
-    if core_died.is_set():
-        print("infer: the engine core died; the server stopped (in-flight requests got "
-              "errors). Restart it, e.g. under a supervisor.", file=sys.stderr)
+    if died:
+        print(f"infer: {died[0]} died; the server stopped (in-flight requests got errors). "
+              "Restart it, e.g. under a supervisor.", file=sys.stderr)
         return 1
     return 0
 
@@ -213,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-connections", type=int, default=1024,
                        help="open connections beyond this get 503 (default: 1024)")
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--api-server-count", type=int, default=1,
+                       help="API server processes (HTTP, tokenizing, detokenizing) over the "
+                       "one engine core; more serve more concurrent streams (default: 1)")
     add_engine_flags(serve)
     serve.set_defaults(func=cmd_serve, max_num_seqs=None, core_process=True)
     _set_help(serve, "core_process", "run the engine core (scheduler, model, sampler) in its "

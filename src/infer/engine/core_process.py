@@ -16,6 +16,12 @@ many sequences it had:
 A sequence the core cannot add, and the sequences of a step that fails, are answered with
 error outputs; the core keeps serving the rest. It exits when told to, or when the pipe
 closes (the request side is gone, even killed): a core never outlives its server.
+
+A core may serve several request sides, one pipe each (a server with several API
+processes): each step's outputs go to the side that added each sequence, stats to every
+side (with that side's own count of sequences added). The first pipe is the server's
+own: when it closes, or says shutdown, the core stops; another side that goes away has
+its sequences aborted and the core serves on.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing
+import multiprocessing.connection
 import signal
 import threading
 import time
@@ -40,12 +47,16 @@ _GONE = (EOFError, BrokenPipeError, ConnectionResetError)
 
 
 class CoreLoop:
-    """Apply what the request side sent, step, send what the step did; block when idle."""
+    """Apply what the request sides sent, step, send what the step did; block when idle."""
 
-    def __init__(self, core: EngineCore, conn: Connection) -> None:
-        self.core, self.conn = core, conn
+    def __init__(self, core: EngineCore, conns: Connection | list[Connection]) -> None:
+        self.core = core
+        self.conns = conns if isinstance(conns, list) else [conns]
+        self.main = self.conns[0]  # its end or shutdown stops the core
+        self.owner: dict[str, Connection] = {}  # seq id -> the side that added it
+        # Lets each side tell which of its adds are counted.
+        self.num_seqs_added: dict[Connection, int] = dict.fromkeys(self.conns, 0)
         self.step_errors = 0
-        self.num_seqs_added = 0  # lets the request side tell which of its adds are counted
         self._stats_time = 0.0
         self._changed = True  # something the gauges show changed since the last stats
 
@@ -60,39 +71,57 @@ class CoreLoop:
         finally:
             self.core.on_step_start = None
             self._finish_all("abort")
-            self.conn.close()
+            for conn in self.conns:
+                conn.close()
 
     def _apply_commands(self) -> bool:
         """Everything that has arrived (waiting for a message when there is nothing to
         step); False once told to shut down."""
         if not self.core.has_unfinished():
             self._send_stats()
-            if not self._apply(self.conn.recv()):
-                return False
-        while self.conn.poll():
-            if not self._apply(self.conn.recv()):
-                return False
+            multiprocessing.connection.wait(self.conns)
+        for conn in list(self.conns):
+            try:
+                while conn.poll():
+                    if not self._apply(conn.recv(), conn):
+                        return False
+            except _GONE:
+                if conn is self.main:
+                    raise
+                self._drop(conn)
         return True
 
-    def _apply(self, message: tuple) -> bool:
+    def _drop(self, conn: Connection) -> None:
+        """A request side other than the server's own went away: abort its sequences."""
+        log.warning("a request side is gone; aborting its sequences")
+        self.conns.remove(conn)
+        del self.num_seqs_added[conn]
+        for seq_id in [s for s, c in self.owner.items() if c is conn]:
+            del self.owner[seq_id]
+            self.core.finish(seq_id, "abort")
+        conn.close()
+
+    def _apply(self, message: tuple, conn: Connection) -> bool:
         kind = message[0]
         self._changed = True
         if kind == "add":
             failed = []
-            self.num_seqs_added += len(message[1])
+            self.num_seqs_added[conn] += len(message[1])
             for request, params in message[1]:
                 try:
                     self.core.add(request, params)
+                    self.owner[request.request_id] = conn
                 except Exception as exc:
                     failed.append(SequenceOutput(request.request_id, [], finish_reason="error",
                                                  error=f"{type(exc).__name__}: {exc}"))
             if failed:
-                self.conn.send(("outputs", failed))
+                conn.send(("outputs", failed))
         elif kind == "finish":
             for seq_id, reason, stop_reason in message[1]:
                 self.core.finish(seq_id, reason, stop_reason)
+                self.owner.pop(seq_id, None)
         elif kind == "shutdown":
-            return False
+            return conn is not self.main
         else:
             raise ValueError(f"unknown message {kind!r} for the engine core")
         return True
@@ -108,8 +137,29 @@ class CoreLoop:
             outputs = self._failed(self._finish_all("error"), f"engine core failed: {exc!r}")
         if any(o.finish_reason is not None for o in outputs):
             self._changed = True
-        if outputs:
-            self.conn.send(("outputs", outputs))
+        if not outputs:
+            return
+        if len(self.conns) == 1:
+            self.main.send(("outputs", outputs))
+            for output in outputs:
+                if output.finish_reason is not None:
+                    self.owner.pop(output.seq_id, None)
+            return
+        by_side: dict[Connection, list[SequenceOutput]] = {}
+        for output in outputs:
+            conn = (self.owner.pop(output.seq_id, None) if output.finish_reason is not None
+                    else self.owner.get(output.seq_id))
+            by_side.setdefault(conn or self.main, []).append(output)
+        for conn, batch in by_side.items():
+            self._send(conn, ("outputs", batch))
+
+    def _send(self, conn: Connection, message: tuple) -> None:
+        try:
+            conn.send(message)
+        except _GONE:
+            if conn is self.main:
+                raise
+            self._drop(conn)
 
     def _failed(self, seq_ids: list[str], error: str) -> list[SequenceOutput]:
         self.step_errors += 1
@@ -128,22 +178,27 @@ class CoreLoop:
 
     def _send_stats(self) -> None:
         self._changed, self._stats_time = False, time.monotonic()
-        self.conn.send(("stats", {**self.core.stats(), "step_errors": self.step_errors,
-                                  "num_seqs_added": self.num_seqs_added}))
+        stats = {**self.core.stats(), "step_errors": self.step_errors}
+        for conn in list(self.conns):
+            self._send(conn, ("stats", {**stats,
+                                        "num_seqs_added": self.num_seqs_added[conn]}))
 
 
-def run_core_process(config: EngineConfig, conn: Connection) -> None:
-    """The core process: load, say ready (or why not), loop until told or orphaned."""
+def run_core_process(config: EngineConfig, conns: list[Connection]) -> None:
+    """The core process: load, say ready (or why not) to every request side, loop until
+    told or orphaned."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle
     try:
         core, _, model_name = load_core(config)
     except BaseException as exc:
-        conn.send(("failed", isinstance(exc, ValueError), f"{type(exc).__name__}: {exc}"))
-        conn.close()
+        for conn in conns:
+            conn.send(("failed", isinstance(exc, ValueError), f"{type(exc).__name__}: {exc}"))
+            conn.close()
         return
-    conn.send(("ready", CoreInfo.of(core, model_name)))
+    for conn in conns:
+        conn.send(("ready", CoreInfo.of(core, model_name)))
     freeze_startup_objects()
-    CoreLoop(core, conn).run()
+    CoreLoop(core, conns).run()
 
 
 class CoreClient:
@@ -153,9 +208,12 @@ class CoreClient:
     receiving thread) ever blocks on a full pipe, and messages keep the order they were
     sent in. `recv` is for one reader only."""
 
-    def __init__(self, conn: Connection, runner: multiprocessing.Process | threading.Thread):
+    def __init__(self, conn: Connection,
+                 runner: multiprocessing.Process | threading.Thread | None):
+        # runner None: a core this process did not start (another API server's), known
+        # only through the pipe.
         self.conn, self.runner = conn, runner
-        self._shut_down = False
+        self._shut_down = self._gone = False
         self._outbox: list[tuple | None] = []
         self._ready = threading.Condition()
         self._sender = threading.Thread(target=self._send_loop, name="infer-core-send",
@@ -165,12 +223,23 @@ class CoreClient:
     @classmethod
     def spawn(cls, config: EngineConfig) -> tuple[CoreClient, CoreInfo]:
         """Start a core process and wait until its model is loaded."""
+        client, info, _ = cls.spawn_shared(config, 1)
+        return client, info
+
+    @classmethod
+    def spawn_shared(cls, config: EngineConfig, sides: int
+                     ) -> tuple[CoreClient, CoreInfo, list[Connection]]:
+        """A core process that serves `sides` request sides: this one's client, and the
+        pipe ends for the other sides (for other processes: `attach`; close them here
+        once handed over)."""
         ctx = multiprocessing.get_context("spawn")
-        conn, child_conn = ctx.Pipe()
-        process = ctx.Process(target=run_core_process, args=(config, child_conn),
+        pairs = [ctx.Pipe() for _ in range(sides)]
+        process = ctx.Process(target=run_core_process, args=(config, [c for _, c in pairs]),
                               name="infer-core")
         process.start()
-        child_conn.close()  # the child's end lives in the child only: its exit is our EOF
+        for _, child_conn in pairs:  # the child's ends live in the child only: its exit
+            child_conn.close()       # is our EOF
+        conn = pairs[0][0]
         while not conn.poll(0.1):
             if not process.is_alive():
                 raise RuntimeError("the engine core exited while loading the model (exit "
@@ -182,7 +251,15 @@ class CoreClient:
             raise (ValueError if is_value_error else RuntimeError)(text)
         client = cls(conn, process)
         atexit.register(client.shutdown)  # before multiprocessing's own exit hook joins it
-        return client, message[1]
+        return client, message[1], [parent for parent, _ in pairs[1:]]
+
+    @classmethod
+    def attach(cls, conn: Connection) -> tuple[CoreClient, CoreInfo]:
+        """A request side of a core another process started (`spawn_shared`)."""
+        message = conn.recv()
+        if message[0] != "ready":
+            raise RuntimeError(f"the engine core did not start: {message[-1]}")
+        return cls(conn, None), message[1]
 
     @classmethod
     def in_thread(cls, core: EngineCore) -> CoreClient:
@@ -200,13 +277,22 @@ class CoreClient:
             self._ready.notify()
 
     def recv(self) -> tuple:
-        return self.conn.recv()
+        try:
+            return self.conn.recv()
+        except _GONE:
+            self._gone = True
+            raise
 
     def poll(self) -> bool:
         return self.conn.poll()
 
     def alive(self) -> bool:
-        return self.runner.is_alive()
+        return self.runner.is_alive() if self.runner is not None else not self._gone
+
+    def join(self, timeout: float) -> None:
+        """Wait for the core to end, if this process started it."""
+        if self.runner is not None:
+            self.runner.join(timeout)
 
     @property
     def exitcode(self) -> int | None:
@@ -221,6 +307,8 @@ class CoreClient:
         self.send(("shutdown",))
         self.send(None)
         self._sender.join(timeout)
+        if self.runner is None:
+            return
         self.runner.join(timeout)
         if isinstance(self.runner, multiprocessing.process.BaseProcess) \
                 and self.runner.is_alive():
@@ -294,7 +382,7 @@ class RemoteCore:
             message = self.client.recv()
         except (EOFError, OSError):
             self.sequences.clear()
-            self.client.runner.join(5)
+            self.client.join(5)
             raise RuntimeError(
                 f"the engine core died (exit code {self.client.exitcode})") from None
         if message[0] == "stats":

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Protocol
 
 from infer.engine.config import EngineConfig
@@ -168,6 +169,25 @@ class AsyncEngine:
         """Start the engine core in its own process; returns once its model is loaded."""
         tokenizer = load_tokenizer(config.model)
         client, info = CoreClient.spawn(config)
+        return cls(client, tokenizer, info, config, None, max_waiting_requests, observer)
+
+    @classmethod
+    def launch_shared(cls, config: EngineConfig, sides: int
+                      ) -> tuple[AsyncEngine, list[Connection]]:
+        """`launch`, with a core that serves `sides` request sides: this one, and pipe ends
+        for the others (`attach`, in other processes)."""
+        tokenizer = load_tokenizer(config.model)
+        client, info, others = CoreClient.spawn_shared(config, sides)
+        return cls(client, tokenizer, info, config), others
+
+    @classmethod
+    def attach(cls, config: EngineConfig, conn: Connection,
+               max_waiting_requests: int | None = None,
+               observer: LatencyObserver | None = None) -> AsyncEngine:
+        """Another request side of a core that another process started (a server's
+        further API processes: `CoreClient.spawn_shared`)."""
+        tokenizer = load_tokenizer(config.model)
+        client, info = CoreClient.attach(conn)
         return cls(client, tokenizer, info, config, None, max_waiting_requests, observer)
 
     @classmethod
@@ -343,7 +363,7 @@ class AsyncEngine:
             error = EngineDeadError("the engine is shut down")
         else:
             self._dead = True
-            self._client.runner.join(5)
+            self._client.join(5)
             error = EngineDeadError(
                 f"the engine core died (exit code {self._client.exitcode})")
             log.error("%s; failing %d request(s)", error, len(self._streams))
