@@ -198,8 +198,9 @@ def main() -> None:
                    help="max_num_seqs settings to run, the same for both paths ('default': "
                    "each path's own default: the server sizes its batch to the device)")
     p.add_argument("--servers", nargs="*", default=["core-process", "core-thread"],
-                   choices=["core-process", "core-thread", "old", "api-2", "api-4"],
-                   help="api-N: the core process and N API server processes")
+                   choices=["core-process", "core-thread", "old", "api-1", "api-2", "api-4"],
+                   help="core-process: the server's defaults; api-N: the core process and N API "
+                   "server processes")
     p.add_argument("--old-root", help="tree of an older commit, for --servers old")
     p.add_argument("--pressure", action="store_true",
                    help="also the prefill-pressure workload (core-process, the server's "

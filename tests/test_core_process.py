@@ -279,6 +279,12 @@ def test_health_turns_503_when_the_core_dies():
     _wait_gone({pid}, 10)
 
 
+def _metric(text: str, name: str) -> float:
+    [value] = [float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + " ")]
+    return value
+
+
 def test_further_api_processes_serve_the_port_and_any_death_stops_all():
     with _serve("--api-server-count", "2", spawned=2) as (proc, url, (core, api)):
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
@@ -291,6 +297,16 @@ def test_further_api_processes_serve_the_port_and_any_death_stops_all():
         finally:
             os.kill(proc.pid, signal.SIGCONT)
         assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+        # Whichever process answers a scrape, it counts all four requests' tokens.
+        deadline = time.monotonic() + 20
+        while True:
+            scrapes = [httpx.get(url + "/metrics", timeout=10).text for _ in range(6)]
+            tokens = [_metric(m, "infer:generation_tokens_total") for m in scrapes]
+            requests = [_metric(m, "infer:e2e_request_latency_seconds_count") for m in scrapes]
+            if set(tokens) == {16.0} and set(requests) == {4.0}:
+                break
+            assert time.monotonic() < deadline, (tokens, requests)
+            time.sleep(0.5)
         descendants = _descendants(proc.pid)
         assert {core, api} <= descendants
         os.kill(api, signal.SIGKILL)

@@ -99,6 +99,22 @@ def test_the_server_sizes_its_batch_to_the_device(argv, expected):
     assert serve_engine_config(args).max_num_seqs == expected
 
 
+@pytest.mark.parametrize(("argv", "cores", "expected"), [
+    (["--device", "cpu"], 64, 1),
+    (["--device", "cuda"], 16, 4),
+    (["--device", "cuda"], 64, 4),
+    (["--device", "cuda"], 8, 2),
+    (["--device", "cuda"], 2, 1),
+    (["--device", "cuda", "--no-core-process"], 16, 1),  # one process: no further ones
+    (["--device", "cuda", "--api-server-count", "3"], 16, 3),
+])
+def test_the_server_sizes_its_api_processes_to_the_host(monkeypatch, argv, cores, expected):
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    args = build_parser().parse_args(["serve", *argv])
+    serve_engine_config(args)
+    assert args.api_server_count == expected
+
+
 def test_serve_flags():
     args = build_parser().parse_args(["serve", "--port", "9000", "--max-waiting-requests",
                                       "5", "--api-key", "k"])

@@ -10,8 +10,8 @@ many sequences it had:
     request side -> core                          core -> request side
     ("add", [(Request, SamplingParams), ...])      ("ready", CoreInfo) | ("failed", ...) once
     ("finish", [(seq_id, reason, stop), ...])      ("outputs", [SequenceOutput, ...]) per step
-    ("shutdown",)                                  ("stats", {...}) when something changed or
-                                                   every STATS_INTERVAL_S while busy, and idle
+    ("side_stats", {...}) (several sides only)     ("stats", {...}) when something changed or
+    ("shutdown",)                                  every STATS_INTERVAL_S while busy, and idle
 
 A sequence the core cannot add, and the sequences of a step that fails, are answered with
 error outputs; the core keeps serving the rest. It exits when told to, or when the pipe
@@ -56,6 +56,9 @@ class CoreLoop:
         self.owner: dict[str, Connection] = {}  # seq id -> the side that added it
         # Lets each side tell which of its adds are counted.
         self.num_seqs_added: dict[Connection, int] = dict.fromkeys(self.conns, 0)
+        # Each side's own request counters and latency histograms (when several share
+        # this core), passed on to the others so that any side's /metrics shows all.
+        self.side_stats: dict[Connection, dict] = {}
         self.step_errors = 0
         self._stats_time = 0.0
         self._changed = True  # something the gauges show changed since the last stats
@@ -96,6 +99,7 @@ class CoreLoop:
         log.warning("a request side is gone; aborting its sequences")
         self.conns.remove(conn)
         del self.num_seqs_added[conn]
+        self.side_stats.pop(conn, None)
         for seq_id in [s for s, c in self.owner.items() if c is conn]:
             del self.owner[seq_id]
             self.core.finish(seq_id, "abort")
@@ -120,6 +124,8 @@ class CoreLoop:
             for seq_id, reason, stop_reason in message[1]:
                 self.core.finish(seq_id, reason, stop_reason)
                 self.owner.pop(seq_id, None)
+        elif kind == "side_stats":
+            self.side_stats[conn] = message[1]
         elif kind == "shutdown":
             return conn is not self.main
         else:
@@ -178,10 +184,13 @@ class CoreLoop:
 
     def _send_stats(self) -> None:
         self._changed, self._stats_time = False, time.monotonic()
-        stats = {**self.core.stats(), "step_errors": self.step_errors}
+        stats = {**self.core.stats(), "step_errors": self.step_errors,
+                 "num_sides": len(self.conns)}
         for conn in list(self.conns):
-            self._send(conn, ("stats", {**stats,
-                                        "num_seqs_added": self.num_seqs_added[conn]}))
+            mine = {"num_seqs_added": self.num_seqs_added[conn]}
+            if len(self.conns) > 1:
+                mine["sides"] = [v for c, v in self.side_stats.items() if c is not conn]
+            self._send(conn, ("stats", {**stats, **mine}))
 
 
 def run_core_process(config: EngineConfig, conns: list[Connection]) -> None:
@@ -283,8 +292,8 @@ class CoreClient:
             self._gone = True
             raise
 
-    def poll(self) -> bool:
-        return self.conn.poll()
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self.conn.poll(timeout)
 
     def alive(self) -> bool:
         return self.runner.is_alive() if self.runner is not None else not self._gone

@@ -86,7 +86,8 @@ def build_app(async_engine: AsyncEngine | None, served_model_name: str | list[st
 def attach_engine(app: FastAPI, async_engine: AsyncEngine) -> None:
     names = app.state.names or async_engine.model_name
     names = [names] if isinstance(names, str) else list(names)
-    app.state.metrics = ServerMetrics(lambda: _stats(async_engine))
+    app.state.metrics = ServerMetrics(lambda: _stats(async_engine),
+                                      async_engine.other_sides_histograms)
     async_engine.observer = app.state.metrics
     app.state.serving = ServingContext(async_engine, names, app.state.request_timeout,
                                        app.state.max_seqs_per_request)
@@ -94,7 +95,7 @@ def attach_engine(app: FastAPI, async_engine: AsyncEngine) -> None:
 
 
 def _stats(engine: AsyncEngine) -> dict[str, float]:
-    return {**engine.stats, "requests_rejected": engine.requests_rejected,
+    return {**engine.stats,
             "step_errors": engine.step_errors}
 
 

@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 # Longest the receiving thread waits for a loop to take a delivery before it reads on
 # (a loop blocked that long gets its outputs queued, as without the wait; 0: no wait).
 DELIVERY_WAIT_S = 1.0
+# How often a side of a shared core (several API processes) sends its request counters and
+# latency histograms, which the core passes on to the other sides for their /metrics.
+SIDE_STATS_INTERVAL_S = 0.5
 
 
 class QueueFullError(RuntimeError):
@@ -54,6 +57,8 @@ class LatencyObserver(Protocol):
     def observe_itl(self, seconds: float, count: int = 1) -> None:
         """`count` inter-token latencies of `seconds` each."""
     def observe_e2e(self, seconds: float) -> None: ...
+    def snapshot(self) -> dict[str, tuple[list[int], float]]:
+        """Each histogram's bucket counts and sum, for the other API processes."""
 
 
 @dataclass
@@ -155,6 +160,8 @@ class AsyncEngine:
         self.requests_rejected = 0
         self._num_seqs_sent = 0
         self.core_stats: dict[str, float] = {}  # replaced (never mutated) on each report
+        self._stats_shared = 0.0
+        self._last_shared: dict | None = None
         self._client = client
         self._lock = threading.Lock()  # the output processor and the streams
         self._streams: dict[str, _Stream] = {}
@@ -200,7 +207,21 @@ class AsyncEngine:
 
     @property
     def stats(self) -> dict[str, float]:
-        return {**self.core_stats, **self.output_processor.stats()}
+        """The core's counters, and this side's request counters plus those of the other
+        sides of a shared core (as of their last report)."""
+        stats = {k: v for k, v in self.core_stats.items() if k != "sides"}
+        mine = self.request_stats()
+        for side in self.core_stats.get("sides", ()):
+            for key, value in side["stats"].items():
+                mine[key] = mine.get(key, 0) + value
+        return {**stats, **mine}
+
+    def request_stats(self) -> dict[str, float]:
+        """This side's own request counters."""
+        return {**self.output_processor.stats(), "requests_rejected": self.requests_rejected}
+
+    def other_sides_histograms(self) -> list[dict[str, tuple[list[int], float]]]:
+        return [side["histograms"] for side in self.core_stats.get("sides", ())]
 
     @property
     def step_errors(self) -> int:
@@ -287,6 +308,10 @@ class AsyncEngine:
         try:
             while True:
                 updates: list[SequenceOutput] = []
+                if (self.core_stats.get("num_sides", 1) > 1
+                        and not self._client.poll(SIDE_STATS_INTERVAL_S)):
+                    self._share_stats()  # idle, but the other sides' /metrics want ours
+                    continue
                 message = self._client.recv()
                 while True:  # what piled up while the last batch was delivered: one batch
                     if message[0] == "outputs":
@@ -300,11 +325,25 @@ class AsyncEngine:
                     for delivered in self._deliver(updates, time.monotonic()):
                         if DELIVERY_WAIT_S > 0:
                             delivered.wait(DELIVERY_WAIT_S)
+                self._share_stats()
         except (EOFError, OSError):
             pass
         except Exception:
             log.exception("the output thread failed")
         self._core_gone()
+
+    def _share_stats(self) -> None:
+        """With other sides on the core, this side's counters for their /metrics: at most
+        every SIDE_STATS_INTERVAL_S, when they changed."""
+        now = time.monotonic()
+        if (self.core_stats.get("num_sides", 1) > 1
+                and now - self._stats_shared >= SIDE_STATS_INTERVAL_S):
+            self._stats_shared = now
+            histograms = self.observer.snapshot() if self.observer is not None else {}
+            snapshot = {"stats": self.request_stats(), "histograms": histograms}
+            if snapshot != self._last_shared:
+                self._last_shared = snapshot
+                self._client.send(("side_stats", snapshot))
 
     def _deliver(self, updates: list[SequenceOutput], now: float) -> list[threading.Event]:
         """Hand the outputs to their streams' loops; returns an event per loop, set once

@@ -69,8 +69,10 @@ class LatencyHistogram:
     prometheus_client's Histogram costs a lock and a bucket walk per observation, for
     every token of every stream."""
 
-    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]) -> None:
-        self.name, self.doc, self.bounds = name, doc, buckets
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...],
+                 others: Callable[[], list[tuple[list[int], float]]] = list) -> None:
+        # others: the same histogram's (counts, sum) in the server's other API processes
+        self.name, self.doc, self.bounds, self.others = name, doc, buckets, others
         self._counts = [0] * (len(buckets) + 1)  # the last: above every bound (+Inf)
         self._sum = 0.0
         self._lock = threading.Lock()
@@ -81,9 +83,15 @@ class LatencyHistogram:
             self._counts[i] += count
             self._sum += seconds * count
 
-    def collect(self) -> Iterator[Metric]:
+    def snapshot(self) -> tuple[list[int], float]:
         with self._lock:
-            counts, total = list(self._counts), self._sum
+            return list(self._counts), self._sum
+
+    def collect(self) -> Iterator[Metric]:
+        counts, total = self.snapshot()
+        for other_counts, other_sum in self.others():
+            counts = [a + b for a, b in zip(counts, other_counts)]
+            total += other_sum
         cumulative, running = [], 0
         for bound, count in zip([*map(str, self.bounds), "+Inf"], counts):
             running += count
@@ -94,14 +102,20 @@ class LatencyHistogram:
 class ServerMetrics:
     """Also the AsyncEngine's LatencyObserver."""
 
-    def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, float]],
+                 others: Callable[[], list[dict[str, tuple[list[int], float]]]] = list
+                 ) -> None:
+        """`stats`: the counters (summed over the server's API processes); `others`: the
+        other API processes' histogram snapshots."""
         self.registry = CollectorRegistry()
-        self.ttft = LatencyHistogram(PREFIX + "time_to_first_token_seconds",
-                                     "Time to first token", _LATENCY_BUCKETS)
-        self.itl = LatencyHistogram(PREFIX + "inter_token_latency_seconds",
-                                    "Time between tokens", _LATENCY_BUCKETS)
-        self.e2e = LatencyHistogram(PREFIX + "e2e_request_latency_seconds",
-                                    "Arrival to last token", _LATENCY_BUCKETS)
+
+        def histogram(key: str, name: str, doc: str) -> LatencyHistogram:
+            return LatencyHistogram(PREFIX + name, doc, _LATENCY_BUCKETS,
+                                    lambda: [o[key] for o in others() if key in o])
+
+        self.ttft = histogram("ttft", "time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("itl", "inter_token_latency_seconds", "Time between tokens")
+        self.e2e = histogram("e2e", "e2e_request_latency_seconds", "Arrival to last token")
         for collector in (self.ttft, self.itl, self.e2e, _StatsCollector(stats)):
             self.registry.register(collector)
 
@@ -113,6 +127,10 @@ class ServerMetrics:
 
     def observe_e2e(self, seconds: float) -> None:
         self.e2e.observe(seconds)
+
+    def snapshot(self) -> dict[str, tuple[list[int], float]]:
+        return {"ttft": self.ttft.snapshot(), "itl": self.itl.snapshot(),
+                "e2e": self.e2e.snapshot()}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
