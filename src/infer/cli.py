@@ -181,9 +181,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     def load() -> None:
+        engine = None
         try:
             if sock is not None:
                 engine, sides = AsyncEngine.launch_shared(config, args.api_server_count)
+                engine.on_core_death = lambda: stop("the engine core")
                 others.append(ApiServers(args, sides, sock,
                                          lambda: stop("an API server process")))
             elif config.core_process:
@@ -199,6 +201,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except BaseException as exc:
             failure.append(exc)
             server.should_exit = True
+            if engine is not None and app.state.engine is None:
+                engine.shutdown()
 
     threading.Thread(target=load, name="infer-load", daemon=True).start()
     try:
