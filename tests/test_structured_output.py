@@ -323,3 +323,18 @@ def test_the_step_mask_buffer_grows_and_is_reused():
     assert grown.shape == (5, (so.vocab_size + 31) // 32)
     assert so.step_masks(3).data_ptr() == grown.data_ptr()  # reused, not reallocated
     assert so.step_masks(11).shape[0] == 11
+
+
+def test_a_core_sets_up_the_grammar_library_in_the_background():
+    from infer.engine.config import EngineConfig
+    from infer.engine.engine_core import EngineCore
+
+    engine = _llm().engine  # a second core over the same weights, its library not made
+    core = EngineCore(EngineConfig(device="cpu", num_blocks=16), engine.model,
+                      engine.model_config, torch.device("cpu"), torch.float32, 128, (0,),
+                      engine.tokenizer)
+    assert core._structured is None
+    thread = core.warm_structured_outputs()
+    thread.join(120)
+    library = core._structured
+    assert library is not None and core.structured_outputs() is library

@@ -207,6 +207,7 @@ def run_core_process(config: EngineConfig, conns: list[Connection]) -> None:
     for conn in conns:
         conn.send(("ready", CoreInfo.of(core, model_name)))
     freeze_startup_objects()
+    core.warm_structured_outputs()
     CoreLoop(core, conns).run()
 
 
