@@ -130,8 +130,10 @@ class _SamplingRequest(_Request):
             raise RequestError("stream_options is only allowed with stream=true",
                                "stream_options")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        constraint = self.constraint()
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        constraint: tuple[StructuredOutputsParams, str] | None = None
+                        ) -> SamplingParams:
+        """`constraint`: what `constraint()` returned (read once per request)."""
         values: dict[str, Any] = {
             "n": self.n, "max_tokens": max_tokens, "seed": self.seed, "stop": self.stop,
             "logprobs": logprobs, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,

@@ -140,7 +140,7 @@ async def create_completion(body: CompletionRequest, ctx: ServingContext,
     except ClientGone:
         return Response(status_code=499)
     max_tokens = _max_tokens(ctx, prompts, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
-    params = body.sampling_params(max_tokens, body.logprobs)
+    params = body.sampling_params(max_tokens, body.logprobs, constraint)
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = await _add_all(ctx.engine, rid, prompts, params)
 
@@ -195,7 +195,7 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
         return Response(status_code=499)
     max_tokens = _max_tokens(ctx, [prompt], body.max_new_tokens(), None)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = body.sampling_params(max_tokens, top)
+    params = body.sampling_params(max_tokens, top, constraint)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await _add_all(ctx.engine, rid, [prompt], params)
 
