@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from infer.attention.metadata import AttentionMetadata, padded_block_tables
+from infer.attention.metadata import AttentionMetadata, new_token_slots, padded_block_tables
 from infer.transfer import to_device
 
 
@@ -68,8 +68,7 @@ class GraphMetadata:
         if q == 1:  # the common case, without the inner loop
             slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(block_tables, seq_lens)]
         else:
-            slots = [t[p // bs] * bs + p % bs
-                     for t, n in zip(block_tables, seq_lens) for p in range(n - q, n)]
+            slots = new_token_slots([q] * len(seq_lens), seq_lens, block_tables, bs)
         host: list[int] = []
         for row in token_rows:
             host += row

@@ -66,15 +66,13 @@ class AttentionMetadata:
         """Build metadata from plain lists (the engine's step output, or a test)."""
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError("query_lens, seq_lens and block_tables must have one entry per seq")
-        slots: list[int] = []
         for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
             if q_len > s_len or len(table) * block_size < s_len:
                 raise ValueError(
                     f"sequence of {s_len} tokens ({q_len} new) does not fit "
                     f"{len(table)} blocks of {block_size}"
                 )
-            for pos in range(s_len - q_len, s_len):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        slots = new_token_slots(query_lens, seq_lens, block_tables, block_size)
         starts = [0]
         for q_len in query_lens:
             starts.append(starts[-1] + q_len)
@@ -87,6 +85,16 @@ class AttentionMetadata:
             query_lens_host=list(query_lens),
             seq_lens_host=list(seq_lens),
         )
+
+
+def new_token_slots(query_lens: list[int], seq_lens: list[int],
+                    block_tables: list[list[int]], block_size: int) -> list[int]:
+    """The cache slot of every new token, sequence by sequence (a sequence's new tokens
+    are its last `query_lens[i]` of `seq_lens[i]`)."""
+    slots: list[int] = []
+    for q, n, table in zip(query_lens, seq_lens, block_tables):
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(n - q, n)]
+    return slots
 
 
 def padded_block_tables(block_tables: list[list[int]], rows: int | None = None

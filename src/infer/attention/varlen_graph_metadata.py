@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from infer.attention.metadata import AttentionMetadata, padded_block_tables
+from infer.attention.metadata import AttentionMetadata, new_token_slots, padded_block_tables
 from infer.transfer import to_device
 
 
@@ -68,11 +68,11 @@ class VarlenGraphMetadata:
         ints, `tokens` each: the model's own inputs) ride in the same host-to-device copy;
         they come back on the device as `[len(token_rows), tokens]`."""
         bs, bq, pad = self.block_size, self.block_q, self.max_seqs - len(query_lens)
-        starts, tiles, slots = [0], [0], []
-        for q, n, table in zip(query_lens, seq_lens, block_tables):
+        starts, tiles = [0], [0]
+        for q in query_lens:
             starts.append(starts[-1] + q)
             tiles.append(tiles[-1] + -(-q // bq))
-            slots += [table[p // bs] * bs + p % bs for p in range(n - q, n)]
+        slots = new_token_slots(query_lens, seq_lens, block_tables, bs)
         host: list[int] = []
         for row in token_rows:
             host += row

@@ -95,8 +95,7 @@ def attach_engine(app: FastAPI, async_engine: AsyncEngine) -> None:
 
 
 def _stats(engine: AsyncEngine) -> dict[str, float]:
-    return {**engine.stats,
-            "step_errors": engine.step_errors}
+    return {**engine.stats, "step_errors": engine.step_errors}
 
 
 def _serving(request: Request) -> ServingContext:
