@@ -33,11 +33,11 @@ TINY_VOCAB = 256  # ids below this exist in the tiny byte-level vocabulary
 # Schema-valid requests refused on purpose (docs/architecture.md, "The OpenAPI schema"):
 # fields declared for OpenAI compatibility but refused unless left at their no-op value,
 # and a prompt over the context length (counted in tokens, which no schema can say).
-# Output constraints are free-form objects and strings to the schema; a random one is
-# refused by the grammar library, naming its field.
-REFUSED_PARAMS = {"echo", "suffix", "best_of", "logit_bias", "tools", "response_format",
-                  "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                  "guided_grammar"}
+# Output constraints and tools are free-form objects and strings to the schema; a random
+# one is refused by the grammar library or the tool checks, naming its field.
+REFUSED_PARAMS = {"echo", "suffix", "best_of", "logit_bias", "tools", "tool_choice",
+                  "chat_template_kwargs", "response_format", "structured_outputs",
+                  "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
 CONTEXT_LENGTH = "context_length_exceeded"
 
 

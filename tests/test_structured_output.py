@@ -206,7 +206,7 @@ def test_constraints_the_library_cannot_compile_are_refused_by_name(kwargs, fiel
 
 
 def test_objects_are_closed_unless_the_schema_says_otherwise():
-    from infer.structured_outputs import _closed_objects
+    from infer.structured_outputs import closed_objects
 
     schema = {"type": "object", "properties": {
         "a": {"type": "object", "properties": {"b": {"type": "integer"}}},
@@ -225,7 +225,7 @@ def test_objects_are_closed_unless_the_schema_says_otherwise():
                              {"type": "string"}]},
         "lit": {"enum": [{"type": "object"}], "default": {"type": "object"}}},
         "$defs": {"d": {"type": "object", "additionalProperties": False}}}
-    assert _closed_objects(schema) == closed
+    assert closed_objects(schema) == closed
     # In use: after the one property it names, an object may only close.
     so, tok = _so(), ours("smollm2")
     matcher = so.matcher(so.compile(StructuredOutputsParams(json=SCHEMAS[0])))

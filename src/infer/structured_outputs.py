@@ -5,7 +5,7 @@ and checks only; `engine/structured_output.py` turns it into masks."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -18,6 +18,11 @@ class StructuredOutputsParams:
     name unless they say `additionalProperties`); json_object: any JSON object;
     regex: the whole output matches it; choice: the output is one of the strings;
     grammar: a Lark grammar, or a GBNF-style EBNF one (rules with `::=`, start `root`).
+
+    reasoning_tags: (start, end), e.g. ("<think>", "</think>"): the output may open with a
+    reasoning part between them, free text, and the constraint applies after it; an
+    empty start: the output starts inside the reasoning part (its prompt opened it). A
+    server sets this for a reasoning model; it is not a constraint of its own.
     """
 
     json: dict[str, Any] | str | None = None
@@ -25,9 +30,10 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
+    reasoning_tags: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
-        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        given = [name for name in _KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError("structured_outputs takes exactly one of json, json_object, "
                              f"regex, choice, grammar; got {', '.join(given) or 'none'}")
@@ -41,20 +47,27 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.reasoning_tags is not None:
+            tags = tuple(self.reasoning_tags)
+            if len(tags) != 2 or not all(isinstance(t, str) for t in tags) or not tags[1]:
+                raise ValueError("structured_outputs.reasoning_tags must be two strings "
+                                 "(start, end), end not empty")
+            object.__setattr__(self, "reasoning_tags", tags)
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError("structured_outputs.json must be a JSON schema: an object or "
                              "its JSON text")
 
     @property
     def kind(self) -> str:
-        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+        return next(name for name in _KINDS if getattr(self, name) not in (None, False))
 
     @cached_property
     def key(self) -> tuple[str, str]:
-        """(kind, canonical text): equal constraints share one compiled grammar. Computed
-        once (the schema walk), however many sequences and sides look it up."""
+        """(kind, canonical text) of the constraint itself: equal constraints share one
+        compiled grammar (`reasoning_tags` wrap it and are keyed beside it). Computed once
+        (the schema walk), however many sequences and sides look it up."""
         if self.json is not None:
-            schema = _closed_objects(_parse_schema(self.json))
+            schema = closed_objects(_parse_schema(self.json))
             # key order kept: properties are generated in the order the schema lists them
             return "json", json.dumps(schema, separators=(",", ":"))
         if self.choice is not None:
@@ -62,6 +75,9 @@ class StructuredOutputsParams:
         if self.json_object:
             return "json_object", ""
         return self.kind, self.regex if self.regex is not None else str(self.grammar)
+
+
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 def _parse_schema(schema: dict[str, Any] | str) -> dict[str, Any]:
@@ -82,21 +98,21 @@ _SCHEMA_VALUES = ("items", "additionalItems", "contains", "not", "if", "then", "
                   "propertyNames", "additionalProperties", "unevaluatedItems")
 
 
-def _closed_objects(schema: Any) -> Any:
+def closed_objects(schema: Any) -> Any:
     """The schema with `additionalProperties: false` on every object schema that does not
     say otherwise: an object holds the properties it names and no others (what OpenAI's
     strict schemas mean, and what a model needs to finish an object). Literal values
     (enum, const, default) are left alone."""
     if isinstance(schema, list):
-        return [_closed_objects(s) for s in schema]
+        return [closed_objects(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
     for key, value in schema.items():
         if key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: _closed_objects(s) for name, s in value.items()}
+            out[key] = {name: closed_objects(s) for name, s in value.items()}
         elif key in _SCHEMA_LISTS or key in _SCHEMA_VALUES:
-            out[key] = _closed_objects(value)
+            out[key] = closed_objects(value)
         else:
             out[key] = value
     if (out.get("type") == "object" or "properties" in out) \

@@ -71,28 +71,18 @@ class StructuredOutputs:
     def compile(self, params: StructuredOutputsParams) -> str:
         """The library's grammar for a constraint, checked against the vocabulary (the
         last GRAMMAR_CACHE_SIZE are kept); ValueError naming the field if it is not one."""
-        key = params.key
+        key = (*params.key, *(params.reasoning_tags or ()))
         with self._lock:
             grammar = self._grammars.get(key)
             if grammar is not None:
                 self._grammars.move_to_end(key)
                 return grammar
-        kind, text = key
-        matcher = self._llg.LLMatcher
-        any_to_lark = self._llg.gbnf_to_lark.any_to_lark
+        kind, text = params.key
         try:
-            if kind in ("json", "json_object"):
-                # No free whitespace between tokens: a small model can loop on it forever.
-                grammar = matcher.grammar_from_json_schema(
-                    text or '{"type": "object"}', defaults={"whitespace_flexible": False})
-            elif kind == "regex":
-                grammar = matcher.grammar_from_regex(text)
-            elif kind == "choice":
-                grammar = matcher.grammar_from_regex(
-                    "|".join(re.escape(c) for c in json.loads(text)))
-            else:  # Lark, or GBNF-style EBNF converted to Lark
-                grammar = matcher.grammar_from_lark(any_to_lark(text))
-            error = matcher.validate_grammar(grammar, self._tokenizer)
+            grammar = self._grammar(kind, text)
+            if params.reasoning_tags is not None:
+                grammar = _after_reasoning(grammar, *params.reasoning_tags)
+            error = self._llg.LLMatcher.validate_grammar(grammar, self._tokenizer)
         except Exception as exc:
             error = str(exc).strip() or repr(exc)
         if error:
@@ -102,6 +92,19 @@ class StructuredOutputs:
             if len(self._grammars) > GRAMMAR_CACHE_SIZE:
                 self._grammars.popitem(last=False)
         return grammar
+
+    def _grammar(self, kind: str, text: str) -> str:
+        matcher = self._llg.LLMatcher
+        if kind in ("json", "json_object"):
+            # No free whitespace between tokens: a small model can loop on it forever.
+            return matcher.grammar_from_json_schema(
+                text or '{"type": "object"}', defaults={"whitespace_flexible": False})
+        if kind == "regex":
+            return matcher.grammar_from_regex(text)
+        if kind == "choice":
+            return matcher.grammar_from_regex("|".join(re.escape(c) for c in json.loads(text)))
+        # Lark, or GBNF-style EBNF converted to Lark
+        return matcher.grammar_from_lark(self._llg.gbnf_to_lark.any_to_lark(text))
 
     def matcher(self, grammar: str) -> GrammarMatcher:
         matcher = self._llg.LLMatcher(self._tokenizer, grammar, log_level=0)
@@ -147,3 +150,20 @@ class StructuredOutputs:
 
 
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def _after_reasoning(grammar: str, start: str, end: str) -> str:
+    """`grammar` preceded by an optional free-text part from `start` to `end` (a
+    mandatory one up to `end` if `start` is empty) and whitespace: the library's grammar
+    list, whose first entry refers to `grammar`'s."""
+    if grammar.lstrip().startswith("{"):  # the library's JSON form: a list of grammars
+        inner = json.loads(grammar)["grammars"]
+    else:  # Lark text
+        inner = [{"name": "constrained", "lark_grammar": grammar, "json_schema": None}]
+    inner[0]["name"] = "constrained"
+    rules = ["start: reasoning_text _ws @constrained"] if not start else [
+        "start: reasoning? _ws @constrained", f"reasoning: {json.dumps(start)} reasoning_text"]
+    rules += [f"reasoning_text[suffix={json.dumps(end)}]: /(?s:.*)/", "_ws: /[ \\t\\r\\n]*/"]
+    lark = "\n".join(rules) + "\n"
+    first = {"name": "after_reasoning", "lark_grammar": lark, "json_schema": None}
+    return json.dumps({"grammars": [first, *inner], "max_tokens": None})

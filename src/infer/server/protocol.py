@@ -11,7 +11,14 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
 
 from infer.sampling_params import (
     MAX_LOGPROBS,
@@ -222,11 +229,10 @@ class ChatCompletionRequest(_SamplingRequest):
     metadata: dict[str, str] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         self._check_common()
-        if self.tools or self.tool_choice not in (None, "none", "auto"):
-            raise RequestError("tool calling is not supported", "tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
 
@@ -300,6 +306,20 @@ class ChatLogprobs(BaseModel):
 class ChatMessageOut(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    # OpenAI's shape: {"id", "type", "function": {"name", "arguments"}}, with "index" in
+    # a stream's deltas (whose later pieces carry only index and arguments)
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_extras(self, handler: SerializerFunctionWrapHandler
+                               ) -> dict[str, Any]:
+        """reasoning_content and tool_calls only where there are some."""
+        data = handler(self)
+        for key in ("reasoning_content", "tool_calls"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
 
 
 class ChatChoice(BaseModel):

@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,11 +26,13 @@ from infer.server.async_engine import (
     QueueFullError,
     RequestStream,
 )
+from infer.server.chat import ChatSetup, MessageStream, chat_setup, read_message
 from infer.server.logprobs import chat_logprobs, completion_logprobs
 from infer.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatMessageOut,
     CompletionChoice,
     CompletionRequest,
@@ -42,6 +44,8 @@ from infer.server.protocol import (
     error_body,
 )
 from infer.server.text_chunks import with_text_fast_path
+from infer.server.tool_parsers import ToolCallDelta
+from infer.server.tools import ToolError, tool_calling
 from infer.structured_outputs import StructuredOutputsParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -112,16 +116,6 @@ class ServingContext:
         it over the context length is refused without being tokenized."""
         return self.engine.input_processor.tokenize(text, add_special_tokens)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool,
-                    continue_final_message: bool = False) -> list[int]:
-        """The chat rendered by the model's template, then `encode_prompt`."""
-        try:
-            text = self.engine.tokenizer.apply_chat_template(
-                messages, add_generation_prompt, continue_final_message=continue_final_message)
-        except ChatTemplateError as exc:
-            raise RequestError(str(exc), "messages") from None
-        return self.encode_prompt(text, add_special_tokens=False)
-
 
 async def create_completion(body: CompletionRequest, ctx: ServingContext,
                             request: Request) -> Response:
@@ -181,16 +175,31 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
     model = ctx.check_model(body.model)
     body.check()
     ctx.check_fan_out(1, body.n)
-    messages = [m.as_template_message() for m in body.messages]
+    setup = _chat_setup(body, ctx)
     constraint = body.constraint()
+    if setup.tools.constraint is not None:
+        if constraint is not None:
+            raise RequestError("a tool_choice that requires a call (required or a named "
+                               f"function) cannot be combined with {constraint[1]}",
+                               "tool_choice")
+        constraint = (setup.tools.constraint, "tools")
+    tokenizer = ctx.engine.tokenizer
 
-    def prepare() -> list[int]:
-        ctx.compile_constraint(constraint)
-        return ctx.encode_chat(messages, body.add_generation_prompt,
-                               body.continue_final_message)
+    def prepare() -> tuple[list[int], str | None, tuple[StructuredOutputsParams, str] | None]:
+        try:
+            text = setup.render(tokenizer, body.add_generation_prompt,
+                                body.continue_final_message)
+        except ChatTemplateError as exc:
+            raise RequestError(str(exc), "messages") from None
+        reasoning = setup.reasoning(text)
+        c = constraint
+        if c is not None:
+            c = (setup.constraint_after_reasoning(c[0], reasoning), c[1])
+        ctx.compile_constraint(c)
+        return ctx.encode_prompt(text, add_special_tokens=False), reasoning, c
 
     try:
-        prompt = await ctx.off_loop(request, prepare)
+        prompt, reasoning, constraint = await ctx.off_loop(request, prepare)
     except ClientGone:
         return Response(status_code=499)
     max_tokens = _max_tokens(ctx, [prompt], body.max_new_tokens(), None)
@@ -198,17 +207,20 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
     params = body.sampling_params(max_tokens, top, constraint)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await _add_all(ctx.engine, rid, [prompt], params)
+    plain = setup.tools.parser is None and reasoning is None
 
-    def choice(i: int, c: CompletionOutput, streamed: bool) -> ChatChoice:
-        lps = None
-        if c.logprobs is not None:
-            lps = chat_logprobs(c.logprobs, c.token_ids, top or 0)
-        if not streamed:
-            return ChatChoice(index=i, message=ChatMessageOut(role="assistant", content=c.text),
-                              logprobs=lps, finish_reason=c.finish_reason,
-                              stop_reason=c.stop_reason)
-        return ChatChoice(index=i, delta=ChatMessageOut(content=c.text),
-                          logprobs=lps, finish_reason=c.finish_reason,
+    def logprobs(c: CompletionOutput) -> ChatLogprobs | None:
+        return None if c.logprobs is None else chat_logprobs(c.logprobs, c.token_ids, top or 0)
+
+    def final_choice(c: CompletionOutput) -> ChatChoice:
+        parts = read_message(c.text, setup, reasoning)
+        calls = [{"id": t.id, "type": "function",
+                  "function": {"name": t.name, "arguments": t.arguments}}
+                 for t in parts.tool_calls]
+        message = ChatMessageOut(role="assistant", content=parts.content,
+                                 reasoning_content=parts.reasoning, tool_calls=calls or None)
+        return ChatChoice(index=c.index, message=message, logprobs=logprobs(c),
+                          finish_reason=_finish_reason(c.finish_reason, bool(calls)),
                           stop_reason=c.stop_reason)
 
     if body.stream:
@@ -221,8 +233,26 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
                 id=rid, model=model, object="chat.completion.chunk", created=created,
                 choices=choices, usage=usage).model_dump_json(exclude=_NO_MESSAGE)
 
-        def chunk(i: int, c: CompletionOutput) -> str:
-            return response([choice(i, c, True)])
+        def text_chunk(i: int, c: CompletionOutput) -> str:
+            return response([ChatChoice(index=i, delta=ChatMessageOut(content=c.text),
+                                        logprobs=logprobs(c), finish_reason=c.finish_reason,
+                                        stop_reason=c.stop_reason)])
+
+        readers: dict[int, MessageStream] = {}
+
+        def message_chunk(i: int, c: CompletionOutput) -> str | None:
+            reader = readers.get(i)
+            if reader is None:
+                reader = readers[i] = MessageStream(setup, reasoning)
+            thought, content, calls = reader.feed(c.text, c.finish_reason is not None)
+            if not (thought or content or calls or c.finish_reason or c.logprobs):
+                return None
+            delta = ChatMessageOut(content=content or None, reasoning_content=thought or None,
+                                   tool_calls=[_call_delta(d) for d in calls] or None)
+            return response([ChatChoice(
+                index=i, delta=delta, logprobs=logprobs(c),
+                finish_reason=_finish_reason(c.finish_reason, reader.called),
+                stop_reason=c.stop_reason)])
 
         def role_chunk(i: int) -> str:
             return response([ChatChoice(index=i, delta=ChatMessageOut(role="assistant",
@@ -231,16 +261,46 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
         def usage_chunk(usage: Usage) -> str:
             return response([], usage)
 
-        return _sse(_stream_events(streams, params.n, ctx, request,
-                                   with_text_fast_path(chunk), role_chunk,
+        chunk = with_text_fast_path(text_chunk) if plain else message_chunk
+        return _sse(_stream_events(streams, params.n, ctx, request, chunk, role_chunk,
                                    usage_chunk if include_usage else None))
     finals = await _collect(streams, ctx, request)
     if isinstance(finals, Response):
         return finals
-    choices = [choice(c.index, c, False) for c in finals[0].outputs]
+    choices = [final_choice(c) for c in finals[0].outputs]
     return JSONResponse(ChatCompletionResponse(
         id=rid, model=model, choices=choices, usage=_usage(finals)).model_dump(
             exclude={"choices": {"__all__": {"delta"}}}))
+
+
+def _chat_setup(body: ChatCompletionRequest, ctx: ServingContext) -> ChatSetup:
+    """The request's template inputs and how its answer is read; a 400 naming the field
+    for tools, tool_choice or chat_template_kwargs that do not fit."""
+    tokenizer = ctx.engine.tokenizer
+    try:
+        template = tokenizer.get_chat_template(None, body.tools or None)
+    except ChatTemplateError as exc:
+        raise RequestError(str(exc), "messages") from None
+    try:
+        tools = tool_calling(body.tools, body.tool_choice, body.parallel_tool_calls, template)
+    except ToolError as exc:
+        raise RequestError(str(exc), exc.param) from None
+    messages = [m.as_template_message() for m in body.messages]
+    try:
+        return chat_setup(messages, tools, body.chat_template_kwargs, template)
+    except ValueError as exc:
+        raise RequestError(str(exc), "chat_template_kwargs") from None
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _call_delta(delta: ToolCallDelta) -> dict[str, Any]:
+    if delta.id is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    return {"index": delta.index, "id": delta.id, "type": "function",
+            "function": {"name": delta.name, "arguments": delta.arguments}}
 
 
 async def serve_tokenize(body: TokenizeRequest, ctx: ServingContext,
@@ -453,7 +513,7 @@ def _usage(outputs: list[RequestOutput]) -> Usage:
 
 async def _stream_events(
     streams: list[RequestStream], n: int, ctx: ServingContext, request: Request,
-    chunk: Callable[[int, CompletionOutput], str],
+    chunk: Callable[[int, CompletionOutput], str | None],
     role_chunk: Callable[[int], str] | None,
     usage_chunk: Callable[[Usage], str] | None,
 ) -> AsyncIterator[str]:
@@ -495,7 +555,9 @@ async def _stream_events(
                     touched[index] = choice
             for choice in touched.values():
                 if choice.has_news:
-                    yield f"data: {chunk(choice.index, choice.take())}\n\n"
+                    event = chunk(choice.index, choice.take())
+                    if event is not None:  # None: nothing to send yet (held back)
+                        yield f"data: {event}\n\n"
         if usage_chunk is not None:
             prompt = sum(prompt_tokens)
             usage = Usage(prompt_tokens=prompt, completion_tokens=completion_tokens,
