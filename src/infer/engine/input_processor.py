@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from infer.engine.request import Request
-from infer.engine.structured_output import StructuredOutputs
+from infer.engine.structured_output import GrammarError, StructuredOutputs
 from infer.inputs import parse_prompt
 from infer.loader.tokenizer import Tokenizer
 from infer.sampling_params import SamplingParams
@@ -85,6 +85,9 @@ class InputProcessor:
                                   f"model's tokenizer ({exc})", field) from None
         try:
             library.compile(constraint)
+        except GrammarError as exc:
+            message = str(exc) if field == "structured_outputs" else f"{field}: {exc.reason}"
+            raise RequestRejected(message, field) from None
         except ValueError as exc:
             raise RequestRejected(str(exc), field) from None
 

@@ -217,6 +217,7 @@ class ToolCallStream:
         self._fed = 0  # hermes: how much of _block the scanner has read
         self._count = 0
         self._mode = "start"  # llama3_json: start | calls | content
+        self._lead = ""  # llama3_json: what came before the first call's brace
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         content: list[str] = []
@@ -239,7 +240,7 @@ class ToolCallStream:
             return "", []
         if self.parser == "hermes":
             return _TOOL_CALL_OPEN + self._block, []
-        return call.text, []
+        return self._lead + call.text, []
 
     def _end_call(self, call: _CallScanner, raw: str, content: list[str],
                   deltas: list[ToolCallDelta]) -> None:
@@ -299,7 +300,8 @@ class ToolCallStream:
                 deltas += new
                 if not self._call.closed:
                     return
-                self._end_call(self._call, self._call.text, content, deltas)
+                self._end_call(self._call, self._lead + self._call.text, content, deltas)
+                self._lead = ""
                 continue
             if self._mode == "start":
                 body = text.lstrip()
@@ -321,6 +323,8 @@ class ToolCallStream:
             if not body:
                 self._pending = text if self._mode == "start" else ""
                 return
+            if self._mode == "start":
+                self._lead = text[:len(text) - len(body)]
             self._mode = "calls"
             self._call = _CallScanner(self._count)
             text = body
