@@ -29,6 +29,17 @@ from infer.structured_outputs import StructuredOutputsParams
 GRAMMAR_CACHE_SIZE = 256
 
 
+class GrammarError(ValueError):
+    """A constraint the grammar library cannot take; `reason`: the library's, in short."""
+
+    def __init__(self, kind: str, error: str) -> None:
+        lines = [line.strip() for line in error.splitlines() if line.strip()]
+        # the library's first line, and its "error: ..." detail where it gives one
+        detail = next((line for line in lines[1:] if line.startswith("error:")), None)
+        self.reason = lines[0] + (f" {detail.removeprefix('error:').strip()}" if detail else "")
+        super().__init__(f"structured_outputs.{kind}: {self.reason}")
+
+
 class GrammarMatcher:
     """Where one sequence stands in its grammar."""
 
@@ -86,7 +97,7 @@ class StructuredOutputs:
         except Exception as exc:
             error = str(exc).strip() or repr(exc)
         if error:
-            raise ValueError(f"structured_outputs.{kind}: {error.splitlines()[0]}")
+            raise GrammarError(kind, error)
         with self._lock:
             self._grammars[key] = grammar
             if len(self._grammars) > GRAMMAR_CACHE_SIZE:
