@@ -3,6 +3,9 @@ JSON-schema constraint, at several batch sizes, through `LLM.generate` with its 
 (CUDA graphs, async scheduling). Random weights in a model shape, with a real vocabulary
 (`--tokenizer`, a directory with tokenizer.json) so that the grammars are real; 64
 constrained JSON answers are checked first (stopped ones must parse and fit the schema).
+Then the time to first token of one request under a JSON schema never seen before (its
+grammar compiled on the request's path) and under the same schema again (cached), beside
+an unconstrained one.
 
     python benchmarks/structured_output.py --tokenizer DIR [--batches 1 32 256]
 
@@ -79,14 +82,40 @@ def main() -> None:
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             rows.append({"batch": batch, "constraint": name, "tokens": tokens,
                          "out_tok_per_s": tokens / seconds, "ms_per_step": seconds / steps * 1e3})
+    ttft = _first_token_times(llm, SamplingParams, StructuredOutputsParams)
     plain = {r["batch"]: r["ms_per_step"] for r in rows if r["constraint"] == "none"}
     print("| batch | constraint | ms/step | vs none | out tok/s |\n|---:|---|---:|---:|---:|")
     for r in rows:
         r["vs_none"] = r["ms_per_step"] / plain[r["batch"]]
         print(f"| {r['batch']} | {r['constraint']} | {r['ms_per_step']:.2f} "
               f"| {r['vs_none']:.2f}x | {r['out_tok_per_s']:,.0f} |")
+    print("| first token of one request | ms (median of 5) |\n|---|---:|")
+    for name, ms in ttft.items():
+        print(f"| {name} | {ms:.2f} |")
     common.write_results("structured_output", args, {
-        "json_stopped": len(stopped), "json_valid": valid, "rows": rows})
+        "json_stopped": len(stopped), "json_valid": valid, "rows": rows, "ttft_ms": ttft})
+
+
+def _first_token_times(llm, SamplingParams, StructuredOutputsParams) -> dict[str, float]:
+    """Median ms for one 32-token prompt to its first token: unconstrained, under a JSON
+    schema new to the engine (a property name no earlier schema had), and under the same
+    schema again."""
+    def timed(constraint) -> float:
+        params = SamplingParams(max_tokens=1, structured_outputs=constraint)
+        common.sync()
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": list(range(100, 132))}], params, use_tqdm=False)
+        common.sync()
+        return (time.perf_counter() - t) * 1e3
+
+    times: dict[str, list[float]] = {"none": [], "cold schema": [], "cached schema": []}
+    for i in range(5):
+        schema = {**PERSON, "properties": {**PERSON["properties"],
+                                           f"field_{i}": {"type": "string"}}}
+        times["none"].append(timed(None))
+        times["cold schema"].append(timed(StructuredOutputsParams(json=schema)))
+        times["cached schema"].append(timed(StructuredOutputsParams(json=schema)))
+    return {name: sorted(ms)[len(ms) // 2] for name, ms in times.items()}
 
 
 if __name__ == "__main__":

@@ -338,3 +338,53 @@ def test_a_core_sets_up_the_grammar_library_in_the_background():
     thread.join(120)
     library = core._structured
     assert library is not None and core.structured_outputs() is library
+
+
+def test_a_core_compiles_grammars_off_its_step_loop(monkeypatch):
+    """A core that meets a constraint first (as one in its own process does) compiles it
+    in its grammar thread: the others keep stepping meanwhile, a compile past the time
+    limit fails only its own request, and one that finishes in time is served."""
+    import itertools
+    import time
+    import uuid
+
+    import infer.engine.engine_core as engine_core
+
+    engine = _llm().engine
+    structured = engine.core.structured_outputs()
+    monkeypatch.setattr(engine.input_processor, "compile_constraint", lambda *a, **k: None)
+    real = structured._grammar
+
+    def slow_for_some(kind, text):
+        if "slow" in text:
+            time.sleep(float(text.split("slow")[1][:3]))
+        return real(kind, text)
+
+    monkeypatch.setattr(structured, "_grammar", slow_for_some)
+    monkeypatch.setattr(engine_core, "GRAMMAR_COMPILE_TIMEOUT_S", 0.6)
+    tag = uuid.uuid4().hex[:8]  # constraints no earlier test compiled
+    requests = {
+        "plain": SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+        "too-slow": _constrained(1, regex=f"slow1.5{tag}[a-z]+"),
+        "slow-enough": _constrained(2, regex=f"slow0.2{tag}[a-z]+"),
+        "hit": _constrained(3, choice=["yes", "no"]),  # compiled by an earlier test
+    }
+    for rid, params in requests.items():
+        engine.add_request(rid, "The capital of France is", params)
+    done, plain_tokens_at = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "plain":
+                plain_tokens_at[time.monotonic()] = len(out.outputs[0].token_ids)
+            if out.finished:
+                done[out.request_id] = out
+    assert "took longer than 0.6 s" in done["too-slow"].error
+    assert done["slow-enough"].error is None
+    assert re.fullmatch(f"slow0.2{tag}[a-z]+", done["slow-enough"].outputs[0].text)
+    assert done["hit"].outputs[0].text in ("yes", "no") and done["plain"].error is None
+    assert len(done["plain"].outputs[0].token_ids) == 24
+    assert engine.stats()["kv_blocks_used"] == 0
+    # the plain request's tokens kept coming while the 1.5 s compile ran (a compile on the
+    # step loop would have held them for the 0.6 s until it was given up)
+    times = sorted(plain_tokens_at)
+    assert len(times) > 10 and max(b - a for a, b in itertools.pairwise(times)) < 0.4

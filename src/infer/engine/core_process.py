@@ -173,7 +173,7 @@ class CoreLoop:
         return [SequenceOutput(s, [], finish_reason="error", error=error) for s in seq_ids]
 
     def _finish_all(self, reason: str) -> list[str]:
-        seq_ids = list(self.core.sequences)
+        seq_ids = self.core.unfinished_ids()
         for seq_id in seq_ids:
             self.core.finish(seq_id, reason)
         return seq_ids

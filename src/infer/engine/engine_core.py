@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -32,7 +34,11 @@ from infer.engine.request import Request
 from infer.engine.sampler import SamplingBatch, sample
 from infer.engine.scheduler import Scheduler, SchedulerOutput
 from infer.engine.setup import load_model_and_tokenizer, pick_backend, pick_device_and_dtype
-from infer.engine.structured_output import GrammarMatcher, StructuredOutputs
+from infer.engine.structured_output import (
+    GRAMMAR_COMPILE_TIMEOUT_S,
+    GrammarMatcher,
+    StructuredOutputs,
+)
 from infer.loader.tokenizer import Tokenizer
 from infer.models.layers import set_kernel_backend
 from infer.sampling_params import SamplingParams
@@ -70,6 +76,24 @@ class _Sequence:
     request: Request
     params: SamplingParams
     grammar: GrammarMatcher | None = None  # structured output: where it stands
+
+
+@dataclass
+class _Compiling:
+    """A sequence waiting for its grammar (compiled in the grammar thread)."""
+
+    request: Request
+    params: SamplingParams
+    job: futures.Future | None = None
+    started: float | None = None  # time.monotonic() when its compile began
+
+
+def _grammar_pool() -> futures.ThreadPoolExecutor:
+    return futures.ThreadPoolExecutor(1, thread_name_prefix="infer-grammar")
+
+
+# With nothing to step but grammars compiling, a step waits this long for one.
+GRAMMAR_WAIT_S = 0.005
 
 
 @dataclass
@@ -130,6 +154,8 @@ class EngineCore:
                     pieces = self.runner.enable_piecewise_graphs(budget)
                     self.graph_capture_seconds += pieces.capture_seconds
         self.sequences: dict[str, _Sequence] = {}
+        self._compiling: dict[str, _Compiling] = {}  # waiting for their grammars
+        self._grammar_pool = _grammar_pool()
         self._in_flight: _StepInFlight | None = None
         self.num_steps = 0
         self.num_steps_launched_ahead = 0
@@ -140,16 +166,66 @@ class EngineCore:
 
     # -- sequences -------------------------------------------------------------------
     def add(self, request: Request, params: SamplingParams) -> None:
-        grammar = None
-        if params.structured_outputs is not None:  # a bad constraint raises ValueError here
+        """Schedule a sequence. One whose constraint is not compiled yet waits, off the
+        step loop, for its grammar (`_admit_compiled`); a bad constraint raises ValueError
+        here when it is known already, else ends the sequence with an `error` output."""
+        if params.structured_outputs is not None:
             structured = self.structured_outputs()
-            grammar = structured.matcher(structured.compile(params.structured_outputs))
+            grammar = structured.cached(params.structured_outputs)
+            if grammar is None:
+                waiting = _Compiling(request, params)
+                self._compiling[request.request_id] = waiting
+                self._submit_compile(waiting)
+                return
+            self._schedule(request, params, structured.matcher(grammar))
+        else:
+            self._schedule(request, params, None)
+
+    def _schedule(self, request: Request, params: SamplingParams,
+                  grammar: GrammarMatcher | None) -> None:
         if not params.ignore_eos:
             request.eos_token_ids = frozenset(self.eos_token_ids)
         request.stop_token_ids = frozenset(params.stop_token_ids)
         request.min_tokens = params.min_tokens
         self.scheduler.add(request)
         self.sequences[request.request_id] = _Sequence(request, params, grammar)
+
+    def _submit_compile(self, waiting: _Compiling) -> None:
+        def compile() -> str:
+            waiting.started = time.monotonic()
+            return self.structured_outputs().compile(waiting.params.structured_outputs)
+
+        waiting.job = self._grammar_pool.submit(compile)
+
+    def _admit_compiled(self) -> list[SequenceOutput]:
+        """Schedule the sequences whose grammars are ready; `error` outputs for those whose
+        constraint failed to compile or compiled for longer than GRAMMAR_COMPILE_TIMEOUT_S.
+        An overlong compile cannot be stopped: its thread is left to it, and the grammars
+        queued behind it move to a new one."""
+        failed = []
+        now = time.monotonic()
+        for seq_id, waiting in list(self._compiling.items()):
+            overdue = waiting.started is not None and \
+                now - waiting.started > GRAMMAR_COMPILE_TIMEOUT_S
+            if not waiting.job.done() and not overdue:
+                continue
+            del self._compiling[seq_id]
+            try:
+                if not waiting.job.done():
+                    self._grammar_pool.shutdown(wait=False)
+                    self._grammar_pool = _grammar_pool()
+                    for queued in self._compiling.values():
+                        if queued.job.cancel():  # not started: compile it in the new thread
+                            self._submit_compile(queued)
+                    raise ValueError("structured_outputs: compiling the constraint took "
+                                     f"longer than {GRAMMAR_COMPILE_TIMEOUT_S:g} s")
+                grammar = self.structured_outputs().matcher(waiting.job.result())
+            except Exception as exc:
+                failed.append(SequenceOutput(seq_id, [], finish_reason="error",
+                                             error=f"{type(exc).__name__}: {exc}"))
+                continue
+            self._schedule(waiting.request, waiting.params, grammar)
+        return failed
 
     def structured_outputs(self) -> StructuredOutputs:
         """The grammar library bound to this model's vocabulary (made when first needed,
@@ -186,9 +262,14 @@ class EngineCore:
         seq = self.sequences.pop(seq_id, None)
         if seq is not None:
             self.scheduler.finish(seq.request, reason, stop_reason)
+        self._compiling.pop(seq_id, None)  # its grammar, if still compiling, goes unread
 
     def has_unfinished(self) -> bool:
-        return bool(self.sequences)
+        return bool(self.sequences or self._compiling)
+
+    def unfinished_ids(self) -> list[str]:
+        """Every sequence not finished: scheduled, or waiting for its grammar."""
+        return [*self.sequences, *self._compiling]
 
     # -- the step --------------------------------------------------------------------
     def step(self) -> list[SequenceOutput]:
@@ -202,9 +283,16 @@ class EngineCore:
         finishes every sequence the step had scheduled, freeing their blocks, and raises
         StepFailed naming them; sequences outside the step keep going.
         """
+        if self._compiling:
+            failed = self._admit_compiled()
+            if failed:
+                return failed
         step, self._in_flight = self._in_flight, None
         out = step.out if step is not None else self.scheduler.schedule()
         if out.empty:
+            if self._compiling:  # nothing to run until a grammar is ready: no busy loop
+                futures.wait([w.job for w in self._compiling.values()],
+                             timeout=GRAMMAR_WAIT_S, return_when=futures.FIRST_COMPLETED)
             return []
         if self.on_step_start is not None:
             self.on_step_start()

@@ -27,6 +27,9 @@ from infer.loader.tokenizer import Tokenizer
 from infer.structured_outputs import StructuredOutputsParams
 
 GRAMMAR_CACHE_SIZE = 256
+# A constraint whose grammar takes longer to compile fails its request (the compile runs
+# on; only its result goes unused).
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 
 
 class GrammarError(ValueError):
@@ -79,15 +82,22 @@ class StructuredOutputs:
         self._lock = threading.Lock()
         self._buffer: torch.Tensor | None = None
 
-    def compile(self, params: StructuredOutputsParams) -> str:
-        """The library's grammar for a constraint, checked against the vocabulary (the
-        last GRAMMAR_CACHE_SIZE are kept); ValueError naming the field if it is not one."""
+    def cached(self, params: StructuredOutputsParams) -> str | None:
+        """The constraint's grammar if it is compiled already, else None."""
         key = (*params.key, *(params.reasoning_tags or ()))
         with self._lock:
             grammar = self._grammars.get(key)
             if grammar is not None:
                 self._grammars.move_to_end(key)
-                return grammar
+            return grammar
+
+    def compile(self, params: StructuredOutputsParams) -> str:
+        """The library's grammar for a constraint, checked against the vocabulary (the
+        last GRAMMAR_CACHE_SIZE are kept); ValueError naming the field if it is not one."""
+        grammar = self.cached(params)
+        if grammar is not None:
+            return grammar
+        key = (*params.key, *(params.reasoning_tags or ()))
         kind, text = params.key
         try:
             grammar = self._grammar(kind, text)
