@@ -23,8 +23,11 @@ from typing import Any
 
 import torch
 
+from infer.kernels import triton_available
+from infer.kernels.reference import apply_token_bitmask_ref
 from infer.loader.tokenizer import Tokenizer
 from infer.structured_outputs import StructuredOutputsParams
+from infer.transfer import to_device
 
 GRAMMAR_CACHE_SIZE = 256
 # A constraint whose grammar takes longer to compile fails its request (the compile runs
@@ -81,6 +84,8 @@ class StructuredOutputs:
         # A server compiles in its tokenizer threads while its event loop looks up.
         self._lock = threading.Lock()
         self._buffer: torch.Tensor | None = None
+        # Recorded after the buffer's last copy to the device was queued.
+        self._buffer_copied: torch.cuda.Event | None = None
 
     def cached(self, params: StructuredOutputsParams) -> str | None:
         """The constraint's grammar if it is compiled already, else None."""
@@ -142,6 +147,13 @@ class StructuredOutputs:
         """`allocate_masks(rows)` for one step, from a buffer kept between steps (pinned
         where CUDA is, so the copy to the device can be queued): rows not filled this
         step hold stale bits and must be left out of `apply_masks`."""
+        if self._buffer_copied is not None:
+            # The previous step's copy may still be queued behind its forward: refilling
+            # the buffer now would change what it copies. The engine has waited for that
+            # step's tokens (sampled after the copy) before it fills again, so this waits
+            # only where it did not (e.g. every constrained row of it was aborted).
+            self._buffer_copied.synchronize()
+            self._buffer_copied = None
         have = 0 if self._buffer is None else len(self._buffer)
         if have < rows:
             self._buffer = self.allocate_masks(max(rows, 2 * have))
@@ -161,16 +173,24 @@ class StructuredOutputs:
                     rows: list[int] | None = None) -> None:
         """Disallowed tokens -> -inf, in place: mask row i on logits row i, for the rows
         in `rows` (default: every row; unconstrained rows are left out of `rows`), in one
-        batched operation on whatever device the logits live."""
-        index = torch.arange(len(masks)) if rows is None else torch.tensor(rows)
-        index = index.to(logits.device)
-        words = masks.to(logits.device, non_blocking=True)[index]
-        bits = (words.unsqueeze(-1) >> _BIT_SHIFTS.to(logits.device)) & 1
-        allowed = bits.reshape(len(index), -1)[:, :logits.shape[-1]].bool()
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        batched operation on whatever device the logits live. Logits past the mask's
+        32 * words columns are disallowed. Queued without waiting for the device."""
+        device = logits.device
+        index = None
+        if rows is not None and rows != list(range(len(masks))):
+            index = to_device(torch.tensor(rows, dtype=torch.int64), device)
+        words = to_device(masks, device)  # a step buffer is pinned: no staging copy
+        if (device.type == "cuda" and self._buffer is not None
+                and masks.data_ptr() == self._buffer.data_ptr()):
+            if self._buffer_copied is None:
+                self._buffer_copied = torch.cuda.Event()
+            self._buffer_copied.record()
+        if device.type == "cuda" and triton_available():
+            from infer.kernels.token_bitmask import apply_token_bitmask
 
-
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+            apply_token_bitmask(logits, words, index)
+        else:
+            apply_token_bitmask_ref(logits, words, index)
 
 
 def _after_reasoning(grammar: str, start: str, end: str) -> str:

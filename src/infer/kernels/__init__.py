@@ -1,9 +1,9 @@
 """Triton kernels, each beside a wrapper that asserts shapes/strides/dtypes.
 
 Importing this package never needs Triton; the kernel modules (`rmsnorm`, `rope`,
-`activation`, `kv_store`, `paged_attention`) import it, so check `triton_available()`
-first. Torch references for every kernel live in `reference.py` (attention's reference is
-`infer.attention.torch_backend`).
+`activation`, `kv_store`, `paged_attention`, `token_bitmask`) import it, so check
+`triton_available()` first. Torch references for every kernel live in `reference.py`
+(attention's reference is `infer.attention.torch_backend`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
 """Torch references of the elementwise/normalisation kernels, computed in float32 and
 rounded once to the input dtype (what the kernels do), except where a model's own rounding
-is the contract (RMSNorm rounds as transformers does)."""
+is the contract (RMSNorm rounds as transformers does). The token bitmask's works in place,
+as its kernel does: it is the path the engine takes where the kernel does not run."""
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 
 import torch
 
@@ -54,3 +57,29 @@ def geglu_tanh_ref(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.float().chunk(2, dim=-1)
     inner = math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate.pow(3))
     return (0.5 * gate * (1.0 + torch.tanh(inner)) * up).to(gate_up.dtype)
+
+
+def apply_token_bitmask_ref(logits: torch.Tensor, masks: torch.Tensor,
+                            rows: torch.Tensor | None = None) -> None:
+    """`token_bitmask.apply_token_bitmask` in torch, in place, reading nothing back to the
+    host (`rows`, when given, already on the logits' device)."""
+    n_cols = logits.shape[-1]
+    cut = min(n_cols, 32 * masks.shape[1])
+    target = logits[:len(masks)] if rows is None else logits[rows]
+    words = masks if rows is None else masks[rows]
+    # Byte k of a little-endian int32 holds its bits 8k..8k+7: [n, 4 W, 8] uint8 bits in
+    # token order, a quarter of the bytes of expanding the int32 words.
+    assert sys.byteorder == "little"
+    bytes_ = words.contiguous().view(torch.uint8).unsqueeze(-1)
+    bits = (bytes_ >> _byte_shifts(words.device)) & 1
+    allowed = bits.view(len(words), 32 * masks.shape[1])[:, :cut].bool()
+    target[:, :cut].masked_fill_(~allowed, float("-inf"))
+    target[:, cut:] = float("-inf")
+    if rows is not None:
+        logits[rows] = target
+
+
+@functools.cache
+def _byte_shifts(device: torch.device) -> torch.Tensor:
+    """Made on the device (a fill, not a copy from the host), once per device."""
+    return torch.arange(8, dtype=torch.uint8, device=device)
