@@ -10,6 +10,8 @@ it) starts the output in reasoning; one that ends with `</think>` (Qwen3 with
 
 from __future__ import annotations
 
+from infer.server.tool_parsers import tag_start_at_end
+
 THINK_TAGS = ("<think>", "</think>")
 
 
@@ -26,13 +28,6 @@ def output_reasoning(prompt: str, tags: tuple[str, str]) -> str | None:
     if tail.endswith(end):
         return None
     return "open" if tail.endswith(start) else "optional"
-
-
-def _held(text: str, tag: str) -> int:
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
 
 
 class ReasoningStream:
@@ -67,7 +62,7 @@ class ReasoningStream:
                     reasoning.append(text[:at])
                     self._state, text = "after", text[at + len(self.end):]
                     continue
-                cut = len(text) - _held(text, self.end)
+                cut = len(text) - tag_start_at_end(text, self.end)
                 reasoning.append(text[:cut])
                 self._held = text[cut:]
                 break

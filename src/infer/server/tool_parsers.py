@@ -114,8 +114,9 @@ _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:argume
 _TOOL_CALL_OPEN, _TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
-def _held(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that could be the start of `tag`."""
+def tag_start_at_end(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that could be the start of `tag` (what a
+    stream holds back until the next piece tells)."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-size:]):
             return size
@@ -136,7 +137,6 @@ class _CallScanner:
         self._sent_to = 0  # arguments sent up to here
         self._depth = 0
         self._in_string = self._escaped = False
-        self._scanned = 0
         self._args_end: int | None = None
 
     def feed(self, text: str) -> tuple[list[ToolCallDelta], str]:
@@ -266,7 +266,7 @@ class ToolCallStream:
                 if at < 0:
                     # held back: a tag's possible start, and whitespace that goes if a
                     # call follows (as parse_hermes strips it)
-                    cut = len(text) - _held(text, _TOOL_CALL_OPEN)
+                    cut = len(text) - tag_start_at_end(text, _TOOL_CALL_OPEN)
                     cut = len(text[:cut].rstrip())
                     content.append(text[:cut])
                     self._pending = text[cut:]
@@ -278,7 +278,7 @@ class ToolCallStream:
             self._block += text
             close = self._block.find(_TOOL_CALL_CLOSE)
             safe = close if close >= 0 else \
-                len(self._block) - _held(self._block, _TOOL_CALL_CLOSE)
+                len(self._block) - tag_start_at_end(self._block, _TOOL_CALL_CLOSE)
             if safe > self._fed and not self._call.closed:
                 deltas += self._call.feed(self._block[self._fed:safe])[0]
             self._fed = max(self._fed, safe)
