@@ -138,3 +138,36 @@ def test_bad_constraints_get_400_naming_the_field(server, extra, param):
     ok = httpx.post(server.url + "/v1/completions",
                     json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200  # the server goes on
+
+
+def test_a_grammar_that_compiles_too_long_fails_only_its_request(server, client, monkeypatch):
+    """The server compiles each new constraint in a thread under a time limit: one past it
+    is a 400 naming its field, and the next constraint compiles in a fresh thread."""
+    import time
+    import uuid
+
+    processor = server.engine.input_processor
+    library = processor.structured_outputs()
+    real = library._grammar
+
+    def slow(kind, text):
+        if "slowly" in text:
+            time.sleep(2)
+        return real(kind, text)
+
+    monkeypatch.setattr(library, "_grammar", slow)
+    monkeypatch.setattr(processor.compile_thread, "timeout_s", 0.5)
+    tag = uuid.uuid4().hex[:8]
+    started = time.monotonic()
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "Say", "max_tokens": 4,
+        "structured_outputs": {"regex": f"slowly{tag}[a-z]+"}})
+    assert r.status_code == 400 and time.monotonic() - started < 1.8, r.text
+    error = r.json()["error"]
+    assert error["param"] == "structured_outputs"
+    assert "took longer than 0.5 s" in error["message"]
+    choices = [f"yes {tag}", f"no {tag}"]
+    out = client.completions.create(model=MODEL, prompt="Say", max_tokens=20,
+                                    extra_body={"guided_choice": choices})
+    assert out.choices[0].text in choices
+    server.wait_idle()

@@ -348,8 +348,6 @@ def test_a_core_compiles_grammars_off_its_step_loop(monkeypatch):
     import time
     import uuid
 
-    import infer.engine.engine_core as engine_core
-
     engine = _llm().engine
     structured = engine.core.structured_outputs()
     monkeypatch.setattr(engine.input_processor, "compile_constraint", lambda *a, **k: None)
@@ -361,7 +359,7 @@ def test_a_core_compiles_grammars_off_its_step_loop(monkeypatch):
         return real(kind, text)
 
     monkeypatch.setattr(structured, "_grammar", slow_for_some)
-    monkeypatch.setattr(engine_core, "GRAMMAR_COMPILE_TIMEOUT_S", 0.6)
+    monkeypatch.setattr(engine.core.compile_thread, "timeout_s", 0.6)
     tag = uuid.uuid4().hex[:8]  # constraints no earlier test compiled
     requests = {
         "plain": SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),

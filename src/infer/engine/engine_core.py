@@ -34,11 +34,7 @@ from infer.engine.request import Request
 from infer.engine.sampler import SamplingBatch, sample
 from infer.engine.scheduler import Scheduler, SchedulerOutput
 from infer.engine.setup import load_model_and_tokenizer, pick_backend, pick_device_and_dtype
-from infer.engine.structured_output import (
-    GRAMMAR_COMPILE_TIMEOUT_S,
-    GrammarMatcher,
-    StructuredOutputs,
-)
+from infer.engine.structured_output import CompileThread, GrammarMatcher, StructuredOutputs
 from infer.loader.tokenizer import Tokenizer
 from infer.models.layers import set_kernel_backend
 from infer.sampling_params import SamplingParams
@@ -86,10 +82,6 @@ class _Compiling:
     params: SamplingParams
     job: futures.Future | None = None
     started: float | None = None  # time.monotonic() when its compile began
-
-
-def _grammar_pool() -> futures.ThreadPoolExecutor:
-    return futures.ThreadPoolExecutor(1, thread_name_prefix="infer-grammar")
 
 
 # With nothing to step but grammars compiling, a step waits this long for one.
@@ -155,7 +147,7 @@ class EngineCore:
                     self.graph_capture_seconds += pieces.capture_seconds
         self.sequences: dict[str, _Sequence] = {}
         self._compiling: dict[str, _Compiling] = {}  # waiting for their grammars
-        self._grammar_pool = _grammar_pool()
+        self.compile_thread = CompileThread()
         self._in_flight: _StepInFlight | None = None
         self.num_steps = 0
         self.num_steps_launched_ahead = 0
@@ -195,30 +187,29 @@ class EngineCore:
             waiting.started = time.monotonic()
             return self.structured_outputs().compile(waiting.params.structured_outputs)
 
-        waiting.job = self._grammar_pool.submit(compile)
+        waiting.job = self.compile_thread.submit(compile)
 
     def _admit_compiled(self) -> list[SequenceOutput]:
         """Schedule the sequences whose grammars are ready; `error` outputs for those whose
-        constraint failed to compile or compiled for longer than GRAMMAR_COMPILE_TIMEOUT_S.
-        An overlong compile cannot be stopped: its thread is left to it, and the grammars
-        queued behind it move to a new one."""
+        constraint failed to compile or compiled for longer than the compile thread's
+        limit (the grammars queued behind an overlong one move to a new thread)."""
         failed = []
         now = time.monotonic()
+        limit = self.compile_thread.timeout_s
         for seq_id, waiting in list(self._compiling.items()):
             overdue = waiting.started is not None and \
-                now - waiting.started > GRAMMAR_COMPILE_TIMEOUT_S
+                now - waiting.started > limit
             if not waiting.job.done() and not overdue:
                 continue
             del self._compiling[seq_id]
             try:
                 if not waiting.job.done():
-                    self._grammar_pool.shutdown(wait=False)
-                    self._grammar_pool = _grammar_pool()
+                    self.compile_thread.abandon()
                     for queued in self._compiling.values():
                         if queued.job.cancel():  # not started: compile it in the new thread
                             self._submit_compile(queued)
-                    raise ValueError("structured_outputs: compiling the constraint took "
-                                     f"longer than {GRAMMAR_COMPILE_TIMEOUT_S:g} s")
+                    raise ValueError(
+                        f"structured_outputs: {self.compile_thread.timeout_message()}")
                 grammar = self.structured_outputs().matcher(waiting.job.result())
             except Exception as exc:
                 failed.append(SequenceOutput(seq_id, [], finish_reason="error",

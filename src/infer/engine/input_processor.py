@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from infer.engine.request import Request
-from infer.engine.structured_output import GrammarError, StructuredOutputs
+from infer.engine.structured_output import CompileThread, GrammarError, StructuredOutputs
 from infer.inputs import parse_prompt
 from infer.loader.tokenizer import Tokenizer
 from infer.sampling_params import SamplingParams
@@ -54,6 +55,7 @@ class InputProcessor:
         # Where constraints are compiled: this side's own grammar library, unless the
         # engine shares its core's (one vocabulary set-up and one compile per constraint).
         self.structured_outputs: Callable[[], StructuredOutputs] = self._own_structured_outputs
+        self.compile_thread = CompileThread()
 
     @classmethod
     def for_core(cls, tokenizer: Tokenizer, info: CoreInfo) -> InputProcessor:
@@ -84,7 +86,14 @@ class InputProcessor:
             raise RequestRejected(f"{field}: structured output is not available for this "
                                   f"model's tokenizer ({exc})", field) from None
         try:
-            library.compile(constraint)
+            if library.cached(constraint) is None:  # compiled in a thread, under a limit
+                job = self.compile_thread.submit(lambda: library.compile(constraint))
+                try:
+                    job.result(timeout=self.compile_thread.timeout_s)
+                except futures.TimeoutError:
+                    self.compile_thread.abandon()
+                    raise RequestRejected(f"{field}: {self.compile_thread.timeout_message()}",
+                                          field) from None
         except GrammarError as exc:
             message = str(exc) if field == "structured_outputs" else f"{field}: {exc.reason}"
             raise RequestRejected(message, field) from None

@@ -19,6 +19,8 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent import futures
 from typing import Any
 
 import torch
@@ -33,6 +35,33 @@ GRAMMAR_CACHE_SIZE = 256
 # A constraint whose grammar takes longer to compile fails its request (the compile runs
 # on; only its result goes unused).
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+
+
+class CompileThread:
+    """Where grammars compile, off the caller's thread, under a time limit (`timeout_s`).
+    A compile cannot be stopped: one past the limit is left to its thread (`abandon`) and
+    later compiles get a new thread, so one slow grammar holds up no other."""
+
+    def __init__(self, timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._pool = self._new_pool()
+
+    @staticmethod
+    def _new_pool() -> futures.ThreadPoolExecutor:
+        return futures.ThreadPoolExecutor(1, thread_name_prefix="infer-grammar")
+
+    def submit(self, fn: Callable[[], str]) -> futures.Future:
+        with self._lock:
+            return self._pool.submit(fn)
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._pool.shutdown(wait=False)
+            self._pool = self._new_pool()
+
+    def timeout_message(self) -> str:
+        return f"compiling the constraint took longer than {self.timeout_s:g} s"
 
 
 class GrammarError(ValueError):
