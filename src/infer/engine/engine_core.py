@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -99,6 +99,9 @@ class _StepInFlight:
     seq_ids: list[str]  # the sequences that sample, in row order
     token_ids: torch.Tensor | None  # [rows] sampled ids on the device
     results: HostCopy | None  # token ids, logprobs, top logprobs on their way to the host
+    # (row, matcher) of the rows sampled under a grammar mask, whose tokens their matchers
+    # take (a sequence finished since only leaves its matcher unread)
+    masked: list[tuple[int, GrammarMatcher]] = field(default_factory=list)
     grammars_advanced: bool = False  # its tokens were fed to the sequences' grammars
 
 
@@ -347,14 +350,16 @@ class EngineCore:
         self.num_steps_launched_ahead += ahead
         if not seqs:
             return _StepInFlight(out, requests, [], None, None)
+        masked = []
         if any(seq.grammar is not None for seq in seqs):
             if prev is not None:
                 self._advance_grammars(prev)
-            self._mask(logits, seqs)
+            masked = self._mask(logits, seqs)
         result = sample(logits, self._sampling_batch(seqs, ahead))
         results = HostCopy(result.token_ids, result.logprobs, result.top_logprob_ids,
                            result.top_logprobs)
-        return _StepInFlight(out, requests, inputs.sample_request_ids, result.token_ids, results)
+        return _StepInFlight(out, requests, inputs.sample_request_ids, result.token_ids, results,
+                             masked)
 
     def _try_launch_ahead(self, prev: _StepInFlight) -> _StepInFlight | None:
         """A launch ahead that fails is dropped: nothing of it was accounted, and the next
@@ -429,34 +434,32 @@ class EngineCore:
 
     def _advance_grammars(self, step: _StepInFlight) -> None:
         """Feed the step's sampled tokens to their sequences' grammars, once."""
-        if step.grammars_advanced or not step.seq_ids:
+        if step.grammars_advanced or not step.masked:
             return
         step.grammars_advanced = True
-        token_ids = None
-        for row, seq_id in enumerate(step.seq_ids):
-            seq = self.sequences.get(seq_id)
-            if seq is None or seq.grammar is None or seq.grammar.terminated \
-                    or seq.request is not step.requests.get(seq_id):
-                continue
-            if token_ids is None:
-                token_ids = step.results.wait()[0].tolist()
+        token_ids = step.results.wait()[0].tolist()
+        for row, matcher in step.masked:
             # Masked sampling only picks allowed tokens; a refusal would be a bug here.
-            if not seq.grammar.accept(token_ids[row]):
-                raise RuntimeError(f"sequence {seq_id}: sampled token {token_ids[row]} is "
-                                   "not allowed by its grammar")
+            if not matcher.accept(token_ids[row]):
+                raise RuntimeError(f"sequence {step.seq_ids[row]}: sampled token "
+                                   f"{token_ids[row]} is not allowed by its grammar")
 
-    def _mask(self, logits: torch.Tensor, seqs: list[_Sequence]) -> None:
+    def _mask(self, logits: torch.Tensor, seqs: list[_Sequence]
+              ) -> list[tuple[int, GrammarMatcher]]:
         """Disallowed tokens -> -inf on the rows of constrained sequences (a finished
-        grammar's row is left alone: its token is discarded with the sequence)."""
-        rows = [row for row, seq in enumerate(seqs)
-                if seq.grammar is not None and not seq.grammar.terminated]
-        if not rows:
-            return
+        grammar's row is left alone: its token is discarded with the sequence); the
+        (row, matcher) pairs masked."""
+        masked = [(row, seq.grammar) for row, seq in enumerate(seqs)
+                  if seq.grammar is not None and not seq.grammar.terminated]
+        if not masked:
+            return masked
+        rows = [row for row, _ in masked]
         structured = self.structured_outputs()
         masks = structured.step_masks(len(seqs))
-        structured.fill_masks([seqs[row].grammar for row in rows], masks, rows)
+        structured.fill_masks([matcher for _, matcher in masked], masks, rows)
         with torch.inference_mode():  # the logits are inference tensors
             structured.apply_masks(logits, masks, rows)
+        return masked
 
     def _sampling_batch(self, seqs: list[_Sequence], ahead: int = 0) -> SamplingBatch:
         """`ahead`: tokens each sequence has sampled that are not in its output yet."""
