@@ -28,6 +28,7 @@ def test_defaults_are_valid():
         (dict(block_size=0), ["block_size"]),
         (dict(max_num_seqs=-1), ["max_num_seqs"]),
         (dict(num_blocks=1.5), ["num_blocks"]),
+        (dict(threads=0), ["threads"]),
         (dict(gpu_memory_utilization=1.5), ["gpu_memory_utilization"]),
         (dict(attention_backend="cudnn"), ["attention_backend"]),
         (dict(mixed_step_graphs="yes"), ["mixed_step_graphs", "piecewise"]),
@@ -53,3 +54,27 @@ def test_every_field_is_a_cli_flag():
     assert (cfg.max_num_seqs, cfg.prefix_caching, cfg.kv_cache, cfg.num_blocks,
             cfg.batching_mode) == (3, False, "contiguous", 7, "static")
     assert cfg.block_size == EngineConfig().block_size
+
+
+@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (4, 3), (16, 15)])
+def test_cpu_threads_leave_a_core_to_the_rest(monkeypatch, cores, threads):
+    from infer.engine import cpu_threads
+
+    monkeypatch.setattr(cpu_threads, "usable_cores", lambda: cores)
+    assert cpu_threads.default_cpu_threads() == threads
+
+
+def test_a_cpu_engine_sets_its_threads():
+    import torch
+    from engine_fixtures import make_llm
+
+    before = torch.get_num_threads()
+    try:
+        make_llm(threads=2)
+        assert torch.get_num_threads() == 2
+        make_llm()
+        from infer.engine.cpu_threads import default_cpu_threads
+
+        assert torch.get_num_threads() == default_cpu_threads()
+    finally:
+        torch.set_num_threads(before)

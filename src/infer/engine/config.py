@@ -46,6 +46,9 @@ class EngineConfig:
     # The core (scheduler, model, sampler) in a process of its own, apart from tokenizing
     # and detokenizing. Off for LLM (no IPC in the way); `infer serve` turns it on.
     core_process: bool = False
+    # On a CPU, the threads the model's kernels use; None: one per usable core less one
+    # (engine/cpu_threads.py says why: more collapses beside any other busy process).
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)
@@ -59,7 +62,7 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             self._check_positive(name)
         for name in ("max_model_len", "num_blocks", "prefill_chunk_size",
-                     "max_waiting_requests"):
+                     "max_waiting_requests", "threads"):
             if getattr(self, name) is not None:
                 self._check_positive(name)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -28,6 +28,7 @@ from infer.attention import set_attention_backend
 from infer.cache.kv_manager import KVCacheManager
 from infer.config import ModelConfig
 from infer.engine.config import EngineConfig
+from infer.engine.cpu_threads import set_cpu_threads
 from infer.engine.memory import plan_kv_cache
 from infer.engine.model_runner import ModelRunner, StepInputs
 from infer.engine.request import Request
@@ -525,6 +526,9 @@ def load_core(config: EngineConfig) -> tuple[EngineCore, Tokenizer, str]:
     """Load the model and its tokenizer, and build the core: (core, tokenizer, model name).
     The tokenizer gives the EOS ids; the core itself never decodes."""
     device, dtype = pick_device_and_dtype(config.device, config.dtype)
+    if device.type == "cpu":
+        log.info("CPU: %d threads for the model's kernels%s", set_cpu_threads(config.threads),
+                 "" if config.threads else " (one per usable core less one; --threads)")
     model, mc, tokenizer, model_name = load_model_and_tokenizer(config.model, dtype, device)
     torch.manual_seed(config.seed)
     max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
