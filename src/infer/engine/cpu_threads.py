@@ -1,11 +1,11 @@
 """How many threads the model's kernels use on a CPU.
 
-Measured with the embedded SmolLM2 on the 2-core CI machine (`.ab/threads.py`, greedy
-decode): alone, 1 thread gave 16.1 tok/s at batch 1 and 67 at batch 8, 2 threads 13.5 and
-72; beside one busy process, 1 thread gave 12.8 and 58, 2 threads collapsed to 4.7 and 23.5
-(the threads of a parallel region wait for the slowest, and one of them shares its core).
-So by default a core is left to everything else (a server's API process, its tokenizer
-threads, other programs): one thread per usable core less one, at least one.
+On the 2-core CPU machine (`benchmarks/cpu_threads.py`, the embedded SmolLM2) a second
+thread gained 7-14 % at batch 8 with nothing else running, lost 5-16 % at batch 1, and
+beside one busy process fell 3-3.7x (the threads of a parallel region wait for the slowest,
+and one of them shares its core). So by default a core is left to everything else (a
+server's API process, its tokenizer threads, other programs): one thread per usable core
+less one, at least one.
 """
 
 from __future__ import annotations
