@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "triton")
 MIXED_STEP_GRAPHS = ("full", "piecewise", "off")
+QUANTIZATIONS = ("none", "int8")  # as infer.quantization.QUANTIZATIONS (kept torch-free here)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class EngineConfig:
     # The core (scheduler, model, sampler) in a process of its own, apart from tokenizing
     # and detokenizing. Off for LLM (no IPC in the way); `infer serve` turns it on.
     core_process: bool = False
+    # Weights converted when the model is loaded: none | int8 (weight-only, per output
+    # channel; quantization/ says more).
+    quantization: str = "none"
     # On a CPU, the threads the model's kernels use; None: one per usable core less one
     # (engine/cpu_threads.py says why: more collapses beside any other busy process).
     threads: int | None = None
@@ -57,6 +61,7 @@ class EngineConfig:
         self._check_choice("attention_backend", BACKENDS)
         self._check_choice("kernel_backend", BACKENDS)
         self._check_choice("mixed_step_graphs", MIXED_STEP_GRAPHS)
+        self._check_choice("quantization", QUANTIZATIONS)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
