@@ -124,3 +124,17 @@ def test_int8_on_cuda_is_refused_before_loading(monkeypatch):
                         lambda *a: pytest.fail("loaded before refusing"))
     with pytest.raises(ValueError, match="CPU only for now"):
         engine_core.load_core(EngineConfig(quantization="int8"))
+
+
+def test_the_server_reports_the_weights_format():
+    import httpx
+    from server_fixtures import live_server
+
+    from infer import LLM
+    from infer.server.async_engine import AsyncEngine
+
+    engine = AsyncEngine.in_thread(LLM(str(smollm2_gguf()), device="cpu",
+                                       quantization="int8").engine)
+    with live_server(engine) as server:
+        [card] = httpx.get(server.url + "/v1/models", timeout=30).json()["data"]
+    assert card["quantization"] == "int8"

@@ -514,13 +514,15 @@ class CoreInfo:
     attention_backend: str
     kernel_backend: str
     graph_capture_seconds: float
+    quantization: str = "none"
 
     @classmethod
     def of(cls, core: EngineCore, model_name: str) -> CoreInfo:
         return cls(model_name, core.max_model_len, core.model_config.vocab_size,
                    core.kv.pool.num_blocks, core.block_size, str(core.device),
                    str(core.dtype).removeprefix("torch."), core.attention_backend,
-                   core.kernel_backend, core.graph_capture_seconds)
+                   core.kernel_backend, core.graph_capture_seconds,
+                   core.config.quantization)
 
 
 def load_core(config: EngineConfig) -> tuple[EngineCore, Tokenizer, str]:

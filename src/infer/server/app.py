@@ -120,7 +120,8 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/v1/models", responses=API)
     async def models(request: Request) -> ModelList:
         ctx = _serving(request)
-        return ModelList(data=[ModelCard(id=name, max_model_len=ctx.engine.max_model_len)
+        return ModelList(data=[ModelCard(id=name, max_model_len=ctx.engine.max_model_len,
+                                         quantization=ctx.engine.info.quantization)
                                for name in ctx.model_names])
 
     @app.post("/v1/completions", responses=COMPLETION)

@@ -346,6 +346,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "infer"
     max_model_len: int | None = None
+    quantization: str | None = None  # how the served weights are stored (EngineConfig's)
 
 
 class ModelList(BaseModel):
