@@ -115,17 +115,6 @@ def test_an_engine_serves_int8_weights():
     assert "Paris" in out.outputs[0].text
 
 
-def test_int8_on_cuda_is_refused_before_loading(monkeypatch):
-    import infer.engine.engine_core as engine_core
-
-    monkeypatch.setattr(engine_core, "pick_device_and_dtype",
-                        lambda *a: (torch.device("cuda"), torch.bfloat16))
-    monkeypatch.setattr(engine_core, "load_model_and_tokenizer",
-                        lambda *a: pytest.fail("loaded before refusing"))
-    with pytest.raises(ValueError, match="CPU only for now"):
-        engine_core.load_core(EngineConfig(quantization="int8"))
-
-
 def test_the_server_reports_the_weights_format():
     import httpx
     from server_fixtures import live_server

@@ -1,22 +1,27 @@
 """Weight-only INT8 (W8A16): `weight [out, in]` int8 and `weight_scale [out]`, the float
 weight being `weight * weight_scale[:, None]`; activations stay in 16 bits.
 
-The matmul is torch's `_weight_int8pack_mm` (a kernel that reads the int8 weight as it
-is), fed 16-bit activations: on the CPU it has no fast float32 path (8x slower than
+On CUDA the matmul is ours for decode-sized steps (`kernels/int8_matmul.py`, Triton;
+torch's CUDA `_weight_int8pack_mm` was 7x slower than bfloat16 on the H100), and cuBLAS on
+a dequantized copy of the weight for prefill-sized ones. On the CPU it is torch's
+`_weight_int8pack_mm`, fed 16-bit activations: it has no fast float32 path (8x slower than
 float32 `F.linear` at SmolLM2's shapes, against 0.67x the time in bfloat16), so a float32
 model's activations are rounded to bfloat16 for each quantized matmul, which is what A16
-means. Its CUDA kernel was 7x slower than bfloat16 on the H100, so the engine refuses int8
-on CUDA until a Triton kernel of ours takes its place.
+means.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from infer.models.linear import LinearMethod
 
 QMAX = 127
+# On CUDA, more rows than this (prefill chunks) dequantize the weight for cuBLAS; fewer
+# go through the W8A16 kernel, whose speed is in reading fewer bytes.
+DEQUANTIZE_ROWS = 64
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,6 +50,13 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
               ) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(layer.compute_dtype)
-        y = torch.ops.aten._weight_int8pack_mm(x2, layer.weight, layer.weight_scale)
+        if x2.is_cuda and len(x2) > DEQUANTIZE_ROWS:  # compute-bound: cuBLAS on a copy
+            y = F.linear(x2, layer.weight.to(x2.dtype)) * layer.weight_scale
+        elif x2.is_cuda:
+            from infer.kernels.int8_matmul import w8a16_matmul
+
+            y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2, layer.weight, layer.weight_scale)
         y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
         return y if bias is None else y + bias
