@@ -149,6 +149,8 @@ def test_streamed_arguments_go_out_before_the_call_ends():
     ("hermes", '<tool_call>{"arguments": {"x": 1}}</tool_call>'),  # no name: content
     ("hermes", '<tool_call>[1, 2]</tool_call>'),
     ("hermes", "<tool_call>not json"),  # cut short before any header
+    ("hermes", '<tool_call>{"name": "bad\\q", "arguments": {}}</tool_call>'),  # bad escape
+    ("hermes", '<tool_call>{"name": "", "arguments": {"x": 1}}</tool_call>'),  # empty name
     ("llama3_json", "The weather in Paris is mild."),
     ("llama3_json", "  {not json at all}"),
     ("llama3_json", "<|python"),

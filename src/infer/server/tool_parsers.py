@@ -168,10 +168,10 @@ class _CallScanner:
         deltas = []
         if not self.header_sent:
             match = _HEADER.match(self.text)
-            if match and self.text[match.end()] == "{":
+            name = _json_string(match.group(1)) if match else None
+            if name and self.text[match.end()] == "{":
                 self.header_sent = True
                 self._args_at = self._sent_to = match.end()
-                name = json.loads(f'"{match.group(1)}"')
                 deltas.append(ToolCallDelta(self.index, f"call_{uuid.uuid4().hex[:24]}", name))
                 if self._args_end is None:  # rescan: the arguments' end may be read already
                     self._args_end = _object_end(self.text, self._args_at)
@@ -188,6 +188,14 @@ class _CallScanner:
             return _call(json.loads(self.text), "parameters")
         except json.JSONDecodeError:
             return None
+
+
+def _json_string(body: str) -> str | None:
+    """A JSON string's value from the text between its quotes; None if not valid JSON."""
+    try:
+        return json.loads(f'"{body}"')
+    except json.JSONDecodeError:
+        return None
 
 
 def _object_end(text: str, at: int) -> int | None:
