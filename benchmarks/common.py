@@ -93,6 +93,10 @@ def parse_engine_flags(items: Sequence[str] | None) -> dict[str, Any]:
                          f"{', '.join(sorted(known))}")
     if "model" in flags:
         raise SystemExit("--engine model=... is not allowed: the benchmark picks the checkpoint")
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    for name, value in flags.items():  # `quantization=none` is the word, not a missing value
+        if value is None and isinstance(defaults[name], str):
+            flags[name] = "none"
     return flags
 
 
