@@ -33,7 +33,7 @@ class StructuredOutputsParams:
     reasoning_tags: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in _KINDS if getattr(self, name) not in (None, False)]
+        given = [name for name in KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError("structured_outputs takes exactly one of json, json_object, "
                              f"regex, choice, grammar; got {', '.join(given) or 'none'}")
@@ -59,7 +59,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(name for name in _KINDS if getattr(self, name) not in (None, False))
+        return next(name for name in KINDS if getattr(self, name) not in (None, False))
 
     @cached_property
     def key(self) -> tuple[str, str]:
@@ -77,7 +77,8 @@ class StructuredOutputsParams:
         return self.kind, self.regex if self.regex is not None else str(self.grammar)
 
 
-_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# The constraint kinds: exactly one is set on a StructuredOutputsParams.
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 def _parse_schema(schema: dict[str, Any] | str) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "triton")
 MIXED_STEP_GRAPHS = ("full", "piecewise", "off")
-QUANTIZATIONS = ("none", "int8")  # as infer.quantization.QUANTIZATIONS (kept torch-free here)
+QUANTIZATIONS = ("none", "int8")  # the formats of infer.quantization
 
 
 @dataclass(frozen=True)

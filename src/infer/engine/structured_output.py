@@ -109,7 +109,7 @@ class StructuredOutputs:
                                                  eos_token=list(tokenizer.eos_token_ids))
         self._executor = llguidance.LLExecutor()
         self.vocab_size = vocab_size
-        self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._grammars: OrderedDict[tuple[str, ...], str] = OrderedDict()
         # A server compiles in its tokenizer threads while its event loop looks up.
         self._lock = threading.Lock()
         self._buffer: torch.Tensor | None = None
@@ -118,7 +118,7 @@ class StructuredOutputs:
 
     def cached(self, params: StructuredOutputsParams) -> str | None:
         """The constraint's grammar if it is compiled already, else None."""
-        key = (*params.key, *(params.reasoning_tags or ()))
+        key = _cache_key(params)
         with self._lock:
             grammar = self._grammars.get(key)
             if grammar is not None:
@@ -131,7 +131,7 @@ class StructuredOutputs:
         grammar = self.cached(params)
         if grammar is not None:
             return grammar
-        key = (*params.key, *(params.reasoning_tags or ()))
+        key = _cache_key(params)
         kind, text = params.key
         try:
             grammar = self._grammar(kind, text)
@@ -220,6 +220,11 @@ class StructuredOutputs:
             apply_token_bitmask(logits, words, index)
         else:
             apply_token_bitmask_ref(logits, words, index)
+
+
+def _cache_key(params: StructuredOutputsParams) -> tuple[str, ...]:
+    """The constraint's own key, and the reasoning tags that wrap it."""
+    return (*params.key, *(params.reasoning_tags or ()))
 
 
 def _after_reasoning(grammar: str, start: str, end: str) -> str:

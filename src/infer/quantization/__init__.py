@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from infer.engine.config import QUANTIZATIONS
 from infer.models.linear import LinearBase
 from infer.quantization.int8 import Int8WeightOnlyLinearMethod
-
-QUANTIZATIONS = ("none", "int8")
 
 
 def quantize_model(model: nn.Module, quantization: str) -> int:

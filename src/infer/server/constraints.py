@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from infer.structured_outputs import StructuredOutputsParams
+from infer.structured_outputs import KINDS, StructuredOutputsParams
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}
-_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 class ConstraintError(ValueError):
@@ -71,9 +70,9 @@ def _structured_outputs(spec: Any) -> StructuredOutputsParams:
     field = "structured_outputs"
     if not isinstance(spec, dict):
         raise ConstraintError("structured_outputs must be an object with one of "
-                              + ", ".join(_KINDS), field)
-    unknown = sorted(set(spec) - set(_KINDS))
+                              + ", ".join(KINDS), field)
+    unknown = sorted(set(spec) - set(KINDS))
     if unknown:
         raise ConstraintError(f"structured_outputs: unsupported key(s) {', '.join(unknown)}; "
-                              f"this server takes {', '.join(_KINDS)}", field)
+                              f"this server takes {', '.join(KINDS)}", field)
     return _params(field, **{k: v for k, v in spec.items() if v is not None})
