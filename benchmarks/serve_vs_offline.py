@@ -113,7 +113,10 @@ def _client_process(url: str, model: str, specs: list[Spec], t0: float) -> list[
 def drive(url: str, specs: list[Spec], clients: int) -> list[dict]:
     import httpx
 
-    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    models = httpx.get(url + "/v1/models")
+    if models.status_code != 200:
+        raise RuntimeError(f"GET /v1/models: HTTP {models.status_code}: {models.text[:500]}")
+    model = models.json()["data"][0]["id"]
     _client_process(url, model, [(s[0], 8, 0.0) for s in specs[:4]], time.time())  # warm-up
     shares = [specs[i::clients] for i in range(clients)]
     t0 = time.time() + 1.0  # every client process is up by then

@@ -172,9 +172,11 @@ def _started(pid: int) -> int:
 
 
 @contextmanager
-def _serve(*flags: str, spawned: int = 1) -> Iterator[tuple[subprocess.Popen, str, int]]:
+def _serve(*flags: str, spawned: int = 1, poll_s: float = 0.2
+           ) -> Iterator[tuple[subprocess.Popen, str, int]]:
     """`infer serve` on the tiny model in a subprocess: (process, url, core pid). With
-    `spawned` > 1, the last item is the pids of the processes it spawned, the core first."""
+    `spawned` > 1, the last item is the pids of the processes it spawned, the core first.
+    /health is polled every `poll_s` until it answers 200."""
     port = _free_port()
     cmd = [sys.executable, "-m", "infer.cli", "serve", "--model", str(tiny_model_dir()),
            "--port", str(port), "--log-level", "warning", *flags,
@@ -191,7 +193,7 @@ def _serve(*flags: str, spawned: int = 1) -> Iterator[tuple[subprocess.Popen, st
                     break
             except httpx.TransportError:
                 pass
-            time.sleep(0.2)
+            time.sleep(poll_s)
         # The core (beside multiprocessing's resource tracker). Its parent, the thread that
         # loaded the engine, exits after /health turns 200: for a moment the core is being
         # handed to another thread and is nobody's child.
@@ -313,6 +315,15 @@ def test_further_api_processes_serve_the_port_and_any_death_stops_all():
         assert proc.wait(30) == 1
         assert "an API server process died" in proc.stdout.read()
         _wait_gone(descendants)
+
+
+def test_once_health_is_200_every_api_process_answers():
+    """No process may say "loading" after any has said it is ready: a client that polls
+    /health and then sends requests (each on a new connection, so to any process) gets
+    answers from the first request on."""
+    with _serve("--api-server-count", "3", spawned=3, poll_s=0.005) as (_, url, _):
+        codes = [httpx.get(url + "/v1/models", timeout=10).status_code for _ in range(24)]
+        assert set(codes) == {200}, codes
 
 
 def test_a_server_with_further_api_processes_stops_them_all():

@@ -195,6 +195,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             engine.on_core_death = lambda: stop("the engine core")
             freeze_startup_objects()
             attach_engine(app, engine)
+            for group in others:  # they accept only now: none says "loading" after a 200
+                group.serve()
             print(f"infer: serving on http://{args.host}:{args.port}"
                   + (f" ({args.api_server_count} API server processes)" if sock else ""),
                   file=sys.stderr)

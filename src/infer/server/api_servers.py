@@ -44,8 +44,9 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def run_api_server(args: argparse.Namespace, conn: Connection, sock: socket.socket,
-                   ready: EventType) -> None:
-    """A further API process: the same app over its own side of the core."""
+                   ready: EventType, serve: EventType) -> None:
+    """A further API process: the same app over its own side of the core. It accepts
+    connections once `serve` is set (every process of the server is ready then)."""
     from infer.cli import engine_config, serve_app, uvicorn_server
     from infer.engine.setup import freeze_startup_objects
     from infer.server import AsyncEngine, attach_engine
@@ -59,6 +60,7 @@ def run_api_server(args: argparse.Namespace, conn: Connection, sock: socket.sock
     freeze_startup_objects()
     attach_engine(app, engine)
     ready.set()
+    serve.wait()
     try:
         server.run(sockets=[sock])
     finally:
@@ -66,15 +68,17 @@ def run_api_server(args: argparse.Namespace, conn: Connection, sock: socket.sock
 
 
 class ApiServers:
-    """The further API processes of a server, started and waited for until each serves;
-    then watched: `on_death` is called (once, from a watcher thread) when one of them
-    exits while the server runs."""
+    """The further API processes of a server, started and waited for until each is ready;
+    they accept connections after `serve()`. Then watched: `on_death` is called (once,
+    from a watcher thread) when one of them exits while the server runs."""
 
     def __init__(self, args: argparse.Namespace, sides: list[Connection], sock: socket.socket,
                  on_death: Callable[[], None], timeout: float = 300.0) -> None:
         ctx = multiprocessing.get_context("spawn")
         readies = [ctx.Event() for _ in sides]
-        self.processes = [ctx.Process(target=run_api_server, args=(args, conn, sock, ready),
+        self._serve = ctx.Event()
+        self.processes = [ctx.Process(target=run_api_server,
+                                      args=(args, conn, sock, ready, self._serve),
                                       name=f"infer-api-{i + 1}")
                           for i, (conn, ready) in enumerate(zip(sides, readies))]
         for process, conn in zip(self.processes, sides):
@@ -89,6 +93,9 @@ class ApiServers:
                                        f"(exit code {process.exitcode})")
         self._on_death = on_death
         threading.Thread(target=self._watch, name="infer-api-watch", daemon=True).start()
+
+    def serve(self) -> None:
+        self._serve.set()
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: p for p in self.processes}
