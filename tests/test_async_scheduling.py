@@ -1,7 +1,7 @@
-"""Async scheduling on the real SmolLM2 model: launching the next decode step before the
-current one's tokens are read back changes no output, stops exactly where the synchronous
-engine stops, and leaks no KV block, whatever happens to a request while a step is in
-flight."""
+"""Async scheduling on the real SmolLM2 model: launching the next step (decodes, prefill
+chunks, admissions) before the current one's tokens are read back changes no output,
+stops exactly where the synchronous engine stops, and leaks no KV block, whatever happens
+to a request while a step is in flight."""
 
 from __future__ import annotations
 
@@ -119,3 +119,32 @@ def test_request_added_while_a_step_is_in_flight_is_served():
                 final[out.request_id] = out.outputs[0].token_ids
     assert [final["a"], final["b"]] == alone
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+def _run_with_arrivals(**config):
+    """One sequence decodes; a long prompt arrives and goes in 8-token chunks beside it;
+    a third arrives while those chunks run. Final tokens per request, and the stats."""
+    engine = make_llm(num_blocks=128, block_size=4, prefill_chunk_size=8, **config).engine
+    arrivals = {2: ("b", "Once upon a time, in a land far away, there lived a king who"),
+                4: ("c", "1, 2, 3, 4,")}
+    engine.add_request("a", "The capital of France is", GREEDY)
+    final, steps = {}, 0
+    while engine.has_unfinished_requests() or arrivals:
+        if steps in arrivals:
+            engine.add_request(*arrivals.pop(steps), GREEDY)
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+    return final, engine.stats()
+
+
+def test_prefill_chunks_and_admissions_are_launched_ahead():
+    refs, ref_stats = _run_with_arrivals(async_scheduling=False)
+    final, stats = _run_with_arrivals()
+    assert final == refs
+    assert ref_stats["num_steps_launched_ahead"] == 0
+    # Every step but the first was planned and launched while the one before it ran:
+    # the chunks of "b" and the admissions of "b" and "c" included.
+    assert stats["num_steps_launched_ahead"] == stats["num_steps"] - 1
+    assert stats["kv_blocks_used"] == 0

@@ -290,3 +290,56 @@ def test_random_multi_token_steps_never_leak(seed, prefix, ops):
             break
     assert not s.has_unfinished()
     assert s.kv.pool.num_free == 14 and s.kv.tables == {}
+
+
+def _sampled(request: Request) -> int:
+    """A fake model's next token: a function of the request and its length alone."""
+    return (request.num_tokens * 7 + int(request.request_id[1:])) % 3
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 10_000), prefix=st.booleans(), chunked=st.booleans(),
+       static=st.booleans(),
+       ops=st.lists(st.sampled_from(["add", "step", "step", "abort"]), max_size=50))
+def test_steps_planned_ahead_start_where_the_step_before_ends(seed, prefix, chunked, static,
+                                                              ops):
+    """Async scheduling's loop: the next step is planned (`schedule_ahead`) before the
+    current one is accounted. Every planned item must start at the request's computed
+    tokens when it is accounted and carry exactly the request's tokens there (or, planned
+    ahead, decode the one token the step before sampled); nothing leaks."""
+    rng = random.Random(seed)
+    s = Scheduler(KVCacheManager(num_blocks=14, block_size=2, enable_prefix_caching=prefix),
+                  max_num_seqs=3, max_num_batched_tokens=8,
+                  batching="static" if static else "continuous", chunked_prefill=chunked,
+                  max_prefill_chunk=rng.choice([None, 3]))
+    next_id, in_flight = 0, None
+    for op in [*ops, *["step"] * 300]:
+        if op == "add":
+            prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 8))]
+            s.add(Request(f"r{next_id}", prompt, rng.randrange(1, 6)))
+            next_id += 1
+        elif op == "abort" and s.requests:
+            s.abort(rng.choice(sorted(s.requests)))
+        elif op == "step":
+            out = in_flight or s.schedule()
+            in_flight = s.schedule_ahead(out) if not out.empty else None
+            sampled = {}
+            for item in out.scheduled:
+                request = s.requests.get(item.request_id)
+                if request is None:
+                    continue  # aborted while the step was in flight
+                assert item.start == request.num_computed_tokens
+                if item.token_ids is None:
+                    assert item.num_new_tokens == 1
+                    assert item.start == request.num_tokens - 1
+                else:
+                    assert list(item.token_ids) == request.token_slice(
+                        item.start, item.start + item.num_new_tokens)
+                if item.samples:
+                    sampled[item.request_id] = [_sampled(request)]
+            s.update(out, sampled)
+        _check_invariants(s)
+        if op == "step" and not s.has_unfinished() and in_flight is None:
+            break
+    assert not s.has_unfinished()
+    assert s.kv.pool.num_free == 14 and s.kv.tables == {}

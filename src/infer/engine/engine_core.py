@@ -6,9 +6,9 @@ it kept, their logprob numbers, and why it finished if it did. Inputs are checke
 they get here (`InputProcessor`); text, stop strings and outputs are the output
 processor's.
 
-With async scheduling the next decode step is launched on the device (`_launch_ahead`,
-planned by `Scheduler.schedule_ahead`) before this step's tokens are read back and
-accounted, so the GPU never waits for the host's bookkeeping.
+With async scheduling the next step (decodes, prefill chunks, admissions) is launched on
+the device (`_launch_ahead`, planned by `Scheduler.schedule_ahead`) before this step's
+tokens are read back and accounted, so the GPU never waits for the host's bookkeeping.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -340,16 +340,17 @@ class EngineCore:
         return culprits
 
     def _launch(self, out: SchedulerOutput, inputs: StepInputs,
-                device_input_ids: torch.Tensor | None = None, ahead: int = 0,
+                device_input_ids: torch.Tensor | None = None,
                 prev: _StepInFlight | None = None) -> _StepInFlight:
         """Queue the step's forward and sampling on the device; nothing waits for them,
-        except constrained rows of a step launched ahead: their masks need `prev`'s
-        tokens, which are read (and fed to the grammars) while this forward runs."""
+        except constrained rows of a step launched ahead of `prev`: their masks need
+        prev's tokens, which are read (and fed to the grammars) while this forward runs."""
         seqs = [self.sequences[rid] for rid in inputs.sample_request_ids]
         requests = {i.request_id: self.sequences[i.request_id].request for i in out.scheduled}
         logits = self.runner.execute(inputs, device_input_ids)
         self.num_steps += 1
-        self.num_steps_launched_ahead += ahead
+        if prev is not None:
+            self.num_steps_launched_ahead += 1
         if not seqs:
             return _StepInFlight(out, requests, [], None, None)
         masked = []
@@ -357,7 +358,8 @@ class EngineCore:
             if prev is not None:
                 self._advance_grammars(prev)
             masked = self._mask(logits, seqs)
-        result = sample(logits, self._sampling_batch(seqs, ahead))
+        pending = {item.request_id for item in out.scheduled if item.token_ids is None}
+        result = sample(logits, self._sampling_batch(seqs, pending))
         results = HostCopy(result.token_ids, result.logprobs, result.top_logprob_ids,
                            result.top_logprobs)
         return _StepInFlight(out, requests, inputs.sample_request_ids, result.token_ids, results,
@@ -376,7 +378,7 @@ class EngineCore:
         """Launch the step after `prev` before prev's tokens reach the host, when the
         scheduler can plan it now and no sequence's sampling depends on prev's token
         values (penalties). None: the next step is planned once prev is accounted."""
-        if not self.config.async_scheduling or not prev.seq_ids:
+        if not self.config.async_scheduling:
             return None
         if any(seq.params.has_penalties for seq in self.sequences.values()):
             return None
@@ -384,12 +386,19 @@ class EngineCore:
         if plan is None:
             return None
         inputs = self.runner.prepare(plan, self.kv.tables)
+        # The plan's first rows decode the tokens prev sampled, still on the device; the
+        # other rows' ids are on the host.
         row_of = {seq_id: row for row, seq_id in enumerate(prev.seq_ids)}
-        rows = [row_of[item.request_id] for item in plan.scheduled]
+        rows = [row_of[item.request_id] for item in plan.scheduled if item.token_ids is None]
+        if not rows:
+            return self._launch(plan, inputs, prev=prev)
         ids = prev.token_ids
         if rows != list(range(len(prev.seq_ids))):
             ids = ids[to_device(torch.tensor(rows), self.device)]
-        return self._launch(plan, inputs, ids, ahead=1, prev=prev)
+        if inputs.input_ids:
+            ids = torch.cat([ids, to_device(torch.tensor(inputs.input_ids, dtype=ids.dtype),
+                                            self.device)])
+        return self._launch(plan, inputs, ids, prev=prev)
 
     def _finish(self, step: _StepInFlight) -> list[SequenceOutput]:
         """Wait for the step's tokens and account them."""
@@ -463,11 +472,13 @@ class EngineCore:
             structured.apply_masks(logits, masks, rows)
         return masked
 
-    def _sampling_batch(self, seqs: list[_Sequence], ahead: int = 0) -> SamplingBatch:
-        """`ahead`: tokens each sequence has sampled that are not in its output yet."""
+    def _sampling_batch(self, seqs: list[_Sequence], pending: Collection[str] = ()
+                        ) -> SamplingBatch:
+        """`pending`: the sequences with a sampled token not in their output yet (the step
+        in flight samples one for each)."""
         banned, positions = [], []
         for seq in seqs:
-            n_out = len(seq.request.output_token_ids) + ahead
+            n_out = len(seq.request.output_token_ids) + (seq.request.request_id in pending)
             positions.append(n_out)
             if n_out < seq.params.min_tokens:
                 banned.append(list(self.eos_token_ids) + list(seq.params.stop_token_ids))

@@ -143,9 +143,11 @@ class Scheduler:
             self._admit(budget, out)
         return SchedulerOutput(tuple(out))
 
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        """Drafts count as tokens to compute; only a request at its last token has any."""
-        remaining = request.num_tokens - request.num_computed_tokens
+    def _num_new_tokens(self, request: Request, budget: int, start: int | None = None) -> int:
+        """Tokens to compute from `start` (default: what the KV cache holds); drafts count
+        as tokens to compute, and only a request at its last token has any."""
+        remaining = request.num_tokens - (request.num_computed_tokens if start is None
+                                          else start)
         if remaining == 1 and request.spec_token_ids:
             return min(1 + len(request.spec_token_ids), budget)
         if self.chunked_prefill:
@@ -211,29 +213,45 @@ class Scheduler:
         return computed
 
     def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
-        """Plan the step after `prev` before prev's tokens are known (async scheduling):
-        possible when that step is certain to be one more token for each request prev
-        samples, i.e. nothing waits, every running request samples in prev, and none has
-        drafts. Requests prev ends by length are left out; one that prev ends by a stop
-        token computes a row in vain (dropped on the way out). Allocates the blocks;
-        None when the plan is not certain or the pool is short."""
-        if self.waiting:
-            return None
-        sampling = [i for i in prev.scheduled
-                    if i.samples and i.request_id in self.requests]
-        if len(sampling) != len(self.running) or any(i.spec_token_ids for i in sampling):
-            return None
-        out = []
-        tables, block_size = self.kv.tables, self.kv.block_size
-        for item in sampling:
-            rid = item.request_id
-            request = self.requests[rid]
-            if len(request.output_token_ids) + 1 >= request.max_new_tokens:
-                continue  # prev samples its last token
-            pos = item.start + item.num_new_tokens
-            if pos >= len(tables[rid]) * block_size and not self.kv.allocate(rid, pos + 1):
+        """Plan the step after `prev` before prev's tokens are known (async scheduling),
+        by the rule of `schedule` applied to the state prev will leave: each request prev
+        samples decodes one more token (its id still on the device: `token_ids` None, and
+        these rows come first), prefills go on from where prev's chunk ends, and waiting
+        requests are admitted. Requests prev ends by length are left out; one that prev
+        ends by a stop token computes a row in vain (dropped on the way out). Allocates the
+        blocks; None when the plan is not certain (drafts; static batching with requests
+        waiting) or would need a preemption."""
+        if self.static and self.waiting:
+            return None  # admission depends on whether prev ends every running request
+        budget = self.max_num_batched_tokens
+        out: list[ScheduledRequest] = []
+        prev_end: dict[str, int] = {}
+        for item in prev.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # finished or aborted while prev ran (its id may be reused)
+            if item.spec_token_ids:
                 return None
-            out.append(ScheduledRequest(rid, pos, 1, True, None))
+            pos = prev_end[item.request_id] = item.start + item.num_new_tokens
+            if not item.samples or len(request.output_token_ids) + 1 >= request.max_new_tokens:
+                continue
+            if budget == 0 or not self.kv.allocate(item.request_id, pos + 1):
+                return None
+            out.append(ScheduledRequest(item.request_id, pos, 1, True, None))
+            budget -= 1
+        sampled = {item.request_id for item in prev.scheduled if item.samples}
+        rest = [(r, prev_end.get(r.request_id, r.num_computed_tokens)) for r in self.running
+                if r.request_id not in sampled]
+        rest.sort(key=lambda rc: rc[0].num_tokens - rc[1] > 1)  # decodes, then prefills
+        for request, start in rest:
+            num_new = self._num_new_tokens(request, budget, start)
+            if num_new == 0:
+                continue
+            if not self.kv.allocate(request.request_id, start + num_new):
+                return None
+            out.append(_plan(request, num_new, start))
+            budget -= num_new
+        self._admit(budget, out)
         return SchedulerOutput(tuple(out)) if out else None
 
     def update(self, out: SchedulerOutput, sampled: Mapping[str, Sequence[int]]
@@ -281,8 +299,9 @@ class Scheduler:
         return updates
 
 
-def _plan(request: Request, num_new: int) -> ScheduledRequest:
-    start = request.num_computed_tokens
+def _plan(request: Request, num_new: int, start: int | None = None) -> ScheduledRequest:
+    if start is None:
+        start = request.num_computed_tokens
     known = min(num_new, request.num_tokens - start)
     spec = tuple(request.spec_token_ids[:num_new - known])
     tokens = tuple(request.token_slice(start, start + known)) + spec
