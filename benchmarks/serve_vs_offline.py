@@ -5,7 +5,10 @@ A burst of N requests (token-id prompts, greedy, `ignore_eos`), and optionally t
 prefill-pressure workload (48 requests at 6/s, 75 % with 2,000-token prompts). The client
 is several processes (one Python event loop would be the bottleneck at 30k tokens/s).
 ITL is the gap between a stream's chunks; a chunk may carry more than one token when the
-server falls behind the core (tokens/chunk says how many).
+server falls behind the core (tokens/chunk says how many). The client processes start
+together (a barrier); "latest send" is how far behind its schedule the latest request went
+out (a client too slow to send the burst at once makes a server look slow). `steps` are
+the engine steps the server's core ran for the workload (its /stats).
 
     python benchmarks/serve_vs_offline.py --model-shape llama-3.2-1b --seqs 64 256 \\
         --servers core-process core-thread [--old-root .ab/pre11] [--pressure]
@@ -59,11 +62,12 @@ def run_offline(path: Path, flags: dict, specs: list[Spec]) -> dict:
     llm.generate([{"prompt_token_ids": s[0]} for s in specs[:4]], warm, use_tqdm=False)
     params = [SamplingParams(max_tokens=s[1], temperature=0, ignore_eos=True) for s in specs]
     common.sync()
+    steps = llm.engine.stats()["num_steps"]
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": s[0]} for s in specs], params, use_tqdm=False)
     seconds = time.perf_counter() - t
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    steps = llm.engine.stats()["num_steps"]
+    steps = llm.engine.stats()["num_steps"] - steps
     del llm
     common.free_memory()
     return {"seconds": seconds, "output_tokens": tokens, "out_tok_per_s": tokens / seconds,
@@ -71,13 +75,18 @@ def run_offline(path: Path, flags: dict, specs: list[Spec]) -> dict:
 
 
 # -- the client -----------------------------------------------------------------------
-def _client_process(url: str, model: str, specs: list[Spec], t0: float) -> list[dict]:
+def _client_process(url: str, model: str, specs: list[Spec], t0: float | None) -> list[dict]:
+    """`t0`: the time `specs`' offsets count from (None: the one all clients agreed on)."""
     import httpx
+
+    t0 = _START[0] if t0 is None else t0
 
     async def one(client: httpx.AsyncClient, spec: Spec) -> dict:
         ids, max_tokens, at = spec
         await asyncio.sleep(max(0.0, t0 + at - time.time()))
-        rec = {"start": time.time(), "chunks": [], "tokens": 0, "error": None}
+        start = time.time()  # "late": how far behind its schedule the request went out
+        rec = {"start": start, "late": start - t0 - at, "chunks": [], "tokens": 0,
+               "error": None}
         body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
@@ -110,7 +119,45 @@ def _client_process(url: str, model: str, specs: list[Spec], t0: float) -> list[
     return asyncio.run(main())
 
 
-def drive(url: str, specs: list[Spec], clients: int) -> list[dict]:
+# With --client-cpus K the client processes run on the host's last K CPUs and everything
+# else (the offline engine, the server and its core) on the others, so neither side's CPU
+# time is taken from the other, as when clients are other machines.
+CLIENT_CPUS: set[int] = set()
+_START: list[float] = []  # in a client process: when its requests' clock starts
+
+
+def _start_client(cpus: set[int], barrier) -> None:
+    """A client process's start: its CPUs, its imports, then wait for every other client
+    process, so that a burst starts in all of them at once (spawning and importing take
+    most of a second on a busy host)."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    import httpx  # noqa: F401
+
+    barrier.wait()
+    _START.append(time.time() + 0.05)
+
+
+def pin_cpus(client_cpus: int) -> str:
+    """Split the CPUs this process may use between the clients and the rest (inherited by
+    every process it starts); a line saying how."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not 0 < client_cpus < len(cpus):
+        raise SystemExit(f"--client-cpus must be between 1 and {len(cpus) - 1}")
+    CLIENT_CPUS.update(cpus[-client_cpus:])
+    os.sched_setaffinity(0, cpus[:-client_cpus])
+    return (f"CPUs: server and offline engine {len(cpus) - client_cpus}, clients "
+            f"{client_cpus}")
+
+
+def _num_steps(url: str) -> int:
+    import httpx
+
+    return int(httpx.get(url + "/stats").json()["num_steps"])
+
+
+def drive(url: str, specs: list[Spec], clients: int) -> tuple[list[dict], int]:
+    """Every request's record, and the engine steps the server's core ran for them."""
     import httpx
 
     models = httpx.get(url + "/v1/models")
@@ -118,11 +165,15 @@ def drive(url: str, specs: list[Spec], clients: int) -> list[dict]:
         raise RuntimeError(f"GET /v1/models: HTTP {models.status_code}: {models.text[:500]}")
     model = models.json()["data"][0]["id"]
     _client_process(url, model, [(s[0], 8, 0.0) for s in specs[:4]], time.time())  # warm-up
-    shares = [specs[i::clients] for i in range(clients)]
-    t0 = time.time() + 1.0  # every client process is up by then
-    with ProcessPoolExecutor(clients, mp_context=get_context("spawn")) as pool:
-        jobs = [pool.submit(_client_process, url, model, share, t0) for share in shares if share]
-        return [rec for job in jobs for rec in job.result()]
+    steps = _num_steps(url)
+    shares = [share for i in range(clients) if (share := specs[i::clients])]
+    ctx = get_context("spawn")
+    with ProcessPoolExecutor(len(shares), mp_context=ctx, initializer=_start_client,
+                             initargs=(CLIENT_CPUS, ctx.Barrier(len(shares)))) as pool:
+        jobs = [pool.submit(_client_process, url, model, share, None) for share in shares]
+        records = [rec for job in jobs for rec in job.result()]
+    time.sleep(0.1)  # the core sends its counters when it goes idle
+    return records, _num_steps(url) - steps
 
 
 def summarize(records: list[dict], expected_tokens: int) -> dict:
@@ -134,6 +185,7 @@ def summarize(records: list[dict], expected_tokens: int) -> dict:
     itl = [b - a for r in records for a, b in zip(r["chunks"], r["chunks"][1:])]
     chunks = sum(len(r["chunks"]) for r in records)
     return {"seconds": end - start, "output_tokens": tokens,
+            "max_late_s": max(r["late"] for r in records),
             "out_tok_per_s": tokens / (end - start), "errors": len(errors),
             "first_error": errors[0] if errors else None, "short": short,
             "tokens_per_chunk": tokens / max(chunks, 1),
@@ -187,8 +239,9 @@ def run_server(kind: str, path: Path, flags: list[str], specs: list[Spec], clien
     log = results_dir / f"serve_vs_offline_{kind}.log"
     with _pythonpath(old_root if kind == "old" else None), \
             serve_bench.launched(server_flags, None, log, 900) as url:
-        records = drive(url, specs, clients)
-    return summarize(records, expected)
+        records, steps = drive(url, specs, clients)
+    summary = summarize(records, expected)
+    return {**summary, "steps": steps, "step_ms": summary["seconds"] / max(steps, 1) * 1e3}
 
 
 def main() -> None:
@@ -209,8 +262,13 @@ def main() -> None:
                    help="also the prefill-pressure workload (core-process, the server's "
                    "defaults plus --engine flags)")
     p.add_argument("--clients", type=int, default=8, help="client processes")
+    p.add_argument("--client-cpus", type=int, default=0,
+                   help="run the clients on the last K CPUs and the rest on the others "
+                   "(0: no pinning)")
     common.add_common_args(p)
     args = p.parse_args()
+    if args.client_cpus:
+        print(pin_cpus(args.client_cpus), flush=True)
     path = common.get_checkpoint(args.model_shape, args.tiny, args.ckpt_root)
     vocab = common.load_shape(args.model_shape, args.tiny)["vocab_size"]
     user = common.parse_engine_flags(args.engine)
@@ -259,16 +317,18 @@ def _table(rows: list[dict]) -> str:
     def ms(x):
         return "-" if x is None else f"{x * 1e3:.1f}"
 
-    out = ["| max_num_seqs | path | out tok/s | vs offline | ITL p50 / p99 ms | TTFT p50 / p99 "
-           "ms | tokens/chunk | errors |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    out = ["| max_num_seqs | path | out tok/s | vs offline | steps | ms/step | ITL p50 / p99 ms "
+           "| TTFT p50 / p99 ms | tokens/chunk | errors | latest send ms |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         itl, ttft = r.get("itl_s", {}), r.get("ttft_s", {})
         out.append(
             f"| {r['max_num_seqs']} | {r['path']} | {r['out_tok_per_s']:,.0f} "
-            f"| {_pct(r)} "
+            f"| {_pct(r)} | {r['steps']} | {r['step_ms']:.2f} "
             f"| {ms(itl.get('p50'))} / {ms(itl.get('p99'))} "
             f"| {ms(ttft.get('p50'))} / {ms(ttft.get('p99'))} "
-            f"| {r.get('tokens_per_chunk', 1.0):.2f} | {r.get('errors', 0)} |")
+            f"| {r.get('tokens_per_chunk', 1.0):.2f} | {r.get('errors', 0)} "
+            f"| {r.get('max_late_s', 0) * 1e3:.0f} |")
     return "\n".join(out)
 
 

@@ -36,7 +36,7 @@ _COUNTERS = {
     "num_requests_failed": "Requests failed alone by a fault of their own (the rest of "
                            "their step went on)",
     "num_steps": "Engine steps run (model forwards)",
-    "num_steps_launched_ahead": "Decode steps launched before the previous step's tokens "
+    "num_steps_launched_ahead": "Steps launched before the previous step's tokens "
                                 "were read (async scheduling)",
     "num_discarded_tokens": "Tokens sampled for a sequence that had already stopped "
                             "(async scheduling)",
