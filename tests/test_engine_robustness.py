@@ -23,15 +23,16 @@ def _run(engine, rid: str, prompt: str, params: SamplingParams = GREEDY):
     return last
 
 
-def _fail_forward(monkeypatch, engine, on_call: int) -> list[int]:
-    """The model's forward raises on its `on_call`-th call (1-based), once."""
+def _fail_forward(monkeypatch, engine, on_call: int, times: int = 1) -> list[int]:
+    """The model's forward raises on its `on_call`-th call (1-based) and the `times` - 1
+    calls after it."""
     model = engine.runner.model
     real = model.forward
     calls: list[int] = []
 
     def forward(*args, **kwargs):
         calls.append(1)
-        if len(calls) == on_call:
+        if on_call <= len(calls) < on_call + times:
             raise RuntimeError("forward failed")
         return real(*args, **kwargs)
 
@@ -61,8 +62,11 @@ def test_requests_outside_the_failing_step_keep_going(monkeypatch):
     expected = _run(engine, "ref", "Once upon a time").outputs[0].token_ids
     engine.add_request("a", "The capital of France is", GREEDY)
     engine.add_request("b", "Once upon a time", GREEDY)  # waits: one sequence at a time
-    engine.step()  # a's prefill
-    _fail_forward(monkeypatch, engine, on_call=1)  # a's first decode
+    engine.step()  # a's prefill; a's first decode is launched ahead behind it
+    # a's second decode fails when launched ahead (dropped, to be planned again after the
+    # step in flight) and again when run the ordinary way: then it fails the step
+    _fail_forward(monkeypatch, engine, on_call=1, times=2)
+    engine.step()  # a's first decode accounted
     with pytest.raises(RuntimeError):
         engine.step()
     assert "a" not in engine.output_processor.groups and "b" in engine.output_processor.groups
