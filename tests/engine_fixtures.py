@@ -25,6 +25,14 @@ def make_llm(path: Path | None = None, **config) -> LLM:
     weights between engines (each engine binds its own KV cache to it)."""
     path = path or smollm2_gguf()
     loaded = _loaded(str(path))
+    # Engines share one float copy of the weights: a quantized format would convert that
+    # copy in place for every engine after, so "auto" (a CLI's default too) means the
+    # float weights here, and tests of quantization build engines of their own.
+    if config.setdefault("quantization", "none") == "auto":
+        config["quantization"] = "none"
+    if config["quantization"] != "none":
+        raise ValueError("make_llm shares float weights: build an LLM of your own to "
+                         "test a quantized format")
     original = engine_core.load_model_and_tokenizer
     engine_core.load_model_and_tokenizer = lambda *args: loaded
     try:

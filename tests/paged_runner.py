@@ -12,6 +12,7 @@ import random
 import torch
 
 from infer.attention import AttentionMetadata, allocate_kv_cache
+from infer.models.layers import activation_dtype
 
 
 def run_paged(
@@ -32,7 +33,7 @@ def run_paged(
     for n in blocks_needed:
         tables.append(ids[at:at + n])
         at += n
-    allocate_kv_cache(model, len(ids), block_size)
+    allocate_kv_cache(model, len(ids), block_size, activation_dtype(model))
     done = [0] * len(sequences)
     logits: list[list[torch.Tensor]] = [[] for _ in sequences]
     while any(d < len(s) for d, s in zip(done, sequences)):

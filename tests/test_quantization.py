@@ -64,7 +64,7 @@ def test_every_linear_layer_of_a_real_model_is_converted():
 
     model, _ = load_gguf(smollm2_gguf())
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
-    assert quantize_model(model, "int8") == len(linears) > 0
+    assert quantize_model(model, "int8") == "int8" and linears
     assert all(m.weight.dtype == torch.int8 for m in linears)
     assert any(isinstance(m, MergedColumnParallelLinear) for m in linears)
     others = [m for m in model.modules() if isinstance(m, (VocabParallelEmbedding, ParallelLMHead))]

@@ -69,11 +69,12 @@ def allocate_kv_cache(
     model: nn.Module,
     num_blocks: int,
     block_size: int,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Allocate one pool `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` and bind
-    each attention layer to its slice. Returns the pool (the caller owns its lifetime)."""
+    """Allocate one pool `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` of
+    `dtype` and bind each attention layer to its slice. Returns the pool (the caller owns
+    its lifetime)."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if not layers:
         raise ValueError("model has no Attention layers")
@@ -81,10 +82,9 @@ def allocate_kv_cache(
     if len(shapes) != 1:
         raise ValueError(f"layers disagree on (kv_heads, head_dim): {sorted(shapes)}")
     num_kv_heads, head_dim = shapes.pop()
-    param = next(model.parameters())
     pool = torch.zeros(
         len(layers), 2, num_blocks, block_size, num_kv_heads, head_dim,
-        dtype=dtype or param.dtype, device=device or param.device,
+        dtype=dtype, device=device or next(model.parameters()).device,
     )
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = pool[i, 0], pool[i, 1]

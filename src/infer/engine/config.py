@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "triton")
 MIXED_STEP_GRAPHS = ("full", "piecewise", "off")
-QUANTIZATIONS = ("none", "int8")  # the formats of infer.quantization
+QUANTIZATIONS = ("auto", "none", "int8")  # the choices infer.quantization takes
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,10 @@ class EngineConfig:
     # The core (scheduler, model, sampler) in a process of its own, apart from tokenizing
     # and detokenizing. Off for LLM (no IPC in the way); `infer serve` turns it on.
     core_process: bool = False
-    # Weights converted when the model is loaded: none | int8 (weight-only, per output
-    # channel; quantization/ says more).
-    quantization: str = "none"
+    # The weights' format: auto (the checkpoint's own: a GGUF file's quantized weights
+    # stay quantized where the device has kernels) | none (dequantized at load) | int8
+    # (weight-only, per output channel, made at load); quantization/ says more.
+    quantization: str = "auto"
     # On a CPU, the threads the model's kernels use; None: one per usable core less one
     # (engine/cpu_threads.py says why: more collapses beside any other busy process).
     threads: int | None = None

@@ -34,7 +34,12 @@ from infer.engine.model_runner import ModelRunner, StepInputs
 from infer.engine.request import Request
 from infer.engine.sampler import SamplingBatch, sample
 from infer.engine.scheduler import Scheduler, SchedulerOutput
-from infer.engine.setup import load_model_and_tokenizer, pick_backend, pick_device_and_dtype
+from infer.engine.setup import (
+    gguf_blocks_of,
+    load_model_and_tokenizer,
+    pick_backend,
+    pick_device_and_dtype,
+)
 from infer.engine.structured_output import CompileThread, GrammarMatcher, StructuredOutputs
 from infer.loader.tokenizer import Tokenizer
 from infer.models.layers import set_kernel_backend
@@ -119,6 +124,7 @@ class EngineCore:
         self.device, self.dtype = device, dtype
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.quantization = "none"  # the format in effect (load_core sets it)
         self.attention_backend = pick_backend("attention_backend", config.attention_backend,
                                               device)
         self.kernel_backend = pick_backend("kernel_backend", config.kernel_backend, device)
@@ -533,7 +539,7 @@ class CoreInfo:
                    core.kv.pool.num_blocks, core.block_size, str(core.device),
                    str(core.dtype).removeprefix("torch."), core.attention_backend,
                    core.kernel_backend, core.graph_capture_seconds,
-                   core.config.quantization)
+                   core.quantization)
 
 
 def load_core(config: EngineConfig) -> tuple[EngineCore, Tokenizer, str]:
@@ -544,11 +550,12 @@ def load_core(config: EngineConfig) -> tuple[EngineCore, Tokenizer, str]:
         log.info("CPU: %d threads for the model's kernels%s", set_cpu_threads(config.threads),
                  "" if config.threads else " (one per usable core less one; --threads)")
     model, mc, tokenizer, model_name = load_model_and_tokenizer(config.model, dtype, device)
-    if config.quantization != "none":
-        converted = quantize_model(model, config.quantization)
+    quantization = quantize_model(model, config.quantization,
+                                  gguf_blocks_of(config.model, mc, config.quantization))
+    if quantization != "none":
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the full-precision weights' memory, for the KV cache
-        log.info("quantization %s: %d linear layers converted", config.quantization, converted)
+        log.info("quantization: %s", quantization)
     torch.manual_seed(config.seed)
     max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
     if max_model_len > mc.max_position_embeddings:
@@ -564,4 +571,5 @@ def load_core(config: EngineConfig) -> tuple[EngineCore, Tokenizer, str]:
     eos_token_ids = tuple(tokenizer.eos_token_ids) or mc.eos_token_ids
     core = EngineCore(config, model, mc, device, dtype, max_model_len, eos_token_ids,
                       tokenizer)
+    core.quantization = quantization
     return core, tokenizer, model_name

@@ -38,7 +38,7 @@ def plan_kv_cache(
     # the prefix cache.
     useful = config.max_num_seqs * needed * (1 if contiguous else 2)
     if device.type == "cuda":
-        free = _cuda_free_after_warmup(config, model, device)
+        free = _cuda_free_after_warmup(config, model, device, dtype)
     else:
         free = int(_available_host_memory() * _CPU_SHARE)
     num_blocks = min(useful, free // per_block)
@@ -65,14 +65,15 @@ def _available_host_memory() -> int:
     return 4 << 30
 
 
-def _cuda_free_after_warmup(config: EngineConfig, model: nn.Module, device: torch.device):
+def _cuda_free_after_warmup(config: EngineConfig, model: nn.Module, device: torch.device,
+                            dtype: torch.dtype) -> int:
     """Memory left for the pool: the budget minus the peak of a full-budget forward."""
     from infer.attention import AttentionMetadata, allocate_kv_cache
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     n = config.max_num_batched_tokens
-    allocate_kv_cache(model, 1, n, device=device)
+    allocate_kv_cache(model, 1, n, dtype, device)
     meta = AttentionMetadata.build([n], [n], [[0]], n, device)
     with torch.inference_mode():
         hidden = model(torch.zeros(n, dtype=torch.long, device=device),

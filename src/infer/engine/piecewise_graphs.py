@@ -36,6 +36,7 @@ from torch import nn
 from infer.attention import Attention, AttentionMetadata, set_attention_backend
 from infer.attention.backend import AttentionBackend
 from infer.engine.cuda_graphs import token_buckets
+from infer.models.layers import activation_dtype
 from infer.transfer import to_device
 
 
@@ -125,7 +126,7 @@ class PiecewiseGraphs:
         self.tokens = torch.zeros(2, n, dtype=torch.long, device=device)
         self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
         layer = next(m for m in model.modules() if isinstance(m, Attention))
-        dtype = next(model.parameters()).dtype
+        dtype = activation_dtype(model)
         # The attention output that every graph after the first reads; zeros, so padding
         # rows are finite before any step wrote them.
         self.attn_out = torch.zeros(n, layer.num_heads, layer.head_dim, dtype=dtype,

@@ -10,6 +10,7 @@ from torch import nn
 from infer.config import ModelConfig
 from infer.loader.resolve import resolve_model
 from infer.loader.tokenizer import Tokenizer
+from infer.quantization.gguf_blocks import GGUFBlocks
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,6 +39,18 @@ def load_model_and_tokenizer(
         net, cfg = load_hf_dir(source.path, dtype=dtype, device=device)
         tokenizer = Tokenizer.from_hf_dir(source.path)
     return net, cfg, tokenizer, source.name
+
+
+def gguf_blocks_of(model: str | None, cfg: ModelConfig, quantization: str
+                   ) -> dict[str, GGUFBlocks] | None:
+    """The quantized weights as stored, when `model` is a GGUF file whose weights
+    `quantization` keeps quantized (views of the memory-mapped file); else None."""
+    from infer.loader import gguf_file
+
+    source = resolve_model(model)
+    if quantization != "auto" or source.format != "gguf":
+        return None
+    return gguf_file.quantized_blocks(gguf_file.open_gguf(source.path), cfg)
 
 
 def load_tokenizer(model: str | None) -> Tokenizer:

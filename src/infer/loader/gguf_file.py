@@ -21,6 +21,7 @@ from gguf.quants import dequantize
 from infer.config import ModelConfig
 from infer.loader.errors import ModelLoadError
 from infer.models import REGISTRY
+from infer.quantization.gguf_blocks import GGUFBlocks
 
 MISSING = object()
 
@@ -66,6 +67,36 @@ def iter_gguf_weights(reader: GGUFReader, cfg: ModelConfig) -> Iterator[tuple[st
         if entry.gguf_fixup is not None:
             weight = entry.gguf_fixup(key, weight, cfg)
         yield name, weight
+
+
+FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+def quantized_blocks(reader: GGUFReader, cfg: ModelConfig) -> dict[str, GGUFBlocks]:
+    """The quantized 2-D weights of the file as stored (views of the memory map, nothing
+    dequantized), by HF name, rows in HF order. A weight whose layout fix-up is not a
+    permutation of its rows (GPT-2's transposes) is left out: it can only be used
+    dequantized."""
+    entry = REGISTRY[cfg.architecture]
+    out = {}
+    for tensor in reader.tensors:
+        qtype = GGMLQuantizationType(tensor.tensor_type)
+        mapped = entry.gguf_tensors.hf_name(tensor.name)
+        if qtype in FLOAT_TYPES or mapped is None or len(tensor.shape) != 2:
+            continue
+        name, key = mapped
+        rows, cols = (int(n) for n in reversed(tensor.shape.tolist()))
+        blocks = GGUFBlocks.of(name, qtype, (rows, cols), tensor.data)
+        if entry.gguf_fixup is not None:
+            index = torch.arange(rows, dtype=torch.float64)[:, None]
+            moved = entry.gguf_fixup(key, index, cfg)
+            if tuple(moved.shape) != (rows, 1):
+                continue
+            order = moved[:, 0].long()
+            if not torch.equal(order, index[:, 0].long()):
+                blocks.row_order = order
+        out[name] = blocks
+    return out
 
 
 def dequantize_tensor(tensor: ReaderTensor, src: str) -> torch.Tensor:

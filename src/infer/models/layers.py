@@ -12,6 +12,15 @@ from infer.config import RopeConfig
 from infer.models.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
+def activation_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype `model` computes in: its norms' (a linear layer's weight may be stored
+    quantized, beside scales in another dtype)."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, nn.LayerNorm)):
+            return module.weight.dtype
+    return next(model.parameters()).dtype
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32. `offset=1.0` gives Gemma's `x * (1 + w)` form.
 

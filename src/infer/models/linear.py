@@ -36,6 +36,10 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of an embedding table this method stores."""
+        raise NotImplementedError(f"{type(self).__name__} does not store embedding tables")
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """A plain `weight [out, in]` in the model's dtype; `F.linear`."""
@@ -184,6 +188,9 @@ class VocabParallelEmbedding(nn.Module):
         rows = _divide(num_embeddings, tp_size)
         weight = nn.Parameter(torch.empty(rows, embedding_dim), requires_grad=False)
         self.weight = _with_loader(weight, self.weight_loader, 0, 1)
+        # Set by infer.quantization when the table is kept quantized: it looks rows up
+        # (`embed`) and, for the LM head, multiplies (`apply`).
+        self.quant_method: LinearMethod | None = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None
@@ -196,6 +203,8 @@ class VocabParallelEmbedding(nn.Module):
         if self.tp_size > 1:
             # Here: zero the rows of ids outside this rank's slice, then all-reduce.
             raise NotImplementedError("vocab-parallel lookup: tensor parallelism comes later")
+        if self.quant_method is not None:
+            return self.quant_method.embed(self, input_ids)
         return F.embedding(input_ids, self.weight)
 
 
@@ -213,11 +222,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         nn.Module.__init__(self)
         self.tp_rank, self.tp_size = tied.tp_rank, tied.tp_size
         self.weight = tied.weight
+        self.quant_method = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
             # Here: gather every rank's slice of the vocabulary.
             raise NotImplementedError("vocab-parallel logits: tensor parallelism comes later")
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, hidden, None)
         return F.linear(hidden, self.weight)
 
 

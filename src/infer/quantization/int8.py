@@ -36,9 +36,11 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 class Int8WeightOnlyLinearMethod(LinearMethod):
     def quantize(self, layer: nn.Module) -> None:
-        """A loaded full-precision layer made INT8 in place (its `weight` replaced)."""
+        """A loaded full-precision layer (a linear layer, an embedding table, an LM head)
+        made INT8 in place (its `weight` replaced; one scale per row)."""
         weight = layer.weight
         q, scale = quantize_per_channel(weight.data)
+        layer.dtype = weight.dtype
         layer.compute_dtype = torch.bfloat16 if weight.dtype == torch.float32 else weight.dtype
         del layer.weight
         layer.register_parameter("weight", nn.Parameter(q, requires_grad=False))
@@ -60,3 +62,7 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
             y = torch.ops.aten._weight_int8pack_mm(x2, layer.weight, layer.weight_scale)
         y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
         return y if bias is None else y + bias
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(ids, layer.weight).float() * layer.weight_scale[ids, None].float()
+        return rows.to(layer.dtype)

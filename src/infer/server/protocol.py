@@ -346,7 +346,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "infer"
     max_model_len: int | None = None
-    quantization: str | None = None  # how the served weights are stored (EngineConfig's)
+    quantization: str | None = None  # the weights' format in effect: none | int8 | gguf
 
 
 class ModelList(BaseModel):

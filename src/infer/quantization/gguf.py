@@ -1,0 +1,80 @@
+"""GGUF weights kept quantized: each layer of a model loaded from a GGUF file gets the
+method that runs its stored format on this device.
+
+On the CPU (PyTorch's packed kernels):
+- a linear layer whose shards are all 4-bit (Q4_0, Q4_1, Q4_K) keeps them exactly as
+  stored, in groups of 32 (`int4.py`);
+- a layer with any other quantized type (Q8_0, Q5_K, Q6_K, ...) is requantized from the
+  dequantized weights to INT8 with one scale per output channel (`int8.py`): the file's
+  8-, 6- and 5-bit blocks have no CPU kernel in PyTorch, and 8 bits per channel keeps
+  their precision within their own rounding (tests measure it);
+- a quantized token embedding (and the LM head that shares it, or a quantized LM head of
+  its own) goes to INT8 per row the same way; float tensors stay float.
+On CUDA there is no GPU kernel for GGUF blocks yet: the weights stay dequantized.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+from torch import nn
+
+from infer.models.linear import LinearBase, VocabParallelEmbedding
+from infer.quantization.gguf_blocks import INT4_TYPES, GGUFBlocks, int4_groups
+from infer.quantization.int4 import Int4GroupLinearMethod, int4_packable
+from infer.quantization.int8 import Int8WeightOnlyLinearMethod
+
+log = logging.getLogger(__name__)
+
+
+def keep_gguf_quantized(model: nn.Module, blocks: dict[str, GGUFBlocks]) -> bool:
+    """Convert `model` (loaded from the GGUF file whose quantized weights are `blocks`, by
+    checkpoint name) in place; whether anything was kept quantized."""
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        log.info("GGUF weights: dequantized on %s (GGUF blocks run on the CPU only, so far)",
+                 device.type)
+        return False
+    by_param = {}
+    for ckpt_name, b in blocks.items():
+        target = model.param_for(ckpt_name)
+        if target is not None:
+            by_param[target] = b
+    kept: Counter[str] = Counter()
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase):
+            shards = [by_param.get((f"{name}.weight", s)) for s in module.shard_ids or (None,)]
+            kept[_keep_linear(module, shards)] += 1
+    embeddings = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding)]
+    for name, module in model.named_modules():
+        if isinstance(module, VocabParallelEmbedding) and (f"{name}.weight", None) in by_param:
+            ties = [m for m in embeddings if m is not module and m.weight is module.weight]
+            Int8WeightOnlyLinearMethod().quantize(module)
+            for tied in ties:  # a tied LM head: the same rows, scales and method
+                tied.weight, tied.weight_scale = module.weight, module.weight_scale
+                tied.dtype, tied.compute_dtype = module.dtype, module.compute_dtype
+                tied.quant_method = module.quant_method
+            kept["embedding table in 8 bits per row"] += 1
+    kept.pop("float", None)
+    if kept:
+        log.info("GGUF weights kept quantized: %s",
+                 ", ".join(f"{n} {what}" for what, n in kept.items()))
+    return bool(kept)
+
+
+def _keep_linear(layer: LinearBase, shards: list[GGUFBlocks | None]) -> str:
+    """Give `layer` the method for its shards' stored types; what it became."""
+    if all(b is None for b in shards):
+        return "float"
+    cols = layer.input_size
+    rows = sum(layer.output_sizes)
+    if all(b is not None and b.qtype in INT4_TYPES for b in shards) and \
+            int4_packable(rows, cols):
+        parts = [int4_groups(b) for b in shards]
+        q, a, b = (torch.cat(p) for p in zip(*parts))
+        Int4GroupLinearMethod().load(layer, q, a, b)
+        return "linear layers in 4 bits as stored"
+    Int8WeightOnlyLinearMethod().quantize(layer)
+    return "linear layers requantized to 8 bits per channel"

@@ -1,0 +1,151 @@
+"""GGUF weights kept quantized (the default for GGUF files on a CPU): the 4-bit blocks read
+as exactly the values ggml dequantizes them to, the INT4 kernel against float64, a model
+kept quantized against the same file dequantized (every type the default model uses, a
+k-quant, the 8-bit requantized types), and the real SmolLM2: its greedy text against the
+dequantized path and its perplexity within 3 % (the 4-bit target)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from paged_runner import run_paged
+from real_models import smollm2_gguf
+from test_gguf_models import llama_config, random_hf_model, random_kquant_blocks, write_gguf
+from test_quantization import TEXT, _perplexity
+
+from infer.loader import load_gguf
+from infer.loader.gguf_file import open_gguf, quantized_blocks
+from infer.models.linear import LinearBase, RowParallelLinear, VocabParallelEmbedding
+from infer.quantization import quantize_model
+from infer.quantization.gguf_blocks import GGUFBlocks, int4_groups
+from infer.quantization.int4 import Int4GroupLinearMethod
+from infer.quantization.int8 import Int8WeightOnlyLinearMethod
+
+
+def _blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if qtype == Q.Q4_K:  # the gguf package cannot quantize k-quants: random valid blocks
+        return random_kquant_blocks(rows * cols, qtype, rng).reshape(rows, -1)
+    return quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+
+
+def _weight(q: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    rows, cols = q.shape
+    groups = q.double().view(rows, -1, 32) * a.double()[..., None] + b.double()[..., None]
+    return groups.view(rows, cols)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
+def test_4bit_groups_are_the_values_ggml_dequantizes(qtype):
+    rows, cols = 48, 512
+    raw = _blocks(qtype, rows, cols)
+    ref = torch.from_numpy(dequantize(raw, qtype).reshape(rows, cols).astype(np.float64))
+    blocks = GGUFBlocks.of("w", qtype, (rows, cols), raw)
+    q, a, b = int4_groups(blocks)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and a.shape == (rows, cols // 32)
+    assert torch.equal(_weight(q, a, b), ref)
+    blocks.row_order = torch.randperm(rows)  # rows in another order than the file's
+    assert torch.equal(_weight(*int4_groups(blocks)), ref[blocks.row_order])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_int4_matmul_matches_float64_from_the_groups(dtype, rows):
+    torch.manual_seed(rows)
+    layer = RowParallelLinear(256, 96, bias=True).to(dtype)
+    with torch.no_grad():
+        layer.bias.copy_(torch.randn(96))
+    q, a, b = int4_groups(GGUFBlocks.of("w", Q.Q4_1, (96, 256), _blocks(Q.Q4_1, 96, 256)))
+    Int4GroupLinearMethod().load(layer, q, a, b)
+    x = torch.randn(rows, 256).to(dtype)
+    y = layer(x)
+    # A16: the activations as the kernel takes them (bfloat16), everything else float64
+    ref = x.to(torch.bfloat16).double() @ _weight(q, a, b).T + layer.bias.double()
+    assert y.dtype == dtype and y.shape == (rows, 96)
+    assert (y.double() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def llama_source():
+    return random_hf_model(llama_config())
+
+
+# Q4_0 / Q4_1: the default model's; Q4_K: a k-quant in 4 bits; Q8_0 / Q6_K: requantized
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q6_K],
+                         ids=lambda q: q.name)
+def test_a_model_kept_quantized_gives_the_dequantized_logits(tmp_path, llama_source, qtype):
+    path = write_gguf(tmp_path / f"llama-{qtype.name}.gguf", "llama", llama_source, qtype)
+    reference, cfg = load_gguf(path)
+    model, _ = load_gguf(path)
+    blocks = quantized_blocks(open_gguf(path), cfg)
+    assert quantize_model(model, "auto", blocks) == "gguf"
+    with pytest.raises(ValueError, match="converted already"):
+        quantize_model(model, "auto", blocks)
+    kept = Int4GroupLinearMethod if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else \
+        Int8WeightOnlyLinearMethod
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(isinstance(m.quant_method, kept) for m in linears)
+    tables = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding)]
+    assert len(tables) == 2 and all(m.weight.dtype == torch.int8 for m in tables)
+    # q/k rows are un-permuted from llama.cpp's order: a wrong order would not come close
+    sequences = [[5, 17, 200, 3, 99, 41, 7, 12], [250, 1, 1, 30]]
+    got = run_paged(model, sequences, [5, 4])
+    want = run_paged(reference, sequences, [5, 4])
+    for g, w in zip(got, want):
+        assert (g - w).abs().max().item() < 3e-2 * w.abs().max().item()
+
+
+def test_quantization_none_keeps_the_file_dequantized(tmp_path, llama_source):
+    path = write_gguf(tmp_path / "llama-Q4_0.gguf", "llama", llama_source, Q.Q4_0)
+    model, cfg = load_gguf(path)
+    blocks = quantized_blocks(open_gguf(path), cfg)
+    assert quantize_model(model, "none", blocks) == "none"
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+@pytest.mark.slow
+def test_smollm2_kept_quantized_text_and_perplexity():
+    """Its linear layers are Q4_1 (kept exactly), its tied embedding Q8_0 (requantized to
+    INT8 per row). Greedy text equals the dequantized path's, or where a token differs the
+    dequantized model's own margin between the two tokens was within the logit error of
+    the quantized one at that position; perplexity within 3 %."""
+    from infer import LLM, SamplingParams
+
+    path = str(smollm2_gguf())
+    dequantized = LLM(path, device="cpu", quantization="none")
+    kept = LLM(path, device="cpu")
+    assert (dequantized.engine.info.quantization, kept.engine.info.quantization) == \
+        ("none", "gguf")
+    linears = [m for m in kept.engine.model.modules() if isinstance(m, LinearBase)]
+    assert all(isinstance(m.quant_method, Int4GroupLinearMethod) for m in linears)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
+               "The three primary colors are"]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = dequantized.generate(prompts, params, use_tqdm=False)
+    got = kept.generate(prompts, params, use_tqdm=False)
+    same = 0
+    for w, g in zip(want, got):
+        a, b = w.outputs[0].token_ids, g.outputs[0].token_ids
+        i = _first_difference(a, b)
+        if i is None:
+            same += 1
+            continue
+        prefix = w.prompt_token_ids + a[:i]
+        ref = run_paged(dequantized.engine.model, [prefix], [len(prefix)])[0][-1].double()
+        ours = run_paged(kept.engine.model, [prefix], [len(prefix)])[0][-1].double()
+        margin, error = (ref[a[i]] - ref[b[i]]).item(), (ours - ref).abs().max().item()
+        print(f"{w.prompt!r}: token {i} differs; margin {margin:.3f}, logit error {error:.3f}")
+        assert 0 <= margin <= error
+    assert same >= 2
+    ids = kept.get_tokenizer().encode(TEXT)
+    before = _perplexity(dequantized.engine.model, ids)
+    after = _perplexity(kept.engine.model, ids)
+    print(f"perplexity: {before:.3f} dequantized, {after:.3f} kept quantized")
+    assert abs(after - before) / before < 0.03, (before, after)
