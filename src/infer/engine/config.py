@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "triton")
 MIXED_STEP_GRAPHS = ("full", "piecewise", "off")
-QUANTIZATIONS = ("auto", "none", "int8")  # the choices infer.quantization takes
+QUANTIZATIONS = ("auto", "none", "int8", "fp8")  # the choices infer.quantization takes
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,8 @@ class EngineConfig:
     core_process: bool = False
     # The weights' format: auto (the checkpoint's own: a GGUF file's quantized weights
     # stay quantized where the device has kernels) | none (dequantized at load) | int8
-    # (weight-only, per output channel, made at load); quantization/ says more.
+    # (weight-only, per output channel, made at load) | fp8 (e4m3 per output channel,
+    # made at load; FP8 activations per token in large steps); quantization/ says more.
     quantization: str = "auto"
     # On a CPU, the threads the model's kernels use; None: one per usable core less one
     # (engine/cpu_threads.py says why: more collapses beside any other busy process).

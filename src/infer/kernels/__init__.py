@@ -1,7 +1,7 @@
 """Triton kernels, each beside a wrapper that asserts shapes/strides/dtypes.
 
 Importing this package never needs Triton; the kernel modules (`rmsnorm`, `rope`,
-`activation`, `kv_store`, `paged_attention`, `token_bitmask`, `int8_matmul`) import it, so check
+`activation`, `kv_store`, `paged_attention`, `token_bitmask`, `w8a16_matmul`) import it, so check
 `triton_available()` first. Torch references for every kernel live in `reference.py`
 (attention's reference is `infer.attention.torch_backend`).
 """

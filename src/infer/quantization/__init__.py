@@ -8,6 +8,8 @@
 - "int8": weight-only INT8 (W8A16) made on the fly: each output channel's weights scaled
   to [-127, 127] (symmetric, one float scale per channel), activations in 16 bits;
   embeddings, the LM head and norms stay as loaded.
+- "fp8": FP8 (e4m3) weights, one float scale per output channel, made on the fly; the
+  activations of large steps quantized to FP8 per token for an FP8 GEMM (`fp8.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 
 from infer.engine.config import QUANTIZATIONS
 from infer.models.linear import LinearBase, UnquantizedLinearMethod
+from infer.quantization.fp8 import Fp8LinearMethod
 from infer.quantization.gguf import keep_gguf_quantized
 from infer.quantization.gguf_blocks import GGUFBlocks
 from infer.quantization.int4 import Int4GroupLinearMethod
@@ -27,7 +30,7 @@ def quantize_model(model: nn.Module, quantization: str,
     """Convert `model` in place, one layer at a time (so at most one layer's
     full-precision weight is held beside the quantized ones), as `quantization` asks;
     `gguf_blocks`: the quantized weights of the GGUF file it was loaded from. The format
-    in effect: "none", "int8" or "gguf"."""
+    in effect: "none", "int8", "fp8" or "gguf"."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; "
                          f"got {quantization!r}")
@@ -36,14 +39,15 @@ def quantize_model(model: nn.Module, quantization: str,
             not isinstance(m.quant_method, UnquantizedLinearMethod) for m in linears):
         raise ValueError("the model's weights are converted already (a model is quantized "
                          "once, from the weights as loaded)")
-    if quantization == "int8":
+    if quantization in ("int8", "fp8"):
+        method = Int8WeightOnlyLinearMethod if quantization == "int8" else Fp8LinearMethod
         for layer in linears:
-            Int8WeightOnlyLinearMethod().quantize(layer)
-        return "int8"
+            method().quantize(layer)
+        return quantization
     if quantization == "auto" and gguf_blocks and keep_gguf_quantized(model, gguf_blocks):
         return "gguf"
     return "none"
 
 
-__all__ = ["QUANTIZATIONS", "Int4GroupLinearMethod", "Int8WeightOnlyLinearMethod",
-           "quantize_model"]
+__all__ = ["QUANTIZATIONS", "Fp8LinearMethod", "Int4GroupLinearMethod",
+           "Int8WeightOnlyLinearMethod", "quantize_model"]

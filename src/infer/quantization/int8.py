@@ -1,7 +1,7 @@
 """Weight-only INT8 (W8A16): `weight [out, in]` int8 and `weight_scale [out]`, the float
 weight being `weight * weight_scale[:, None]`; activations stay in 16 bits.
 
-On CUDA the matmul is ours for decode-sized steps (`kernels/int8_matmul.py`, Triton;
+On CUDA the matmul is ours for decode-sized steps (`kernels/w8a16_matmul.py`, Triton;
 torch's CUDA `_weight_int8pack_mm` was 7x slower than bfloat16 on the H100), and cuBLAS on
 a dequantized copy of the weight for prefill-sized ones. On the CPU it is torch's
 `_weight_int8pack_mm`, fed 16-bit activations: it has no fast float32 path (8x slower than
@@ -55,7 +55,7 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
         if x2.is_cuda and len(x2) > DEQUANTIZE_ROWS:  # compute-bound: cuBLAS on a copy
             y = F.linear(x2, layer.weight.to(x2.dtype)) * layer.weight_scale
         elif x2.is_cuda:
-            from infer.kernels.int8_matmul import w8a16_matmul
+            from infer.kernels.w8a16_matmul import w8a16_matmul
 
             y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale)
         else:

@@ -1,10 +1,12 @@
-"""W8A16 matmul: `y = x @ (w * scale[:, None])^T`, `w [N, K]` int8 read as it is stored,
-`scale [N]` per output channel, `x [M, K]` 16-bit (or float32), float32 accumulation.
+"""W8A16 matmul: `y = x @ (w * scale[:, None])^T`, `w [N, K]` 8-bit (int8, or FP8 e4m3 on
+a GPU: Triton's interpreter has no FP8) read as it is stored, `scale [N]` per output
+channel, `x [M, K]` 16-bit (or float32), float32 accumulation.
 
 Meant for decode-sized M (a step's rows): each program owns BLOCK_N output channels of
 BLOCK_M rows and walks K, so the int8 weight, the bytes that bound the step, is read
 once per row block. The scale is applied once, to the accumulated sum. Larger M (prefill
-chunks) is compute-bound: `quantization/int8.py` dequantizes for cuBLAS there.
+chunks) is compute-bound: `quantization/int8.py` dequantizes for cuBLAS there,
+`quantization/fp8.py` quantizes the activations too for an FP8 GEMM.
 """
 
 from __future__ import annotations
@@ -45,10 +47,11 @@ def _w8a16_kernel(
 
 def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`x [M, K]` (float16 / bfloat16 / float32, unit column stride), `weight [N, K]` int8
-    contiguous, `scale [N]`: `[M, N]` in x's dtype."""
+    or float8_e4m3fn, contiguous, `scale [N]`: `[M, N]` in x's dtype."""
     assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), x.dtype
-    assert weight.dtype == torch.int8 and weight.dim() == 2 and weight.is_contiguous()
+    assert weight.dtype in (torch.int8, torch.float8_e4m3fn), weight.dtype
+    assert weight.dim() == 2 and weight.is_contiguous()
     assert weight.shape[1] == x.shape[1], (weight.shape, x.shape)
     assert scale.shape == (weight.shape[0],) and scale.device == x.device == weight.device
     m, k = x.shape

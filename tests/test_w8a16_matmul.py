@@ -23,7 +23,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 300), (5, 64, 256), (33, 70, 130),
                                            (70, 96, 64)])
 def test_w8a16_matches_float64_from_the_integers(dtype, m, n, k):
-    from infer.kernels.int8_matmul import w8a16_matmul
+    from infer.kernels.w8a16_matmul import w8a16_matmul
 
     gen = torch.Generator().manual_seed(m * 1000 + n)
     x = torch.randn(m, k, generator=gen).to(dtype)

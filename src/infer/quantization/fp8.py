@@ -1,0 +1,62 @@
+"""FP8 (e4m3) weights: `weight [out, in]` float8_e4m3fn and `weight_scale [out]` float32,
+the float weight being `weight * weight_scale[:, None]`; made at load from a
+full-precision model (`quantization="fp8"`: each output channel's largest magnitude maps
+to e4m3's largest, 448).
+
+Decode-sized steps on CUDA read the FP8 weight as stored through our W8A16 kernel
+(`kernels/w8a16_matmul.py`; 16-bit activations: the bytes read are what bounds a decode
+step). Larger steps, and the CPU, quantize the activations too, one scale per token
+(dynamic: the row's largest magnitude maps to 448), and multiply in FP8 with
+`torch._scaled_mm` (per-row activation and per-column weight scales, float32 in the
+product): Hopper's FP8 tensor cores run it at twice the bfloat16 rate.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from infer.models.linear import LinearMethod
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+# On CUDA, steps of at most this many rows read the weight through the W8A16 kernel.
+WEIGHT_ONLY_ROWS = 64
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x [rows, cols]` as (float8_e4m3fn, float32 scale per row): each row's largest
+    magnitude maps to 448 (a row of zeros gets scale 1)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (xf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+class Fp8LinearMethod(LinearMethod):
+    def quantize(self, layer: nn.Module) -> None:
+        """A loaded full-precision linear layer made FP8 in place (its `weight` replaced)."""
+        weight = layer.weight
+        q, scale = quantize_fp8(weight.data)
+        layer.dtype = weight.dtype
+        del layer.weight
+        layer.register_parameter("weight", nn.Parameter(q, requires_grad=False))
+        layer.register_parameter("weight_scale", nn.Parameter(scale, requires_grad=False))
+        layer.quant_method = self
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+              ) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.is_cuda and len(x2) <= WEIGHT_ONLY_ROWS:
+            from infer.kernels.w8a16_matmul import w8a16_matmul
+
+            y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale)
+        else:
+            xq, x_scale = quantize_fp8(x2)
+            y = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale[:, None],
+                                 scale_b=layer.weight_scale[None, :],
+                                 out_dtype=torch.bfloat16 if x.dtype == torch.float32
+                                 else x.dtype)
+        y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
+        return y if bias is None else y + bias

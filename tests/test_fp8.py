@@ -1,0 +1,99 @@
+"""FP8 (e4m3) weights made at load (`quantization="fp8"`): the rounding bound of e4m3 per
+channel, the FP8 GEMM path (per-token activation scales) against float64 from the FP8
+values and their scales, the W8A16 kernel on FP8 weights (GPU), and SmolLM2 served in
+FP8. Its perplexity on the fixed text rises 1.8 % (W8A8; 2.4 % with the weights alone in
+FP8 and bfloat16 activations): e4m3 keeps 3 mantissa bits, so a weight is rounded to
+within 2^-4 of itself, where INT8 per channel (+0.6 %) rounds to 1/254 of the row's
+range. The 8-bit target of 1 % is not met by FP8 on this 135M model; the test holds the
+measured 2.5 % bound."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from real_models import smollm2_gguf
+from test_quantization import TEXT, _perplexity
+
+from infer.models.linear import LinearBase, RowParallelLinear
+from infer.quantization import quantize_model
+from infer.quantization.fp8 import FP8, Fp8LinearMethod, quantize_fp8
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def test_per_channel_fp8_rounding_is_within_e4m3s_spacing():
+    torch.manual_seed(0)
+    w = torch.randn(64, 96) * torch.rand(64, 1) * 3
+    w[5] = 0
+    q, scale = quantize_fp8(w)
+    assert q.dtype == FP8 and scale.shape == (64,) and (q[5].float() == 0).all()
+    back = q.double() * scale.double()[:, None]
+    # 3 mantissa bits: half a step is 2^-4 of the value; below e4m3's normal range
+    # (2^-6) the steps are 2^-9 apart
+    bound = torch.maximum(w.double().abs() * 2**-4, scale.double()[:, None] * 2**-10)
+    assert ((w.double() - back).abs() <= bound + 1e-12).all()
+    assert (q.float().abs().amax(dim=1)[torch.arange(64) != 5] == 448).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 33, 80])
+def test_fp8_layer_matches_float64_from_the_fp8_values(dtype, rows):
+    """On the CPU every step takes the FP8 GEMM; on CUDA steps of up to 64 rows read the
+    FP8 weight with 16-bit activations (the reference follows which)."""
+    device = "cuda" if ON_GPU else "cpu"
+    torch.manual_seed(rows)
+    layer = RowParallelLinear(256, 96, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(96, 256))
+        layer.bias.copy_(torch.randn(96))
+    layer = layer.to(device, dtype)
+    Fp8LinearMethod().quantize(layer)
+    assert layer.weight.dtype == FP8 and layer.weight_scale.dtype == torch.float32
+    x = torch.randn(rows, 256).to(device, dtype)
+    y = layer(x)
+    w = layer.weight.double() * layer.weight_scale.double()[:, None]
+    if device == "cuda" and rows <= 64:
+        xs = x.double()
+    else:
+        xq, x_scale = quantize_fp8(x)
+        xs = xq.double() * x_scale.double()[:, None]
+    ref = xs @ w.T + layer.bias.double()
+    assert y.dtype == dtype and y.shape == (rows, 96) and torch.isfinite(y).all()
+    assert (y.double() - ref).abs().max().item() < 1e-2 * ref.abs().max().item()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="FP8 loads need a GPU (Triton's interpreter has none)")
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 300), (5, 64, 256), (33, 70, 130)])
+def test_w8a16_kernel_reads_fp8_weights(m, n, k):
+    from infer.kernels.w8a16_matmul import w8a16_matmul
+
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    w, scale = quantize_fp8(torch.randn(n, k, generator=gen))
+    y = w8a16_matmul(x.cuda(), w.cuda(), scale.cuda()).cpu()
+    ref = x.double() @ (w.double() * scale.double()[:, None]).T
+    assert (y.double() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
+
+
+def test_fp8_smollm2_perplexity_and_text():
+    from infer import LLM, SamplingParams
+    from infer.loader import load_gguf
+    from infer.loader.tokenizer import Tokenizer
+
+    path = smollm2_gguf()
+    ids = Tokenizer.from_gguf(path).encode(TEXT)
+    full, _ = load_gguf(path)
+    quantized, _ = load_gguf(path)
+    assert quantize_model(quantized, "fp8") == "fp8"
+    linears = [m for m in quantized.modules() if isinstance(m, LinearBase)]
+    assert all(m.weight.dtype == FP8 for m in linears)
+    before, after = _perplexity(full, ids), _perplexity(quantized, ids)
+    print(f"perplexity: {before:.3f} unquantized, {after:.3f} fp8")
+    assert abs(after - before) / before < 0.025, (before, after)
+    llm = LLM(str(path), device="cpu", quantization="fp8")
+    assert llm.engine.info.quantization == "fp8"
+    [out] = llm.generate("The capital of France is",
+                         SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    assert "Paris" in out.outputs[0].text
