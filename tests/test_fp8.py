@@ -18,7 +18,7 @@ from test_quantization import TEXT, _perplexity
 
 from infer.models.linear import LinearBase, RowParallelLinear
 from infer.quantization import quantize_model
-from infer.quantization.fp8 import FP8, Fp8LinearMethod, quantize_fp8
+from infer.quantization.fp8 import FP8, WEIGHT_ONLY_ROWS, Fp8LinearMethod, quantize_fp8
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 
@@ -40,8 +40,8 @@ def test_per_channel_fp8_rounding_is_within_e4m3s_spacing():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 33, 80])
 def test_fp8_layer_matches_float64_from_the_fp8_values(dtype, rows):
-    """On the CPU every step takes the FP8 GEMM; on CUDA steps of up to 64 rows read the
-    FP8 weight with 16-bit activations (the reference follows which)."""
+    """On the CPU every step takes the FP8 GEMM; on CUDA steps of up to WEIGHT_ONLY_ROWS
+    rows read the FP8 weight with 16-bit activations (the reference follows which)."""
     device = "cuda" if ON_GPU else "cpu"
     torch.manual_seed(rows)
     layer = RowParallelLinear(256, 96, bias=True)
@@ -54,7 +54,7 @@ def test_fp8_layer_matches_float64_from_the_fp8_values(dtype, rows):
     x = torch.randn(rows, 256).to(device, dtype)
     y = layer(x)
     w = layer.weight.double() * layer.weight_scale.double()[:, None]
-    if device == "cuda" and rows <= 64:
+    if device == "cuda" and rows <= WEIGHT_ONLY_ROWS:
         xs = x.double()
     else:
         xq, x_scale = quantize_fp8(x)
@@ -97,3 +97,18 @@ def test_fp8_smollm2_perplexity_and_text():
     [out] = llm.generate("The capital of France is",
                          SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     assert "Paris" in out.outputs[0].text
+
+
+@pytest.mark.skipif(not ON_GPU, reason="FP8 stores need a GPU (Triton's interpreter has none)")
+@pytest.mark.parametrize(("m", "k"), [(1, 4096), (70, 300), (3, 14336)])
+def test_row_quantization_kernel_equals_the_eager_one(m, k):
+    from infer.kernels.fp8_quant import fp8_quantize_rows
+
+    gen = torch.Generator().manual_seed(k)
+    x = (torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 10)
+    x[0, :] = 0  # a row of zeros: scale 1
+    x = x.to(torch.bfloat16).cuda()
+    q, scale = fp8_quantize_rows(x)
+    want_q, want_scale = quantize_fp8(x)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))

@@ -34,7 +34,7 @@ def _w8a16_kernel(
         x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + kk[None, :],
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         w = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + kk[:, None],
-                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0)
+                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
         if IEEE:  # float32 inputs: no TF32 rounding
             acc += tl.dot(x, w.to(x.dtype), input_precision="ieee")
         else:

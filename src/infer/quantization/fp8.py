@@ -6,7 +6,8 @@ to e4m3's largest, 448).
 Decode-sized steps on CUDA read the FP8 weight as stored through our W8A16 kernel
 (`kernels/w8a16_matmul.py`; 16-bit activations: the bytes read are what bounds a decode
 step). Larger steps, and the CPU, quantize the activations too, one scale per token
-(dynamic: the row's largest magnitude maps to 448), and multiply in FP8 with
+(dynamic: the row's largest magnitude maps to 448; on CUDA in one kernel,
+`kernels/fp8_quant.py`), and multiply in FP8 with
 `torch._scaled_mm` (per-row activation and per-column weight scales, float32 in the
 product): Hopper's FP8 tensor cores run it at twice the bfloat16 rate.
 """
@@ -20,17 +21,18 @@ from infer.models.linear import LinearMethod
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
-# On CUDA, steps of at most this many rows read the weight through the W8A16 kernel.
-WEIGHT_ONLY_ROWS = 64
+# On CUDA, steps of at most this many rows read the weight through the W8A16 kernel
+# (8B shape on the H100: faster than the FP8 GEMM at 1 row, slower at 32).
+WEIGHT_ONLY_ROWS = 16
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`x [rows, cols]` as (float8_e4m3fn, float32 scale per row): each row's largest
     magnitude maps to 448 (a row of zeros gets scale 1)."""
     xf = x.float()
-    scale = xf.abs().amax(dim=1) / FP8_MAX
+    scale = xf.abs().amax(dim=1) * (1 / FP8_MAX)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (xf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return (xf * (1 / scale)[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 class Fp8LinearMethod(LinearMethod):
@@ -53,7 +55,12 @@ class Fp8LinearMethod(LinearMethod):
 
             y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale)
         else:
-            xq, x_scale = quantize_fp8(x2)
+            if x2.is_cuda:
+                from infer.kernels.fp8_quant import fp8_quantize_rows
+
+                xq, x_scale = fp8_quantize_rows(x2.contiguous())
+            else:
+                xq, x_scale = quantize_fp8(x2)
             y = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale[:, None],
                                  scale_b=layer.weight_scale[None, :],
                                  out_dtype=torch.bfloat16 if x.dtype == torch.float32
