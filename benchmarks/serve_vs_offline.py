@@ -150,14 +150,20 @@ def pin_cpus(client_cpus: int) -> str:
             f"{client_cpus}")
 
 
-def _num_steps(url: str) -> int:
+CORE_COUNTERS = ("num_steps", "core_input_seconds", "core_step_seconds",
+                 "core_output_seconds")
+
+
+def _core_counters(url: str) -> dict[str, float]:
     import httpx
 
-    return int(httpx.get(url + "/stats").json()["num_steps"])
+    stats = httpx.get(url + "/stats").json()
+    return {name: stats.get(name, 0.0) for name in CORE_COUNTERS}
 
 
-def drive(url: str, specs: list[Spec], clients: int) -> tuple[list[dict], int]:
-    """Every request's record, and the engine steps the server's core ran for them."""
+def drive(url: str, specs: list[Spec], clients: int) -> tuple[list[dict], dict[str, float]]:
+    """Every request's record, and what the server's core counted for them (its steps and
+    where its loop's time went)."""
     import httpx
 
     models = httpx.get(url + "/v1/models")
@@ -165,7 +171,7 @@ def drive(url: str, specs: list[Spec], clients: int) -> tuple[list[dict], int]:
         raise RuntimeError(f"GET /v1/models: HTTP {models.status_code}: {models.text[:500]}")
     model = models.json()["data"][0]["id"]
     _client_process(url, model, [(s[0], 8, 0.0) for s in specs[:4]], time.time())  # warm-up
-    steps = _num_steps(url)
+    before = _core_counters(url)
     shares = [share for i in range(clients) if (share := specs[i::clients])]
     ctx = get_context("spawn")
     with ProcessPoolExecutor(len(shares), mp_context=ctx, initializer=_start_client,
@@ -173,7 +179,8 @@ def drive(url: str, specs: list[Spec], clients: int) -> tuple[list[dict], int]:
         jobs = [pool.submit(_client_process, url, model, share, None) for share in shares]
         records = [rec for job in jobs for rec in job.result()]
     time.sleep(0.1)  # the core sends its counters when it goes idle
-    return records, _num_steps(url) - steps
+    after = _core_counters(url)
+    return records, {name: after[name] - before[name] for name in CORE_COUNTERS}
 
 
 def summarize(records: list[dict], expected_tokens: int) -> dict:
@@ -239,9 +246,13 @@ def run_server(kind: str, path: Path, flags: list[str], specs: list[Spec], clien
     log = results_dir / f"serve_vs_offline_{kind}.log"
     with _pythonpath(old_root if kind == "old" else None), \
             serve_bench.launched(server_flags, None, log, 900) as url:
-        records, steps = drive(url, specs, clients)
+        records, core = drive(url, specs, clients)
     summary = summarize(records, expected)
-    return {**summary, "steps": steps, "step_ms": summary["seconds"] / max(steps, 1) * 1e3}
+    steps = int(core["num_steps"])
+    per_step = {name.removeprefix("core_").removesuffix("_seconds"): value / max(steps, 1) * 1e3
+                for name, value in core.items() if name != "num_steps"}
+    return {**summary, "steps": steps, "step_ms": summary["seconds"] / max(steps, 1) * 1e3,
+            "core_ms_per_step": per_step}
 
 
 def main() -> None:
@@ -291,7 +302,9 @@ def main() -> None:
             r["itl_p50_vs_step"] = (r["itl_s"]["p50"] or 0) * 1e3 / step_ms
             rows.append({"max_num_seqs": seqs, "path": f"infer serve ({kind})", **r})
             print(f"[serve {kind}] seqs {seqs}: {r['out_tok_per_s']:.0f} tok/s "
-                  f"({r['vs_offline']:.0%} of offline), errors {r['errors']}", flush=True)
+                  f"({r['vs_offline']:.0%} of offline), errors {r['errors']}; the core's "
+                  "loop per step (ms): " + ", ".join(
+                      f"{k} {v:.2f}" for k, v in r["core_ms_per_step"].items()), flush=True)
     if args.pressure:
         pspecs = pressure(vocab, scale=0.125 if args.tiny else 1.0,
                           long_len=64 if args.tiny else 2000)

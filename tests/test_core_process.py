@@ -92,6 +92,9 @@ def test_a_core_process_answers_as_the_engine_in_this_process():
             assert time.monotonic() < deadline, engine.stats  # the abort freed its blocks
             time.sleep(0.02)
         assert engine.stats["prompt_tokens_total"] > 0 and engine.alive
+        # The core's loop accounts its time: inputs applied, steps, outputs sent.
+        seconds = [engine.stats[f"core_{part}_seconds"] for part in ("input", "step", "output")]
+        assert all(t > 0 for t in seconds), seconds
     finally:
         engine.shutdown()
     _wait_gone({pid}, 10)

@@ -60,6 +60,10 @@ class CoreLoop:
         # this core), passed on to the others so that any side's /metrics shows all.
         self.side_stats: dict[Connection, dict] = {}
         self.step_errors = 0
+        # Where the loop's time goes (seconds, cumulative; in the stats): applying what
+        # the request sides sent, the core's steps, and sending their outputs.
+        self.seconds = {"core_input_seconds": 0.0, "core_step_seconds": 0.0,
+                        "core_output_seconds": 0.0}
         self._stats_time = 0.0
         self._changed = True  # something the gauges show changed since the last stats
 
@@ -83,6 +87,13 @@ class CoreLoop:
         if not self.core.has_unfinished():
             self._send_stats()
             multiprocessing.connection.wait(self.conns)
+        start = time.perf_counter()
+        try:
+            return self._apply_arrived()
+        finally:
+            self.seconds["core_input_seconds"] += time.perf_counter() - start
+
+    def _apply_arrived(self) -> bool:
         for conn in list(self.conns):
             try:
                 while conn.poll():
@@ -133,6 +144,7 @@ class CoreLoop:
         return True
 
     def _step(self) -> None:
+        start = time.perf_counter()
         try:
             outputs = self.core.step()
         except StepFailed as exc:
@@ -141,10 +153,16 @@ class CoreLoop:
         except Exception as exc:  # outside any one step (e.g. planning): fail everything
             log.exception("engine core failed; failing every sequence")
             outputs = self._failed(self._finish_all("error"), f"engine core failed: {exc!r}")
+        stepped = time.perf_counter()
+        self.seconds["core_step_seconds"] += stepped - start
         if any(o.finish_reason is not None for o in outputs):
             self._changed = True
-        if not outputs:
-            return
+        if outputs:
+            self._send_outputs(outputs)
+            self.seconds["core_output_seconds"] += time.perf_counter() - stepped
+
+    def _send_outputs(self, outputs: list[SequenceOutput]) -> None:
+        """Each output to the side that added its sequence."""
         if len(self.conns) == 1:
             self.main.send(("outputs", outputs))
             for output in outputs:
@@ -184,7 +202,7 @@ class CoreLoop:
 
     def _send_stats(self) -> None:
         self._changed, self._stats_time = False, time.monotonic()
-        stats = {**self.core.stats(), "step_errors": self.step_errors,
+        stats = {**self.core.stats(), **self.seconds, "step_errors": self.step_errors,
                  "num_sides": len(self.conns)}
         for conn in list(self.conns):
             mine = {"num_seqs_added": self.num_seqs_added[conn]}
