@@ -65,6 +65,26 @@ def _wait_gone(pids: set[int], timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+def test_a_steps_outputs_cross_the_pipe_unchanged_and_in_order():
+    import pickle
+
+    from infer.engine.core_process import pack_outputs, unpack_outputs
+    from infer.engine.engine_core import SequenceOutput
+
+    outputs = [
+        SequenceOutput("a", [5], num_cached_tokens=16),
+        SequenceOutput("b", [7], [-0.5], [([7, 9], [-0.5, -1.5])]),
+        SequenceOutput("c", [1, 2], num_cached_tokens=0),
+        SequenceOutput("d", [], finish_reason="error", error="ValueError: bad"),
+        SequenceOutput("e", [3], finish_reason="stop", stop_reason=3),
+        SequenceOutput("f", [4]),
+    ]
+    packed = pickle.loads(pickle.dumps(pack_outputs(outputs)))
+    assert unpack_outputs(packed) == outputs
+    assert [place for place, _ in packed[3]] == [1, 3, 4]  # only those go whole
+    assert unpack_outputs(pack_outputs([])) == []
+
+
 def test_a_core_process_answers_as_the_engine_in_this_process():
     config = EngineConfig(model=str(tiny_model_dir()), **TINY)
     expected = [o.outputs[0].token_ids for o in _offline(config)]

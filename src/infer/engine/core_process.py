@@ -9,7 +9,7 @@ many sequences it had:
 
     request side -> core                          core -> request side
     ("add", [(Request, SamplingParams), ...])      ("ready", CoreInfo) | ("failed", ...) once
-    ("finish", [(seq_id, reason, stop), ...])      ("outputs", [SequenceOutput, ...]) per step
+    ("finish", [(seq_id, reason, stop), ...])      ("outputs", pack_outputs(...)) per step
     ("side_stats", {...}) (several sides only)     ("stats", {...}) when something changed or
     ("shutdown",)                                  every STATS_INTERVAL_S while busy, and idle
 
@@ -44,6 +44,35 @@ from infer.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.01
 _GONE = (EOFError, BrokenPipeError, ConnectionResetError)
+
+
+# A step's outputs cross the pipe as columns: pickling a tuple per sequence cost ~1 us
+# each (61 against 13 us for 64 sequences, columns built included), on the core's loop.
+PackedOutputs = tuple[list[str], list[list[int]], list[int], list[tuple[int, SequenceOutput]]]
+
+
+def pack_outputs(outputs: list[SequenceOutput]) -> PackedOutputs:
+    """The outputs that carry only new tokens as columns (ids, tokens, cached tokens);
+    the others (logprobs, a finish, an error) whole, with their places."""
+    ids, tokens, cached, whole = [], [], [], []
+    for place, out in enumerate(outputs):
+        if out.logprobs is None and out.finish_reason is None and out.error is None:
+            ids.append(out.seq_id)
+            tokens.append(out.new_token_ids)
+            cached.append(out.num_cached_tokens)
+        else:
+            whole.append((place, out))
+    return ids, tokens, cached, whole
+
+
+def unpack_outputs(packed: PackedOutputs) -> list[SequenceOutput]:
+    """`pack_outputs`' outputs again, in their order."""
+    ids, tokens, cached, whole = packed
+    outputs = [SequenceOutput(i, t, None, None, None, None, c)
+               for i, t, c in zip(ids, tokens, cached)]
+    for place, out in whole:  # in increasing order of place: each lands where it was
+        outputs.insert(place, out)
+    return outputs
 
 
 class CoreLoop:
@@ -130,7 +159,7 @@ class CoreLoop:
                     failed.append(SequenceOutput(request.request_id, [], finish_reason="error",
                                                  error=f"{type(exc).__name__}: {exc}"))
             if failed:
-                conn.send(("outputs", failed))
+                conn.send(("outputs", pack_outputs(failed)))
         elif kind == "finish":
             for seq_id, reason, stop_reason in message[1]:
                 self.core.finish(seq_id, reason, stop_reason)
@@ -164,7 +193,7 @@ class CoreLoop:
     def _send_outputs(self, outputs: list[SequenceOutput]) -> None:
         """Each output to the side that added its sequence."""
         if len(self.conns) == 1:
-            self.main.send(("outputs", outputs))
+            self.main.send(("outputs", pack_outputs(outputs)))
             for output in outputs:
                 if output.finish_reason is not None:
                     self.owner.pop(output.seq_id, None)
@@ -175,7 +204,7 @@ class CoreLoop:
                     else self.owner.get(output.seq_id))
             by_side.setdefault(conn or self.main, []).append(output)
         for conn, batch in by_side.items():
-            self._send(conn, ("outputs", batch))
+            self._send(conn, ("outputs", pack_outputs(batch)))
 
     def _send(self, conn: Connection, message: tuple) -> None:
         try:
@@ -416,7 +445,7 @@ class RemoteCore:
         if message[0] == "stats":
             self._stats = message[1]
         elif message[0] == "outputs":
-            self._received.append(message[1])
+            self._received.append(unpack_outputs(message[1]))
 
     def shutdown(self) -> None:
         self.client.shutdown()

@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from typing import Protocol
 
 from infer.engine.config import EngineConfig
-from infer.engine.core_process import CoreClient
+from infer.engine.core_process import CoreClient, unpack_outputs
 from infer.engine.engine_core import CoreInfo, SequenceOutput
 from infer.engine.input_processor import InputProcessor, split_into_sequences
 from infer.engine.llm_engine import LLMEngine
@@ -315,7 +315,7 @@ class AsyncEngine:
                 message = self._client.recv()
                 while True:  # what piled up while the last batch was delivered: one batch
                     if message[0] == "outputs":
-                        updates += message[1]
+                        updates += unpack_outputs(message[1])
                     elif message[0] == "stats":
                         self.core_stats = message[1]
                     if not self._client.poll():
