@@ -62,10 +62,26 @@ class StepClock(BaseStreamer):
         pass
 
 
+def step_weight_bytes(model) -> int:
+    """Bytes of weights a decode step reads, as the model stores them (quantized weights
+    and their scales included): everything but an untied embedding table, of which a
+    step gathers a few rows."""
+    lm_head = getattr(model, "lm_head", None)
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embed is None:
+        embed = next((m for n, m in model.named_modules() if n.endswith("embed_tokens")), None)
+    skip = set()
+    if embed is not None and (lm_head is None or lm_head.weight is not embed.weight):
+        skip = {id(p) for p in embed.parameters()}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+
+
 def step_metrics(row: dict, counts: common.ShapeCounts, nbytes: int, batch: int,
-                 mean_ctx: float, ceil: dict) -> None:
+                 mean_ctx: float, ceil: dict, weight_bytes: int | None = None) -> None:
+    """`weight_bytes`: what a step reads of the weights (default: the shape's in `nbytes`
+    per parameter)."""
     step = row["step_ms"] / 1e3
-    w = counts.step_weight_params * nbytes
+    w = counts.step_weight_params * nbytes if weight_bytes is None else weight_bytes
     kv = counts.kv_bytes_per_token(nbytes) * mean_ctx * batch
     flops = 2.0 * counts.step_weight_params * batch + counts.attn_flops(batch, mean_ctx)
     row.update(
@@ -182,10 +198,13 @@ def main() -> None:
         dtype = llm.engine.dtype
         nbytes = common.dtype_bytes(dtype)
         info = common.engine_info(llm)
+        ours = step_weight_bytes(llm.engine.model)  # quantized formats read fewer bytes
 
-        def emit(row, name=name, counts=counts, nbytes=nbytes, mean_ctx=mean_ctx, dtype=dtype):
+        def emit(row, name=name, counts=counts, nbytes=nbytes, mean_ctx=mean_ctx, dtype=dtype,
+                 ours=ours):
             row.update(model=name, dtype=str(dtype).replace("torch.", ""))
-            step_metrics(row, counts, nbytes, row["batch"], mean_ctx, ceil)
+            step_metrics(row, counts, nbytes, row["batch"], mean_ctx, ceil,
+                         ours if row["engine"] == "infer" else None)
             rows.append(row)
             print(f"[{row['engine']}] {name} batch {row['batch']}: {row['step_ms']:.2f} ms/step "
                   f"{row['tok_per_s']:.0f} tok/s {100 * row['frac_copy']:.1f}% copy BW",
