@@ -5,9 +5,10 @@ A burst of N requests (token-id prompts, greedy, `ignore_eos`), and optionally t
 prefill-pressure workload (48 requests at 6/s, 75 % with 2,000-token prompts). The client
 is several processes (one Python event loop would be the bottleneck at 30k tokens/s).
 ITL is the gap between a stream's chunks; a chunk may carry more than one token when the
-server falls behind the core (tokens/chunk says how many). The client processes start
-together (a barrier); "latest send" is how far behind its schedule the latest request went
-out (a client too slow to send the burst at once makes a server look slow). `steps` are
+server falls behind the core (tokens/chunk says how many). The client processes open a
+connection per request (kept alive) and then start together (a barrier); "latest send" is
+how far behind its schedule the latest request went out (a client too slow to send the
+burst at once makes a server look slow). `steps` are
 the engine steps the server's core ran for the workload (its /stats).
 
     python benchmarks/serve_vs_offline.py --model-shape llama-3.2-1b --seqs 64 256 \\
@@ -76,12 +77,11 @@ def run_offline(path: Path, flags: dict, specs: list[Spec]) -> dict:
 
 # -- the client -----------------------------------------------------------------------
 def _client_process(url: str, model: str, specs: list[Spec], t0: float | None) -> list[dict]:
-    """`t0`: the time `specs`' offsets count from (None: the one all clients agreed on)."""
+    """`t0`: the time `specs`' offsets count from (None: open the connections, then agree
+    on it with the other client processes)."""
     import httpx
 
-    t0 = _START[0] if t0 is None else t0
-
-    async def one(client: httpx.AsyncClient, spec: Spec) -> dict:
+    async def one(client: httpx.AsyncClient, spec: Spec, t0: float) -> dict:
         ids, max_tokens, at = spec
         await asyncio.sleep(max(0.0, t0 + at - time.time()))
         start = time.time()  # "late": how far behind its schedule the request went out
@@ -112,9 +112,15 @@ def _client_process(url: str, model: str, specs: list[Spec], t0: float | None) -
         return rec
 
     async def main() -> list[dict]:
-        limits = httpx.Limits(max_connections=len(specs) + 4)
+        n = len(specs) + 4
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
         async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-            return await asyncio.gather(*(one(client, s) for s in specs))
+            start = t0
+            if start is None:  # open a connection per request, then start with the others
+                await asyncio.gather(*(client.get("/health") for _ in specs))
+                _BARRIER[0].wait()
+                start = time.time() + 0.05
+            return await asyncio.gather(*(one(client, s, start) for s in specs))
 
     return asyncio.run(main())
 
@@ -123,19 +129,19 @@ def _client_process(url: str, model: str, specs: list[Spec], t0: float | None) -
 # else (the offline engine, the server and its core) on the others, so neither side's CPU
 # time is taken from the other, as when clients are other machines.
 CLIENT_CPUS: set[int] = set()
-_START: list[float] = []  # in a client process: when its requests' clock starts
+_BARRIER: list = []  # in a client process: where it waits for the others
 
 
 def _start_client(cpus: set[int], barrier) -> None:
-    """A client process's start: its CPUs, its imports, then wait for every other client
-    process, so that a burst starts in all of them at once (spawning and importing take
-    most of a second on a busy host)."""
+    """A client process's start: its CPUs and its imports. Its requests start once every
+    client process has opened its connections (at the barrier), so that a burst starts in
+    all of them at once: spawning and importing take most of a second on a busy host, and
+    a connection's set-up is not the server's serving."""
     if cpus:
         os.sched_setaffinity(0, cpus)
     import httpx  # noqa: F401
 
-    barrier.wait()
-    _START.append(time.time() + 0.05)
+    _BARRIER.append(barrier)
 
 
 def pin_cpus(client_cpus: int) -> str:
