@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from infer.models.linear import LinearMethod
+from infer.quantization.gguf_blocks import GROUP
 
-GROUP = 32
 INNER_K_TILES = 2  # the packing's inner tiling (2, 4 or 8; the kernel reads any)
 
 
