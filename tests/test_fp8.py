@@ -92,7 +92,7 @@ def test_fp8_smollm2_perplexity_and_text():
     before, after = _perplexity(full, ids), _perplexity(quantized, ids)
     print(f"perplexity: {before:.3f} unquantized, {after:.3f} fp8")
     assert abs(after - before) / before < 0.025, (before, after)
-    llm = LLM(str(path), device="cpu", quantization="fp8")
+    llm = LLM(str(path), device="cpu", quantization="fp8", max_model_len=512, num_blocks=64)
     assert llm.engine.info.quantization == "fp8"
     [out] = llm.generate("The capital of France is",
                          SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)

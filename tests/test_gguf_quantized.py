@@ -119,8 +119,9 @@ def test_smollm2_kept_quantized_text_and_perplexity():
     from infer import LLM, SamplingParams
 
     path = str(smollm2_gguf())
-    dequantized = LLM(path, device="cpu", quantization="none")
-    kept = LLM(path, device="cpu")
+    small = dict(device="cpu", max_model_len=512, num_blocks=64)  # a KV pool of its own size
+    dequantized = LLM(path, quantization="none", **small)
+    kept = LLM(path, **small)
     assert (dequantized.engine.info.quantization, kept.engine.info.quantization) == \
         ("none", "gguf")
     linears = [m for m in kept.engine.model.modules() if isinstance(m, LinearBase)]

@@ -66,10 +66,21 @@ class DecoderModel(nn.Module):
         if self.embed_positions is not None:
             # Positions index a learned table: each must be below max_position_embeddings.
             x = x + self.embed_positions(positions)
+        rotaries = self._rotaries()
+        for rotary in rotaries:
+            rotary.begin(positions)
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
+        for rotary in rotaries:
+            rotary.end()
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+    def _rotaries(self) -> list[nn.Module]:
+        if self.rotary is None:
+            return []
+        return list(self.rotary.values()) if isinstance(self.rotary, nn.ModuleDict) \
+            else [self.rotary]
 
 
 class CausalLM(nn.Module):

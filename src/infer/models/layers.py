@@ -95,6 +95,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
         self.use_triton = False
+        # (positions, cos, sin) of the forward pass under way (`begin`): every layer
+        # rotates by the same rows, gathered once.
+        self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def begin(self, positions: torch.Tensor) -> None:
+        """A forward pass over `positions` starts (its layers share this module)."""
+        if not self.use_triton:
+            self._rows = (positions, self.cos[positions].unsqueeze(1),
+                          self.sin[positions].unsqueeze(1))
+
+    def end(self) -> None:
+        self._rows = None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -105,8 +117,11 @@ class RotaryEmbedding(nn.Module):
             from infer.kernels.rope import rope_
 
             return rope_(q, k, self.cos, self.sin, positions)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        if self._rows is not None and self._rows[0] is positions:
+            _, cos, sin = self._rows
+        else:
+            cos = self.cos[positions].unsqueeze(1)
+            sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
