@@ -54,6 +54,9 @@ class DecoderModel(nn.Module):
         scale = torch.tensor(cfg.hidden_size**0.5) if scale_embeddings else None
         self.register_buffer("embed_scale", scale, persistent=False)
         self.rotary = rotary
+        # Each is told when a forward pass starts and ends (`begin` / `end`).
+        self._rotaries = ([] if rotary is None else list(rotary.values())
+                          if isinstance(rotary, nn.ModuleDict) else [rotary])
         self.layers = nn.ModuleList(layers)
         self.norm = norm
 
@@ -66,21 +69,14 @@ class DecoderModel(nn.Module):
         if self.embed_positions is not None:
             # Positions index a learned table: each must be below max_position_embeddings.
             x = x + self.embed_positions(positions)
-        rotaries = self._rotaries()
-        for rotary in rotaries:
+        for rotary in self._rotaries:
             rotary.begin(positions)
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
-        for rotary in rotaries:
+        for rotary in self._rotaries:
             rotary.end()
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
-
-    def _rotaries(self) -> list[nn.Module]:
-        if self.rotary is None:
-            return []
-        return list(self.rotary.values()) if isinstance(self.rotary, nn.ModuleDict) \
-            else [self.rotary]
 
 
 class CausalLM(nn.Module):

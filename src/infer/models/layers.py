@@ -102,8 +102,7 @@ class RotaryEmbedding(nn.Module):
     def begin(self, positions: torch.Tensor) -> None:
         """A forward pass over `positions` starts (its layers share this module)."""
         if not self.use_triton:
-            self._rows = (positions, self.cos[positions].unsqueeze(1),
-                          self.sin[positions].unsqueeze(1))
+            self._rows = (positions, *self._gather(positions))
 
     def end(self) -> None:
         self._rows = None
@@ -120,9 +119,12 @@ class RotaryEmbedding(nn.Module):
         if self._rows is not None and self._rows[0] is positions:
             _, cos, sin = self._rows
         else:
-            cos = self.cos[positions].unsqueeze(1)
-            sin = self.sin[positions].unsqueeze(1)
+            cos, sin = self._gather(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def _gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos and sin rows of `positions`, `[tokens, 1, head_dim // 2]`."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
