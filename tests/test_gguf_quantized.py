@@ -82,10 +82,12 @@ def test_a_model_kept_quantized_gives_the_dequantized_logits(tmp_path, llama_sou
     model, _ = load_gguf(path)
     blocks = quantized_blocks(open_gguf(path), cfg)
     assert quantize_model(model, "auto", blocks) == "gguf"
-    with pytest.raises(ValueError, match="converted already"):
-        quantize_model(model, "auto", blocks)
     kept = Int4GroupLinearMethod if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else \
         Int8WeightOnlyLinearMethod
+    # converted once: "auto" runs the weights as they are now, a format of its own refuses
+    assert quantize_model(model, "auto", blocks) == kept.format
+    with pytest.raises(ValueError, match=r"stored in .* already"):
+        quantize_model(model, "fp8")
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert linears and all(isinstance(m.quant_method, kept) for m in linears)
     tables = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding)]

@@ -21,14 +21,14 @@ from infer.models.linear import (
     VocabParallelEmbedding,
 )
 from infer.quantization import quantize_model
-from infer.quantization.int8 import Int8WeightOnlyLinearMethod, quantize_per_channel
+from infer.quantization.int8 import Int8WeightOnlyLinearMethod, quantize_per_row
 
 
 def test_per_channel_rounding_is_within_half_a_step():
     torch.manual_seed(0)
     w = torch.randn(64, 96) * torch.rand(64, 1) * 3
     w[5] = 0  # a row of zeros
-    q, scale = quantize_per_channel(w)
+    q, scale = quantize_per_row(w)
     assert q.dtype == torch.int8 and q.abs().max() <= 127 and scale.shape == (64,)
     err = (w.double() - q.double() * scale.double()[:, None]).abs()
     assert (err <= scale.double()[:, None] / 2 + 1e-7).all()

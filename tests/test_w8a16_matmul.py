@@ -53,3 +53,27 @@ def test_int8_layers_on_the_test_device(rows):
     ref = x.cpu().to(torch.bfloat16).double() @ (
         layer.weight.cpu().double() * layer.weight_scale.cpu().double()[:, None]).T
     assert (y - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "n", "k", "block"), [(1, 200, 300, (128, 128)),
+                                                    (7, 64, 256, (32, 64))])
+def test_w8a16_with_a_scale_per_tile(dtype, m, n, k, block):
+    """Block-wise scales (FP8 checkpoints), on int8 weights in the interpreter, FP8 on a
+    GPU; the weight's sides are not whole tiles in the first case."""
+    from infer.kernels.w8a16_matmul import w8a16_matmul
+
+    gen = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    if DEVICE == "cuda":
+        w = (torch.randn(n, k, generator=gen) * 100).to(torch.float8_e4m3fn)
+    else:
+        w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    rows, cols = block
+    scale = torch.rand(-(-n // rows), -(-k // cols), generator=gen) * 0.02
+    y = w8a16_matmul(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), block).cpu()
+    tiles = scale.double().repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+    ref = x.double() @ (w.double() * tiles).T
+    error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert y.dtype == dtype and error < TOLERANCE[dtype], error

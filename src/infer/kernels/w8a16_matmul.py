@@ -1,6 +1,7 @@
 """W8A16 matmul: `y = x @ (w * scale[:, None])^T`, `w [N, K]` 8-bit (int8, or FP8 e4m3 on
 a GPU: Triton's interpreter has no FP8) read as it is stored, `scale [N]` per output
-channel, `x [M, K]` 16-bit (or float32), float32 accumulation.
+channel (or one scale per tile of the weight, as block-wise FP8 checkpoints store it),
+`x [M, K]` 16-bit (or float32), float32 accumulation.
 
 Meant for decode-sized M (a step's rows): each program owns BLOCK_N output channels of
 BLOCK_M rows and walks K, so the int8 weight, the bytes that bound the step, is read
@@ -19,9 +20,9 @@ import triton.language as tl
 @triton.jit
 def _w8a16_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr,
-    M, N, K, stride_xm, stride_wn, stride_ym,
+    M, N, K, stride_xm, stride_wn, stride_ym, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -33,29 +34,46 @@ def _w8a16_kernel(
         kk = k0 + rk
         x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + kk[None, :],
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        w_mask = (rn[None, :] < N) & (kk[:, None] < K)
         w = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + kk[:, None],
-                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+                    mask=w_mask, other=0.0)
+        if SCALE_COLS > 0:  # one scale per SCALE_ROWS x SCALE_COLS tile of the weight
+            s = tl.load(s_ptr + (rn[None, :] // SCALE_ROWS) * stride_sn + kk[:, None] // SCALE_COLS,
+                        mask=w_mask, other=0.0)
+            w = w.to(tl.float32) * s
         if IEEE:  # float32 inputs: no TF32 rounding
             acc += tl.dot(x, w.to(x.dtype), input_precision="ieee")
         else:
             acc += tl.dot(x, w.to(x.dtype))
-    scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    y = acc * scale[None, :]
+    if SCALE_COLS > 0:
+        y = acc
+    else:
+        scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        y = acc * scale[None, :]
     tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
              y.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                 scale_block: tuple[int, int] | None = None) -> torch.Tensor:
     """`x [M, K]` (float16 / bfloat16 / float32, unit column stride), `weight [N, K]` int8
-    or float8_e4m3fn, contiguous, `scale [N]`: `[M, N]` in x's dtype."""
+    or float8_e4m3fn, contiguous, `scale [N]`, or with `scale_block = (rows, cols)` one
+    float32 scale per tile of the weight, `scale [ceil(N / rows), ceil(K / cols)]`
+    (block-wise FP8 checkpoints): `[M, N]` in x's dtype."""
     assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), x.dtype
     assert weight.dtype in (torch.int8, torch.float8_e4m3fn), weight.dtype
     assert weight.dim() == 2 and weight.is_contiguous()
     assert weight.shape[1] == x.shape[1], (weight.shape, x.shape)
-    assert scale.shape == (weight.shape[0],) and scale.device == x.device == weight.device
     m, k = x.shape
     n = weight.shape[0]
+    scale_rows, scale_cols = scale_block or (0, 0)
+    if scale_block is None:
+        assert scale.shape == (n,), (scale.shape, n)
+    else:
+        assert scale.shape == (-(-n // scale_rows), -(-k // scale_cols)), scale.shape
+        assert scale.dtype == torch.float32 and scale.stride(1) == 1
+    assert scale.device == x.device == weight.device
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
@@ -66,7 +84,8 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> 
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _w8a16_kernel[grid](
         x, weight, scale, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
+        scale.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        IEEE=x.dtype == torch.float32, SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols,
         num_warps=4, num_stages=3,
     )
     return y

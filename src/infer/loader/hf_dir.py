@@ -45,6 +45,25 @@ def load_config(model_dir: Path) -> ModelConfig:
         raise ModelLoadError(f"{path}: {exc}") from None
 
 
+def quantization_config(model_dir: Path) -> dict[str, Any] | None:
+    """config.json's `quantization_config` (None: the checkpoint is not quantized)."""
+    return read_json(model_dir / "config.json").get("quantization_config")
+
+
+def tensor_headers(files: list[Path]) -> dict[str, tuple[str, list[int]]]:
+    """Every tensor's (safetensors dtype, shape), read from the files' headers alone."""
+    headers = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    part = f.get_slice(name)
+                    headers[name] = (part.get_dtype(), list(part.get_shape()))
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"{path}: unreadable safetensors file ({exc})") from None
+    return headers
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     """The checkpoint's safetensors files; refuses pickle-only checkpoints."""
     index = model_dir / "model.safetensors.index.json"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -13,7 +13,9 @@ from infer.loader import gguf_file, hf_dir
 from infer.loader.errors import ModelLoadError
 from infer.loader.gguf_metadata import gguf_config
 from infer.models import model_class
+from infer.models.linear import LinearMethod, UnquantizedLinearMethod, linear_method_default
 from infer.models.weights import WeightError
+from infer.quantization.checkpoint import read_scheme
 
 
 def build_model(
@@ -22,13 +24,15 @@ def build_model(
     source: str,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    linear_method: Callable[[], LinearMethod] = UnquantizedLinearMethod,
 ) -> nn.Module:
-    """Instantiate the architecture directly on `device` in `dtype`, then copy the weights in."""
+    """Instantiate the architecture directly on `device` in `dtype`, its linear layers with
+    `linear_method` (how the checkpoint stores them), then copy the weights in."""
     cls = model_class(cfg)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), linear_method_default(linear_method):
             model = cls(cfg)
     finally:
         torch.set_default_dtype(previous)
@@ -47,7 +51,13 @@ def load_hf_dir(
         raise ModelLoadError(f"{model_dir}: not a directory")
     cfg = hf_dir.load_config(model_dir)
     files = hf_dir.safetensors_files(model_dir)
-    model = build_model(cfg, hf_dir.iter_safetensors(files), str(model_dir), dtype, device)
+    scheme = read_scheme(hf_dir.quantization_config(model_dir), str(model_dir / "config.json"))
+    if scheme is None:
+        return build_model(cfg, hf_dir.iter_safetensors(files), str(model_dir), dtype,
+                           device), cfg
+    scheme.check_tensors(hf_dir.tensor_headers(files), str(model_dir))
+    model = build_model(cfg, hf_dir.iter_safetensors(files), str(model_dir), dtype, device,
+                        scheme.make_method)
     return model, cfg
 
 

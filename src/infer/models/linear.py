@@ -14,6 +14,10 @@ tensor. Today `tp_size` is always 1.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,7 +26,10 @@ from infer.models.weights import ShardId, WeightError, WeightLoader, check_shape
 
 
 class LinearMethod:
-    """How a linear layer stores its weight and multiplies by it."""
+    """How a linear layer stores its weight and multiplies by it; `format` names it (what
+    `/v1/models` reports)."""
+
+    format = "none"
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_sizes: list[int],
@@ -40,6 +47,10 @@ class LinearMethod:
         """Rows `ids` of an embedding table this method stores."""
         raise NotImplementedError(f"{type(self).__name__} does not store embedding tables")
 
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        """The weight `[out, in]` as the float values it stands for (float32)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot dequantize")
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """A plain `weight [out, in]` in the model's dtype; `F.linear`."""
@@ -49,10 +60,30 @@ class UnquantizedLinearMethod(LinearMethod):
         weight_loader: WeightLoader,
     ) -> None:
         weight = nn.Parameter(torch.empty(sum(output_sizes), input_size), requires_grad=False)
-        layer.register_parameter("weight", _with_loader(weight, weight_loader, 0, 1))
+        layer.register_parameter("weight", with_loader(weight, weight_loader, 0, 1))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return layer.weight.float()
+
+
+# What a linear layer built without a `quant_method` gets (`linear_method_default`).
+_DEFAULT_METHOD: ContextVar[Callable[[], LinearMethod]] = ContextVar(
+    "default_linear_method", default=UnquantizedLinearMethod)
+
+
+@contextmanager
+def linear_method_default(make: Callable[[], LinearMethod]) -> Iterator[None]:
+    """Within: every linear layer built without a `quant_method` gets `make()`. A checkpoint
+    stored quantized chooses its method before the model is built, so the weights are
+    allocated as stored (never a full-precision copy first)."""
+    token = _DEFAULT_METHOD.set(make)
+    try:
+        yield
+    finally:
+        _DEFAULT_METHOD.reset(token)
 
 
 class LinearBase(nn.Module):
@@ -67,11 +98,11 @@ class LinearBase(nn.Module):
         super().__init__()
         self.input_size, self.output_sizes, self.shard_ids = input_size, output_sizes, shard_ids
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.quant_method = quant_method or _DEFAULT_METHOD.get()()
         self.quant_method.create_weights(self, input_size, output_sizes, self.weight_loader)
         if bias:  # never quantised: the layer owns it
             b = nn.Parameter(torch.empty(sum(output_sizes)), requires_grad=False)
-            self.bias = _with_loader(b, self.weight_loader, 0, None)
+            self.bias = with_loader(b, self.weight_loader, 0, None)
         else:
             self.register_parameter("bias", None)
         for param in self.parameters(recurse=False):
@@ -187,7 +218,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         rows = _divide(num_embeddings, tp_size)
         weight = nn.Parameter(torch.empty(rows, embedding_dim), requires_grad=False)
-        self.weight = _with_loader(weight, self.weight_loader, 0, 1)
+        self.weight = with_loader(weight, self.weight_loader, 0, 1)
         # Set by infer.quantization when the table is kept quantized: it looks rows up
         # (`embed`) and, for the LM head, multiplies (`apply`).
         self.quant_method: LinearMethod | None = None
@@ -233,9 +264,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         return F.linear(hidden, self.weight)
 
 
-def _with_loader(
+def with_loader(
     param: nn.Parameter, loader: WeightLoader, output_dim: int | None, input_dim: int | None
 ) -> nn.Parameter:
+    """`param` given its loader and which of its dims are the output and input features."""
     param.weight_loader = loader
     param.output_dim, param.input_dim = output_dim, input_dim
     return param

@@ -74,6 +74,8 @@ def load_weights(
                 f"{source}: tensor {ckpt_name!r} has shape {exc.got}, the model expects "
                 f"{exc.want} (does the model config match the weights?)"
             ) from None
+        except WeightError as exc:
+            raise WeightError(f"{source}: tensor {ckpt_name!r}: {exc}") from None
         written.setdefault(name, set()).add(shard)
     missing = [
         name for name, param in params.items()

@@ -2,8 +2,9 @@
 `LinearMethod` per format (`models/linear.py`'s hook).
 
 `quantization` in EngineConfig:
-- "auto" (the default): the checkpoint's own format. A GGUF file's quantized weights stay
-  quantized where this device has kernels for them (`gguf.py`); anything else as loaded.
+- "auto" (the default): the checkpoint's own format. A checkpoint stored quantized (FP8,
+  INT8: `checkpoint.py`) runs as stored; a GGUF file's quantized weights stay quantized
+  where this device has kernels for them (`gguf.py`); anything else as loaded.
 - "none": every weight dequantized to the model's dtype at load.
 - "int8": weight-only INT8 (W8A16) made on the fly: each output channel's weights scaled
   to [-127, 127] (symmetric, one float scale per channel), activations in 16 bits;
@@ -14,9 +15,11 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from infer.engine.config import QUANTIZATIONS
+from infer.models.layers import activation_dtype
 from infer.models.linear import LinearBase, UnquantizedLinearMethod
 from infer.quantization.fp8 import Fp8LinearMethod
 from infer.quantization.gguf import keep_gguf_quantized
@@ -30,15 +33,15 @@ def quantize_model(model: nn.Module, quantization: str,
     """Convert `model` in place, one layer at a time (so at most one layer's
     full-precision weight is held beside the quantized ones), as `quantization` asks;
     `gguf_blocks`: the quantized weights of the GGUF file it was loaded from. The format
-    in effect: "none", "int8", "fp8" or "gguf"."""
+    in effect: "none", "int8", "fp8", "gguf", or the format the weights came in
+    ("fp8-block", "w8a8-int8", ...: `LinearMethod.format`)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; "
                          f"got {quantization!r}")
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
-    if quantization != "none" and any(
-            not isinstance(m.quant_method, UnquantizedLinearMethod) for m in linears):
-        raise ValueError("the model's weights are converted already (a model is quantized "
-                         "once, from the weights as loaded)")
+    stored = sorted({m.quant_method.format for m in linears} - {"none"})
+    if stored:
+        return _stored_quantized(model, linears, quantization, ", ".join(stored))
     if quantization in ("int8", "fp8"):
         method = Int8WeightOnlyLinearMethod if quantization == "int8" else Fp8LinearMethod
         for layer in linears:
@@ -47,6 +50,33 @@ def quantize_model(model: nn.Module, quantization: str,
     if quantization == "auto" and gguf_blocks and keep_gguf_quantized(model, gguf_blocks):
         return "gguf"
     return "none"
+
+
+def _stored_quantized(model: nn.Module, linears: list[LinearBase], quantization: str,
+                      stored: str) -> str:
+    """A model whose weights came quantized (from its checkpoint, or converted already)."""
+    if quantization == "none":
+        dtype = activation_dtype(model)
+        for layer in linears:
+            if not isinstance(layer.quant_method, UnquantizedLinearMethod):
+                _dequantize(layer, dtype)
+        return "none"
+    if quantization == "auto" or stored.startswith(quantization):
+        return stored
+    raise ValueError(f"the weights are stored in {stored} already; quantization="
+                     f"{quantization!r} would quantize them again (use 'auto' to run them as "
+                     "stored, or 'none' to dequantize them)")
+
+
+def _dequantize(layer: LinearBase, dtype: torch.dtype) -> None:
+    """`layer` back to a plain weight in `dtype`."""
+    weight = layer.quant_method.dequantize(layer)
+    for name, _ in list(layer.named_parameters(recurse=False)):
+        if name != "bias":
+            delattr(layer, name)
+    layer.quant_method = UnquantizedLinearMethod()
+    layer.register_parameter("weight", nn.Parameter(
+        weight.to(dtype), requires_grad=False))
 
 
 __all__ = ["QUANTIZATIONS", "Fp8LinearMethod", "Int4GroupLinearMethod",

@@ -1,7 +1,8 @@
 """FP8 (e4m3) weights: `weight [out, in]` float8_e4m3fn and `weight_scale [out]` float32,
 the float weight being `weight * weight_scale[:, None]`; made at load from a
 full-precision model (`quantization="fp8"`: each output channel's largest magnitude maps
-to e4m3's largest, 448).
+to e4m3's largest, 448), or read from a checkpoint stored so (compressed-tensors FP8 with
+per-channel or per-tensor weight scales; `checkpoint.py`).
 
 Decode-sized steps on CUDA read the FP8 weight as stored through our W8A16 kernel
 (`kernels/w8a16_matmul.py`; 16-bit activations: the bytes read are what bounds a decode
@@ -18,6 +19,8 @@ import torch
 from torch import nn
 
 from infer.models.linear import LinearMethod
+from infer.models.weights import WeightLoader
+from infer.quantization.stored import channel_scale, stored_weight
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -36,11 +39,20 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Fp8LinearMethod(LinearMethod):
+    format = "fp8"
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       weight_loader: WeightLoader) -> None:
+        stored_weight(layer, FP8, input_size, output_sizes, weight_loader)
+        channel_scale(layer, "weight_scale", output_sizes, torch.float32, weight_loader)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return layer.weight.float() * layer.weight_scale.float()[:, None]
+
     def quantize(self, layer: nn.Module) -> None:
         """A loaded full-precision linear layer made FP8 in place (its `weight` replaced)."""
         weight = layer.weight
         q, scale = quantize_fp8(weight.data)
-        layer.dtype = weight.dtype
         del layer.weight
         layer.register_parameter("weight", nn.Parameter(q, requires_grad=False))
         layer.register_parameter("weight_scale", nn.Parameter(scale, requires_grad=False))

@@ -25,6 +25,8 @@ def int4_packable(rows: int, cols: int) -> bool:
 
 
 class Int4GroupLinearMethod(LinearMethod):
+    format = "gguf-4bit"
+
     def load(self, layer: nn.Module, q: torch.Tensor, a: torch.Tensor, b: torch.Tensor
              ) -> None:
         """`layer`'s weight replaced by `q` (uint8 `[out, in]`, 0..15) with the per-group

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.models.linear import LinearMethod
+from infer.models.weights import WeightLoader
+from infer.quantization.stored import channel_scale, stored_weight
 
 QMAX = 127
 # On CUDA, more rows than this (prefill chunks) dequantize the weight for cuBLAS; fewer
@@ -24,24 +26,38 @@ QMAX = 127
 DEQUANTIZE_ROWS = 64
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 weight, float32 scale per output row), symmetric: the largest magnitude of
-    each row maps to 127 (a row of zeros gets scale 1)."""
-    w = weight.float()
-    scale = w.abs().amax(dim=1) / QMAX
+def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8, float32 scale per row: a weight's output channel, a token's activations),
+    symmetric, rounded to nearest even: the largest magnitude of each row maps to 127 (a
+    row of zeros gets scale 1)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1) / QMAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    q = torch.round(xf / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scale
 
 
 class Int8WeightOnlyLinearMethod(LinearMethod):
+    format = "int8"
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       weight_loader: WeightLoader) -> None:
+        """As a checkpoint stores them (compressed-tensors INT8 with per-channel scales)."""
+        layer.dtype = torch.get_default_dtype()
+        layer.compute_dtype = _compute_dtype(layer.dtype)
+        stored_weight(layer, torch.int8, input_size, output_sizes, weight_loader)
+        channel_scale(layer, "weight_scale", output_sizes, layer.compute_dtype, weight_loader)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return layer.weight.float() * layer.weight_scale.float()[:, None]
+
     def quantize(self, layer: nn.Module) -> None:
         """A loaded full-precision layer (a linear layer, an embedding table, an LM head)
         made INT8 in place (its `weight` replaced; one scale per row)."""
         weight = layer.weight
-        q, scale = quantize_per_channel(weight.data)
+        q, scale = quantize_per_row(weight.data)
         layer.dtype = weight.dtype
-        layer.compute_dtype = torch.bfloat16 if weight.dtype == torch.float32 else weight.dtype
+        layer.compute_dtype = _compute_dtype(weight.dtype)
         del layer.weight
         layer.register_parameter("weight", nn.Parameter(q, requires_grad=False))
         layer.register_parameter(
@@ -66,3 +82,31 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         rows = F.embedding(ids, layer.weight).float() * layer.weight_scale[ids, None].float()
         return rows.to(layer.dtype)
+
+
+class Int8W8A8LinearMethod(Int8WeightOnlyLinearMethod):
+    """Compressed-tensors W8A8 checkpoints (per-channel INT8 weights, dynamic per-token INT8
+    activations): steps larger than a decode step quantize each row of activations to INT8
+    and multiply in integers (`torch._int_mm`, INT8 tensor cores on CUDA); decode-sized
+    steps on CUDA read the weight through the W8A16 kernel, like weight-only INT8 (the
+    bytes read bound them; 16-bit activations lose nothing)."""
+
+    format = "w8a8-int8"
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+              ) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        n, k = layer.weight.shape
+        if x2.is_cuda and (len(x2) <= DEQUANTIZE_ROWS or n % 8 or k % 8):
+            return super().apply(layer, x, bias)
+        xq, x_scale = quantize_per_row(x2)
+        y = torch._int_mm(xq, layer.weight.t()).float() * x_scale[:, None] \
+            * layer.weight_scale.float()
+        y = y.reshape(*shape[:-1], n).to(x.dtype)
+        return y if bias is None else y + bias
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The activations' dtype for the INT8 kernels: 16 bits (see the module's docstring)."""
+    return torch.bfloat16 if dtype == torch.float32 else dtype

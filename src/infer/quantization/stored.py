@@ -1,0 +1,53 @@
+"""Parameters of weights a checkpoint stores quantized: the 8-bit weight itself (loaded
+only from a tensor of its own dtype) and its scales, loaded from each layout's shapes."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from infer.models.linear import RowParallelLinear, with_loader
+from infer.models.weights import ShardId, WeightError, WeightLoader
+
+
+def stored_weight(layer: nn.Module, dtype: torch.dtype, input_size: int,
+                  output_sizes: list[int], weight_loader: WeightLoader) -> None:
+    """Register `weight [out, in]` in `dtype`; a checkpoint tensor of another dtype is refused
+    (copying a float tensor into it would drop its scale)."""
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        if loaded.dtype != dtype:
+            raise WeightError(
+                f"stored as {_name(loaded.dtype)}, where the checkpoint's quantization_config "
+                f"makes this layer {_name(dtype)} (a checkpoint that leaves some of its linear "
+                "layers unquantized is not supported)")
+        weight_loader(param, loaded, shard_id)
+
+    weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype),
+                          requires_grad=False)
+    layer.register_parameter("weight", with_loader(weight, load, 0, 1))
+
+
+def channel_scale(layer: nn.Module, name: str, output_sizes: list[int], dtype: torch.dtype,
+                  weight_loader: WeightLoader) -> None:
+    """Register `name [out]`, one scale per output channel, loaded from a per-channel scale
+    (`[out, 1]` or `[out]`) or a per-tensor one (`[]` or `[1]`: every row of that tensor,
+    a fused layer's shard, gets it)."""
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        if not loaded.is_floating_point():
+            raise WeightError(f"a scale must be a float tensor, not {_name(loaded.dtype)}")
+        if loaded.dim() == 2 and loaded.shape[1] == 1:
+            loaded = loaded[:, 0]
+        elif loaded.dim() <= 1 and loaded.numel() == 1:
+            rows = param.shape[0] if shard_id is None else \
+                layer.output_sizes[layer.shard_ids.index(shard_id)]
+            if not isinstance(layer, RowParallelLinear):
+                rows *= layer.tp_size
+            loaded = loaded.reshape(1).expand(rows)
+        weight_loader(param, loaded, shard_id)
+
+    scale = nn.Parameter(torch.empty(sum(output_sizes), dtype=dtype), requires_grad=False)
+    layer.register_parameter(name, with_loader(scale, load, 0, None))
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
