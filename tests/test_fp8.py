@@ -1,11 +1,11 @@
 """FP8 (e4m3) weights made at load (`quantization="fp8"`): the rounding bound of e4m3 per
 channel, the FP8 GEMM path (per-token activation scales) against float64 from the FP8
 values and their scales, the W8A16 kernel on FP8 weights (GPU), and SmolLM2 served in
-FP8. Its perplexity on the fixed text rises 1.8 % (W8A8; 2.4 % with the weights alone in
-FP8 and bfloat16 activations): e4m3 keeps 3 mantissa bits, so a weight is rounded to
-within 2^-4 of itself, where INT8 per channel (+0.6 %) rounds to 1/254 of the row's
-range. The 8-bit target of 1 % is not met by FP8 on this 135M model; the test holds the
-measured 2.5 % bound."""
+FP8. Its perplexity on the fixed text rises 2.4 % with the linear layers in FP8 (W8A8 on
+the CPU) and 2.8 % with the LM head in INT8 per row as well (the LM head alone in INT8:
++0.05 %): e4m3 keeps 3 mantissa bits, so a weight is rounded to within 2^-4 of itself,
+where INT8 per channel (+0.6 %) rounds to 1/254 of the row's range. The 8-bit target of
+1 % is not met by FP8 on this 135M model; the test holds the measured 2.8 % under 3 %."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_fp8_smollm2_perplexity_and_text():
     assert all(m.weight.dtype == FP8 for m in linears)
     before, after = _perplexity(full, ids), _perplexity(quantized, ids)
     print(f"perplexity: {before:.3f} unquantized, {after:.3f} fp8")
-    assert abs(after - before) / before < 0.025, (before, after)
+    assert abs(after - before) / before < 0.03, (before, after)
     llm = LLM(str(path), device="cpu", quantization="fp8", max_model_len=512, num_blocks=64)
     assert llm.engine.info.quantization == "fp8"
     [out] = llm.generate("The capital of France is",

@@ -7,10 +7,12 @@
   where this device has kernels for them (`gguf.py`); anything else as loaded.
 - "none": every weight dequantized to the model's dtype at load.
 - "int8": weight-only INT8 (W8A16) made on the fly: each output channel's weights scaled
-  to [-127, 127] (symmetric, one float scale per channel), activations in 16 bits;
-  embeddings, the LM head and norms stay as loaded.
+  to [-127, 127] (symmetric, one float scale per channel), activations in 16 bits.
 - "fp8": FP8 (e4m3) weights, one float scale per output channel, made on the fly; the
   activations of large steps quantized to FP8 per token for an FP8 GEMM (`fp8.py`).
+In both, the LM head (and the embedding table it is tied to) goes to INT8 per row: it is
+the largest single matrix a decode step reads (1 GB in bfloat16 on Llama-3.1-8B). Norms
+and an untied embedding table (whose rows are gathered, not read whole) stay as loaded.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from torch import nn
 
 from infer.engine.config import QUANTIZATIONS
 from infer.models.layers import activation_dtype
-from infer.models.linear import LinearBase, UnquantizedLinearMethod
+from infer.models.linear import LinearBase, ParallelLMHead, UnquantizedLinearMethod
 from infer.quantization.fp8 import Fp8LinearMethod
 from infer.quantization.gguf import keep_gguf_quantized
 from infer.quantization.gguf_blocks import GGUFBlocks
 from infer.quantization.int4 import Int4GroupLinearMethod
-from infer.quantization.int8 import Int8WeightOnlyLinearMethod
+from infer.quantization.int8 import Int8WeightOnlyLinearMethod, quantize_table
 
 
 def quantize_model(model: nn.Module, quantization: str,
@@ -46,6 +48,8 @@ def quantize_model(model: nn.Module, quantization: str,
         method = Int8WeightOnlyLinearMethod if quantization == "int8" else Fp8LinearMethod
         for layer in linears:
             method().quantize(layer)
+        for head in [m for m in model.modules() if isinstance(m, ParallelLMHead)]:
+            quantize_table(head, model)
         return quantization
     if quantization == "auto" and gguf_blocks and keep_gguf_quantized(model, gguf_blocks):
         return "gguf"

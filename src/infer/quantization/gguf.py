@@ -24,7 +24,7 @@ from torch import nn
 from infer.models.linear import LinearBase, VocabParallelEmbedding
 from infer.quantization.gguf_blocks import INT4_TYPES, GGUFBlocks, int4_groups
 from infer.quantization.int4 import Int4GroupLinearMethod, int4_packable
-from infer.quantization.int8 import Int8WeightOnlyLinearMethod
+from infer.quantization.int8 import Int8WeightOnlyLinearMethod, quantize_table
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +47,9 @@ def keep_gguf_quantized(model: nn.Module, blocks: dict[str, GGUFBlocks]) -> bool
         if isinstance(module, LinearBase):
             shards = [by_param.get((f"{name}.weight", s)) for s in module.shard_ids or (None,)]
             kept[_keep_linear(module, shards)] += 1
-    embeddings = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding)]
-    for name, module in model.named_modules():
+    for name, module in list(model.named_modules()):
         if isinstance(module, VocabParallelEmbedding) and (f"{name}.weight", None) in by_param:
-            ties = [m for m in embeddings if m is not module and m.weight is module.weight]
-            Int8WeightOnlyLinearMethod().quantize(module)
-            for tied in ties:  # a tied LM head: the same rows, scales and method
-                tied.weight, tied.weight_scale = module.weight, module.weight_scale
-                tied.dtype, tied.compute_dtype = module.dtype, module.compute_dtype
-                tied.quant_method = module.quant_method
+            quantize_table(module, model)
             kept["embedding table in 8 bits per row"] += 1
     kept.pop("float", None)
     if kept:

@@ -84,6 +84,18 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
         return rows.to(layer.dtype)
 
 
+def quantize_table(table: nn.Module, model: nn.Module) -> None:
+    """An embedding table or LM head of `model` to INT8 per row, in place; a module sharing
+    its weight (a tied LM head, its embedding) gets the same rows, scales and method."""
+    ties = [m for m in model.modules()
+            if m is not table and getattr(m, "weight", None) is table.weight]
+    Int8WeightOnlyLinearMethod().quantize(table)
+    for tied in ties:
+        tied.weight, tied.weight_scale = table.weight, table.weight_scale
+        tied.dtype, tied.compute_dtype = table.dtype, table.compute_dtype
+        tied.quant_method = table.quant_method
+
+
 class Int8W8A8LinearMethod(Int8WeightOnlyLinearMethod):
     """Compressed-tensors W8A8 checkpoints (per-channel INT8 weights, dynamic per-token INT8
     activations): steps larger than a decode step quantize each row of activations to INT8
