@@ -26,6 +26,7 @@ Metric, per decode step (same formula for both engines):
   fraction of the measured bf16 matmul rate.
 
     PYTHONPATH=src python benchmarks/decode.py [--engine attention_backend=triton ...]
+    python benchmarks/decode.py --gguf Q4_K_M     # the same shapes as random GGUF files
     python benchmarks/decode.py --tiny            # CPU check, tiny shapes, seconds
 """
 
@@ -41,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
+import gguf_checkpoint
 
 try:
     from transformers.generation.streamers import BaseStreamer
@@ -170,6 +172,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed runs per batch size; the median step time is reported")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gguf", choices=gguf_checkpoint.MIXES, default=None,
+                        help="serve a random GGUF file of the shape in this mix instead of "
+                        "the bf16 checkpoint (gguf_checkpoint.py; the HF peer still runs "
+                        "the bf16 one)")
     args = parser.parse_args()
     tiny = args.tiny
     args.batches = args.batches or ([1, 4] if tiny else [1, 8, 32])
@@ -194,7 +200,9 @@ def main() -> None:
         defaults = dict(max_model_len=args.prompt_len + args.new_tokens + 16,
                         max_num_seqs=max(args.batches))
         flags = common.merged_flags(defaults, user_flags)
-        llm, build_s = common.build_llm(path, flags)
+        served = path if args.gguf is None else \
+            gguf_checkpoint.get_gguf(name, args.gguf, tiny, args.ckpt_root)
+        llm, build_s = common.build_llm(served, flags)
         dtype = llm.engine.dtype
         nbytes = common.dtype_bytes(dtype)
         info = common.engine_info(llm)
@@ -202,7 +210,9 @@ def main() -> None:
 
         def emit(row, name=name, counts=counts, nbytes=nbytes, mean_ctx=mean_ctx, dtype=dtype,
                  ours=ours):
-            row.update(model=name, dtype=str(dtype).replace("torch.", ""))
+            row.update(model=name, dtype=str(dtype).replace("torch.", ""),
+                       weights=args.gguf if row["engine"] == "infer" and args.gguf else
+                       "bf16 checkpoint")
             step_metrics(row, counts, nbytes, row["batch"], mean_ctx, ceil,
                          ours if row["engine"] == "infer" else None)
             rows.append(row)

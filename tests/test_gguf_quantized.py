@@ -6,6 +6,8 @@ dequantized path and its perplexity within 3 % (the 4-bit target)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -16,11 +18,19 @@ from real_models import smollm2_gguf
 from test_gguf_models import llama_config, random_hf_model, random_kquant_blocks, write_gguf
 from test_quantization import TEXT, _perplexity
 
+from infer.kernels import triton_available
 from infer.loader import load_gguf
 from infer.loader.gguf_file import open_gguf, quantized_blocks
-from infer.models.linear import LinearBase, RowParallelLinear, VocabParallelEmbedding
+from infer.models.linear import (
+    LinearBase,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from infer.quantization import quantize_model
+from infer.quantization.gguf import keep_gguf_quantized
 from infer.quantization.gguf_blocks import GGUFBlocks, int4_groups
+from infer.quantization.gguf_gpu import GGUFBlocksLinearMethod
 from infer.quantization.int4 import Int4GroupLinearMethod
 from infer.quantization.int8 import Int8WeightOnlyLinearMethod
 
@@ -100,6 +110,16 @@ def test_a_model_kept_quantized_gives_the_dequantized_logits(tmp_path, llama_sou
         assert (g - w).abs().max().item() < 3e-2 * w.abs().max().item()
 
 
+def test_quantization_gguf_keeps_the_blocks_and_needs_a_gguf_file(tmp_path, llama_source):
+    path = write_gguf(tmp_path / "llama-Q4_K.gguf", "llama", llama_source, Q.Q4_K)
+    model, cfg = load_gguf(path)
+    with pytest.raises(ValueError, match="not loaded from a GGUF file"):
+        quantize_model(model, "gguf", None)
+    assert quantize_model(model, "gguf", quantized_blocks(open_gguf(path), cfg)) == "gguf"
+    assert all(isinstance(m.quant_method, Int4GroupLinearMethod)
+               for m in model.modules() if isinstance(m, LinearBase))
+
+
 def test_quantization_none_keeps_the_file_dequantized(tmp_path, llama_source):
     path = write_gguf(tmp_path / "llama-Q4_0.gguf", "llama", llama_source, Q.Q4_0)
     model, cfg = load_gguf(path)
@@ -152,3 +172,50 @@ def test_smollm2_kept_quantized_text_and_perplexity():
     after = _perplexity(kept.engine.model, ids)
     print(f"perplexity: {before:.3f} dequantized, {after:.3f} kept quantized")
     assert abs(after - before) / before < 0.03, (before, after)
+
+
+# -- the GPU's way: the file's blocks and the Triton kernels (the interpreter on a CPU) ----
+
+DEVICE = os.environ.get("INFER_TEST_DEVICE", "cpu")
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)  # Q4_K_M's types
+def test_a_model_kept_as_blocks_gives_the_dequantized_logits(tmp_path, llama_source, qtype):
+    path = write_gguf(tmp_path / f"llama-{qtype.name}.gguf", "llama", llama_source, qtype)
+    reference, cfg = load_gguf(path)
+    model, _ = load_gguf(path, device=DEVICE)
+    blocks = quantized_blocks(open_gguf(path), cfg)
+    assert keep_gguf_quantized(model, blocks, as_blocks=True)
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(isinstance(m.quant_method, GGUFBlocksLinearMethod)
+                           and m.weight.dtype == torch.uint8 for m in linears)
+    tables = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding)]
+    assert len(tables) == 2 and all(isinstance(m.quant_method, GGUFBlocksLinearMethod)
+                                    for m in tables)
+    # one sequence at a time: its prefill dequantizes for the matmul, its one-row decode
+    # steps read the blocks
+    for seq, prefill in (([5, 17, 200, 3, 99, 41, 7], 5), (list(range(30, 50)), 18)):
+        [got] = run_paged(model, [seq], [prefill])
+        [want] = run_paged(reference, [seq], [prefill])
+        assert (got.cpu() - want).abs().max().item() < 1e-4 * want.abs().max().item()
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_a_fused_layer_of_mixed_types_keeps_a_run_per_type():
+    """Q4_K_M's way: q and k in Q4_K, v in Q6_K, one fused q/k/v layer."""
+
+    rng = np.random.default_rng(0)
+    layer = QKVParallelLinear(256, 64, 4, 2).to(DEVICE)
+    shards, parts = [], []
+    for name, qtype, rows in (("q", Q.Q4_K, 256), ("k", Q.Q4_K, 128), ("v", Q.Q6_K, 128)):
+        raw = random_kquant_blocks(rows * 256, qtype, rng).reshape(rows, -1)
+        shards.append(GGUFBlocks.of(name, qtype, (rows, 256), raw))
+        parts.append(torch.from_numpy(dequantize(raw, qtype).reshape(rows, 256)).double())
+    GGUFBlocksLinearMethod().load(layer, shards)
+    assert [qtype for _, qtype in layer.gguf_runs] == [Q.Q4_K, Q.Q6_K]
+    for rows in (1, 40):  # the kernels, then the dequantized weight
+        x = torch.randn(rows, 256)
+        y = layer(x.to(DEVICE)).cpu().double()
+        ref = x.double() @ torch.cat(parts).T
+        assert (y - ref).abs().max().item() < 1e-5 * ref.abs().max().item()

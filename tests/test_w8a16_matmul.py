@@ -58,10 +58,12 @@ def test_int8_layers_on_the_test_device(rows):
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("m", "n", "k", "block"), [(1, 200, 300, (128, 128)),
-                                                    (7, 64, 256, (32, 64))])
+                                                    (7, 64, 256, (32, 64)),
+                                                    (3, 40, 96, (24, 48))])
 def test_w8a16_with_a_scale_per_tile(dtype, m, n, k, block):
     """Block-wise scales (FP8 checkpoints), on int8 weights in the interpreter, FP8 on a
-    GPU; the weight's sides are not whole tiles in the first case."""
+    GPU; the weight's sides are not whole tiles in the first case; in the last, the
+    kernel's blocks straddle scale tiles (a scale gathered per weight)."""
     from infer.kernels.w8a16_matmul import w8a16_matmul
 
     gen = torch.Generator().manual_seed(m + n)

@@ -48,7 +48,7 @@ def gguf_blocks_of(model: str | None, cfg: ModelConfig, quantization: str
     from infer.loader import gguf_file
 
     source = resolve_model(model)
-    if quantization != "auto" or source.format != "gguf":
+    if quantization not in ("auto", "gguf") or source.format != "gguf":
         return None
     return gguf_file.quantized_blocks(gguf_file.open_gguf(source.path), cfg)
 

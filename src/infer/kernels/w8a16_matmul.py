@@ -23,6 +23,7 @@ def _w8a16_kernel(
     M, N, K, stride_xm, stride_wn, stride_ym, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
+    TILE_SCALE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -37,14 +38,18 @@ def _w8a16_kernel(
         w_mask = (rn[None, :] < N) & (kk[:, None] < K)
         w = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + kk[:, None],
                     mask=w_mask, other=0.0)
-        if SCALE_COLS > 0:  # one scale per SCALE_ROWS x SCALE_COLS tile of the weight
+        if SCALE_COLS > 0 and not TILE_SCALE:  # a scale per weight, gathered
             s = tl.load(s_ptr + (rn[None, :] // SCALE_ROWS) * stride_sn + kk[:, None] // SCALE_COLS,
                         mask=w_mask, other=0.0)
             w = w.to(tl.float32) * s
         if IEEE:  # float32 inputs: no TF32 rounding
-            acc += tl.dot(x, w.to(x.dtype), input_precision="ieee")
+            part = tl.dot(x, w.to(x.dtype), input_precision="ieee")
         else:
-            acc += tl.dot(x, w.to(x.dtype))
+            part = tl.dot(x, w.to(x.dtype))
+        if TILE_SCALE:  # this program's tile lies in one scale tile: scale its sum
+            part *= tl.load(s_ptr + (pid_n * BLOCK_N // SCALE_ROWS) * stride_sn
+                            + k0 // SCALE_COLS)
+        acc += part
     if SCALE_COLS > 0:
         y = acc
     else:
@@ -81,11 +86,21 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     # channels per program; longer K steps for long rows.
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n, block_k = 32, (512 if k >= 8192 and m <= 32 else 256)  # smem: 3 stages
+    # Block-wise scales: when a program's block of the weight never straddles two scale
+    # tiles, one scale multiplies each K step's partial sum (a gathered scale per weight
+    # made the kernel 8x slower on the H100).
+    tile_scale = False
+    if scale_block is not None:
+        step = block_k
+        while step > 16 and scale_cols % step:
+            step //= 2
+        tile_scale = scale_rows % block_n == 0 and scale_cols % step == 0
+        block_k = step if tile_scale else block_k
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _w8a16_kernel[grid](
         x, weight, scale, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         scale.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         IEEE=x.dtype == torch.float32, SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols,
-        num_warps=4, num_stages=3,
+        TILE_SCALE=tile_scale, num_warps=4, num_stages=3,
     )
     return y

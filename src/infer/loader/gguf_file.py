@@ -51,9 +51,12 @@ def read_field(reader: GGUFReader, key: str, default: Any = MISSING) -> Any:
     return field.contents()
 
 
-def iter_gguf_weights(reader: GGUFReader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(reader: GGUFReader, cfg: ModelConfig, device: torch.device | str = "cpu"
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, float32 tensor)` in HF's layout, one tensor at a time: the names
-    and the layout fix-ups are the architecture's registry entry's."""
+    and the layout fix-ups are the architecture's registry entry's. On CUDA the types our
+    Triton kernels decode are dequantized there (the gguf package's numpy code takes about
+    a minute for an 8B model's weights)."""
     src, arch = source_of(reader), cfg.architecture
     entry = REGISTRY[arch]
     for tensor in reader.tensors:
@@ -63,7 +66,7 @@ def iter_gguf_weights(reader: GGUFReader, cfg: ModelConfig) -> Iterator[tuple[st
         if mapped is None:
             raise ModelLoadError(f"{src}: unexpected tensor {tensor.name!r} for {arch}")
         name, key = mapped
-        weight = dequantize_tensor(tensor, src)
+        weight = dequantize_tensor(tensor, src, device)
         if entry.gguf_fixup is not None:
             weight = entry.gguf_fixup(key, weight, cfg)
         yield name, weight
@@ -99,9 +102,20 @@ def quantized_blocks(reader: GGUFReader, cfg: ModelConfig) -> dict[str, GGUFBloc
     return out
 
 
-def dequantize_tensor(tensor: ReaderTensor, src: str) -> torch.Tensor:
+def dequantize_tensor(tensor: ReaderTensor, src: str, device: torch.device | str = "cpu"
+                      ) -> torch.Tensor:
     qtype = GGMLQuantizationType(tensor.tensor_type)
     shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # GGUF lists ne[0] first
+    if torch.device(device).type == "cuda" and len(shape) == 2:
+        from infer.kernels.gguf_matmul import SUPPORTED, gguf_dequantize
+
+        if qtype in SUPPORTED:
+            try:
+                raw = torch.from_numpy(np.array(tensor.data)).reshape(shape[0], -1)
+                return gguf_dequantize(raw.to(device), qtype, shape[1])
+            except (RuntimeError, AssertionError) as exc:
+                raise ModelLoadError(f"{src}: tensor {tensor.name!r} ({qtype.name}, shape "
+                                     f"{shape}) is corrupt: {exc}") from None
     try:
         values = dequantize(tensor.data, qtype)
         values = np.asarray(values, dtype=np.float32).reshape(shape)

@@ -68,6 +68,6 @@ def load_gguf(
     reader = gguf_file.open_gguf(path)
     cfg = gguf_config(reader)
     gguf_file.check_tensor_types(reader)
-    weights = gguf_file.iter_gguf_weights(reader, cfg)
+    weights = gguf_file.iter_gguf_weights(reader, cfg, device)
     model = build_model(cfg, weights, gguf_file.source_of(reader), dtype, device)
     return model, cfg

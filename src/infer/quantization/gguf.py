@@ -1,6 +1,10 @@
 """GGUF weights kept quantized: each layer of a model loaded from a GGUF file gets the
 method that runs its stored format on this device.
 
+On CUDA every weight in a type the Triton kernels decode (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
+Q6_K) stays in the file's blocks (`gguf_gpu.py`), the embedding table and LM head too;
+another quantized type is requantized to INT8 per channel.
+
 On the CPU (PyTorch's packed kernels):
 - a linear layer whose shards are all 4-bit (Q4_0, Q4_1, Q4_K) keeps them exactly as
   stored, in groups of 32 (`int4.py`);
@@ -10,7 +14,6 @@ On the CPU (PyTorch's packed kernels):
   their precision within their own rounding (tests measure it);
 - a quantized token embedding (and the LM head that shares it, or a quantized LM head of
   its own) goes to INT8 per row the same way; float tensors stay float.
-On CUDA there is no GPU kernel for GGUF blocks yet: the weights stay dequantized.
 """
 
 from __future__ import annotations
@@ -23,34 +26,37 @@ from torch import nn
 
 from infer.models.linear import LinearBase, VocabParallelEmbedding
 from infer.quantization.gguf_blocks import INT4_TYPES, GGUFBlocks, int4_groups
+from infer.quantization.gguf_gpu import GGUFBlocksLinearMethod, gpu_types
 from infer.quantization.int4 import Int4GroupLinearMethod, int4_packable
 from infer.quantization.int8 import Int8WeightOnlyLinearMethod, quantize_table
+from infer.quantization.tables import convert_table
 
 log = logging.getLogger(__name__)
 
 
-def keep_gguf_quantized(model: nn.Module, blocks: dict[str, GGUFBlocks]) -> bool:
+def keep_gguf_quantized(model: nn.Module, blocks: dict[str, GGUFBlocks],
+                        as_blocks: bool | None = None) -> bool:
     """Convert `model` (loaded from the GGUF file whose quantized weights are `blocks`, by
-    checkpoint name) in place; whether anything was kept quantized."""
-    device = next(model.parameters()).device
-    if device.type != "cpu":
-        log.info("GGUF weights: dequantized on %s (GGUF blocks run on the CPU only, so far)",
-                 device.type)
-        return False
+    checkpoint name) in place; whether anything was kept quantized. `as_blocks`: keep the
+    file's blocks for the Triton kernels (default: on CUDA; the CPU's packed formats else)."""
+    if as_blocks is None:
+        as_blocks = next(model.parameters()).device.type == "cuda"
     by_param = {}
     for ckpt_name, b in blocks.items():
         target = model.param_for(ckpt_name)
         if target is not None:
             by_param[target] = b
+    keep_linear, keep_table = (_keep_blocks, _keep_table_blocks) if as_blocks else \
+        (_keep_linear, _keep_table)
     kept: Counter[str] = Counter()
     for name, module in model.named_modules():
         if isinstance(module, LinearBase):
             shards = [by_param.get((f"{name}.weight", s)) for s in module.shard_ids or (None,)]
-            kept[_keep_linear(module, shards)] += 1
+            kept[keep_linear(module, shards)] += 1
     for name, module in list(model.named_modules()):
-        if isinstance(module, VocabParallelEmbedding) and (f"{name}.weight", None) in by_param:
-            quantize_table(module, model)
-            kept["embedding table in 8 bits per row"] += 1
+        table = by_param.get((f"{name}.weight", None))
+        if isinstance(module, VocabParallelEmbedding) and table is not None:
+            kept[keep_table(module, table, model)] += 1
     kept.pop("float", None)
     if kept:
         log.info("GGUF weights kept quantized: %s",
@@ -58,8 +64,32 @@ def keep_gguf_quantized(model: nn.Module, blocks: dict[str, GGUFBlocks]) -> bool
     return bool(kept)
 
 
+def _keep_blocks(layer: LinearBase, shards: list[GGUFBlocks | None]) -> str:
+    """GPU: the shards' blocks as stored where the kernels decode their types."""
+    if all(b is None for b in shards):
+        return "float"
+    if all(b is not None and b.qtype in gpu_types() for b in shards):
+        GGUFBlocksLinearMethod().load(layer, shards)
+        return "linear layers as stored"
+    Int8WeightOnlyLinearMethod().quantize(layer)
+    return "linear layers requantized to 8 bits per channel"
+
+
+def _keep_table_blocks(table: VocabParallelEmbedding, blocks: GGUFBlocks, model: nn.Module
+                       ) -> str:
+    if blocks.qtype in gpu_types():
+        convert_table(table, model, lambda t: GGUFBlocksLinearMethod().load(t, [blocks]))
+        return "embedding tables / LM heads as stored"
+    return _keep_table(table, blocks, model)
+
+
+def _keep_table(table: VocabParallelEmbedding, blocks: GGUFBlocks, model: nn.Module) -> str:
+    quantize_table(table, model)
+    return "embedding tables / LM heads in 8 bits per row"
+
+
 def _keep_linear(layer: LinearBase, shards: list[GGUFBlocks | None]) -> str:
-    """Give `layer` the method for its shards' stored types; what it became."""
+    """CPU: `layer` given the method for its shards' stored types; what it became."""
     if all(b is None for b in shards):
         return "float"
     cols = layer.input_size

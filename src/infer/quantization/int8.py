@@ -19,6 +19,7 @@ from torch import nn
 from infer.models.linear import LinearMethod
 from infer.models.weights import WeightLoader
 from infer.quantization.stored import channel_scale, stored_weight
+from infer.quantization.tables import convert_table
 
 QMAX = 127
 # On CUDA, more rows than this (prefill chunks) dequantize the weight for cuBLAS; fewer
@@ -85,15 +86,9 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
 
 
 def quantize_table(table: nn.Module, model: nn.Module) -> None:
-    """An embedding table or LM head of `model` to INT8 per row, in place; a module sharing
-    its weight (a tied LM head, its embedding) gets the same rows, scales and method."""
-    ties = [m for m in model.modules()
-            if m is not table and getattr(m, "weight", None) is table.weight]
-    Int8WeightOnlyLinearMethod().quantize(table)
-    for tied in ties:
-        tied.weight, tied.weight_scale = table.weight, table.weight_scale
-        tied.dtype, tied.compute_dtype = table.dtype, table.compute_dtype
-        tied.quant_method = table.quant_method
+    """An embedding table or LM head of `model` to INT8 per row, in place, with the module
+    that shares its weight (a tied LM head, its embedding)."""
+    convert_table(table, model, Int8WeightOnlyLinearMethod().quantize)
 
 
 class Int8W8A8LinearMethod(Int8WeightOnlyLinearMethod):

@@ -1,0 +1,155 @@
+"""The quantized matmul kernels alone, at decode-sized rows, on the Llama-3.1-8B projection
+shapes: bf16 `F.linear` (cuBLAS), the W8A16 kernel on INT8 and FP8 weights (per channel,
+and per 128x128 tile as block-wise FP8 checkpoints store them), and the GGUF kernel on
+Q4_K, Q6_K and Q8_0 blocks.
+
+Each case is captured in a CUDA graph of 20 calls (as decode steps run) and replayed; the
+time per call is the median of the replays. Bytes = the weight as stored (scales included)
+plus the activations read and written; GB/s as a fraction of the copy bandwidth measured
+in the same run. `--sweep` also times the GGUF kernel's launch configurations at one row.
+
+    python benchmarks/quantized_gemv.py [--rows 1 8 32] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+
+# (name, out features, in features) of the 8B shape's matmuls in a decode step
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+          ("down", 4096, 14336), ("lm_head", 128256, 4096)]
+CALLS_PER_GRAPH = 20
+
+
+def graph_time_us(fn: Callable[[], torch.Tensor], replays: int = 20) -> float:
+    """Median microseconds per call of `fn`, replayed in a CUDA graph of CALLS_PER_GRAPH."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(CALLS_PER_GRAPH):
+            fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
+    return sorted(times)[len(times) // 2]
+
+
+def gguf_blocks(rows: int, cols: int, qtype_name: str) -> torch.Tensor:
+    import gguf_checkpoint
+
+    rng = np.random.default_rng(0)
+    return torch.from_numpy(gguf_checkpoint._random_blocks(rows, cols, qtype_name, rng)).cuda()
+
+
+def cases(n: int, k: int) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
+    """name -> (matmul of x, weight bytes as stored)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from infer.kernels.gguf_matmul import gguf_matmul
+    from infer.kernels.w8a16_matmul import w8a16_matmul
+
+    w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    w8 = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
+    wf8 = (torch.randn(n, k, device="cuda") * 50).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, device="cuda") * 1e-3
+    tiles = torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 1e-3
+    out = {
+        "bf16": (lambda x: F.linear(x, w16), w16.nbytes),
+        "int8": (lambda x: w8a16_matmul(x, w8, scale.to(x.dtype)), w8.nbytes + n * 2),
+        "fp8": (lambda x: w8a16_matmul(x, wf8, scale), wf8.nbytes + n * 4),
+        "fp8-block": (lambda x: w8a16_matmul(x, wf8, tiles, (128, 128)),
+                      wf8.nbytes + tiles.nbytes),
+    }
+    for name in ("Q4_K", "Q6_K", "Q8_0"):
+        blocks = gguf_blocks(n, k, name)
+        out[name] = (lambda x, b=blocks, q=Q[name]: gguf_matmul(x, b, q, k), blocks.nbytes)
+    return out
+
+
+def sweep(rows: int, copy_gbs: float) -> list[dict]:
+    """The GGUF kernel's launch configurations at `rows` rows, per shape and type."""
+    from gguf import GGMLQuantizationType as Q
+
+    from infer.kernels import gguf_matmul as kernel
+
+    results = []
+    for (shape, n, k), name in itertools.product(SHAPES[:4], ("Q4_K", "Q6_K", "Q8_0")):
+        blocks = gguf_blocks(n, k, name)
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        best = None
+        for block_n, split, warps, stages in itertools.product(
+                (16, 32, 64), (1, 4), (4, 8), (3,)):
+            try:
+                us = graph_time_us(partial(
+                    kernel._matmul, x, blocks, Q[name], k, block_n=block_n, split=split,
+                    num_warps=warps, num_stages=stages), replays=5)
+            except Exception as exc:  # a configuration that does not compile: skip it
+                print(f"  {shape} {name} {block_n}/{split}/{warps}/{stages}: {exc!r}"[:200])
+                continue
+            row = dict(shape=shape, qtype=name, rows=rows, block_n=block_n, split=split,
+                       warps=warps, stages=stages, us=us,
+                       frac_copy=blocks.nbytes / us / 1e3 / copy_gbs)
+            results.append(row)
+            if best is None or us < best["us"]:
+                best = row
+        print(f"[sweep] {shape} {name}: best {best}", flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_args(parser)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("quantized_gemv.py times CUDA kernels: no GPU here")
+    ceil = common.ceilings()
+    rows_out: list[dict] = []
+    for (shape, n, k), rows in itertools.product(SHAPES, args.rows):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        bf16_us = None
+        for name, (fn, weight_bytes) in cases(n, k).items():
+            us = graph_time_us(partial(fn, x))
+            bf16_us = us if name == "bf16" else bf16_us
+            moved = weight_bytes + x.nbytes + rows * n * 2
+            rows_out.append(dict(shape=shape, n=n, k=k, rows=rows, kernel=name, us=us,
+                                 GBps=moved / us / 1e3,
+                                 frac_copy=moved / us / 1e3 / ceil["copy_GBps"],
+                                 speedup_vs_bf16=bf16_us / us))
+        torch.cuda.empty_cache()
+    payload = {"ceilings": ceil, "rows": rows_out}
+    if args.sweep:
+        payload["sweep"] = sweep(1, ceil["copy_GBps"])
+    common.write_results("quantized_gemv", args, payload)
+    common.print_table("quantized matmuls, Llama-3.1-8B shapes (us per call in a CUDA graph)",
+                       rows_out, [("shape", "shape", ""), ("rows", "rows", ""),
+                                  ("kernel", "kernel", ""), ("us", "us", ".1f"),
+                                  ("GB/s", "GBps", ".0f"), ("%copyBW", "frac_copy", ".0%"),
+                                  ("x bf16", "speedup_vs_bf16", ".2f")])
+
+
+if __name__ == "__main__":
+    main()

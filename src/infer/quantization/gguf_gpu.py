@@ -1,0 +1,93 @@
+"""GGUF weights on the GPU as the file stores them: each layer keeps its rows' ggml blocks
+(Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) in GPU memory, unchanged.
+
+Decode-sized steps multiply by the blocks directly (`kernels/gguf_matmul.py` decodes them
+in registers: the step reads only the quantized bytes); larger steps dequantize the layer
+for cuBLAS, one layer at a time. A fused layer whose shards the file stores in different
+types (Q4_K_M keeps some v projections in Q6_K beside Q4_K q and k) keeps one run of
+blocks per type, multiplied one after the other. An embedding table looks its rows up by
+dequantizing only the rows asked for.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as QType
+from torch import nn
+
+from infer.models.linear import LinearMethod
+from infer.quantization.gguf_blocks import GGUFBlocks
+
+# Steps of more rows than this dequantize the weight for cuBLAS (the fused kernel is
+# slower than that from two rows up, on the H100).
+DEQUANTIZE_ROWS = 1
+
+
+def gpu_types() -> tuple[QType, ...]:
+    """The GGUF types the GPU kernels decode."""
+    from infer.kernels.gguf_matmul import SUPPORTED
+
+    return SUPPORTED
+
+
+class GGUFBlocksLinearMethod(LinearMethod):
+    format = "gguf"
+
+    def load(self, layer: nn.Module, shards: list[GGUFBlocks]) -> None:
+        """`layer`'s weight (a linear layer, an embedding table, an LM head) replaced by the
+        blocks of its shards, in order, rows in checkpoint order."""
+        device = layer.weight.device
+        runs: list[tuple[QType, list[torch.Tensor]]] = []
+        for b in shards:
+            raw = torch.from_numpy(np.array(b.data))  # a copy: the file's map is read-only
+            if b.row_order is not None:
+                raw = raw[b.row_order]
+            if runs and runs[-1][0] == b.qtype:
+                runs[-1][1].append(raw)
+            else:
+                runs.append((b.qtype, [raw]))
+        layer.cols = shards[0].cols
+        layer.dtype = layer.weight.dtype
+        del layer.weight
+        layer.gguf_runs = []
+        for i, (qtype, parts) in enumerate(runs):
+            name = "weight" if i == 0 else f"weight_{i}"
+            data = torch.cat(parts).to(device)
+            layer.register_parameter(name, nn.Parameter(data, requires_grad=False))
+            layer.gguf_runs.append((name, qtype))
+        layer.quant_method = self
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return self._dequantized(layer, torch.float32)
+
+    def _dequantized(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        from infer.kernels.gguf_matmul import gguf_dequantize
+
+        parts = [gguf_dequantize(getattr(layer, name), qtype, layer.cols, dtype)
+                 for name, qtype in layer.gguf_runs]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+              ) -> torch.Tensor:
+        from infer.kernels.gguf_matmul import gguf_matmul
+
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()
+        if len(x2) > DEQUANTIZE_ROWS:
+            y = F.linear(x2, self._dequantized(layer, x.dtype))
+        else:
+            parts = [gguf_matmul(x2, getattr(layer, name), qtype, layer.cols)
+                     for name, qtype in layer.gguf_runs]
+            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        y = y.reshape(*shape[:-1], y.shape[-1])
+        return y if bias is None else y + bias
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        from infer.kernels.gguf_matmul import gguf_dequantize
+
+        (name, qtype), = layer.gguf_runs
+        rows = getattr(layer, name)[ids.reshape(-1)]
+        return gguf_dequantize(rows, qtype, layer.cols, layer.dtype).reshape(
+            *ids.shape, layer.cols)
