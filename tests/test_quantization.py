@@ -127,3 +127,24 @@ def test_the_server_reports_the_weights_format():
     with live_server(engine) as server:
         [card] = httpx.get(server.url + "/v1/models", timeout=30).json()["data"]
     assert card["quantization"] == "int8"
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_quantizing_as_the_weights_load_equals_quantizing_after(quantization):
+    """The engine builds int8 / fp8 layers before loading, so each tensor is quantized as it
+    arrives and the float weights are never all held: the same weights and scales, bit for
+    bit, as quantizing the loaded float model."""
+    from infer.loader import load_gguf
+    from infer.quantization import method_made_at_load
+
+    path = smollm2_gguf()
+    after, _ = load_gguf(path)
+    assert quantize_model(after, quantization) == quantization
+    during, _ = load_gguf(path, linear_method=method_made_at_load(quantization))
+    linears = [m for m in during.modules() if isinstance(m, LinearBase)]
+    assert all(m.weight.dtype in (torch.int8, torch.float8_e4m3fn) for m in linears)
+    assert quantize_model(during, quantization) == quantization
+    want, got = dict(after.named_parameters()), dict(during.named_parameters())
+    assert want.keys() == got.keys()
+    for name, param in want.items():
+        assert got[name].dtype == param.dtype and torch.equal(got[name], param), name

@@ -549,7 +549,8 @@ def load_core(config: EngineConfig) -> tuple[EngineCore, Tokenizer, str]:
     if device.type == "cpu":
         log.info("CPU: %d threads for the model's kernels%s", set_cpu_threads(config.threads),
                  "" if config.threads else " (one per usable core less one; --threads)")
-    model, mc, tokenizer, model_name = load_model_and_tokenizer(config.model, dtype, device)
+    model, mc, tokenizer, model_name = load_model_and_tokenizer(config.model, dtype, device,
+                                                                config.quantization)
     quantization = quantize_model(model, config.quantization,
                                   gguf_blocks_of(config.model, mc, config.quantization))
     if quantization != "none":

@@ -27,16 +27,19 @@ def pick_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.
 
 
 def load_model_and_tokenizer(
-    model: str | None, dtype: torch.dtype, device: torch.device
+    model: str | None, dtype: torch.dtype, device: torch.device, quantization: str = "none"
 ) -> tuple[nn.Module, ModelConfig, Tokenizer, str]:
+    """`quantization`: a format made at load (int8, fp8) quantizes each tensor as it loads."""
     from infer.loader import load_gguf, load_hf_dir
+    from infer.quantization import method_made_at_load
 
     source = resolve_model(model)
+    method = method_made_at_load(quantization)
     if source.format == "gguf":
-        net, cfg = load_gguf(source.path, dtype=dtype, device=device)
+        net, cfg = load_gguf(source.path, dtype, device, method)
         tokenizer = Tokenizer.from_gguf(source.path)
     else:
-        net, cfg = load_hf_dir(source.path, dtype=dtype, device=device)
+        net, cfg = load_hf_dir(source.path, dtype, device, method)
         tokenizer = Tokenizer.from_hf_dir(source.path)
     return net, cfg, tokenizer, source.name
 

@@ -44,8 +44,11 @@ def build_model(
 
 
 def load_hf_dir(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    linear_method: Callable[[], LinearMethod] = UnquantizedLinearMethod,
 ) -> tuple[nn.Module, ModelConfig]:
+    """`linear_method`: how to build the linear layers of a checkpoint stored in float (one
+    stored quantized brings its own)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: not a directory")
@@ -54,7 +57,7 @@ def load_hf_dir(
     scheme = read_scheme(hf_dir.quantization_config(model_dir), str(model_dir / "config.json"))
     if scheme is None:
         return build_model(cfg, hf_dir.iter_safetensors(files), str(model_dir), dtype,
-                           device), cfg
+                           device, linear_method), cfg
     scheme.check_tensors(hf_dir.tensor_headers(files), str(model_dir))
     model = build_model(cfg, hf_dir.iter_safetensors(files), str(model_dir), dtype, device,
                         scheme.make_method)
@@ -62,12 +65,15 @@ def load_hf_dir(
 
 
 def load_gguf(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    linear_method: Callable[[], LinearMethod] = UnquantizedLinearMethod,
 ) -> tuple[nn.Module, ModelConfig]:
-    """A llama.cpp GGUF file, every tensor dequantised to `dtype` (no quantised runtime)."""
+    """A llama.cpp GGUF file, every tensor dequantised and loaded into linear layers built
+    with `linear_method` (`infer.quantization` keeps the file's blocks afterwards)."""
     reader = gguf_file.open_gguf(path)
     cfg = gguf_config(reader)
     gguf_file.check_tensor_types(reader)
     weights = gguf_file.iter_gguf_weights(reader, cfg, device)
-    model = build_model(cfg, weights, gguf_file.source_of(reader), dtype, device)
+    model = build_model(cfg, weights, gguf_file.source_of(reader), dtype, device,
+                        linear_method)
     return model, cfg

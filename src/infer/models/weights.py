@@ -3,7 +3,8 @@
 A parameter may carry `weight_loader(param, tensor, shard_id)` (the linear layers and
 embeddings of `linear.py` set theirs: fused shards, a tensor-parallel rank's slice); any
 other parameter (norms) is copied whole by `default_weight_loader`. A parameter that is
-written shard by shard lists its shard ids in `param.shard_ids`.
+written shard by shard lists its shard ids in `param.shard_ids`; one that another
+parameter's loader writes names it in `param.written_with`.
 """
 
 from __future__ import annotations
@@ -79,11 +80,19 @@ def load_weights(
         written.setdefault(name, set()).add(shard)
     missing = [
         name for name, param in params.items()
-        if not _complete(written.get(name, set()), getattr(param, "shard_ids", ()))
+        if not _complete(written.get(_written_as(name, param), set()),
+                         getattr(param, "shard_ids", ()))
     ]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise WeightError(f"{source}: missing weights for {len(missing)} parameters: {shown}")
+
+
+def _written_as(name: str, param: nn.Parameter) -> str:
+    """The parameter whose loader writes `param`: a sibling named by `param.written_with`
+    (a weight quantized as it loads writes its scale), else itself."""
+    sibling = getattr(param, "written_with", None)
+    return name if sibling is None else f"{name.rpartition('.')[0]}.{sibling}"
 
 
 def _complete(written: set[ShardId], shard_ids: tuple) -> bool:

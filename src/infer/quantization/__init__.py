@@ -21,13 +21,20 @@ and an untied embedding table (whose rows are gathered, not read whole) stay as 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
 
 from infer.engine.config import QUANTIZATIONS
 from infer.models.layers import activation_dtype
-from infer.models.linear import LinearBase, ParallelLMHead, UnquantizedLinearMethod
+from infer.models.linear import (
+    LinearBase,
+    LinearMethod,
+    ParallelLMHead,
+    UnquantizedLinearMethod,
+)
 from infer.quantization.fp8 import Fp8LinearMethod
 from infer.quantization.gguf import keep_gguf_quantized
 from infer.quantization.gguf_blocks import GGUFBlocks
@@ -52,15 +59,18 @@ def quantize_model(model: nn.Module, quantization: str,
                          "model was not loaded from a GGUF file")
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     stored = sorted({m.quant_method.format for m in linears} - {"none"})
-    if stored:
-        return _stored_quantized(model, linears, quantization, ", ".join(stored))
-    if quantization in ("int8", "fp8"):
+    if quantization in ("int8", "fp8") and set(stored) <= {quantization}:
+        # the linear layers made at load (`method_made_at_load`) or now; the LM head now
         method = Int8WeightOnlyLinearMethod if quantization == "int8" else Fp8LinearMethod
         for layer in linears:
-            method().quantize(layer)
+            if layer.quant_method.format == "none":
+                method().quantize(layer)
         for head in [m for m in model.modules() if isinstance(m, ParallelLMHead)]:
-            quantize_table(head, model)
+            if head.quant_method is None:
+                quantize_table(head, model)
         return quantization
+    if stored:
+        return _stored_quantized(model, linears, quantization, ", ".join(stored))
     if gguf_blocks and quantization in ("auto", "gguf"):
         if quantization == "auto" and next(model.parameters()).is_cuda:
             log.info("GGUF weights: dequantized on CUDA (faster than reading the file's "
@@ -70,6 +80,18 @@ def quantize_model(model: nn.Module, quantization: str,
         if keep_gguf_quantized(model, gguf_blocks):
             return "gguf"
     return "none"
+
+
+def method_made_at_load(quantization: str) -> Callable[[], LinearMethod]:
+    """How to build the linear layers of a float checkpoint loaded for `quantization`:
+    int8 and fp8 quantize each tensor as it loads (the model never holds its float
+    weights: an 8B model in FP8 loads within 9 GB, not 16); the other formats load as
+    stored and convert afterwards, if at all."""
+    if quantization == "int8":
+        return partial(Int8WeightOnlyLinearMethod, from_float=True)
+    if quantization == "fp8":
+        return partial(Fp8LinearMethod, from_float=True)
+    return UnquantizedLinearMethod
 
 
 def _stored_quantized(model: nn.Module, linears: list[LinearBase], quantization: str,
@@ -100,4 +122,4 @@ def _dequantize(layer: LinearBase, dtype: torch.dtype) -> None:
 
 
 __all__ = ["QUANTIZATIONS", "Fp8LinearMethod", "Int4GroupLinearMethod",
-           "Int8WeightOnlyLinearMethod", "quantize_model"]
+           "Int8WeightOnlyLinearMethod", "method_made_at_load", "quantize_model"]

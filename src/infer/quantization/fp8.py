@@ -20,7 +20,7 @@ from torch import nn
 
 from infer.models.linear import LinearMethod
 from infer.models.weights import WeightLoader
-from infer.quantization.stored import channel_scale, stored_weight
+from infer.quantization.stored import channel_scale, quantized_as_loaded, stored_weight
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -39,10 +39,20 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Fp8LinearMethod(LinearMethod):
+    """`from_float`: the layer is built to quantize a float checkpoint's tensors as they
+    load (`quantization="fp8"`); else to load a checkpoint stored in FP8."""
+
     format = "fp8"
+
+    def __init__(self, from_float: bool = False) -> None:
+        self.from_float = from_float
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        weight_loader: WeightLoader) -> None:
+        if self.from_float:
+            quantized_as_loaded(layer, FP8, quantize_fp8, input_size, output_sizes,
+                                torch.float32, weight_loader)
+            return
         stored_weight(layer, FP8, input_size, output_sizes, weight_loader)
         channel_scale(layer, "weight_scale", output_sizes, torch.float32, weight_loader)
 

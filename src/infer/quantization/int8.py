@@ -18,7 +18,7 @@ from torch import nn
 
 from infer.models.linear import LinearMethod
 from infer.models.weights import WeightLoader
-from infer.quantization.stored import channel_scale, stored_weight
+from infer.quantization.stored import channel_scale, quantized_as_loaded, stored_weight
 from infer.quantization.tables import convert_table
 
 QMAX = 127
@@ -39,13 +39,23 @@ def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8WeightOnlyLinearMethod(LinearMethod):
+    """`from_float`: the layer is built to quantize a float checkpoint's tensors as they
+    load (`quantization="int8"`); else to load a checkpoint stored in INT8
+    (compressed-tensors, per-channel scales)."""
+
     format = "int8"
+
+    def __init__(self, from_float: bool = False) -> None:
+        self.from_float = from_float
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        weight_loader: WeightLoader) -> None:
-        """As a checkpoint stores them (compressed-tensors INT8 with per-channel scales)."""
         layer.dtype = torch.get_default_dtype()
         layer.compute_dtype = _compute_dtype(layer.dtype)
+        if self.from_float:
+            quantized_as_loaded(layer, torch.int8, quantize_per_row, input_size, output_sizes,
+                                layer.compute_dtype, weight_loader)
+            return
         stored_weight(layer, torch.int8, input_size, output_sizes, weight_loader)
         channel_scale(layer, "weight_scale", output_sizes, layer.compute_dtype, weight_loader)
 

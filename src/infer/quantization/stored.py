@@ -1,7 +1,11 @@
-"""Parameters of weights a checkpoint stores quantized: the 8-bit weight itself (loaded
-only from a tensor of its own dtype) and its scales, loaded from each layout's shapes."""
+"""Parameters of quantized weights: as a checkpoint stores them (the 8-bit weight, loaded
+only from a tensor of its own dtype, and its scales, loaded from each layout's shapes), or
+quantized from a float checkpoint's tensors one at a time as they load (so the model
+never holds its full-precision weights)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -47,6 +51,32 @@ def channel_scale(layer: nn.Module, name: str, output_sizes: list[int], dtype: t
 
     scale = nn.Parameter(torch.empty(sum(output_sizes), dtype=dtype), requires_grad=False)
     layer.register_parameter(name, with_loader(scale, load, 0, None))
+
+
+def quantized_as_loaded(layer: nn.Module, dtype: torch.dtype,
+                        quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                        input_size: int, output_sizes: list[int], scale_dtype: torch.dtype,
+                        weight_loader: WeightLoader) -> None:
+    """Register `weight [out, in]` in `dtype` and `weight_scale [out]`, filled from a float
+    checkpoint tensor by `quantize` (rows -> (quantized rows, a scale per row)): each
+    tensor (a fused layer's shard) is quantized on the layer's device as it arrives. The
+    scale is written by the weight's loader (`written_with`)."""
+    weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype),
+                          requires_grad=False)
+    scale = nn.Parameter(torch.empty(sum(output_sizes), dtype=scale_dtype),
+                         requires_grad=False)
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        if not loaded.is_floating_point() or loaded.dtype == dtype:
+            raise WeightError(f"stored as {_name(loaded.dtype)}; quantizing at load takes a "
+                              "float tensor")
+        q, row_scale = quantize(loaded.to(param.device))
+        weight_loader(param, q, shard_id)
+        weight_loader(layer.weight_scale, row_scale, shard_id)
+
+    layer.register_parameter("weight", with_loader(weight, load, 0, 1))
+    layer.register_parameter("weight_scale", with_loader(scale, weight_loader, 0, None))
+    layer.weight_scale.written_with = "weight"
 
 
 def _name(dtype: torch.dtype) -> str:
