@@ -100,7 +100,7 @@ def test_fp8_smollm2_perplexity_and_text():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="FP8 stores need a GPU (Triton's interpreter has none)")
-@pytest.mark.parametrize(("m", "k"), [(1, 4096), (70, 300), (3, 14336)])
+@pytest.mark.parametrize(("m", "k"), [(1, 4096), (70, 300), (3, 14336), (2, 20000)])
 def test_row_quantization_kernel_equals_the_eager_one(m, k):
     from infer.kernels.fp8_quant import fp8_quantize_rows
 

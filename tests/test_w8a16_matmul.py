@@ -79,3 +79,31 @@ def test_w8a16_with_a_scale_per_tile(dtype, m, n, k, block):
     ref = x.double() @ (w.double() * tiles).T
     error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
     assert y.dtype == dtype and error < TOLERANCE[dtype], error
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize(("m", "gemv", "split", "block"), [
+    (1, True, 1, None), (1, True, 3, None), (1, False, 2, None), (6, False, 4, None),
+    (1, True, 2, (32, 64)), (1, True, 1, (24, 48)), (5, False, 3, (32, 64))])
+def test_every_launch_of_the_kernel(m, gemv, split, block):
+    """The dot-free one-row path, K split over programs (float32 partials summed), with
+    per-channel and per-tile scales (scaled per K step, or gathered per weight)."""
+    from infer.kernels.w8a16_matmul import _matmul
+
+    n, k = 72, 520
+    gen = torch.Generator().manual_seed(m + split)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    if block is None:
+        scale = torch.rand(n, generator=gen) * 0.02
+        weights = w.double() * scale.double()[:, None]
+    else:
+        rows, cols = block
+        scale = torch.rand(-(-n // rows), -(-k // cols), generator=gen) * 0.02
+        weights = w.double() * scale.double().repeat_interleave(rows, 0)[:n].repeat_interleave(
+            cols, 1)[:, :k]
+    y = _matmul(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), block, block_n=16, block_k=64,
+                split=split, one_row_gemv=gemv, num_warps=4, num_stages=2).cpu()
+    ref = x.double() @ weights.T
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert (y.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item()

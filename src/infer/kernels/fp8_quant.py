@@ -1,8 +1,9 @@
 """Per-row dynamic FP8 quantization: `x [M, K]` -> (`q [M, K]` float8_e4m3fn, `scale [M]`
 float32) with `q = x * (1 / scale)`, `scale = max |x[row]| * (1 / 448)` (1 for a row of
 zeros), the values `quantization/fp8.py`'s `quantize_fp8` computes, in one kernel: each
-program reads its row twice (its largest magnitude, then the scaled values) and writes it
-once, where the eager version passes over a float32 copy six times. GPU only: Triton's
+program reads its row once (kept in registers for its largest magnitude, then the scaled
+values; rows wider than 16384 are read twice) and writes it once, where the eager version
+passes over a float32 copy six times. GPU only: Triton's
 interpreter has no FP8.
 """
 
@@ -14,21 +15,29 @@ import triton.language as tl
 
 
 @triton.jit
-def _fp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
+def _fp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr,
+                     ONE_PASS: tl.constexpr):
     # float32 arithmetic throughout
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    if ONE_PASS:  # the row is one block: kept in registers between the two passes
+        x_row = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0)
+        amax = tl.abs(x_row.to(tl.float32))
+    else:
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
     # The same float32 operations as torch: a product with 1/448, an IEEE reciprocal
     # (Triton's `/` is approximate), rounding to nearest even straight from float32.
     scale = tl.max(amax, axis=0) * (1.0 / 448.0)
     scale = tl.where(scale > 0, scale, 1.0)
     inv = tl.math.div_rn(1.0, scale)
     for k0 in range(0, K, BLOCK):
-        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
+        if ONE_PASS:
+            x = x_row
+        else:
+            x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
         q = tl.clamp(x.to(tl.float32) * inv, -448.0, 448.0)
         q = q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
         tl.store(q_ptr + row * stride_q + k0 + cols, q, mask=k0 + cols < K)
@@ -42,6 +51,8 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m:
-        _fp8_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0),
-                               BLOCK=min(4096, triton.next_power_of_2(k)), num_warps=8)
+        # Rows up to 16384 wide (every model here) are read from memory once.
+        block = min(16384, triton.next_power_of_2(k))
+        _fp8_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK=block,
+                               ONE_PASS=k <= block, num_warps=8 if block <= 4096 else 16)
     return q, scale

@@ -4,9 +4,11 @@ channel (or one scale per tile of the weight, as block-wise FP8 checkpoints stor
 `x [M, K]` 16-bit (or float32), float32 accumulation.
 
 Meant for decode-sized M (a step's rows): each program owns BLOCK_N output channels of
-BLOCK_M rows and walks K, so the int8 weight, the bytes that bound the step, is read
-once per row block. The scale is applied once, to the accumulated sum. Larger M (prefill
-chunks) is compute-bound: `quantization/int8.py` dequantizes for cuBLAS there,
+BLOCK_M rows and walks its share of K (all of it, or one of SPLIT slices whose float32
+partial sums are added after), so the 8-bit weight, the bytes that bound the step, is read
+once per row block. One row is multiplied in registers and reduced once at the end; more
+rows go through `tl.dot`. The scale is applied once, to the accumulated sum. Larger M
+(prefill chunks) is compute-bound: `quantization/int8.py` dequantizes for cuBLAS there,
 `quantization/fp8.py` quantizes the activations too for an FP8 GEMM.
 """
 
@@ -18,45 +20,70 @@ import triton.language as tl
 
 
 @triton.jit
+def _to_float(w):
+    """8-bit weights as float32. int8 without the quarter-rate integer convert: `w + 128`
+    in the low byte of the float 2^23 (bit pattern 0x4B000000) is 2^23 + 128 + w exactly
+    (faster for one row on the H100; slower feeding `tl.dot`, which converts to 16 bits)."""
+    if w.dtype == tl.int8:
+        bits = (w.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x80) | 0x4B000000
+        return bits.to(tl.float32, bitcast=True) - 8388736.0
+    return w.to(tl.float32)
+
+
+@triton.jit
 def _w8a16_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr,
-    M, N, K, stride_xm, stride_wn, stride_ym, stride_sn,
+    M, N, K, stride_xm, stride_wn, stride_ys, stride_ym, stride_sn, steps_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
     TILE_SCALE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if BLOCK_M == 1:  # products summed in registers, reduced once
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_begin = pid_s * steps_per_split * BLOCK_K
+    k_end = tl.minimum(k_begin + steps_per_split * BLOCK_K, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
         kk = k0 + rk
-        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + kk[None, :],
-                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        w_mask = (rn[None, :] < N) & (kk[:, None] < K)
-        w = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + kk[:, None],
+        w_mask = (rn[:, None] < N) & (kk[None, :] < K)
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + kk[None, :],
                     mask=w_mask, other=0.0)
         if SCALE_COLS > 0 and not TILE_SCALE:  # a scale per weight, gathered
-            s = tl.load(s_ptr + (rn[None, :] // SCALE_ROWS) * stride_sn + kk[:, None] // SCALE_COLS,
+            s = tl.load(s_ptr + (rn[:, None] // SCALE_ROWS) * stride_sn + kk[None, :] // SCALE_COLS,
                         mask=w_mask, other=0.0)
-            w = w.to(tl.float32) * s
-        if IEEE:  # float32 inputs: no TF32 rounding
-            part = tl.dot(x, w.to(x.dtype), input_precision="ieee")
-        else:
-            part = tl.dot(x, w.to(x.dtype))
+            w = _to_float(w) * s
         if TILE_SCALE:  # this program's tile lies in one scale tile: scale its sum
-            part *= tl.load(s_ptr + (pid_n * BLOCK_N // SCALE_ROWS) * stride_sn
-                            + k0 // SCALE_COLS)
-        acc += part
-    if SCALE_COLS > 0:
-        y = acc
-    else:
-        scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-        y = acc * scale[None, :]
-    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
-             y.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+            tile_scale = tl.load(s_ptr + (pid_n * BLOCK_N // SCALE_ROWS) * stride_sn
+                                 + k0 // SCALE_COLS)
+        if BLOCK_M == 1:
+            x = tl.load(x_ptr + pid_m.to(tl.int64) * stride_xm + kk, mask=kk < K, other=0.0)
+            part = _to_float(w) * x.to(tl.float32)[None, :]
+            if TILE_SCALE:
+                part *= tile_scale
+            acc2 += part
+        else:
+            x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                        mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            if IEEE:  # float32 inputs: no TF32 rounding
+                part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee")
+            else:
+                part = tl.dot(x, tl.trans(w.to(x.dtype)))
+            if TILE_SCALE:
+                part *= tile_scale
+            acc += part
+    if BLOCK_M == 1:
+        acc = tl.sum(acc2, axis=1)[None, :]
+    if SCALE_COLS == 0:
+        acc *= tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + pid_s * stride_ys + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -65,6 +92,25 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     or float8_e4m3fn, contiguous, `scale [N]`, or with `scale_block = (rows, cols)` one
     float32 scale per tile of the weight, `scale [ceil(N / rows), ceil(K / cols)]`
     (block-wise FP8 checkpoints): `[M, N]` in x's dtype."""
+    # Tuned on the H100 over the Llama-3.1-8B projections, their weights cycled past the
+    # L2 cache (benchmarks/w8a16_sweep.py): one row runs the dot-free kernel on 8 channels
+    # a program (enough programs to keep every SM's loads in flight); more rows use
+    # `tl.dot` on 16 channels a program, 64 when the layer has channels for 256 programs.
+    if x.shape[0] == 1:
+        launch = dict(block_n=8, block_k=1024, one_row_gemv=True, num_stages=2)
+    elif weight.shape[0] >= 256 * 64:
+        launch = dict(block_n=64, block_k=128, one_row_gemv=False, num_stages=3)
+    else:
+        launch = dict(block_n=16, block_k=256, one_row_gemv=False, num_stages=3)
+    return _matmul(x, weight, scale, scale_block, split=1, num_warps=4, **launch)
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+            scale_block: tuple[int, int] | None, *, block_n: int, block_k: int, split: int,
+            one_row_gemv: bool, num_warps: int, num_stages: int) -> torch.Tensor:
+    """w8a16_matmul with its launch spelled out (for tuning): `split` > 1 splits K over
+    that many programs, summing float32 partials; `one_row_gemv` multiplies one row
+    without `tl.dot`."""
     assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), x.dtype
     assert weight.dtype in (torch.int8, torch.float8_e4m3fn), weight.dtype
@@ -79,13 +125,6 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         assert scale.shape == (-(-n // scale_rows), -(-k // scale_cols)), scale.shape
         assert scale.dtype == torch.float32 and scale.stride(1) == 1
     assert scale.device == x.device == weight.device
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return y
-    # Tuned on the H100 over the Llama-3.2-1B / 3.1-8B projections (decode rows): 32
-    # channels per program; longer K steps for long rows.
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n, block_k = 32, (512 if k >= 8192 and m <= 32 else 256)  # smem: 3 stages
     # Block-wise scales: when a program's block of the weight never straddles two scale
     # tiles, one scale multiplies each K step's partial sum (a gathered scale per weight
     # made the kernel 8x slower on the H100).
@@ -96,11 +135,18 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             step //= 2
         tile_scale = scale_rows % block_n == 0 and scale_cols % step == 0
         block_k = step if tile_scale else block_k
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    _w8a16_kernel[grid](
-        x, weight, scale, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        scale.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        IEEE=x.dtype == torch.float32, SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols,
-        TILE_SCALE=tile_scale, num_warps=4, num_stages=3,
-    )
-    return y
+    steps = triton.cdiv(k, block_k)
+    per_split = triton.cdiv(steps, max(1, min(split, steps)))
+    split = max(1, triton.cdiv(steps, per_split))
+    shape = (m, n) if split == 1 else (split, m, n)
+    y = torch.empty(shape, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
+    if m > 0 and n > 0:
+        block_m = 1 if m == 1 and one_row_gemv else 16 if m <= 16 else 32 if m <= 32 else 64
+        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
+        _w8a16_kernel[grid](
+            x, weight, scale, y, m, n, k, x.stride(0), weight.stride(0), m * n, n,
+            scale.stride(0), per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            IEEE=x.dtype == torch.float32, SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols,
+            TILE_SCALE=tile_scale, num_warps=num_warps, num_stages=num_stages,
+        )
+    return y if split == 1 else y.sum(0).to(x.dtype)

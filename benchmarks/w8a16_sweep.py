@@ -1,0 +1,127 @@
+"""The W8A16 kernel's launch configurations on the Llama-3.1-8B projection shapes, at one
+row and at 32, INT8 and FP8 weights: the fastest per shape, against bf16 cuBLAS and
+against the copy bandwidth, to choose `w8a16_matmul`'s defaults.
+
+Each case is captured in a CUDA graph (quantized_gemv.py's timer) whose calls cycle
+through enough copies of the weight to exceed the L2 cache three times over, as the
+layers of a decode step do (one weight called 20 times would be read from L2).
+
+    python benchmarks/w8a16_sweep.py [--rows 1 32] [--quick | --defaults-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+from quantized_gemv import SHAPES, graph_time_us
+
+L2_BYTES = 50 * 2**20
+
+
+def cycling(fns: list[Callable[[], torch.Tensor]]) -> Callable[[], torch.Tensor]:
+    """A callable that runs the next of `fns` each call (captured 20 times in a graph)."""
+    state = {"i": 0}
+
+    def call() -> torch.Tensor:
+        state["i"] = (state["i"] + 1) % len(fns)
+        return fns[state["i"]]()
+    return call
+
+
+def time_cycled(launch: Callable, x: torch.Tensor, weights: list[torch.Tensor],
+                *extra: object, replays: int = 5) -> float:
+    """Microseconds per `launch(x, weight, *extra)`, the weights taken in turn."""
+    return graph_time_us(cycling([partial(launch, x, w, *extra) for w in weights]),
+                         replays=replays)
+
+
+def configs(rows: int, quick: bool) -> list[dict]:
+    out = []
+    if rows == 1:
+        for bn, bk, warps, stages in itertools.product(
+                (4, 8, 16), (256, 512, 1024), (4, 8), (2, 3)):
+            out.append(dict(block_n=bn, block_k=bk, split=1, one_row_gemv=True,
+                            num_warps=warps, num_stages=stages))
+    for bn, bk, warps, stages, split in itertools.product(
+            (16, 32, 64), (128, 256, 512), (4,) if rows == 1 else (4, 8), (3, 4), (1, 2)):
+        out.append(dict(block_n=bn, block_k=bk, split=split, one_row_gemv=False,
+                        num_warps=warps, num_stages=stages))
+    return out[::4] if quick else out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_args(parser)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--quick", action="store_true", help="every fourth configuration")
+    parser.add_argument("--dtypes", nargs="+", default=["int8", "float8_e4m3fn"])
+    parser.add_argument("--defaults-only", action="store_true",
+                        help="time w8a16_matmul's own launch only")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("w8a16_sweep.py times CUDA kernels: no GPU here")
+    from infer.kernels.w8a16_matmul import _matmul, w8a16_matmul
+
+    ceil = common.ceilings()
+    copy_gbs = ceil["copy_GBps"]
+    results, best_rows = [], []
+    for (shape, n, k), rows in itertools.product(SHAPES, args.rows):
+        copies = max(1, -(-3 * L2_BYTES // (n * k)))
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+               for _ in range(max(1, copies // 2))]
+        bf16_us = time_cycled(F.linear, x, w16, replays=20)
+        del w16
+        for dtype in [getattr(torch, name) for name in args.dtypes]:
+            weights = [torch.randint(-100, 100, (n, k), device="cuda", dtype=torch.int8)
+                       .to(dtype) for _ in range(copies)]
+            scale = torch.rand(n, device="cuda") * 1e-3
+            moved = n * k + 4 * n + x.nbytes + rows * n * 2
+            default_us = time_cycled(w8a16_matmul, x, weights, scale, replays=20)
+            best = None
+            swept = shape != "lm_head" and not args.defaults_only
+            for cfg in (configs(rows, args.quick) if swept else []):
+                try:
+                    us = time_cycled(partial(_matmul, **cfg), x, weights, scale, None)
+                except Exception as exc:  # a configuration that does not compile: skip it
+                    print(f"  {shape} {cfg}: {exc!r}"[:200])
+                    continue
+                row = dict(shape=shape, rows=rows, dtype=str(dtype)[6:], **cfg, us=us,
+                           frac_copy=moved / us / 1e3 / copy_gbs)
+                results.append(row)
+                if best is None or us < best["us"]:
+                    best = row
+            summary = dict(shape=shape, rows=rows, dtype=str(dtype)[6:], bf16_us=bf16_us,
+                           default_us=default_us,
+                           default_frac=moved / default_us / 1e3 / copy_gbs,
+                           best_us=best["us"] if best else default_us,
+                           best_frac=best["frac_copy"] if best else None,
+                           best=({k: v for k, v in best.items()
+                                  if k in configs(1, False)[-1]} if best else None))
+            best_rows.append(summary)
+            print(f"[w8a16] {summary}", flush=True)
+            del weights
+            torch.cuda.empty_cache()
+    common.write_results("w8a16_sweep", args, {"ceilings": ceil, "best": best_rows,
+                                               "sweep": results})
+    common.print_table("W8A16 launches, Llama-3.1-8B shapes (us per call, CUDA graph, "
+                       "weights cycled past L2)", best_rows,
+                       [("shape", "shape", ""), ("rows", "rows", ""), ("dtype", "dtype", ""),
+                        ("bf16 us", "bf16_us", ".1f"), ("default us", "default_us", ".1f"),
+                        ("%copy", "default_frac", ".0%"), ("best us", "best_us", ".1f"),
+                        ("%copy", "best_frac", ".0%"), ("best launch", "best", "")])
+
+
+if __name__ == "__main__":
+    main()
