@@ -6,9 +6,9 @@ Q4_K, Q6_K and Q8_0 blocks.
 Each case is captured in a CUDA graph of 20 calls (as decode steps run) and replayed; the
 time per call is the median of the replays. Bytes = the weight as stored (scales included)
 plus the activations read and written; GB/s as a fraction of the copy bandwidth measured
-in the same run. `--sweep` also times the GGUF kernel's launch configurations at one row.
+in the same run. `--sweep` also times the one-row GGUF kernel's launch configurations.
 
-    python benchmarks/quantized_gemv.py [--rows 1 8 32] [--sweep]
+    python benchmarks/quantized_gemv.py [--rows 1 8 32] [--sweep | --sweep-only]
 """
 
 from __future__ import annotations
@@ -87,33 +87,58 @@ def cases(n: int, k: int) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tens
     return out
 
 
-def sweep(rows: int, copy_gbs: float) -> list[dict]:
-    """The GGUF kernel's launch configurations at `rows` rows, per shape and type."""
+def sweep(copy_gbs: float) -> list[dict]:
+    """Launch configurations at one row, per shape and type: for Q4_K and Q6_K the one-row
+    kernel (gguf_gemv.py) beside the generic kernel at its own launch (the path one row
+    took before) and gguf_matmul's choice; for Q8_0 (the generic kernel's) the generic
+    kernel's. Also the `x` layout kernel of gguf_gemv alone."""
     from gguf import GGMLQuantizationType as Q
 
     from infer.kernels import gguf_matmul as kernel
+    from infer.kernels.gguf_gemv import gemv_launch, gemv_x
 
     results = []
-    for (shape, n, k), name in itertools.product(SHAPES[:4], ("Q4_K", "Q6_K", "Q8_0")):
+    for (shape, n, k), name in itertools.product(SHAPES, ("Q4_K", "Q6_K", "Q8_0")):
         blocks = gguf_blocks(n, k, name)
-        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        configs = [dict(block_n=8, units=2, split=1, gemv=False)]
+        if name == "Q8_0":
+            configs += [dict(block_n=b, units=u, num_warps=w, split=1, gemv=False)
+                        for b, u, w in ((16, 2, 4), (32, 2, 4), (16, 4, 4), (32, 1, 4),
+                                        (16, 2, 8), (32, 2, 8), (64, 2, 8))]
+        else:
+            chosen = gemv_launch(Q[name], n, k, x.device)
+            configs.append(chosen)
+            configs += [dict(block_n=b, units=1, num_warps=w, maxnreg=r, split=s)
+                        for (b, w, r), s in itertools.product(
+                            ((128, 4, None), (128, 4, 128), (64, 4, None), (256, 8, 128)),
+                            (1, 2, 4, 8, 16))
+                        if n * s < 300000 and s <= k // 256]
         best = None
-        for block_n, split, warps, stages in itertools.product(
-                (16, 32, 64), (1, 4), (4, 8), (3,)):
+        for config in configs:
             try:
-                us = graph_time_us(partial(
-                    kernel._matmul, x, blocks, Q[name], k, block_n=block_n, split=split,
-                    num_warps=warps, num_stages=stages), replays=5)
+                us = graph_time_us(partial(kernel._matmul, x, blocks, Q[name], k, **config),
+                                   replays=5)
             except Exception as exc:  # a configuration that does not compile: skip it
-                print(f"  {shape} {name} {block_n}/{split}/{warps}/{stages}: {exc!r}"[:200])
+                print(f"  {shape} {name} {config}: {exc!r}"[:200])
                 continue
-            row = dict(shape=shape, qtype=name, rows=rows, block_n=block_n, split=split,
-                       warps=warps, stages=stages, us=us,
-                       frac_copy=blocks.nbytes / us / 1e3 / copy_gbs)
+            row = dict(shape=shape, qtype=name, **config, us=us,
+                       GBps=blocks.nbytes / us / 1e3, frac_copy=blocks.nbytes / us / 1e3 / copy_gbs)
             results.append(row)
             if best is None or us < best["us"]:
                 best = row
-        print(f"[sweep] {shape} {name}: best {best}", flush=True)
+            if config is configs[1] and name != "Q8_0":
+                chosen = row
+        first = next(r for r in results if r["shape"] == shape and r["qtype"] == name)
+        line = f"[sweep] {shape} {name}: generic {first['us']:.1f} us"
+        if name != "Q8_0":
+            xs_us = graph_time_us(partial(gemv_x, x, Q[name], k), replays=5)
+            results.append(dict(shape=shape, qtype=name, kernel="gemv_x", us=xs_us))
+            line += f", chosen {chosen['us']:.1f} us (split {chosen['split']}), x layout " \
+                    f"{xs_us:.1f} us"
+        print(f"{line}; best {best}", flush=True)
+        del blocks
+        torch.cuda.empty_cache()
     return results
 
 
@@ -123,12 +148,13 @@ def main() -> None:
     common.add_common_args(parser)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep-only", action="store_true", help="the sweep, no table")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("quantized_gemv.py times CUDA kernels: no GPU here")
     ceil = common.ceilings()
     rows_out: list[dict] = []
-    for (shape, n, k), rows in itertools.product(SHAPES, args.rows):
+    for (shape, n, k), rows in itertools.product(SHAPES * (not args.sweep_only), args.rows):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         bf16_us = None
         for name, (fn, weight_bytes) in cases(n, k).items():
@@ -141,14 +167,15 @@ def main() -> None:
                                  speedup_vs_bf16=bf16_us / us))
         torch.cuda.empty_cache()
     payload = {"ceilings": ceil, "rows": rows_out}
-    if args.sweep:
-        payload["sweep"] = sweep(1, ceil["copy_GBps"])
     common.write_results("quantized_gemv", args, payload)
     common.print_table("quantized matmuls, Llama-3.1-8B shapes (us per call in a CUDA graph)",
                        rows_out, [("shape", "shape", ""), ("rows", "rows", ""),
                                   ("kernel", "kernel", ""), ("us", "us", ".1f"),
                                   ("GB/s", "GBps", ".0f"), ("%copyBW", "frac_copy", ".0%"),
                                   ("x bf16", "speedup_vs_bf16", ".2f")])
+    if args.sweep or args.sweep_only:
+        payload["sweep"] = sweep(ceil["copy_GBps"])
+        common.write_results("quantized_gemv", args, payload)
 
 
 if __name__ == "__main__":

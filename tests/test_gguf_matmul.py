@@ -82,6 +82,45 @@ def test_gguf_matmul_steps_and_splits_of_k(qtype, m, units, split):
     assert (y.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
 
 
+# One row of Q4_K and Q6_K with word-aligned rows takes the one-row kernel (gguf_gemv.py):
+# K ending mid step, splits of K that end mid step (added by the last program of a row
+# block), rows not a multiple of the program's.
+@pytest.mark.parametrize(("block_n", "units", "split", "maxnreg"),
+                         [(8, 1, 1, None), (16, 2, 3, None), (32, 4, 2, None), (64, 1, 8, 128)])
+@pytest.mark.parametrize(("qtype", "k"), [(Q.Q4_K, 1280), (Q.Q6_K, 2560)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_gguf_gemv_one_row(qtype, k, block_n, units, split, maxnreg):
+    from infer.kernels.gguf_gemv import gemv_words
+    from infer.kernels.gguf_matmul import _matmul
+
+    n = 37
+    raw = torch.from_numpy(quantized(qtype, n, k, seed=k + block_n)).to(DEVICE)
+    assert gemv_words(raw, qtype) is not None
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(block_n)) * 3
+    y = _matmul(x.to(DEVICE), raw, qtype, k, block_n=block_n, units=units, split=split,
+                maxnreg=maxnreg)
+    ref = x.double() @ torch.from_numpy(gguf.quants.dequantize(raw.cpu().numpy(), qtype)).double().T
+    assert y.shape == (1, n) and torch.isfinite(y.cpu()).all()
+    assert (y.cpu().double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_gguf_gemv_one_row_writes_every_output(qtype, dtype):
+    from infer.kernels.gguf_matmul import gguf_matmul
+
+    n, k = 70, 1024
+    raw = torch.from_numpy(quantized(qtype, n, k, seed=7)).to(DEVICE)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    ref = x.double() @ torch.from_numpy(gguf.quants.dequantize(raw.cpu().numpy(), qtype)).double().T
+    for _ in range(2):  # over a poisoned allocation: the caching allocator reuses it
+        torch.full((1, n), float("nan"), dtype=dtype, device=DEVICE)
+        y = gguf_matmul(x.to(DEVICE), raw, qtype, k).cpu()
+        assert y.dtype == dtype and torch.isfinite(y).all()
+        error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+        assert error < TOLERANCE[dtype], error
+
+
 # The interpreter truncates float32 to bfloat16 (the GPU rounds to nearest, as torch does).
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16]
                          + ([] if INTERPRETED else [torch.bfloat16]))

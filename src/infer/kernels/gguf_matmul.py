@@ -21,7 +21,9 @@ of 256 weights (a k-quant super-block, or 8 blocks of 32), decoding the bytes in
 registers, so only the quantized bytes cross memory. A unit is decoded as an `[S, L]` tile
 (S groups of L weights sharing a scale, computed once per group); one row of `x` is
 multiplied with it in registers and reduced once at the end, more rows go through
-`tl.dot`. Larger M (prefill chunks) is compute-bound: `gguf_dequantize` there, then cuBLAS.
+`tl.dot`. One row of Q4_K or Q6_K goes to gguf_gemv.py instead (32-bit loads, no
+int->float converts, scales once per group). Larger M (prefill chunks) is compute-bound:
+`gguf_dequantize` there, then cuBLAS.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as QType
 from gguf.constants import GGML_QUANT_SIZES
+
+from infer.kernels.gguf_gemv import gemv_launch, gemv_words, gguf_gemv
 
 UNIT = 256  # weights per unit of K that a program decodes at once
 # (S, L) of each type's unit: S groups of L weights, k = g * L + i within the unit.
@@ -206,21 +210,30 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: QType, cols: int) ->
     """`x [M, cols]` (float16 / bfloat16 / float32, unit column stride) times the transpose
     of the GGUF weight `data [N, bytes per row]` (uint8, each row its blocks as stored):
     `[M, N]` in x's dtype. ValueError for a type without a kernel."""
-    # Measured on the H100 (4096 x 4096 and 4096 x 14336, bf16; CUDA graphs): one row
-    # decodes 8 rows of W a program, more rows 16; two units a step either way.
+    if x.shape[0] == 1 and gemv_words(data, qtype) is not None:
+        return _matmul(x, data, qtype, cols, **gemv_launch(qtype, data.shape[0], cols, x.device))
+    # Measured on the H100 (4096 x 4096 and 4096 x 14336, bf16; CUDA graphs): 16 rows of W
+    # a program, two units a step.
     return _matmul(x, data, qtype, cols, block_n=8 if x.shape[0] == 1 else 16, units=2,
                    split=1)
 
 
 def _matmul(x: torch.Tensor, data: torch.Tensor, qtype: QType, cols: int, *, block_n: int,
-            units: int, split: int, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+            units: int, split: int, num_warps: int = 4, num_stages: int = 3,
+            gemv: bool = True, maxnreg: int | None = None) -> torch.Tensor:
     """gguf_matmul with its launch spelled out (for tuning): `units` (a power of 2) units
-    of K a step; `split` > 1 splits K over that many programs, summing float32 partials."""
+    of K a step; `split` > 1 splits K over that many programs, summing float32 partials.
+    One row of a type that gguf_gemv.py takes goes there (unless not `gemv`): its units
+    are UNITS_OF's (Q6_K: 512 weights); `maxnreg` caps its registers a thread."""
     groups, width, unit_bytes = _check_blocks(data, qtype, cols)
     assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), x.dtype
     assert x.shape[1] == cols and x.device == data.device, (x.shape, cols, x.device)
     m, n = x.shape[0], data.shape[0]
+    words = gemv_words(data, qtype) if gemv and m == 1 else None
+    if words is not None:
+        return gguf_gemv(x, words, qtype, cols, block_n=block_n, units=units, split=split,
+                         num_warps=num_warps, maxnreg=maxnreg)
     steps = triton.cdiv(cols, units * UNIT)
     per_split = triton.cdiv(steps, max(1, min(split, steps)))
     split = max(1, triton.cdiv(steps, per_split))
