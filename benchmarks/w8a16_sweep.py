@@ -23,19 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
-from quantized_gemv import SHAPES, graph_time_us
-
-L2_BYTES = 50 * 2**20
-
-
-def cycling(fns: list[Callable[[], torch.Tensor]]) -> Callable[[], torch.Tensor]:
-    """A callable that runs the next of `fns` each call (captured 20 times in a graph)."""
-    state = {"i": 0}
-
-    def call() -> torch.Tensor:
-        state["i"] = (state["i"] + 1) % len(fns)
-        return fns[state["i"]]()
-    return call
+from quantized_gemv import L2_BYTES, SHAPES, cycling, graph_time_us
 
 
 def time_cycled(launch: Callable, x: torch.Tensor, weights: list[torch.Tensor],

@@ -36,7 +36,7 @@ def _w8a16_kernel(
     M, N, K, stride_xm, stride_wn, stride_ys, stride_ym, stride_sn, steps_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-    TILE_SCALE: tl.constexpr,
+    TILE_SCALE: tl.constexpr, SCALE_IN_X: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -55,7 +55,7 @@ def _w8a16_kernel(
         w_mask = (rn[:, None] < N) & (kk[None, :] < K)
         w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + kk[None, :],
                     mask=w_mask, other=0.0)
-        if SCALE_COLS > 0 and not TILE_SCALE:  # a scale per weight, gathered
+        if SCALE_COLS > 0 and not TILE_SCALE and not SCALE_IN_X:  # a scale per weight
             s = tl.load(s_ptr + (rn[:, None] // SCALE_ROWS) * stride_sn + kk[None, :] // SCALE_COLS,
                         mask=w_mask, other=0.0)
             w = _to_float(w) * s
@@ -63,11 +63,12 @@ def _w8a16_kernel(
             tile_scale = tl.load(s_ptr + (pid_n * BLOCK_N // SCALE_ROWS) * stride_sn
                                  + k0 // SCALE_COLS)
         if BLOCK_M == 1:
-            x = tl.load(x_ptr + pid_m.to(tl.int64) * stride_xm + kk, mask=kk < K, other=0.0)
-            part = _to_float(w) * x.to(tl.float32)[None, :]
-            if TILE_SCALE:
-                part *= tile_scale
-            acc2 += part
+            x = tl.load(x_ptr + pid_m.to(tl.int64) * stride_xm + kk, mask=kk < K,
+                        other=0.0).to(tl.float32)
+            if SCALE_IN_X:  # the program's rows share their scales along K: x takes them
+                x *= tl.load(s_ptr + (pid_n * BLOCK_N // SCALE_ROWS) * stride_sn
+                             + kk // SCALE_COLS, mask=kk < K, other=0.0)
+            acc2 += _to_float(w) * x[None, :]
         else:
             x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + kk[None, :],
                         mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
@@ -125,11 +126,14 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         assert scale.shape == (-(-n // scale_rows), -(-k // scale_cols)), scale.shape
         assert scale.dtype == torch.float32 and scale.stride(1) == 1
     assert scale.device == x.device == weight.device
-    # Block-wise scales: when a program's block of the weight never straddles two scale
-    # tiles, one scale multiplies each K step's partial sum (a gathered scale per weight
-    # made the kernel 8x slower on the H100).
+    block_m = 1 if m == 1 and one_row_gemv else 16 if m <= 16 else 32 if m <= 32 else 64
+    # Block-wise scales (a gathered scale per weight made the kernel 8x slower on the
+    # H100). When a program's channels lie in one row of scale tiles: one row multiplies
+    # x by its columns' scales, shared by the channels, whatever the K step; more rows
+    # scale each K step's partial sum, the step shortened to lie in one tile.
+    scale_in_x = scale_block is not None and block_m == 1 and scale_rows % block_n == 0
     tile_scale = False
-    if scale_block is not None:
+    if scale_block is not None and not scale_in_x:
         step = block_k
         while step > 16 and scale_cols % step:
             step //= 2
@@ -141,12 +145,12 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     shape = (m, n) if split == 1 else (split, m, n)
     y = torch.empty(shape, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
     if m > 0 and n > 0:
-        block_m = 1 if m == 1 and one_row_gemv else 16 if m <= 16 else 32 if m <= 32 else 64
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
         _w8a16_kernel[grid](
             x, weight, scale, y, m, n, k, x.stride(0), weight.stride(0), m * n, n,
             scale.stride(0), per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             IEEE=x.dtype == torch.float32, SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols,
-            TILE_SCALE=tile_scale, num_warps=num_warps, num_stages=num_stages,
+            TILE_SCALE=tile_scale, SCALE_IN_X=scale_in_x, num_warps=num_warps,
+            num_stages=num_stages,
         )
     return y if split == 1 else y.sum(0).to(x.dtype)
