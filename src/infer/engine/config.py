@@ -12,6 +12,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "triton")
 MIXED_STEP_GRAPHS = ("full", "piecewise", "off")
 QUANTIZATIONS = ("auto", "none", "int8", "fp8", "gguf")  # the choices infer.quantization takes
+SPECULATIVE_METHODS = ("none", "ngram")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,15 @@ class EngineConfig:
     # On a CPU, the threads the model's kernels use; None: one per usable core less one
     # (engine/cpu_threads.py says why: more collapses beside any other busy process).
     threads: int | None = None
+    # Speculative decoding: none | ngram (drafts looked up in the sequence's own earlier
+    # tokens, spec/ngram.py), verified in one forward of the model, the output distributed
+    # exactly as without drafts. Steps are not launched ahead (async_scheduling) while it
+    # is on. Requests with penalties, logprobs or structured output are not speculated.
+    speculative_method: str = "none"
+    num_speculative_tokens: int = 4  # k: most drafts per sequence per step
+    ngram_min: int = 1  # n-gram drafts: the shortest and longest suffix looked up
+    ngram_max: int = 4
+    speculative_max_batch: int = 16  # no drafts in steps of more running sequences
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)
@@ -66,14 +76,20 @@ class EngineConfig:
         self._check_choice("kernel_backend", BACKENDS)
         self._check_choice("mixed_step_graphs", MIXED_STEP_GRAPHS)
         self._check_choice("quantization", QUANTIZATIONS)
+        self._check_choice("speculative_method", SPECULATIVE_METHODS)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "num_speculative_tokens", "ngram_min", "ngram_max",
+                     "speculative_max_batch"):
             self._check_positive(name)
         for name in ("max_model_len", "num_blocks", "prefill_chunk_size",
                      "max_waiting_requests", "threads"):
             if getattr(self, name) is not None:
                 self._check_positive(name)
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max "
+                             f"({self.ngram_max})")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

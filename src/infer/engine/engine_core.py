@@ -45,6 +45,8 @@ from infer.loader.tokenizer import Tokenizer
 from infer.models.layers import set_kernel_backend
 from infer.quantization import quantize_model
 from infer.sampling_params import SamplingParams
+from infer.spec.drafter import NgramDrafter, speculates
+from infer.spec.sampling import verify_drafts
 from infer.transfer import HostCopy, to_device
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,10 @@ class _StepInFlight:
     # take (a sequence finished since only leaves its matcher unread)
     masked: list[tuple[int, GrammarMatcher]] = field(default_factory=list)
     grammars_advanced: bool = False  # its tokens were fed to the sequences' grammars
+    # Sequences whose drafts the step judged, and their verdicts on the way to the host
+    # (token ids [S, K + 1], how many of each row count [S]).
+    spec_ids: list[str] = field(default_factory=list)
+    verified: HostCopy | None = None
 
 
 class EngineCore:
@@ -163,6 +169,10 @@ class EngineCore:
         self.num_steps = 0
         self.num_steps_launched_ahead = 0
         self.num_discarded_tokens = 0  # sampled for a sequence that stopped or was aborted
+        self.drafter = (NgramDrafter(config, max_model_len)
+                        if config.speculative_method == "ngram" else None)
+        self.num_draft_tokens = 0  # drafts judged
+        self.num_accepted_tokens = 0  # and accepted
         # Called once a step is scheduled, before it runs (a server refreshes its gauges:
         # a long step would otherwise show the state from before it).
         self.on_step_start: Callable[[], None] | None = None
@@ -359,6 +369,8 @@ class EngineCore:
             self.num_steps_launched_ahead += 1
         if not seqs:
             return _StepInFlight(out, requests, [], None, None)
+        if any(count > 1 for count in inputs.sample_counts):
+            return self._launch_verify(out, requests, inputs, logits)
         masked = []
         if any(seq.grammar is not None for seq in seqs):
             if prev is not None:
@@ -370,6 +382,44 @@ class EngineCore:
                            result.top_logprobs)
         return _StepInFlight(out, requests, inputs.sample_request_ids, result.token_ids, results,
                              masked)
+
+    def _launch_verify(self, out: SchedulerOutput, requests: dict[str, Request],
+                       inputs: StepInputs, logits: torch.Tensor) -> _StepInFlight:
+        """Sampling of a step with drafts: the sequences with drafts have them judged
+        (`spec.sampling`), the others sample as usual (masks included). Never launched
+        ahead: drafts are proposed from the tokens accounted."""
+        plain_rows, plain_ids, spec_rows, spec_ids, counts = [], [], [], [], []
+        row = 0
+        for rid, count in zip(inputs.sample_request_ids, inputs.sample_counts):
+            if count == 1:
+                plain_rows.append(row)
+                plain_ids.append(rid)
+            else:
+                spec_rows.extend(range(row, row + count))
+                spec_ids.append(rid)
+                counts.append(count)
+            row += count
+        drafts = {i.request_id: list(i.spec_token_ids) for i in out.scheduled}
+        seqs = [self.sequences[rid] for rid in spec_ids]
+        batch = self._sampling_batch([seq for seq, c in zip(seqs, counts) for _ in range(c)],
+                                     offsets=[j for c in counts for j in range(c)])
+        verified = verify_drafts(
+            logits[to_device(torch.tensor(spec_rows), logits.device)], batch, counts,
+            [drafts[rid] for rid in spec_ids], [seq.params.greedy for seq in seqs],
+            [seq.params.seed for seq in seqs],
+            [len(seq.request.output_token_ids) for seq in seqs])
+        step = _StepInFlight(out, requests, plain_ids, None, None, spec_ids=spec_ids,
+                             verified=HostCopy(verified.token_ids, verified.num_tokens))
+        if plain_ids:
+            plain = [self.sequences[rid] for rid in plain_ids]
+            plain_logits = logits[to_device(torch.tensor(plain_rows), logits.device)]
+            if any(seq.grammar is not None for seq in plain):
+                step.masked = self._mask(plain_logits, plain)
+            result = sample(plain_logits, self._sampling_batch(plain))
+            step.token_ids = result.token_ids
+            step.results = HostCopy(result.token_ids, result.logprobs,
+                                    result.top_logprob_ids, result.top_logprobs)
+        return step
 
     def _try_launch_ahead(self, prev: _StepInFlight) -> _StepInFlight | None:
         """A launch ahead that fails is dropped: nothing of it was accounted, and the next
@@ -384,7 +434,7 @@ class EngineCore:
         """Launch the step after `prev` before prev's tokens reach the host, when the
         scheduler can plan it now and no sequence's sampling depends on prev's token
         values (penalties). None: the next step is planned once prev is accounted."""
-        if not self.config.async_scheduling:
+        if not self.config.async_scheduling or self.drafter is not None:
             return None
         if any(seq.params.has_penalties for seq in self.sequences.values()):
             return None
@@ -423,6 +473,16 @@ class EngineCore:
                     continue
                 sampled[seq_id] = [token_ids[row]]
                 rows[seq_id] = row
+        if step.spec_ids:
+            spec_tokens, spec_counts = (t.tolist() for t in step.verified.wait())
+            drafted = {i.request_id: len(i.spec_token_ids) for i in step.out.scheduled}
+            for seq_id, tokens, count in zip(step.spec_ids, spec_tokens, spec_counts):
+                self.num_draft_tokens += drafted[seq_id]
+                self.num_accepted_tokens += count - 1
+                if seq_id not in live:
+                    self.num_discarded_tokens += count
+                    continue
+                sampled[seq_id] = tokens[:count]
         outputs = []
         out = step.out
         if len(live) < len(out.scheduled):
@@ -447,7 +507,20 @@ class EngineCore:
             outputs.append(output)
             if update.finish_reason is not None:
                 del self.sequences[rid]
+        if self.drafter is not None:
+            self._propose(sampled)
         return outputs
+
+    def _propose(self, seq_ids: Collection[str]) -> None:
+        """Drafts for the next step of the sequences that just sampled (none for those
+        whose sampling verification does not reproduce)."""
+        batch_size = len(self.sequences)
+        for seq_id in seq_ids:
+            seq = self.sequences.get(seq_id)
+            if seq is not None:
+                seq.request.spec_token_ids = (
+                    self.drafter.propose(seq.request, batch_size)
+                    if speculates(seq.params, seq.grammar is not None) else [])
 
     def _advance_grammars(self, step: _StepInFlight) -> None:
         """Feed the step's sampled tokens to their sequences' grammars, once."""
@@ -478,13 +551,15 @@ class EngineCore:
             structured.apply_masks(logits, masks, rows)
         return masked
 
-    def _sampling_batch(self, seqs: list[_Sequence], pending: Collection[str] = ()
-                        ) -> SamplingBatch:
+    def _sampling_batch(self, seqs: list[_Sequence], pending: Collection[str] = (),
+                        offsets: list[int] | None = None) -> SamplingBatch:
         """`pending`: the sequences with a sampled token not in their output yet (the step
-        in flight samples one for each)."""
+        in flight samples one for each); `offsets[i]`: row i samples that many tokens
+        after the sequence's next (a drafted position)."""
         banned, positions = [], []
-        for seq in seqs:
-            n_out = len(seq.request.output_token_ids) + (seq.request.request_id in pending)
+        for i, seq in enumerate(seqs):
+            n_out = (len(seq.request.output_token_ids) + (seq.request.request_id in pending)
+                     + (offsets[i] if offsets else 0))
             positions.append(n_out)
             if n_out < seq.params.min_tokens:
                 banned.append(list(self.eos_token_ids) + list(seq.params.stop_token_ids))
@@ -514,6 +589,8 @@ class EngineCore:
             "num_steps": self.num_steps,
             "num_steps_launched_ahead": self.num_steps_launched_ahead,
             "num_discarded_tokens": self.num_discarded_tokens,
+            "spec_draft_tokens": self.num_draft_tokens,
+            "spec_accepted_tokens": self.num_accepted_tokens,
         }
 
 

@@ -28,9 +28,12 @@ class StepInputs:
     query_lens: list[int]
     seq_lens: list[int]
     block_tables: list[list[int]]
-    # Row of `hidden` holding each sampling request's last token, in scheduled order.
+    # Rows of `hidden` whose logits are sampled, in scheduled order: each sampling
+    # request's last token, preceded by the tokens before each of its drafts (their
+    # logits judge the drafts); `sample_counts[i]` rows for sample_request_ids[i].
     sample_rows: list[int]
     sample_request_ids: list[str]
+    sample_counts: list[int]
 
 
 class ModelRunner:
@@ -113,7 +116,7 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput, tables: dict[str, list[int]]) -> StepInputs:
         """Host-side inputs of a step. Items without token ids (launched ahead) leave
         `input_ids` short: the caller passes those ids on the device."""
-        inputs = StepInputs([], [], [], [], [], [], [])
+        inputs = StepInputs([], [], [], [], [], [], [], [])
         num_tokens = 0
         for item in out.scheduled:
             start, n = item.start, item.num_new_tokens
@@ -125,14 +128,16 @@ class ModelRunner:
             inputs.block_tables.append(tables[item.request_id])
             num_tokens += n
             if item.samples:
-                inputs.sample_rows.append(num_tokens - 1)
+                rows = 1 + len(item.spec_token_ids)
+                inputs.sample_rows.extend(range(num_tokens - rows, num_tokens))
                 inputs.sample_request_ids.append(item.request_id)
+                inputs.sample_counts.append(rows)
         return inputs
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, device_input_ids: torch.Tensor | None = None
                 ) -> torch.Tensor:
-        """Float32 logits `[num_sampling_requests, vocab]`. `device_input_ids` replaces
+        """Float32 logits `[len(sample_rows), vocab]`. `device_input_ids` replaces
         `inputs.input_ids` with ids already on the device (async scheduling: the tokens the
         step still in flight will have sampled)."""
         if self._layers[0].k_cache is not self._views[0][0]:

@@ -258,6 +258,18 @@ def _row_seed(seed: int, position: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def seeded_draws(seed: int, position: int, shape: tuple[int, ...], device: torch.device,
+                 kind: str = "exponential") -> torch.Tensor:
+    """Random draws of a seeded request at one output position: Exp(1) noise (what the
+    sampler races with) or, with `kind="uniform"`, [0, 1) numbers from a stream of their
+    own; the same whatever else the batch holds."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(_row_seed(seed, position) ^ (kind == "uniform"))
+    out = torch.empty(shape, device=device)
+    return out.exponential_(generator=gen) if kind == "exponential" else out.uniform_(
+        generator=gen)
+
+
 def _race(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Sample each row from softmax(x) by the exponential race: argmax_i p_i / E_i.
 
@@ -271,9 +283,7 @@ def _race(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.seeded_rows:
         draws = []
         for _, seed, position in batch.seeded_rows:
-            gen = torch.Generator(device=x.device)
-            gen.manual_seed(_row_seed(seed, position))
-            draws.append(torch.empty(v, device=x.device).exponential_(generator=gen))
+            draws.append(seeded_draws(seed, position, (v,), x.device))
         rows = to_device(torch.tensor([r for r, _, _ in batch.seeded_rows]), x.device)
         noise[rows] = torch.stack(draws)
     # E = 0 would make log E = -inf and lift a -inf (filtered) token to NaN.

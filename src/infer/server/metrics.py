@@ -40,6 +40,8 @@ _COUNTERS = {
                                 "were read (async scheduling)",
     "num_discarded_tokens": "Tokens sampled for a sequence that had already stopped "
                             "(async scheduling)",
+    "spec_draft_tokens": "Draft tokens judged (speculative decoding)",
+    "spec_accepted_tokens": "Draft tokens accepted (speculative decoding)",
 }
 _COUNTER_SOURCES = {
     "prompt_tokens": "prompt_tokens_total", "generation_tokens": "generation_tokens_total",

@@ -1,0 +1,164 @@
+"""Speculative decoding in the engine (n-gram drafts): greedy output identical to decoding
+without drafts on the real SmolLM2 (alone, in mixed batches, with chunked prefill and
+prefix hits), seeded sampling batch-invariant, requests it cannot reproduce left alone,
+and no KV block leaked whatever is added, stepped and aborted."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from server_fixtures import tiny_model_dir
+
+from infer import LLM, SamplingParams
+from infer.engine.config import EngineConfig
+from infer.engine.llm_engine import LLMEngine
+
+LIST = "apple, banana, cherry, date, elderberry, fig, grape"
+PROMPTS = [
+    f"Repeat this list exactly: {LIST}. Again: {LIST}. Again:",
+    "Write the numbers from one to twenty in words, separated by commas:",
+    f"Copy: {LIST}. Copy:",
+    "The capital of France is",
+]
+GREEDY = SamplingParams(max_tokens=40, temperature=0)
+# float32 weights: the kept-quantized default computes its logits through bfloat16 (steps
+# of 1/8 at their size), where a step over several positions may round a near-tie the
+# other way than one over one position; in float32 the text must be the same.
+SMALL = dict(device="cpu", max_model_len=512, num_blocks=256, prefill_chunk_size=24,
+             quantization="none")
+
+
+@pytest.fixture(scope="module")
+def plain() -> LLM:
+    return LLM(**SMALL)
+
+
+@pytest.fixture(scope="module")
+def spec() -> LLM:
+    return LLM(**SMALL, speculative_method="ngram", num_speculative_tokens=4)
+
+
+def tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def assert_same_greedy(plain: LLM, prompts: list[str], want: list[list[int]],
+                       got: list[list[int]]) -> None:
+    """Identical, or they part where the model's two best tokens tie to float32 noise (a
+    verify step computes several positions at once, in another order of sums)."""
+    for prompt, w, g in zip(prompts, want, got):
+        if w == g:
+            continue
+        at = next(i for i, (a, b) in enumerate(zip(w, g)) if a != b)
+        [out] = plain.generate({"prompt_token_ids": plain.get_tokenizer().encode(prompt)
+                                + w[:at]}, SamplingParams(max_tokens=1, temperature=0,
+                                                          logprobs=5), use_tqdm=False)
+        top = out.outputs[0].logprobs[0]
+        assert w[at] in top and g[at] in top, (prompt, at, top)
+        assert abs(top[w[at]].logprob - top[g[at]].logprob) < 1e-4, (prompt, at, top)
+
+
+def test_greedy_tokens_are_those_without_drafts(plain, spec):
+    """Each prompt alone, then all together (a prefix hit for the repeated list prompt,
+    prompts longer than the 24-token prefill chunk)."""
+    core = spec.engine.core
+    want = tokens(plain, PROMPTS, GREEDY)
+    drafted = core.num_draft_tokens
+    assert_same_greedy(plain, PROMPTS, want, [tokens(spec, [p], GREEDY)[0] for p in PROMPTS])
+    assert_same_greedy(plain, PROMPTS + PROMPTS[:1], want + want[:1],
+                       tokens(spec, PROMPTS + PROMPTS[:1], GREEDY))
+    assert core.num_draft_tokens > drafted and core.num_accepted_tokens > 0
+    assert spec.engine.stats()["kv_blocks_used"] == 0
+
+
+def test_greedy_rows_are_unchanged_beside_sampled_ones(plain, spec):
+    want = tokens(plain, PROMPTS[:2], GREEDY)
+    mixed = [GREEDY, SamplingParams(max_tokens=40, temperature=0.9, seed=1),
+             SamplingParams(max_tokens=40, temperature=1.0, top_p=0.8, n=2), GREEDY]
+    outs = spec.generate(PROMPTS[:2] * 2, mixed, use_tqdm=False)
+    assert_same_greedy(plain, PROMPTS[:2], want,
+                       [outs[0].outputs[0].token_ids, outs[3].outputs[0].token_ids])
+    assert all(0 < len(c.token_ids) <= 40 and c.finish_reason in ("stop", "length")
+               for o in outs for c in o.outputs)
+    assert spec.engine.stats()["kv_blocks_used"] == 0
+
+
+def test_a_seeded_request_gives_the_same_tokens_alone_and_in_a_batch(spec):
+    seeded = SamplingParams(max_tokens=32, temperature=0.8, seed=7)
+    alone = tokens(spec, [PROMPTS[0]], seeded)[0]
+    others = SamplingParams(max_tokens=32, temperature=1.0)
+    together = spec.generate([PROMPTS[2], PROMPTS[0], PROMPTS[1]], [others, seeded, others],
+                             use_tqdm=False)
+    assert together[1].outputs[0].token_ids == alone
+
+
+def test_requests_verification_cannot_reproduce_are_not_speculated(plain, spec):
+    core = spec.engine.core
+    params = [SamplingParams(max_tokens=20, temperature=0, repetition_penalty=1.3),
+              SamplingParams(max_tokens=20, temperature=0, logprobs=2)]
+    for p in params:
+        before = core.num_draft_tokens
+        want = tokens(plain, [PROMPTS[0]], p)
+        assert_same_greedy(plain, [PROMPTS[0]], want, tokens(spec, [PROMPTS[0]], p))
+        assert core.num_draft_tokens == before
+
+
+def test_bad_speculative_settings_are_refused():
+    with pytest.raises(ValueError, match="speculative_method must be one of"):
+        EngineConfig(speculative_method="medusa")
+    with pytest.raises(ValueError, match="ngram_min"):
+        EngineConfig(speculative_method="ngram", ngram_min=3, ngram_max=2)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig(speculative_method="ngram", num_speculative_tokens=0)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LLMEngine:
+    return LLMEngine(model=str(tiny_model_dir()), device="cpu", num_blocks=24, block_size=4,
+                     max_model_len=96, speculative_method="ngram", num_speculative_tokens=3,
+                     max_num_batched_tokens=40)
+
+
+ACTIONS = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.lists(st.integers(5, 9), min_size=1, max_size=30),
+              st.integers(1, 24), st.booleans()),
+    st.tuples(st.just("step"), st.integers(1, 4)),
+    st.tuples(st.just("abort"), st.integers(0, 9)),
+), max_size=25)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(actions=ACTIONS)
+@example(actions=[("add", [5, 6, 7, 8, 9] * 6, 24, i % 2 == 1) for i in range(5)]
+         + [("step", 3), ("abort", 1), ("add", [5, 6, 5, 6] * 7, 20, False), ("step", 2)])
+def test_no_kv_block_leaks_whatever_is_added_stepped_and_aborted(tiny, actions):
+    """Prompts over a 5-token alphabet repeat themselves: drafts are proposed, some
+    accepted, some rejected (random weights); sequences are preempted when the 24
+    blocks run out."""
+    added = []
+    for action in actions:
+        if action[0] == "add":
+            _, prompt, max_tokens, sampled = action
+            rid = f"r{len(added)}-{id(actions)}"
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                    temperature=1.0 if sampled else 0)
+            tiny.add_request(rid, prompt, params)
+            added.append(rid)
+        elif action[0] == "step":
+            for _ in range(action[1]):
+                tiny.step()
+        elif added:
+            tiny.abort_request(added[action[1] % len(added)])
+    while tiny.has_unfinished_requests():
+        tiny.step()
+    assert tiny.stats()["kv_blocks_used"] == 0
+
+
+def test_the_property_test_exercised_drafts_and_preemption(tiny):
+    """Runs after the property test (same module engine): its sequences did draft, had
+    drafts rejected, and ran out of blocks at times."""
+    stats = tiny.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    assert stats["num_preemptions"] > 0
