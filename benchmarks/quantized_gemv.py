@@ -8,9 +8,13 @@ time per call is the median of the replays. The calls take copies of the weight 
 enough to exceed the L2 cache three times over (the sweep's one weight does not). Bytes =
 the weight as stored (scales included) plus the activations read and written; GB/s as a
 fraction of the copy bandwidth measured in the same run. `--sweep` also times the one-row
-GGUF kernel's launch configurations.
+GGUF kernel's launch configurations, `--gemm-sweep` those of the few-row GGUF kernel
+(gguf_gemm.py) at each of `--rows` beside bf16 and the dequantize-then-cuBLAS path
+(`Q4_K-deq`: what the engine ran from two rows up before), weights cycled past L2 as in
+the table. `--gguf-only`: the table's bf16 and GGUF rows alone.
 
     python benchmarks/quantized_gemv.py [--rows 1 8 32] [--sweep | --sweep-only]
+        [--gemm-sweep [--gemm-grid]] [--gguf-only]
 """
 
 from __future__ import annotations
@@ -77,7 +81,8 @@ def gguf_blocks(rows: int, cols: int, qtype_name: str) -> torch.Tensor:
     return torch.from_numpy(gguf_checkpoint._random_blocks(rows, cols, qtype_name, rng)).cuda()
 
 
-def cases(n: int, k: int) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
+def cases(n: int, k: int, gguf_only: bool = False
+          ) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
     """name -> (matmul of x, weight bytes as stored)."""
     from gguf import GGMLQuantizationType as Q
 
@@ -85,21 +90,103 @@ def cases(n: int, k: int) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tens
     from infer.kernels.w8a16_matmul import w8a16_matmul
 
     w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    out = {"bf16": (lambda x: F.linear(x, w16), w16.nbytes)}
+    for name in ("Q4_K", "Q6_K", "Q8_0"):
+        blocks = gguf_blocks(n, k, name)
+        out[name] = (lambda x, b=blocks, q=Q[name]: gguf_matmul(x, b, q, k), blocks.nbytes)
+        out[f"{name}-deq"] = (partial(_deq_of, blocks=blocks, qtype=Q[name], cols=k),
+                              blocks.nbytes)
+    if gguf_only:
+        return out
     w8 = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
     wf8 = (torch.randn(n, k, device="cuda") * 50).to(torch.float8_e4m3fn)
     scale = torch.rand(n, device="cuda") * 1e-3
     tiles = torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 1e-3
-    out = {
-        "bf16": (lambda x: F.linear(x, w16), w16.nbytes),
+    out.update({
         "int8": (lambda x: w8a16_matmul(x, w8, scale.to(x.dtype)), w8.nbytes + n * 2),
         "fp8": (lambda x: w8a16_matmul(x, wf8, scale), wf8.nbytes + n * 4),
         "fp8-block": (lambda x: w8a16_matmul(x, wf8, tiles, (128, 128)),
                       wf8.nbytes + tiles.nbytes),
-    }
-    for name in ("Q4_K", "Q6_K", "Q8_0"):
-        blocks = gguf_blocks(n, k, name)
-        out[name] = (lambda x, b=blocks, q=Q[name]: gguf_matmul(x, b, q, k), blocks.nbytes)
+    })
     return out
+
+
+def _deq_of(x: torch.Tensor, *, blocks: torch.Tensor, qtype, cols: int) -> torch.Tensor:
+    return dequantized_matmul(x, blocks, qtype, cols)
+
+
+def dequantized_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype, cols: int) -> torch.Tensor:
+    """The engine's path above its fused rows: the layer dequantized, then cuBLAS."""
+    from infer.kernels.gguf_matmul import gguf_dequantize
+
+    return F.linear(x, gguf_dequantize(blocks, qtype, cols, x.dtype))
+
+
+GEMM_CONFIGS = [dict(block_n=b, num_warps=w) for b, w in ((32, 4), (64, 4), (64, 8), (128, 8))]
+# Beside gemm_launch's choice: two units a step, 128 rows of W a program (8 warps), 32;
+# and twice its splits of K.
+GEMM_VARIANTS = [dict(units=2), dict(block_n=128, num_warps=8), dict(block_n=32)]
+
+
+def gemm_sweep(rows_list: list[int], args: argparse.Namespace, payload: dict) -> list[dict]:
+    """The few-row GGUF kernel's launches at each of `rows_list`, per shape and type:
+    gguf_matmul's choice and GEMM_VARIANTS of it (with `--gemm-grid` also GEMM_CONFIGS, K
+    split 1, 2, 4 while the programs stay under 2 per multiprocessor), beside bf16 and
+    dequantize-then-cuBLAS; weights cycled past L2. Written after every shape."""
+    from gguf import GGMLQuantizationType as Q
+
+    from infer.kernels import gguf_matmul as kernel
+    from infer.kernels.gguf_gemm import gemm_launch
+
+    results = payload.setdefault("gemm_sweep", [])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    order = ["gate_up", "qkv", "down", "o", "lm_head"]
+    for shape, n, k in sorted(SHAPES, key=lambda s: order.index(s[0])):
+        copies = max(1, -(-3 * L2_BYTES // (n * k)))
+        w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            us = graph_time_us(cycling([partial(F.linear, x, w) for w in w16]), replays=5)
+            results.append(dict(shape=shape, rows=rows, qtype="bf16", us=us))
+        del w16
+        for name in ("Q4_K", "Q6_K", "Q8_0"):
+            blocks = [gguf_blocks(n, k, name) for _ in range(max(1, copies // 3))]
+            q = Q[name]
+            for rows in rows_list:
+                x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                timed = {}
+                deq = cycling([partial(dequantized_matmul, x, b, q, k) for b in blocks])
+                timed["deq"] = graph_time_us(deq, replays=5)
+                chosen = gemm_launch(q, rows, n, k, x.device)
+                configs = [chosen] + [dict(chosen, **c) for c in GEMM_VARIANTS]
+                configs.append(dict(chosen, split=2 * chosen["split"]))
+                if args.gemm_grid:
+                    configs += [dict(c, split=s) for c in GEMM_CONFIGS for s in (1, 2, 4)
+                                if s == 1 or -(-n // c["block_n"]) * s <= 2 * sms]
+                configs = [c for i, c in enumerate(configs) if c not in configs[:i]]
+                for config in configs:
+                    try:
+                        us = graph_time_us(cycling([partial(kernel._gemm, x, b, q, k, **config)
+                                                    for b in blocks]), replays=5)
+                    except Exception as exc:  # a launch that does not compile: skip it
+                        print(f"  {shape} {name} {rows} {config}: {exc!r}"[:300], flush=True)
+                        continue
+                    label = "chosen" if config is chosen else str(config)
+                    timed[label] = us
+                    results.append(dict(shape=shape, rows=rows, qtype=name, **config, us=us,
+                                        GBps=blocks[0].nbytes / us / 1e3, chosen=config is chosen))
+                results.append(dict(shape=shape, rows=rows, qtype=name, kernel="deq",
+                                    us=timed["deq"]))
+                bf16 = next(r["us"] for r in results if r["shape"] == shape
+                            and r["rows"] == rows and r["qtype"] == "bf16")
+                best = min((v, c) for c, v in timed.items() if c not in ("deq",))
+                print(f"[gemm] {shape} {name} rows {rows}: bf16 {bf16:.1f} deq {timed['deq']:.1f}"
+                      f" chosen {timed.get('chosen', float('nan')):.1f} best {best[0]:.1f} "
+                      f"{best[1]}", flush=True)
+            del blocks
+            torch.cuda.empty_cache()
+        common.write_results("quantized_gemv", args, payload)
+    return results
 
 
 def sweep(copy_gbs: float) -> list[dict]:
@@ -164,26 +251,39 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-only", action="store_true", help="the sweep, no table")
+    parser.add_argument("--gemm-sweep", action="store_true",
+                        help="the few-row GGUF kernel's launches at --rows (first, no table)")
+    parser.add_argument("--gemm-grid", action="store_true",
+                        help="--gemm-sweep: also the grid of GEMM_CONFIGS and splits")
+    parser.add_argument("--gguf-only", action="store_true", help="table: bf16 and GGUF only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("quantized_gemv.py times CUDA kernels: no GPU here")
     ceil = common.ceilings()
+    payload: dict = {"ceilings": ceil}
+    if args.gemm_sweep:
+        gemm_sweep(args.rows, args, payload)
+        return
     rows_out: list[dict] = []
-    for (shape, n, k), rows in itertools.product(SHAPES * (not args.sweep_only), args.rows):
-        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        bf16_us = None
-        copies = [cases(n, k) for _ in range(max(1, -(-3 * L2_BYTES // (n * k))))]
-        for name, (_, weight_bytes) in copies[0].items():
-            us = graph_time_us(cycling([partial(case[name][0], x) for case in copies]))
-            bf16_us = us if name == "bf16" else bf16_us
-            moved = weight_bytes + x.nbytes + rows * n * 2
-            rows_out.append(dict(shape=shape, n=n, k=k, rows=rows, kernel=name, us=us,
-                                 GBps=moved / us / 1e3,
-                                 frac_copy=moved / us / 1e3 / ceil["copy_GBps"],
-                                 speedup_vs_bf16=bf16_us / us))
+    payload["rows"] = rows_out
+    for shape, n, k in SHAPES * (not args.sweep_only):
+        copies = [cases(n, k, args.gguf_only)
+                  for _ in range(max(1, -(-3 * L2_BYTES // (n * k))))]
+        for rows in args.rows:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            bf16_us = None
+            for name, (_, weight_bytes) in copies[0].items():
+                us = graph_time_us(cycling([partial(case[name][0], x) for case in copies]))
+                bf16_us = us if name == "bf16" else bf16_us
+                moved = weight_bytes + x.nbytes + rows * n * 2
+                rows_out.append(dict(shape=shape, n=n, k=k, rows=rows, kernel=name, us=us,
+                                     GBps=moved / us / 1e3,
+                                     frac_copy=moved / us / 1e3 / ceil["copy_GBps"],
+                                     speedup_vs_bf16=bf16_us / us))
+            common.write_results("quantized_gemv", args, payload)
         del copies
         torch.cuda.empty_cache()
-    payload = {"ceilings": ceil, "rows": rows_out}
+    rows_out.sort(key=lambda r: (SHAPES.index((r["shape"], r["n"], r["k"])), r["rows"]))
     common.write_results("quantized_gemv", args, payload)
     common.print_table("quantized matmuls, Llama-3.1-8B shapes (us per call in a CUDA graph)",
                        rows_out, [("shape", "shape", ""), ("rows", "rows", ""),

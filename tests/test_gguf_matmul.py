@@ -146,3 +146,42 @@ def test_types_without_a_kernel_are_refused_by_name(qtype):
         gguf_matmul(torch.zeros(1, 256, device=DEVICE), data, qtype, 256)
     with pytest.raises(ValueError, match=qtype.name):
         gguf_dequantize(data, qtype, 256)
+
+
+# 2..64 rows of Q4_K, Q6_K and Q8_0 take gguf_gemm.py: rows of x not a multiple of the
+# program's (16, 32, 64), rows of W not a multiple of BLOCK_N, K split over programs and
+# in steps of two units (Q4_K, Q6_K: 3 units, the last split or step short; Q8_0: 9
+# blocks, K ending mid unit).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16]
+                         + ([] if INTERPRETED else [torch.bfloat16]))
+@pytest.mark.parametrize(("m", "block_n", "split", "units"),
+                         [(2, 16, 1, 2), (23, 32, 2, 2), (45, 16, 3, 1)])
+@pytest.mark.parametrize(("qtype", "k"), [(Q.Q4_K, 768), (Q.Q6_K, 768), (Q.Q8_0, 288)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_gguf_gemm_rows(qtype, k, m, block_n, split, units, dtype):
+    from infer.kernels.gguf_matmul import _gemm
+
+    n = 37
+    seed = m * 100 + block_n + k
+    raw = torch.from_numpy(quantized(qtype, n, k, seed=seed)).to(DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k + 64, generator=gen) * 3).to(dtype)[:, :k]  # rows k + 64 apart
+    ref = x.double() @ torch.from_numpy(gguf.quants.dequantize(raw.cpu().numpy(), qtype)).double().T
+    torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)  # poisons what is reused
+    y = _gemm(x.to(DEVICE), raw, qtype, k, block_n=block_n, split=split, num_warps=4,
+              units=units).cpu()
+    assert y.dtype == dtype and y.shape == (m, n) and torch.isfinite(y).all()
+    error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert error < TOLERANCE[dtype], error
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
+def test_gguf_matmul_takes_gemm_from_two_rows(qtype, monkeypatch):
+    from infer.kernels import gguf_matmul
+
+    calls = []
+    monkeypatch.setattr(gguf_matmul, "gguf_gemm", lambda *a, **kw: calls.append(a[0].shape[0]))
+    raw = torch.from_numpy(quantized(qtype, 8, 512, seed=1)).to(DEVICE)
+    for m in (2, gguf_matmul.GEMM_ROWS):
+        gguf_matmul.gguf_matmul(torch.zeros(m, 512, device=DEVICE), raw, qtype, 512)
+    assert calls == [2, gguf_matmul.GEMM_ROWS]

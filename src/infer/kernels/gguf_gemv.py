@@ -312,7 +312,7 @@ def gemv_words(data: torch.Tensor, qtype: QType) -> torch.Tensor | None:
 
 
 @functools.cache
-def _multiprocessors(device: torch.device) -> int:
+def multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -327,12 +327,12 @@ def gemv_launch(qtype: QType, rows: int, cols: int, device: torch.device) -> dic
     (the LM head: 7 % faster; fewer rows ran slower)."""
     programs = triton.cdiv(rows, 128)
     units = cols // UNITS_OF[qtype][0]
-    multiprocessors = _multiprocessors(torch.device(device))
-    limit = (4 if qtype == QType.Q4_K else 3) * multiprocessors
+    sms = multiprocessors(torch.device(device))
+    limit = (4 if qtype == QType.Q4_K else 3) * sms
     split = 1
     while split < 8 and 2 * split <= units and 2 * split * programs <= limit:
         split *= 2
-    capped = qtype == QType.Q4_K or (split == 1 and programs > 4 * multiprocessors)
+    capped = qtype == QType.Q4_K or (split == 1 and programs > 4 * sms)
     return dict(block_n=128, units=1, split=split, num_warps=4, maxnreg=128 if capped else None)
 
 

@@ -22,7 +22,8 @@ registers, so only the quantized bytes cross memory. A unit is decoded as an `[S
 (S groups of L weights sharing a scale, computed once per group); one row of `x` is
 multiplied with it in registers and reduced once at the end, more rows go through
 `tl.dot`. One row of Q4_K or Q6_K goes to gguf_gemv.py instead (32-bit loads, no
-int->float converts, scales once per group). Larger M (prefill chunks) is compute-bound:
+int->float converts, scales once per group), 2..64 rows of Q4_K, Q6_K or Q8_0 to
+gguf_gemm.py (the same decoding, then `tl.dot`). Larger M (prefill chunks) is compute-bound:
 `gguf_dequantize` there, then cuBLAS.
 """
 
@@ -34,9 +35,11 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as QType
 from gguf.constants import GGML_QUANT_SIZES
 
+from infer.kernels.gguf_gemm import gemm_launch, gemm_words, gguf_gemm
 from infer.kernels.gguf_gemv import gemv_launch, gemv_words, gguf_gemv
 
 UNIT = 256  # weights per unit of K that a program decodes at once
+GEMM_ROWS = 64  # Q4_K, Q6_K and Q8_0 at 2..GEMM_ROWS rows go to gguf_gemm.py
 # (S, L) of each type's unit: S groups of L weights, k = g * L + i within the unit.
 TILES: dict[QType, tuple[int, int]] = {
     QType.Q8_0: (8, 32), QType.Q4_0: (8, 32), QType.Q4_1: (8, 32),
@@ -212,6 +215,9 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: QType, cols: int) ->
     `[M, N]` in x's dtype. ValueError for a type without a kernel."""
     if x.shape[0] == 1 and gemv_words(data, qtype) is not None:
         return _matmul(x, data, qtype, cols, **gemv_launch(qtype, data.shape[0], cols, x.device))
+    if 1 < x.shape[0] <= GEMM_ROWS and gemm_words(data, qtype, cols) is not None:
+        launch = gemm_launch(qtype, x.shape[0], data.shape[0], cols, x.device)
+        return _gemm(x, data, qtype, cols, **launch)
     # Measured on the H100 (4096 x 4096 and 4096 x 14336, bf16; CUDA graphs): 16 rows of W
     # a program, two units a step.
     return _matmul(x, data, qtype, cols, block_n=8 if x.shape[0] == 1 else 16, units=2,
@@ -249,6 +255,18 @@ def _matmul(x: torch.Tensor, data: torch.Tensor, qtype: QType, cols: int, *, blo
             num_warps=num_warps, num_stages=num_stages,
         )
     return y if split == 1 else y.sum(0).to(x.dtype)
+
+
+def _gemm(x: torch.Tensor, data: torch.Tensor, qtype: QType, cols: int, **launch
+          ) -> torch.Tensor:
+    """gguf_matmul through gguf_gemm.py with its launch spelled out (for tuning)."""
+    _check_blocks(data, qtype, cols)
+    assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
+    assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), x.dtype
+    assert x.shape[1] == cols and x.device == data.device, (x.shape, cols, x.device)
+    words = gemm_words(data, qtype, cols)
+    assert words is not None, (QType(qtype).name, data.shape, data.stride())
+    return gguf_gemm(x, words, qtype, cols, **launch)
 
 
 def gguf_dequantize(data: torch.Tensor, qtype: QType, cols: int,

@@ -20,9 +20,13 @@ from torch import nn
 from infer.models.linear import LinearMethod
 from infer.quantization.gguf_blocks import GGUFBlocks
 
-# Steps of more rows than this dequantize the weight for cuBLAS (the fused kernel is
-# slower than that from two rows up, on the H100).
-DEQUANTIZE_ROWS = 1
+# The most rows of a step that multiply by the blocks directly, per type; more rows
+# dequantize the weight for cuBLAS. Q4_K, Q6_K, Q8_0 (gguf_gemm.py from two rows): on the
+# H100, 8B shapes at 8, 32 and 64 rows (benchmarks/quantized_gemv.py --gemm-sweep), than
+# dequantize-then-cuBLAS: Q4_K 1.6-3.8x faster, Q6_K 1.5-3.1x, Q8_0 1.0-1.8x (at parity
+# only for o at 64 rows); 64 rows is gguf_gemm's largest tile of x.
+# The other types' generic kernel is slower than cuBLAS from two rows up.
+FUSED_ROWS: dict[QType, int] = {QType.Q4_K: 64, QType.Q6_K: 64, QType.Q8_0: 64}
 
 
 def gpu_types() -> tuple[QType, ...]:
@@ -75,7 +79,7 @@ class GGUFBlocksLinearMethod(LinearMethod):
 
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
-        if len(x2) > DEQUANTIZE_ROWS:
+        if len(x2) > 1 and not self._fused(layer, len(x2)):
             y = F.linear(x2, self._dequantized(layer, x.dtype))
         else:
             parts = [gguf_matmul(x2, getattr(layer, name), qtype, layer.cols)
@@ -83,6 +87,14 @@ class GGUFBlocksLinearMethod(LinearMethod):
             y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         y = y.reshape(*shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
+
+    def _fused(self, layer: nn.Module, rows: int) -> bool:
+        """Whether `rows` (> 1) rows multiply by every run of `layer`'s blocks directly."""
+        from infer.kernels.gguf_gemm import gemm_words
+
+        return all(rows <= FUSED_ROWS.get(qtype, 1)
+                   and gemm_words(getattr(layer, name), qtype, layer.cols) is not None
+                   for name, qtype in layer.gguf_runs)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         from infer.kernels.gguf_matmul import gguf_dequantize
