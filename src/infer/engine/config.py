@@ -49,11 +49,11 @@ class EngineConfig:
     # and detokenizing. Off for LLM (no IPC in the way); `infer serve` turns it on.
     core_process: bool = False
     # The weights' format: auto (the checkpoint's own: FP8 / INT8 checkpoints as stored;
-    # a GGUF file's quantized weights stay quantized on the CPU, dequantized on CUDA where
-    # that is faster so far) | none (dequantized at load) | int8 (weight-only, per output
-    # channel, made at load) | fp8 (e4m3 per output channel, made at load; FP8
-    # activations per token in large steps) | gguf (a GGUF file's blocks kept as stored on
-    # any device: 3-4x less memory); quantization/ says more.
+    # a GGUF file's quantized weights stay quantized on the CPU, dequantized on CUDA,
+    # faster for prefill and large batches) | none (dequantized at load) | int8
+    # (weight-only, per output channel, made at load) | fp8 (e4m3 per output channel,
+    # made at load; FP8 activations per token in large steps) | gguf (a GGUF file's
+    # blocks kept as stored on any device: 3-4x less memory); quantization/ says more.
     quantization: str = "auto"
     # On a CPU, the threads the model's kernels use; None: one per usable core less one
     # (engine/cpu_threads.py says why: more collapses beside any other busy process).
