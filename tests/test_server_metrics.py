@@ -35,3 +35,15 @@ def test_latency_histogram_matches_prometheus_client():
     assert got.keys() == want.keys() and len(got) == len(BUCKETS) + 3
     for name in want:
         assert abs(got[name] - want[name]) <= 1e-9 * max(1.0, abs(want[name])), name
+
+
+def test_per_position_speculation_counters_carry_a_position_label():
+    from infer.server.metrics import ServerMetrics
+
+    stats = {"spec_draft_tokens": 7, "spec_draft_tokens_at_0": 4, "spec_draft_tokens_at_1": 3,
+             "spec_accepted_tokens_at_0": 2, "spec_accepted_tokens_at_1": 1}
+    text = ServerMetrics(lambda: stats).render().decode()
+    assert 'infer:spec_draft_tokens_per_position_total{position="0"} 4.0' in text
+    assert 'infer:spec_draft_tokens_per_position_total{position="1"} 3.0' in text
+    assert 'infer:spec_accepted_tokens_per_position_total{position="1"} 1.0' in text
+    assert "infer:spec_draft_tokens_total 7.0" in text

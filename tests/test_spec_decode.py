@@ -1,9 +1,12 @@
-"""Speculative decoding in the engine (n-gram drafts): greedy output identical to decoding
-without drafts on the real SmolLM2 (alone, in mixed batches, with chunked prefill and
-prefix hits), seeded sampling batch-invariant, requests it cannot reproduce left alone,
-and no KV block leaked whatever is added, stepped and aborted."""
+"""Speculative decoding in the engine, each method (n-gram drafts, the model's own first
+layers, a draft model): greedy output identical to decoding without drafts on the real
+SmolLM2 (alone, in mixed batches, with chunked prefill and prefix hits), seeded sampling
+batch-invariant, requests it cannot reproduce left alone, and no KV block leaked whatever
+is added, stepped and aborted."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -13,6 +16,7 @@ from server_fixtures import tiny_model_dir
 from infer import LLM, SamplingParams
 from infer.engine.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
+from infer.loader.default_model import default_model_path
 
 LIST = "apple, banana, cherry, date, elderberry, fig, grape"
 PROMPTS = [
@@ -34,9 +38,18 @@ def plain() -> LLM:
     return LLM(**SMALL)
 
 
-@pytest.fixture(scope="module")
-def spec() -> LLM:
-    return LLM(**SMALL, speculative_method="ngram", num_speculative_tokens=4)
+METHODS = {
+    "ngram": dict(speculative_method="ngram"),
+    # 10 of 30 layers accept few drafts: k = 2 keeps the CPU time of the many steps down
+    "self": dict(speculative_method="self", self_draft_layers=10, num_speculative_tokens=2),
+    # The model as its own draft: every draft should be accepted (see below).
+    "draft": dict(speculative_method="draft", draft_model=str(default_model_path())),
+}
+
+
+@pytest.fixture(scope="module", params=list(METHODS))
+def spec(request) -> LLM:
+    return LLM(**SMALL, **{"num_speculative_tokens": 4, **METHODS[request.param]})
 
 
 def tokens(llm: LLM, prompts, params) -> list[list[int]]:
@@ -104,6 +117,20 @@ def test_requests_verification_cannot_reproduce_are_not_speculated(plain, spec):
         assert core.num_draft_tokens == before
 
 
+def test_the_model_as_its_own_draft_has_every_draft_accepted(spec):
+    """A draft model whose cache follows every step of the target's, proposing from the
+    right positions, is the target: only float32 near-ties between its one-token forwards
+    and the verify's multi-token one can reject a draft."""
+    core = spec.engine.core
+    if core.config.speculative_method != "draft":
+        pytest.skip("the draft model is the model only in the 'draft' case")
+    before = core.num_draft_tokens, core.num_accepted_tokens
+    tokens(spec, PROMPTS, GREEDY)
+    drafted = core.num_draft_tokens - before[0]
+    accepted = core.num_accepted_tokens - before[1]
+    assert drafted > 100 and accepted >= 0.97 * drafted, (accepted, drafted)
+
+
 def test_bad_speculative_settings_are_refused():
     with pytest.raises(ValueError, match="speculative_method must be one of"):
         EngineConfig(speculative_method="medusa")
@@ -111,13 +138,34 @@ def test_bad_speculative_settings_are_refused():
         EngineConfig(speculative_method="ngram", ngram_min=3, ngram_max=2)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(speculative_method="ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="draft_model goes with"):
+        EngineConfig(speculative_method="draft")
+    with pytest.raises(ValueError, match="draft_model goes with"):
+        EngineConfig(speculative_method="ngram", draft_model="x")
+    with pytest.raises(ValueError, match="self_draft_layers is set"):
+        EngineConfig(self_draft_layers=2)
+    with pytest.raises(ValueError, match=r"self_draft_layers must be in 1\.\.1"):
+        LLMEngine(model=str(tiny_model_dir()), device="cpu", num_blocks=8,
+                  speculative_method="self", self_draft_layers=2)
 
 
-@pytest.fixture(scope="module")
-def tiny() -> LLMEngine:
-    return LLMEngine(model=str(tiny_model_dir()), device="cpu", num_blocks=24, block_size=4,
-                     max_model_len=96, speculative_method="ngram", num_speculative_tokens=3,
-                     max_num_batched_tokens=40)
+def test_a_draft_model_with_another_vocabulary_is_refused():
+    with pytest.raises(ValueError, match="another vocabulary than the model"):
+        LLMEngine(model=str(tiny_model_dir()), device="cpu", num_blocks=8,
+                  speculative_method="draft", draft_model=str(default_model_path()))
+
+
+TINY = tiny_model_dir()
+TINY_METHODS = {"ngram": dict(speculative_method="ngram"),
+                "self": dict(speculative_method="self", self_draft_layers=1),
+                "draft": dict(speculative_method="draft", draft_model=str(TINY))}
+
+
+@pytest.fixture(scope="module", params=list(TINY_METHODS))
+def tiny(request) -> LLMEngine:
+    return LLMEngine(model=str(TINY), device="cpu", num_blocks=24, block_size=4,
+                     max_model_len=96, num_speculative_tokens=3, max_num_batched_tokens=40,
+                     **TINY_METHODS[request.param])
 
 
 ACTIONS = st.lists(st.one_of(
@@ -162,3 +210,11 @@ def test_the_property_test_exercised_drafts_and_preemption(tiny):
     stats = tiny.stats()
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
     assert stats["num_preemptions"] > 0
+    drafts = [stats[f"spec_draft_tokens_at_{i}"] for i in range(3)]
+    accepted = [stats[f"spec_accepted_tokens_at_{i}"] for i in range(3)]
+    assert sum(drafts) == stats["spec_draft_tokens"]
+    assert sum(accepted) == stats["spec_accepted_tokens"]
+    assert drafts[0] == stats["spec_verified_rows"]  # every judged row had a first draft
+    # a draft is accepted only after every draft before it
+    assert all(a >= b for a, b in itertools.pairwise(accepted))
+    assert all(a <= d for a, d in zip(accepted, drafts))

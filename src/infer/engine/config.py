@@ -12,7 +12,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "triton")
 MIXED_STEP_GRAPHS = ("full", "piecewise", "off")
 QUANTIZATIONS = ("auto", "none", "int8", "fp8", "gguf")  # the choices infer.quantization takes
-SPECULATIVE_METHODS = ("none", "ngram")
+SPECULATIVE_METHODS = ("none", "ngram", "self", "draft")
 
 
 @dataclass(frozen=True)
@@ -59,13 +59,17 @@ class EngineConfig:
     # (engine/cpu_threads.py says why: more collapses beside any other busy process).
     threads: int | None = None
     # Speculative decoding: none | ngram (drafts looked up in the sequence's own earlier
-    # tokens, spec/ngram.py), verified in one forward of the model, the output distributed
-    # exactly as without drafts. Steps are not launched ahead (async_scheduling) while it
-    # is on. Requests with penalties, logprobs or structured output are not speculated.
+    # tokens, spec/ngram.py) | self (the model's own first self_draft_layers layers) |
+    # draft (draft_model, a small model with the same vocabulary). Drafts are verified in
+    # one forward of the model, the output distributed exactly as without them. Steps are
+    # not launched ahead (async_scheduling) while it is on. Requests with penalties,
+    # logprobs or structured output are not speculated.
     speculative_method: str = "none"
     num_speculative_tokens: int = 4  # k: most drafts per sequence per step
     ngram_min: int = 1  # n-gram drafts: the shortest and longest suffix looked up
     ngram_max: int = 4
+    self_draft_layers: int | None = None  # None: half the model's layers
+    draft_model: str | None = None  # a model directory or GGUF file, as `model`
     speculative_max_batch: int = 16  # no drafts in steps of more running sequences
 
     def __post_init__(self) -> None:
@@ -84,12 +88,19 @@ class EngineConfig:
                      "speculative_max_batch"):
             self._check_positive(name)
         for name in ("max_model_len", "num_blocks", "prefill_chunk_size",
-                     "max_waiting_requests", "threads"):
+                     "max_waiting_requests", "threads", "self_draft_layers"):
             if getattr(self, name) is not None:
                 self._check_positive(name)
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max "
                              f"({self.ngram_max})")
+        if (self.speculative_method == "draft") != (self.draft_model is not None):
+            raise ValueError("draft_model goes with speculative_method='draft' (and that method "
+                             f"needs one); got speculative_method={self.speculative_method!r}, "
+                             f"draft_model={self.draft_model!r}")
+        if self.self_draft_layers is not None and self.speculative_method != "self":
+            raise ValueError("self_draft_layers is set but speculative_method is "
+                             f"{self.speculative_method!r}, not 'self'")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

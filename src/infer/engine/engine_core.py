@@ -45,7 +45,10 @@ from infer.loader.tokenizer import Tokenizer
 from infer.models.layers import set_kernel_backend
 from infer.quantization import quantize_model
 from infer.sampling_params import SamplingParams
-from infer.spec.drafter import NgramDrafter, speculates
+from infer.spec.draft_model import load_draft_model
+from infer.spec.drafter import Drafter, NgramDrafter, speculates
+from infer.spec.early_exit import EarlyExit
+from infer.spec.model_drafter import ModelDrafter
 from infer.spec.sampling import verify_drafts
 from infer.transfer import HostCopy, to_device
 
@@ -121,7 +124,9 @@ class _StepInFlight:
 class EngineCore:
     def __init__(self, config: EngineConfig, model: nn.Module, model_config: ModelConfig,
                  device: torch.device, dtype: torch.dtype, max_model_len: int,
-                 eos_token_ids: tuple[int, ...], tokenizer: Tokenizer | None = None) -> None:
+                 eos_token_ids: tuple[int, ...], tokenizer: Tokenizer | None = None,
+                 draft: tuple[nn.Module, ModelConfig] | None = None) -> None:
+        """`draft`: the draft model and its config (speculative_method='draft')."""
         self.config = config
         self.tokenizer = tokenizer  # for structured output's grammars only; never decodes
         self._structured: StructuredOutputs | None = None
@@ -138,7 +143,7 @@ class EngineCore:
         set_attention_backend(model, self.attention_backend)
         set_kernel_backend(model, self.kernel_backend)
         self.block_size, num_blocks = plan_kv_cache(config, mc, max_model_len, model, device,
-                                                    dtype)
+                                                    dtype, draft[1] if draft else None)
         self.kv = KVCacheManager(num_blocks, self.block_size, config.prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens,
@@ -148,20 +153,19 @@ class EngineCore:
         self.runner = ModelRunner(model, mc, num_blocks, self.block_size, device, dtype,
                                   self.attention_backend, self.kernel_backend)
         self.graph_capture_seconds = 0.0
-        if config.cuda_graphs and device.type == "cuda":
-            if self.attention_backend != "triton":
-                log.warning("cuda_graphs needs attention_backend='triton'; running eagerly")
-            else:
-                graphs = self.runner.enable_decode_graphs(config.max_num_seqs, max_model_len)
-                self.graph_capture_seconds = graphs.capture_seconds
-                budget = config.max_num_batched_tokens
-                if config.mixed_step_graphs == "full":
-                    mixed = self.runner.enable_mixed_graphs(budget, config.max_num_seqs,
-                                                            max_model_len)
-                    self.graph_capture_seconds += mixed.capture_seconds
-                if config.mixed_step_graphs != "off":
-                    pieces = self.runner.enable_piecewise_graphs(budget)
-                    self.graph_capture_seconds += pieces.capture_seconds
+        self.graphs_on = self._uses_graphs()
+        self.drafter = self._make_drafter(draft, num_blocks)
+        if self.graphs_on:
+            graphs = self.runner.enable_decode_graphs(config.max_num_seqs, max_model_len)
+            self.graph_capture_seconds += graphs.capture_seconds
+            budget = config.max_num_batched_tokens
+            if config.mixed_step_graphs == "full":
+                mixed = self.runner.enable_mixed_graphs(budget, config.max_num_seqs,
+                                                        max_model_len)
+                self.graph_capture_seconds += mixed.capture_seconds
+            if config.mixed_step_graphs != "off":
+                pieces = self.runner.enable_piecewise_graphs(budget)
+                self.graph_capture_seconds += pieces.capture_seconds
         self.sequences: dict[str, _Sequence] = {}
         self._compiling: dict[str, _Compiling] = {}  # waiting for their grammars
         self.compile_thread = CompileThread()
@@ -169,13 +173,56 @@ class EngineCore:
         self.num_steps = 0
         self.num_steps_launched_ahead = 0
         self.num_discarded_tokens = 0  # sampled for a sequence that stopped or was aborted
-        self.drafter = (NgramDrafter(config, max_model_len)
-                        if config.speculative_method == "ngram" else None)
         self.num_draft_tokens = 0  # drafts judged
         self.num_accepted_tokens = 0  # and accepted
+        self.num_verified_rows = 0  # sequence-steps that had drafts judged
+        # [i]: drafts judged / accepted at draft position i (0: the first after the token)
+        self.drafts_at = [0] * config.num_speculative_tokens
+        self.accepted_at = [0] * config.num_speculative_tokens
         # Called once a step is scheduled, before it runs (a server refreshes its gauges:
         # a long step would otherwise show the state from before it).
         self.on_step_start: Callable[[], None] | None = None
+
+    def _uses_graphs(self) -> bool:
+        if not (self.config.cuda_graphs and self.device.type == "cuda"):
+            return False
+        if self.attention_backend != "triton":
+            log.warning("cuda_graphs needs attention_backend='triton'; running eagerly")
+            return False
+        return True
+
+    def _make_drafter(self, draft: tuple[nn.Module, ModelConfig] | None, num_blocks: int
+                      ) -> Drafter | None:
+        config, method = self.config, self.config.speculative_method
+        k = config.num_speculative_tokens
+        if method == "none":
+            return None
+        if method == "ngram":
+            return NgramDrafter(k, config.ngram_min, config.ngram_max, self.max_model_len)
+        if method == "self":
+            layers = config.self_draft_layers or max(1, self.model_config.num_layers // 2)
+            runner = ModelRunner(EarlyExit(self.runner.model, layers), self.model_config,
+                                 num_blocks, self.block_size, self.device, self.dtype,
+                                 self.attention_backend, self.kernel_backend,
+                                 shares_cache_of=self.runner)
+            proposing = config.speculative_max_batch
+            log.info("speculative decoding: self-drafts from the first %d of %d layers",
+                     layers, self.model_config.num_layers)
+        else:
+            if draft is None:
+                raise ValueError("speculative_method='draft' needs the draft model loaded")
+            runner = ModelRunner(draft[0], draft[1], num_blocks, self.block_size, self.device,
+                                 self.dtype, self.attention_backend, self.kernel_backend)
+            # It runs every step the model runs (its cache follows), at any batch size.
+            proposing = config.max_num_seqs
+        if self.graphs_on:
+            graphs = runner.enable_decode_graphs(min(proposing, config.max_num_seqs),
+                                                 self.max_model_len)
+            self.graph_capture_seconds += graphs.capture_seconds
+            if method == "draft" and config.mixed_step_graphs != "off":
+                pieces = runner.enable_piecewise_graphs(config.max_num_batched_tokens)
+                self.graph_capture_seconds += pieces.capture_seconds
+        return ModelDrafter(runner, self.kv, k, self.max_model_len, own_cache=method == "draft")
 
     # -- sequences -------------------------------------------------------------------
     def add(self, request: Request, params: SamplingParams) -> None:
@@ -364,6 +411,8 @@ class EngineCore:
         seqs = [self.sequences[rid] for rid in inputs.sample_request_ids]
         requests = {i.request_id: self.sequences[i.request_id].request for i in out.scheduled}
         logits = self.runner.execute(inputs, device_input_ids)
+        if self.drafter is not None:
+            self.drafter.mirror(out, requests)
         self.num_steps += 1
         if prev is not None:
             self.num_steps_launched_ahead += 1
@@ -477,8 +526,9 @@ class EngineCore:
             spec_tokens, spec_counts = (t.tolist() for t in step.verified.wait())
             drafted = {i.request_id: len(i.spec_token_ids) for i in step.out.scheduled}
             for seq_id, tokens, count in zip(step.spec_ids, spec_tokens, spec_counts):
-                self.num_draft_tokens += drafted[seq_id]
-                self.num_accepted_tokens += count - 1
+                self._count_verdict(drafted[seq_id], count - 1)
+                if self.drafter.own_cache and count - 1 == drafted[seq_id]:
+                    step.requests[seq_id].draft_behind = True
                 if seq_id not in live:
                     self.num_discarded_tokens += count
                     continue
@@ -511,16 +561,28 @@ class EngineCore:
             self._propose(sampled)
         return outputs
 
+    def _count_verdict(self, drafted: int, accepted: int) -> None:
+        self.num_verified_rows += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for i in range(drafted):
+            self.drafts_at[i] += 1
+            self.accepted_at[i] += i < accepted
+
     def _propose(self, seq_ids: Collection[str]) -> None:
         """Drafts for the next step of the sequences that just sampled (none for those
-        whose sampling verification does not reproduce)."""
-        batch_size = len(self.sequences)
-        for seq_id in seq_ids:
-            seq = self.sequences.get(seq_id)
-            if seq is not None:
-                seq.request.spec_token_ids = (
-                    self.drafter.propose(seq.request, batch_size)
-                    if speculates(seq.params, seq.grammar is not None) else [])
+        whose sampling verification does not reproduce, none in batches above
+        speculative_max_batch)."""
+        seqs = [seq for seq_id in seq_ids if (seq := self.sequences.get(seq_id)) is not None]
+        for seq in seqs:
+            seq.request.spec_token_ids = []
+        if len(self.sequences) > self.config.speculative_max_batch:
+            return
+        drafting = [seq.request for seq in seqs
+                    if speculates(seq.params, seq.grammar is not None)]
+        if drafting:
+            for request, drafts in zip(drafting, self.drafter.propose(drafting)):
+                request.spec_token_ids = drafts
 
     def _advance_grammars(self, step: _StepInFlight) -> None:
         """Feed the step's sampled tokens to their sequences' grammars, once."""
@@ -591,6 +653,9 @@ class EngineCore:
             "num_discarded_tokens": self.num_discarded_tokens,
             "spec_draft_tokens": self.num_draft_tokens,
             "spec_accepted_tokens": self.num_accepted_tokens,
+            "spec_verified_rows": self.num_verified_rows,
+            **{f"spec_draft_tokens_at_{i}": n for i, n in enumerate(self.drafts_at)},
+            **{f"spec_accepted_tokens_at_{i}": n for i, n in enumerate(self.accepted_at)},
         }
 
 
@@ -647,7 +712,10 @@ def load_core(config: EngineConfig) -> tuple[EngineCore, Tokenizer, str]:
             f"({config.max_num_batched_tokens}) >= max_model_len ({max_model_len})"
         )
     eos_token_ids = tuple(tokenizer.eos_token_ids) or mc.eos_token_ids
+    draft = None
+    if config.draft_model is not None:
+        draft = load_draft_model(config.draft_model, tokenizer, mc, dtype, device)
     core = EngineCore(config, model, mc, device, dtype, max_model_len, eos_token_ids,
-                      tokenizer)
+                      tokenizer, draft)
     core.quantization = quantization
     return core, tokenizer, model_name

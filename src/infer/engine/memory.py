@@ -23,16 +23,20 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 def plan_kv_cache(
     config: EngineConfig, cfg: ModelConfig, max_model_len: int, model: nn.Module,
-    device: torch.device, dtype: torch.dtype,
+    device: torch.device, dtype: torch.dtype, draft_config: ModelConfig | None = None,
 ) -> tuple[int, int]:
     """(block_size, num_blocks), from the same memory budget for both layouts. Contiguous
     = one max_model_len block per sequence, so the budget may hold fewer sequences than
-    max_num_seqs (as llama.cpp's slots): the scheduler runs as many as have a block."""
+    max_num_seqs (as llama.cpp's slots): the scheduler runs as many as have a block.
+    A draft model's cache has as many blocks (the same block tables), in the same budget."""
     contiguous = config.kv_cache == "contiguous"
     block_size = max_model_len if contiguous else config.block_size
     if config.num_blocks is not None:
         return block_size, config.num_blocks
-    per_block = kv_bytes_per_token(cfg, dtype) * block_size
+    per_token = kv_bytes_per_token(cfg, dtype)
+    if draft_config is not None:
+        per_token += kv_bytes_per_token(draft_config, dtype)
+    per_block = per_token * block_size
     needed = -(-max_model_len // block_size)  # blocks of one full-length sequence
     # No use in more than every sequence at full length, plus (paged) as much again for
     # the prefix cache.

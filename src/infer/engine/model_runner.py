@@ -47,19 +47,27 @@ class ModelRunner:
         kv_dtype: torch.dtype,
         attention_backend: str = "torch",
         kernel_backend: str = "torch",
+        shares_cache_of: ModelRunner | None = None,
     ) -> None:
+        """`shares_cache_of`: a runner over the same layers (a self-draft's early exit) whose
+        cache and attention backend this one uses; only the graphs are its own."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
         self.device = device
         self.attention_backend = attention_backend
-        self.backend = make_attention_backend(attention_backend)
         self.kernel_backend = kernel_backend
-        self.kv_pool = allocate_kv_cache(model, num_blocks, block_size, kv_dtype, device)
-        # Engines may share one model's weights (tests, draft models): each keeps its own
-        # cache views and backends, and re-binds the layers when another engine ran.
-        self._layers = [m for m in model.modules() if isinstance(m, Attention)]
-        self._views = [(m.k_cache, m.v_cache) for m in self._layers]
+        if shares_cache_of is not None:
+            self.backend = shares_cache_of.backend
+            self.kv_pool = shares_cache_of.kv_pool
+            self._layers, self._views = shares_cache_of._layers, shares_cache_of._views
+        else:
+            self.backend = make_attention_backend(attention_backend)
+            self.kv_pool = allocate_kv_cache(model, num_blocks, block_size, kv_dtype, device)
+            # Engines may share one model's weights (tests): each keeps its own cache views
+            # and backends, and re-binds the layers when another engine ran.
+            self._layers = [m for m in model.modules() if isinstance(m, Attention)]
+            self._views = [(m.k_cache, m.v_cache) for m in self._layers]
         self._bind()
         self.graphs: DecodeGraphs | None = None
         self.mixed: MixedGraphs | None = None

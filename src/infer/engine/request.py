@@ -37,6 +37,9 @@ class Request:
     # Draft tokens proposed for the next step (speculative decoding): scheduled after the
     # request's last token and verified by that step.
     spec_token_ids: list[int] = field(default_factory=list)
+    # A draft model's cache lacks the token before the last: its last verify accepted
+    # every draft, and the draft model never ran the last draft (spec/model_drafter.py).
+    draft_behind: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -61,8 +61,10 @@ class DecoderModel(nn.Module):
         self.norm = norm
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
+        """`num_layers`: run only the first that many layers (then the final norm)."""
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale.to(x.dtype)
@@ -72,7 +74,7 @@ class DecoderModel(nn.Module):
         for rotary in self._rotaries:
             rotary.begin(positions)
         residual = None
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             x, residual = layer(positions, x, residual, meta)
         for rotary in self._rotaries:
             rotary.end()
@@ -88,10 +90,12 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tied=tied)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
-        """Final hidden states `[num_tokens, hidden]`; `compute_logits` picks the rows needed."""
-        return self.model(input_ids, positions, meta)
+        """Final hidden states `[num_tokens, hidden]`; `compute_logits` picks the rows needed.
+        `num_layers`: of the first that many layers only (an early exit: self-drafts)."""
+        return self.model(input_ids, positions, meta, num_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

@@ -42,6 +42,13 @@ _COUNTERS = {
                             "(async scheduling)",
     "spec_draft_tokens": "Draft tokens judged (speculative decoding)",
     "spec_accepted_tokens": "Draft tokens accepted (speculative decoding)",
+    "spec_verified_rows": "Sequence-steps whose drafts were judged: tokens per such "
+                          "step = 1 + spec_accepted_tokens / this",
+}
+# Counters kept per draft position i as `<name>_at_<i>` in the stats: a `position` label.
+_PER_POSITION = {
+    "spec_draft_tokens": "Draft tokens judged at each draft position (0: the first)",
+    "spec_accepted_tokens": "Draft tokens accepted at each draft position (0: the first)",
 }
 _COUNTER_SOURCES = {
     "prompt_tokens": "prompt_tokens_total", "generation_tokens": "generation_tokens_total",
@@ -62,6 +69,14 @@ class _StatsCollector:
         for name, doc in _COUNTERS.items():
             counter = CounterMetricFamily(PREFIX + name, doc)
             counter.add_metric([], float(stats.get(_COUNTER_SOURCES.get(name, name), 0)))
+            yield counter
+        for name, doc in _PER_POSITION.items():
+            counter = CounterMetricFamily(PREFIX + name + "_per_position", doc,
+                                          labels=["position"])
+            prefix = name + "_at_"
+            for key, value in stats.items():
+                if key.startswith(prefix):
+                    counter.add_metric([key[len(prefix):]], float(value))
             yield counter
 
 

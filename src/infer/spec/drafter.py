@@ -1,10 +1,12 @@
-"""Which sequences get drafts for their next step, and how many (the engine core asks
-after each step it accounts)."""
+"""Proposers of draft tokens. The engine core asks one after each step it accounts, for
+the sequences that just sampled; every proposer answers for a list of requests at once."""
 
 from __future__ import annotations
 
-from infer.engine.config import EngineConfig
+from typing import Protocol
+
 from infer.engine.request import Request
+from infer.engine.scheduler import SchedulerOutput
 from infer.sampling_params import SamplingParams
 from infer.spec.ngram import propose_ngram
 
@@ -16,18 +18,38 @@ def speculates(params: SamplingParams, constrained: bool) -> bool:
     return not (params.has_penalties or params.logprobs is not None or constrained)
 
 
+def draft_budget(request: Request, k: int, max_model_len: int) -> int:
+    """How many drafts `request` may get: at most k, none past its length limits (the
+    verify step computes its last token and every draft; the last accepted draft is
+    followed by one more sampled token)."""
+    return max(0, min(k, max_model_len - request.num_tokens,
+                      request.max_new_tokens - len(request.output_token_ids) - 1))
+
+
+class Drafter(Protocol):
+    own_cache: bool  # a draft model with a KV cache of its own
+
+    def propose(self, requests: list[Request]) -> list[list[int]]:
+        """Drafts for the tokens after each request's last."""
+
+    def mirror(self, out: SchedulerOutput, requests: dict[str, Request]) -> None:
+        """See each step the target runs, once launched (a draft model keeps its cache)."""
+
+
 class NgramDrafter:
-    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
-        self.k = config.num_speculative_tokens
-        self.min_n, self.max_n = config.ngram_min, config.ngram_max
-        self.max_batch = config.speculative_max_batch
+    own_cache = False
+
+    def __init__(self, k: int, min_n: int, max_n: int, max_model_len: int) -> None:
+        self.k, self.min_n, self.max_n = k, min_n, max_n
         self.max_model_len = max_model_len
 
-    def propose(self, request: Request, batch_size: int) -> list[int]:
-        """Drafts for the tokens after `request`'s last: none in batches above the limit,
-        none past the length limits."""
-        k = min(self.k, self.max_model_len - request.num_tokens,
-                request.max_new_tokens - len(request.output_token_ids) - 1)
-        if k <= 0 or batch_size > self.max_batch:
-            return []
-        return propose_ngram(request.all_token_ids, k, self.min_n, self.max_n)
+    def propose(self, requests: list[Request]) -> list[list[int]]:
+        drafts = []
+        for request in requests:
+            k = draft_budget(request, self.k, self.max_model_len)
+            drafts.append(propose_ngram(request.all_token_ids, k, self.min_n, self.max_n)
+                          if k else [])
+        return drafts
+
+    def mirror(self, out: SchedulerOutput, requests: dict[str, Request]) -> None:
+        pass

@@ -1,0 +1,107 @@
+"""Drafts from a model: the target's own first layers (`speculative_method="self"`) or a
+small model with the target's vocabulary (`"draft"`).
+
+A proposal round runs k forwards over every speculating sequence at once, each feeding
+the previous forward's argmax (greedy drafts: the verification treats them as
+deterministic proposals, which keeps it lossless). The first forward takes the sequence's
+last token, which the target has not computed yet; the later ones one draft each, and
+forward i writes the draft's KV at the position of draft i - 1 -- where the verify step
+writes next (its slots are allocated before the round; the scheduler then finds them
+held).
+
+Whose KV the draft's cache holds:
+- an early exit shares the target's layers and cache: the target wrote every position.
+- a draft model has a cache of its own, with the target's block tables. It runs every
+  step item the target runs without drafts (`mirror`: prefill chunks, plain decodes).
+  Verified positions need no mirror: the round wrote each accepted draft's KV with that
+  draft as input, except the last draft, which no draft forward took. When all k were
+  accepted (`Request.draft_behind`), the next forward over the sequence -- the round's
+  first, or the mirror of a plain decode -- starts one token earlier.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infer.cache.kv_manager import KVCacheManager
+from infer.engine.model_runner import ModelRunner, StepInputs
+from infer.engine.request import Request
+from infer.engine.scheduler import ScheduledRequest, SchedulerOutput
+from infer.spec.drafter import draft_budget
+
+
+class ModelDrafter:
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager, k: int, max_model_len: int,
+                 own_cache: bool) -> None:
+        """`own_cache`: the runner's model is a separate draft model (see above)."""
+        self.runner, self.kv = runner, kv
+        self.k, self.max_model_len = k, max_model_len
+        self.own_cache = own_cache
+        self.num_forwards = 0  # draft forwards run in proposal rounds
+
+    def propose(self, requests: list[Request]) -> list[list[int]]:
+        budgets = [draft_budget(r, self.k, self.max_model_len) for r in requests]
+        # The verify step computes num_tokens + k tokens of each; without the blocks for
+        # them now, no drafts (the scheduler decides what to preempt, not the drafter).
+        rows = [i for i, (r, k) in enumerate(zip(requests, budgets))
+                if k and self.kv.allocate(r.request_id, r.num_tokens + k)]
+        drafts: list[list[int]] = [[] for _ in requests]
+        if not rows:
+            return drafts
+        # Longest budgets first: the rows still drafting at forward j are a prefix.
+        rows.sort(key=lambda i: -budgets[i])
+        chosen = [requests[i] for i in rows]
+        tables = [self.kv.tables[r.request_id] for r in chosen]
+        ids = self.runner.execute(self._first_inputs(chosen, tables)).argmax(dim=-1)
+        proposed = [ids]
+        positions = [r.num_tokens for r in chosen]
+        for j in range(1, budgets[rows[0]]):
+            n = sum(budgets[i] > j for i in rows)
+            inputs = StepInputs([], positions[:n], [1] * n, [p + 1 for p in positions[:n]],
+                                tables[:n], list(range(n)),
+                                [r.request_id for r in chosen[:n]], [1] * n)
+            ids = self.runner.execute(inputs, ids[:n]).argmax(dim=-1)
+            proposed.append(ids)
+            positions = [p + 1 for p in positions]
+        self.num_forwards += len(proposed)
+        flat = torch.cat(proposed).tolist()  # forward by forward, row by row
+        at = 0
+        for part in proposed:
+            for row in range(len(part)):
+                drafts[rows[row]].append(flat[at + row])
+            at += len(part)
+        return drafts
+
+    def _first_inputs(self, chosen: list[Request], tables: list[list[int]]) -> StepInputs:
+        """Each sequence's last token, after the one before it where the draft's cache
+        lacks that."""
+        inputs = StepInputs([], [], [], [], tables, [], [r.request_id for r in chosen],
+                            [1] * len(chosen))
+        for r in chosen:
+            n = 1 + (self.own_cache and r.draft_behind)
+            r.draft_behind = False
+            inputs.input_ids.extend(r.token_slice(r.num_tokens - n, r.num_tokens))
+            inputs.positions.extend(range(r.num_tokens - n, r.num_tokens))
+            inputs.query_lens.append(n)
+            inputs.seq_lens.append(r.num_tokens)
+            inputs.sample_rows.append(len(inputs.input_ids) - 1)
+        return inputs
+
+    def mirror(self, out: SchedulerOutput, requests: dict[str, Request]) -> None:
+        """Run the step's items without drafts through a draft model with its own cache."""
+        if not self.own_cache:
+            return
+        items = []
+        for item in out.scheduled:
+            if item.spec_token_ids:
+                continue
+            request = requests[item.request_id]
+            if request.draft_behind and item.num_new_tokens == 1 and item.start > 0:
+                prev = request.token_slice(item.start - 1, item.start)
+                item = ScheduledRequest(item.request_id, item.start - 1, 2, False,
+                                        (*prev, *item.token_ids), ())
+            request.draft_behind = False
+            items.append(item._replace(samples=False))
+        if items:
+            self.runner.execute(self.runner.prepare(SchedulerOutput(tuple(items)),
+                                                    self.kv.tables))
