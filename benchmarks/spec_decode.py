@@ -4,8 +4,12 @@ that copy from the prompt), greedy, each `--method` against none in the same run
 batch 1 (prompts one after another) and batch 8 (all together). Reports the drafts'
 acceptance rate, tokens per target forward, and tok/s.
 
-    python benchmarks/spec_decode.py [--methods ngram] [--batches 1 8] [--max-tokens 96]
-        [--engine num_speculative_tokens=4] [--engine device=cuda]
+    python benchmarks/spec_decode.py [--methods ngram self self=8 draft=PATH]
+        [--batches 1 8] [--max-tokens 96] [--engine num_speculative_tokens=4]
+        [--engine device=cuda]
+
+A method is `ngram`, `self` (half the layers), `self=L` (the first L layers) or
+`draft=PATH` (a draft model).
 
 Prints one table and writes benchmarks/results/spec_decode_<device>.json.
 """
@@ -43,6 +47,15 @@ PROMPTS = {
 }
 
 
+def method_flags(method: str) -> dict:
+    name, _, value = method.partition("=")
+    if name == "self" and value:
+        return {"speculative_method": "self", "self_draft_layers": int(value)}
+    if name == "draft":
+        return {"speculative_method": "draft", "draft_model": value}
+    return {"speculative_method": name}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,6 +63,8 @@ def main() -> None:
     p.add_argument("--methods", nargs="+", default=["ngram"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--completion", action="store_true",
+                   help="prompts as plain text, not chat (base models without a template)")
     common.add_common_args(p)
     args = p.parse_args()
     from infer import LLM, SamplingParams
@@ -60,8 +75,8 @@ def main() -> None:
              for kind, texts in PROMPTS.items()}
     rows, texts = [], {}
     for method in ["none", *args.methods]:
-        llm = LLM(args.model, speculative_method=method, **flags)
-        llm.chat(chats["chat"][:1], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+        llm = LLM(args.model, **method_flags(method), **flags)
+        llm.generate("Hello", SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
         core = llm.engine.core
         for kind, messages in chats.items():
             for batch in args.batches:
@@ -69,7 +84,10 @@ def main() -> None:
                 start = time.perf_counter()
                 outs = []
                 for i in range(0, len(messages), batch):
-                    outs += llm.chat(messages[i:i + batch], params, use_tqdm=False)
+                    part = messages[i:i + batch]
+                    outs += (llm.generate([m[0]["content"] for m in part], params,
+                                          use_tqdm=False) if args.completion
+                             else llm.chat(part, params, use_tqdm=False))
                 seconds = time.perf_counter() - start
                 steps, drafts, accepted = (now - then for now, then in zip(
                     (core.num_steps, core.num_draft_tokens, core.num_accepted_tokens), before))
