@@ -90,6 +90,23 @@ def test_greedy_rows_accept_while_the_draft_is_the_argmax():
     assert out.num_accepted.tolist() == [2, 3, 0]
 
 
+def test_the_greedy_shortcut_matches_the_full_rule():
+    """`verify_greedy` (argmax only) against `verify` with every row greedy, on drafts that
+    often equal the argmax and rows with fewer drafts than room."""
+    gen = torch.Generator().manual_seed(1)
+    target = torch.softmax(torch.randn(200, K + 1, 4, generator=gen) * 3, dim=2)
+    argmax = target.argmax(dim=2)
+    drafts = torch.where(torch.rand(200, K, generator=gen) < 0.7, argmax[:, :K],
+                         torch.randint(0, 4, (200, K), generator=gen))
+    num_drafts = torch.randint(0, K + 1, (200,), generator=gen)
+    full = verify(target, drafts, num_drafts, torch.ones(200, dtype=torch.bool),
+                  torch.rand(200, K, generator=gen), torch.ones(200, K + 1, 4))
+    short = rejection.verify_greedy(argmax, drafts, num_drafts)
+    assert torch.equal(short.token_ids, full.token_ids)
+    assert torch.equal(short.num_tokens, full.num_tokens)
+    assert 0 < (full.num_tokens - 1).float().mean() < K  # some accepted, some not
+
+
 def test_a_draft_equal_to_the_target_is_always_accepted():
     gen = torch.Generator().manual_seed(0)
     target = torch.softmax(torch.randn(64, K + 1, V, generator=gen), dim=2)

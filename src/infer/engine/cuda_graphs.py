@@ -80,7 +80,7 @@ class DecodeGraphs:
 
     def __init__(
         self, model: nn.Module, attn: GraphMetadata, device: torch.device,
-        capture: bool = True,
+        capture: bool = True, pool: object = None,
     ) -> None:
         self.model = model
         self.attn = attn
@@ -92,12 +92,12 @@ class DecodeGraphs:
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.hidden: dict[int, torch.Tensor] = {}  # graph outputs (or eager results)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool: object = None  # the graphs' memory pool (other graphs may share it)
+        self.pool = pool  # the graphs' memory pool (other graphs may share it)
         self.capture_seconds = 0.0
         self.steps = 0  # steps served through the static buffers
         if capture:
             self.pool, self.capture_seconds = capture_graphs(
-                self.sizes, self._forward, self.graphs, self.hidden, device)
+                self.sizes, self._forward, self.graphs, self.hidden, device, pool)
 
     @property
     def max_batch(self) -> int:

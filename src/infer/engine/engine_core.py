@@ -158,6 +158,11 @@ class EngineCore:
         if self.graphs_on:
             graphs = self.runner.enable_decode_graphs(config.max_num_seqs, max_model_len)
             self.graph_capture_seconds += graphs.capture_seconds
+            if self.drafter is not None:  # steps where every sequence verifies k drafts
+                graphs = self.runner.enable_decode_graphs(
+                    min(config.speculative_max_batch, config.max_num_seqs), max_model_len,
+                    tokens_per_seq=config.num_speculative_tokens + 1)
+                self.graph_capture_seconds += graphs.capture_seconds
             budget = config.max_num_batched_tokens
             if config.mixed_step_graphs == "full":
                 mixed = self.runner.enable_mixed_graphs(budget, config.max_num_seqs,

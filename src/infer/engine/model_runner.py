@@ -70,20 +70,27 @@ class ModelRunner:
             self._views = [(m.k_cache, m.v_cache) for m in self._layers]
         self._bind()
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs: DecodeGraphs | None = None
         self.mixed: MixedGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int,
                              capture: bool = True, tokens_per_seq: int = 1) -> DecodeGraphs:
         """Capture graphs for steps whose sequences each bring `tokens_per_seq` tokens (if
-        the backend allows: Triton attention only); `capture=False` runs the same
-        static-buffer path eagerly (CPU tests)."""
+        the backend allows: Triton attention only): decode steps (1), or steps that verify
+        k drafts of every sequence (k + 1; `verify_graphs`). `capture=False` runs the
+        same static-buffer path eagerly (CPU tests)."""
         attn = self.backend.init_graph_metadata(
             max_num_seqs, tokens_per_seq, max_model_len, self.block_size,
             self.model_config.num_kv_heads, self.device)
         self._bind()
-        self.graphs = DecodeGraphs(self.model, attn, self.device, capture=capture)
-        return self.graphs
+        graphs = DecodeGraphs(self.model, attn, self.device, capture=capture,
+                              pool=self._graph_pool())
+        if tokens_per_seq == 1:
+            self.graphs = graphs
+        else:
+            self.verify_graphs = graphs
+        return graphs
 
     def enable_mixed_graphs(self, max_tokens: int, max_num_seqs: int, max_model_len: int,
                             capture: bool = True) -> MixedGraphs:
@@ -110,7 +117,7 @@ class ModelRunner:
     def _graph_pool(self) -> object:
         """The memory pool graphs captured so far share (None: none captured yet). Steps
         never overlap, so all graphs of the runner can share one."""
-        for graphs in (self.mixed, self.graphs):
+        for graphs in (self.mixed, self.graphs, self.verify_graphs):
             if graphs is not None and graphs.pool is not None:
                 return graphs.pool
         return None
@@ -151,9 +158,10 @@ class ModelRunner:
         if self._layers[0].k_cache is not self._views[0][0]:
             self._bind()
         ids = inputs.input_ids if device_input_ids is None else device_input_ids
-        if self.graphs is not None and self.graphs.fits(inputs.query_lens):
-            hidden = self.graphs.run(ids, inputs.positions, inputs.seq_lens,
-                                     inputs.block_tables)
+        decode = next((g for g in (self.graphs, self.verify_graphs)
+                       if g is not None and g.fits(inputs.query_lens)), None)
+        if decode is not None:
+            hidden = decode.run(ids, inputs.positions, inputs.seq_lens, inputs.block_tables)
         elif self.mixed is not None and self.mixed.fits(inputs.query_lens):
             hidden = self.mixed.run(ids, inputs.positions, inputs.query_lens,
                                     inputs.seq_lens, inputs.block_tables)

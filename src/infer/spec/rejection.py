@@ -42,6 +42,18 @@ def _accept(p_draft: torch.Tensor, q_draft: torch.Tensor, uniforms: torch.Tensor
     return uniforms * q_draft < p_draft
 
 
+def verify_greedy(argmax: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor
+                  ) -> Verified:
+    """`verify` for a batch of greedy rows from the target's argmax alone (`[B, K + 1]`):
+    no distributions, no draws."""
+    k1 = argmax.shape[1]
+    positions = torch.arange(k1 - 1, device=argmax.device)
+    ok = (draft_ids == argmax[:, :-1]) & (positions[None, :] < num_drafts[:, None])
+    accepted = ok.long().cumprod(dim=1).sum(dim=1)
+    keep = torch.arange(k1, device=argmax.device)[None, :] <= accepted[:, None]
+    return Verified(torch.where(keep, argmax, -1), accepted + 1)
+
+
 def verify(target_probs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
            greedy: torch.Tensor, uniforms: torch.Tensor, noise: torch.Tensor,
            draft_probs: torch.Tensor | None = None) -> Verified:

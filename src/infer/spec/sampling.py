@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from infer.engine.sampler import SamplingBatch, filter_logits, seeded_draws
-from infer.spec.rejection import Verified, verify
+from infer.spec.rejection import Verified, verify, verify_greedy
 from infer.transfer import to_device
 
 
@@ -24,12 +24,17 @@ def verify_drafts(logits: torch.Tensor, batch: SamplingBatch, counts: list[int],
     x = logits.float()
     if batch.banned is not None:
         x = x.masked_fill(batch.banned, float("-inf"))
-    probs = (x if batch.all_greedy else filter_logits(x, batch)).softmax(dim=-1)
-    # [B, K + 1, V]: request i's rows, its last one repeated past them (never read)
-    index = [start + min(j, c - 1) for start, c in zip(_starts(counts), counts)
-             for j in range(k + 1)]
-    target = probs[to_device(torch.tensor(index), device)].view(b, k + 1, v)
+    # [B, K + 1]: request i's rows, its last one repeated past them (never read)
+    index = to_device(torch.tensor([start + min(j, c - 1)
+                                    for start, c in zip(_starts(counts), counts)
+                                    for j in range(k + 1)]), device)
     draft_ids = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.long)
+    num_drafts = to_device(torch.tensor([len(d) for d in drafts]), device)
+    if all(greedy):  # a draft's verdict needs only the argmax
+        return verify_greedy(x.argmax(dim=-1)[index].view(b, k + 1),
+                             to_device(draft_ids, device), num_drafts)
+    probs = (x if batch.all_greedy else filter_logits(x, batch)).softmax(dim=-1)
+    target = probs[index].view(b, k + 1, v)
     uniforms = torch.rand(b, k, device=device)
     noise = torch.empty(b, k + 1, v, device=device).exponential_()
     for i, (seed, pos) in enumerate(zip(seeds, positions)):
@@ -38,8 +43,7 @@ def verify_drafts(logits: torch.Tensor, batch: SamplingBatch, counts: list[int],
             for j in range(k + 1):
                 noise[i, j] = seeded_draws(seed, pos + j, (v,), device)
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return verify(target, to_device(draft_ids, device),
-                  to_device(torch.tensor([len(d) for d in drafts]), device),
+    return verify(target, to_device(draft_ids, device), num_drafts,
                   to_device(torch.tensor(greedy), device), uniforms, noise)
 
 
