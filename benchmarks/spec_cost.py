@@ -52,7 +52,7 @@ class FixedDrafter:
         return [[7] * min(self.k, r.max_new_tokens - len(r.output_token_ids) - 1)
                 for r in requests]
 
-    def mirror(self, out, requests) -> None:
+    def mirror(self, out, requests, device_input_ids=None) -> None:
         pass
 
 
@@ -71,8 +71,8 @@ class TimedDrafter:
         self.rounds += 1
         return drafts
 
-    def mirror(self, out, requests) -> None:
-        self.inner.mirror(out, requests)
+    def mirror(self, out, requests, device_input_ids=None) -> None:
+        self.inner.mirror(out, requests, device_input_ids)
 
 
 def warm(llm, timed: TimedDrafter) -> None:

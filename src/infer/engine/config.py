@@ -61,9 +61,9 @@ class EngineConfig:
     # Speculative decoding: none | ngram (drafts looked up in the sequence's own earlier
     # tokens, spec/ngram.py) | self (the model's own first self_draft_layers layers) |
     # draft (draft_model, a small model with the same vocabulary). Drafts are verified in
-    # one forward of the model, the output distributed exactly as without them. Steps are
-    # not launched ahead (async_scheduling) while it is on. Requests with penalties,
-    # logprobs or structured output are not speculated.
+    # one forward of the model, the output distributed exactly as without them (penalties,
+    # logprobs and grammar masks at every drafted position). A step with drafts is not
+    # launched ahead (async_scheduling): steps above speculative_max_batch are.
     speculative_method: str = "none"
     num_speculative_tokens: int = 4  # k: most drafts per sequence per step
     ngram_min: int = 1  # n-gram drafts: the shortest and longest suffix looked up

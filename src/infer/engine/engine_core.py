@@ -46,10 +46,10 @@ from infer.models.layers import set_kernel_backend
 from infer.quantization import quantize_model
 from infer.sampling_params import SamplingParams
 from infer.spec.draft_model import load_draft_model
-from infer.spec.drafter import Drafter, NgramDrafter, speculates
+from infer.spec.drafter import Drafter, NgramDrafter
 from infer.spec.early_exit import EarlyExit
 from infer.spec.model_drafter import ModelDrafter
-from infer.spec.sampling import verify_drafts
+from infer.spec.sampling import verified_logprobs, verify_drafts
 from infer.transfer import HostCopy, to_device
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,9 @@ class _StepInFlight:
     # Sequences whose drafts the step judged, and their verdicts on the way to the host
     # (token ids [S, K + 1], how many of each row count [S]).
     spec_ids: list[str] = field(default_factory=list)
-    verified: HostCopy | None = None
+    verified: HostCopy | None = None  # (+ raw logprobs, top ids, top logprobs, or Nones)
+    # (index in spec_ids, matcher) of the rows judged under grammar masks
+    spec_grammars: list[tuple[int, GrammarMatcher]] = field(default_factory=list)
 
 
 class EngineCore:
@@ -417,7 +419,7 @@ class EngineCore:
         requests = {i.request_id: self.sequences[i.request_id].request for i in out.scheduled}
         logits = self.runner.execute(inputs, device_input_ids)
         if self.drafter is not None:
-            self.drafter.mirror(out, requests)
+            self.drafter.mirror(out, requests, device_input_ids)
         self.num_steps += 1
         if prev is not None:
             self.num_steps_launched_ahead += 1
@@ -440,8 +442,10 @@ class EngineCore:
     def _launch_verify(self, out: SchedulerOutput, requests: dict[str, Request],
                        inputs: StepInputs, logits: torch.Tensor) -> _StepInFlight:
         """Sampling of a step with drafts: the sequences with drafts have them judged
-        (`spec.sampling`), the others sample as usual (masks included). Never launched
-        ahead: drafts are proposed from the tokens accounted."""
+        (`spec.sampling`), the others sample as usual. Grammars mask every row, a drafted
+        position by the state after the drafts before it (drafts a grammar refuses were
+        cut when proposed). Never launched ahead: drafts are proposed from the tokens
+        accounted."""
         plain_rows, plain_ids, spec_rows, spec_ids, counts = [], [], [], [], []
         row = 0
         for rid, count in zip(inputs.sample_request_ids, inputs.sample_counts):
@@ -455,25 +459,55 @@ class EngineCore:
             row += count
         drafts = {i.request_id: list(i.spec_token_ids) for i in out.scheduled}
         seqs = [self.sequences[rid] for rid in spec_ids]
-        batch = self._sampling_batch([seq for seq, c in zip(seqs, counts) for _ in range(c)],
-                                     offsets=[j for c in counts for j in range(c)])
+        plain = [self.sequences[rid] for rid in plain_ids]
+        if any(seq.grammar is not None for seq in (*seqs, *plain)):
+            self._mask_verify(logits, inputs, drafts)
+        spec_drafts = [drafts[rid] for rid in spec_ids]
+        batch = self._sampling_batch(
+            [seq for seq, c in zip(seqs, counts) for _ in range(c)],
+            drafted=[d[:j] for d, c in zip(spec_drafts, counts) for j in range(c)])
+        spec_logits = logits[to_device(torch.tensor(spec_rows), logits.device)]
         verified = verify_drafts(
-            logits[to_device(torch.tensor(spec_rows), logits.device)], batch, counts,
-            [drafts[rid] for rid in spec_ids], [seq.params.greedy for seq in seqs],
+            spec_logits, batch, counts, spec_drafts, [seq.params.greedy for seq in seqs],
             [seq.params.seed for seq in seqs],
             [len(seq.request.output_token_ids) for seq in seqs])
+        lp = None
+        if any(seq.params.logprobs is not None for seq in seqs):
+            lp = verified_logprobs(spec_logits, counts, verified.token_ids,
+                                   max(seq.params.logprobs or 0 for seq in seqs))
         step = _StepInFlight(out, requests, plain_ids, None, None, spec_ids=spec_ids,
-                             verified=HostCopy(verified.token_ids, verified.num_tokens))
+                             verified=HostCopy(verified.token_ids, verified.num_tokens,
+                                               *(lp or (None, None, None))))
+        step.spec_grammars = [(i, seq.grammar) for i, seq in enumerate(seqs)
+                              if seq.grammar is not None and not seq.grammar.terminated]
         if plain_ids:
-            plain = [self.sequences[rid] for rid in plain_ids]
             plain_logits = logits[to_device(torch.tensor(plain_rows), logits.device)]
-            if any(seq.grammar is not None for seq in plain):
-                step.masked = self._mask(plain_logits, plain)
+            step.masked = [(i, seq.grammar) for i, seq in enumerate(plain)
+                           if seq.grammar is not None and not seq.grammar.terminated]
             result = sample(plain_logits, self._sampling_batch(plain))
             step.token_ids = result.token_ids
             step.results = HostCopy(result.token_ids, result.logprobs,
                                     result.top_logprob_ids, result.top_logprobs)
         return step
+
+    def _mask_verify(self, logits: torch.Tensor, inputs: StepInputs,
+                     drafts: dict[str, list[int]]) -> None:
+        """Grammar masks on a verify step's rows: a sequence's first row by its grammar's
+        state, the row of its j-th draft by the state after its first j drafts."""
+        entries, rows, row = [], [], 0
+        for rid, count in zip(inputs.sample_request_ids, inputs.sample_counts):
+            grammar = self.sequences[rid].grammar
+            if grammar is not None and not grammar.terminated:
+                entries.append((row, grammar, drafts[rid] if count > 1 else []))
+                rows.extend(range(row, row + count))
+            row += count
+        if not entries:
+            return
+        structured = self.structured_outputs()
+        masks = structured.step_masks(row)
+        structured.fill_masks_with_drafts(entries, masks)
+        with torch.inference_mode():
+            structured.apply_masks(logits, masks, rows)
 
     def _try_launch_ahead(self, prev: _StepInFlight) -> _StepInFlight | None:
         """A launch ahead that fails is dropped: nothing of it was accounted, and the next
@@ -488,8 +522,10 @@ class EngineCore:
         """Launch the step after `prev` before prev's tokens reach the host, when the
         scheduler can plan it now and no sequence's sampling depends on prev's token
         values (penalties). None: the next step is planned once prev is accounted."""
-        if not self.config.async_scheduling or self.drafter is not None:
+        if not self.config.async_scheduling:
             return None
+        if self.drafter is not None and len(self.sequences) <= self.config.speculative_max_batch:
+            return None  # drafts come from prev's tokens: the next step waits for them
         if any(seq.params.has_penalties for seq in self.sequences.values()):
             return None
         plan = self.scheduler.schedule_ahead(prev.out)
@@ -527,10 +563,18 @@ class EngineCore:
                     continue
                 sampled[seq_id] = [token_ids[row]]
                 rows[seq_id] = row
+        spec_lp: dict[str, tuple[list[float], list]] = {}
         if step.spec_ids:
-            spec_tokens, spec_counts = (t.tolist() for t in step.verified.wait())
+            spec_tokens, spec_counts, chosen, s_ids, s_lps = (
+                None if t is None else t.tolist() for t in step.verified.wait())
+            for i, matcher in step.spec_grammars:
+                if not matcher.accept_all(spec_tokens[i][:spec_counts[i]]):
+                    raise RuntimeError(f"sequence {step.spec_ids[i]}: verified tokens "
+                                       f"{spec_tokens[i][:spec_counts[i]]} are not allowed "
+                                       "by its grammar")
             drafted = {i.request_id: len(i.spec_token_ids) for i in step.out.scheduled}
-            for seq_id, tokens, count in zip(step.spec_ids, spec_tokens, spec_counts):
+            for i, (seq_id, tokens, count) in enumerate(
+                    zip(step.spec_ids, spec_tokens, spec_counts)):
                 self._count_verdict(drafted[seq_id], count - 1)
                 if self.drafter.own_cache and count - 1 == drafted[seq_id]:
                     step.requests[seq_id].draft_behind = True
@@ -538,6 +582,11 @@ class EngineCore:
                     self.num_discarded_tokens += count
                     continue
                 sampled[seq_id] = tokens[:count]
+                k = self.sequences[seq_id].params.logprobs
+                if k is not None:
+                    spec_lp[seq_id] = (chosen[i][:count], [
+                        (s_ids[i][j][:k], s_lps[i][j][:k]) if k else None
+                        for j in range(count)])
         outputs = []
         out = step.out
         if len(live) < len(out.scheduled):
@@ -553,6 +602,11 @@ class EngineCore:
                 output = SequenceOutput(rid, update.new_token_ids, None, None,
                                         update.finish_reason, update.stop_reason,
                                         seq.request.num_cached_tokens)
+            elif rid in spec_lp:
+                n = len(update.new_token_ids)  # the verified tokens up to a stop
+                output = SequenceOutput(rid, update.new_token_ids, spec_lp[rid][0][:n],
+                                        spec_lp[rid][1][:n], update.finish_reason,
+                                        update.stop_reason, seq.request.num_cached_tokens)
             else:  # then the batch computed chosen_lp
                 row, k = rows[rid], seq.params.logprobs
                 top = (top_ids[row][:k], top_lps[row][:k]) if top_ids is not None and k else None
@@ -575,19 +629,21 @@ class EngineCore:
             self.accepted_at[i] += i < accepted
 
     def _propose(self, seq_ids: Collection[str]) -> None:
-        """Drafts for the next step of the sequences that just sampled (none for those
-        whose sampling verification does not reproduce, none in batches above
-        speculative_max_batch)."""
+        """Drafts for the next step of the sequences that just sampled: none in batches
+        above speculative_max_batch, none while a step launched ahead is in flight (they
+        would be for a position it computes), drafts a grammar refuses cut off."""
         seqs = [seq for seq_id in seq_ids if (seq := self.sequences.get(seq_id)) is not None]
         for seq in seqs:
             seq.request.spec_token_ids = []
-        if len(self.sequences) > self.config.speculative_max_batch:
+        if (len(self.sequences) > self.config.speculative_max_batch
+                or self._in_flight is not None):
             return
-        drafting = [seq.request for seq in seqs
-                    if speculates(seq.params, seq.grammar is not None)]
-        if drafting:
-            for request, drafts in zip(drafting, self.drafter.propose(drafting)):
-                request.spec_token_ids = drafts
+        if not seqs:
+            return
+        for seq, drafts in zip(seqs, self.drafter.propose([seq.request for seq in seqs])):
+            if seq.grammar is not None and drafts:
+                drafts = drafts[:seq.grammar.allowed_prefix(drafts)]
+            seq.request.spec_token_ids = drafts
 
     def _advance_grammars(self, step: _StepInFlight) -> None:
         """Feed the step's sampled tokens to their sequences' grammars, once."""
@@ -619,23 +675,24 @@ class EngineCore:
         return masked
 
     def _sampling_batch(self, seqs: list[_Sequence], pending: Collection[str] = (),
-                        offsets: list[int] | None = None) -> SamplingBatch:
+                        drafted: list[list[int]] | None = None) -> SamplingBatch:
         """`pending`: the sequences with a sampled token not in their output yet (the step
-        in flight samples one for each); `offsets[i]`: row i samples that many tokens
-        after the sequence's next (a drafted position)."""
-        banned, positions = [], []
+        in flight samples one for each); `drafted[i]`: the drafts before row i's position
+        (a verify step's row samples after them: they count for its penalties)."""
+        banned, positions, outputs = [], [], []
         for i, seq in enumerate(seqs):
-            n_out = (len(seq.request.output_token_ids) + (seq.request.request_id in pending)
-                     + (offsets[i] if offsets else 0))
+            output = seq.request.output_token_ids
+            if drafted and drafted[i]:
+                output = output + drafted[i]
+            n_out = len(output) + (seq.request.request_id in pending)
             positions.append(n_out)
+            outputs.append(output)
             if n_out < seq.params.min_tokens:
                 banned.append(list(self.eos_token_ids) + list(seq.params.stop_token_ids))
             else:
                 banned.append([])
         return SamplingBatch.build(
-            [s.params for s in seqs],
-            [s.request.prompt_token_ids for s in seqs],
-            [s.request.output_token_ids for s in seqs],
+            [s.params for s in seqs], [s.request.prompt_token_ids for s in seqs], outputs,
             vocab_size=self.model_config.vocab_size, device=self.device, banned=banned,
             positions=positions,
         )

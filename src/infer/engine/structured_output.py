@@ -85,6 +85,22 @@ class GrammarMatcher:
         """Advance by one sampled token; False if the grammar does not allow it."""
         return self._matcher.consume_token(token_id)
 
+    def accept_all(self, token_ids: list[int]) -> bool:
+        """Advance by several tokens (a verified row's); False if one is not allowed."""
+        return self._matcher.consume_tokens(token_ids)
+
+    def allowed_prefix(self, token_ids: list[int]) -> int:
+        """How many of the first `token_ids` the grammar allows in a row, stopping before
+        one that would finish it (a draft's row after it would have no mask); the
+        matcher is left where it was."""
+        n = self._matcher.try_consume_tokens(token_ids)
+        if n and self._matcher.is_stopped():
+            n -= 1
+            self._matcher.rollback(1)
+        if n:
+            self._matcher.rollback(n)
+        return n
+
     @property
     def terminated(self) -> bool:
         """The grammar is finished: it took the stop token, or allows nothing but it."""
@@ -197,6 +213,14 @@ class StructuredOutputs:
         rows = rows if rows is not None else list(range(len(matchers)))
         self._llg_torch.fill_next_token_bitmask_par(
             self._executor, [(m._matcher, row) for m, row in zip(matchers, rows)], masks)
+
+    def fill_masks_with_drafts(self, entries: list[tuple[int, GrammarMatcher, list[int]]],
+                               masks: torch.Tensor) -> None:
+        """For each (row, matcher, drafts): row `row` := what the matcher allows next, row
+        `row + j` := what it allows after the first j drafts (each allowed), in parallel;
+        matchers are left where they were."""
+        self._llg_torch.fill_next_token_bitmask_par_with_draft_tokens(
+            self._executor, [(m._matcher, row, drafts) for row, m, drafts in entries], masks)
 
     def apply_masks(self, logits: torch.Tensor, masks: torch.Tensor,
                     rows: list[int] | None = None) -> None:

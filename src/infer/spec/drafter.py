@@ -5,17 +5,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from infer.engine.request import Request
 from infer.engine.scheduler import SchedulerOutput
-from infer.sampling_params import SamplingParams
 from infer.spec.ngram import propose_ngram
-
-
-def speculates(params: SamplingParams, constrained: bool) -> bool:
-    """Requests whose sampling the verification does not reproduce are not speculated:
-    penalties (they depend on the drafts before each position), logprobs (not reported
-    for drafts yet) and grammars (masks per drafted position: not yet)."""
-    return not (params.has_penalties or params.logprobs is not None or constrained)
 
 
 def draft_budget(request: Request, k: int, max_model_len: int) -> int:
@@ -32,8 +26,10 @@ class Drafter(Protocol):
     def propose(self, requests: list[Request]) -> list[list[int]]:
         """Drafts for the tokens after each request's last."""
 
-    def mirror(self, out: SchedulerOutput, requests: dict[str, Request]) -> None:
-        """See each step the target runs, once launched (a draft model keeps its cache)."""
+    def mirror(self, out: SchedulerOutput, requests: dict[str, Request],
+               device_input_ids: torch.Tensor | None = None) -> None:
+        """See each step the target runs, once launched (a draft model keeps its cache);
+        `device_input_ids` as `ModelRunner.execute` takes them."""
 
 
 class NgramDrafter:
@@ -51,5 +47,6 @@ class NgramDrafter:
                           if k else [])
         return drafts
 
-    def mirror(self, out: SchedulerOutput, requests: dict[str, Request]) -> None:
+    def mirror(self, out: SchedulerOutput, requests: dict[str, Request],
+               device_input_ids: torch.Tensor | None = None) -> None:
         pass

@@ -87,8 +87,11 @@ class ModelDrafter:
             inputs.sample_rows.append(len(inputs.input_ids) - 1)
         return inputs
 
-    def mirror(self, out: SchedulerOutput, requests: dict[str, Request]) -> None:
-        """Run the step's items without drafts through a draft model with its own cache."""
+    def mirror(self, out: SchedulerOutput, requests: dict[str, Request],
+               device_input_ids: torch.Tensor | None = None) -> None:
+        """Run the step's items without drafts through a draft model with its own cache;
+        `device_input_ids`: the ids of a step launched ahead (no drafts in such a step,
+        and no sequence behind: the step after a verify is never launched ahead)."""
         if not self.own_cache:
             return
         items = []
@@ -97,11 +100,14 @@ class ModelDrafter:
                 continue
             request = requests[item.request_id]
             if request.draft_behind and item.num_new_tokens == 1 and item.start > 0:
+                assert item.token_ids is not None, "a sequence behind in a step launched ahead"
                 prev = request.token_slice(item.start - 1, item.start)
                 item = ScheduledRequest(item.request_id, item.start - 1, 2, False,
                                         (*prev, *item.token_ids), ())
             request.draft_behind = False
             items.append(item._replace(samples=False))
+        if device_input_ids is not None:
+            assert len(items) == len(out.scheduled), "drafts in a step launched ahead"
         if items:
             self.runner.execute(self.runner.prepare(SchedulerOutput(tuple(items)),
-                                                    self.kv.tables))
+                                                    self.kv.tables), device_input_ids)

@@ -1,13 +1,15 @@
 """A step's drafts judged from its logits: the target's distributions at each drafted
-position (the sampler's own temperature / top-k / top-p / min-p and banned tokens, per
-position), the random draws (per seeded request and position, so batch-invariant), then
-`rejection.verify`."""
+position (the sampler's own banned tokens, penalties, temperature / top-k / top-p / min-p,
+per position), the random draws (per seeded request and position, so batch-invariant),
+then `rejection.verify`; and the raw logprobs of the tokens it keeps."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from infer.engine.sampler import SamplingBatch, filter_logits, seeded_draws
+from infer.engine.sampler import SamplingBatch, apply_penalties, filter_logits, seeded_draws
 from infer.spec.rejection import Verified, verify, verify_greedy
 from infer.transfer import to_device
 
@@ -16,18 +18,16 @@ def verify_drafts(logits: torch.Tensor, batch: SamplingBatch, counts: list[int],
                   drafts: list[list[int]], greedy: list[bool], seeds: list[int | None],
                   positions: list[int]) -> Verified:
     """`logits [sum(counts), V]`: request i's `counts[i] = 1 + len(drafts[i])` rows in
-    order, `batch` built for those rows (each at its own output position); `positions[i]`:
-    the output index of request i's first row. Penalties are not applied (requests with
-    penalties are not speculated)."""
+    order, `batch` built for those rows (each at its own output position, its drafts
+    before it counted as output); `positions[i]`: the output index of request i's first
+    row."""
     b, k = len(counts), max(counts) - 1
     v, device = logits.shape[1], logits.device
     x = logits.float()
     if batch.banned is not None:
         x = x.masked_fill(batch.banned, float("-inf"))
-    # [B, K + 1]: request i's rows, its last one repeated past them (never read)
-    index = to_device(torch.tensor([start + min(j, c - 1)
-                                    for start, c in zip(_starts(counts), counts)
-                                    for j in range(k + 1)]), device)
+    x = apply_penalties(x, batch)
+    index = _padded_rows(counts, device)
     draft_ids = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.long)
     num_drafts = to_device(torch.tensor([len(d) for d in drafts]), device)
     if all(greedy):  # a draft's verdict needs only the argmax
@@ -47,9 +47,33 @@ def verify_drafts(logits: torch.Tensor, batch: SamplingBatch, counts: list[int],
                   to_device(torch.tensor(greedy), device), uniforms, noise)
 
 
-def _starts(counts: list[int]) -> list[int]:
-    starts, total = [], 0
+class VerifiedLogprobs(NamedTuple):
+    chosen: torch.Tensor  # [B, K + 1]: each kept token's raw logprob (garbage past them)
+    top_ids: torch.Tensor | None  # [B, K + 1, n]: the n most likely tokens at each position
+    top_logprobs: torch.Tensor | None  # [B, K + 1, n]
+
+
+def verified_logprobs(logits: torch.Tensor, counts: list[int], token_ids: torch.Tensor,
+                      num_logprobs: int) -> VerifiedLogprobs:
+    """Raw logprobs (the model's log-softmax, as the sampler reports them) at each position
+    of a verified row: of the token kept there (`token_ids [B, K + 1]`, -1 past the kept
+    ones) and of the `num_logprobs` most likely tokens (none if 0)."""
+    b, k1 = token_ids.shape
+    x = logits.float()[_padded_rows(counts, logits.device)].view(b, k1, -1)
+    lse = x.logsumexp(dim=-1, keepdim=True)
+    chosen = (x.gather(2, token_ids.clamp(min=0)[..., None]) - lse).squeeze(2)
+    if not num_logprobs:
+        return VerifiedLogprobs(chosen, None, None)
+    values, ids = x.topk(num_logprobs, dim=-1)
+    return VerifiedLogprobs(chosen, ids, values - lse)
+
+
+def _padded_rows(counts: list[int], device: torch.device) -> torch.Tensor:
+    """[B x (K + 1)] row indices: request i's rows, its last one repeated past them (those
+    are never read)."""
+    k1 = max(counts)
+    index, start = [], 0
     for c in counts:
-        starts.append(total)
-        total += c
-    return starts
+        index.extend(start + min(j, c - 1) for j in range(k1))
+        start += c
+    return to_device(torch.tensor(index), device)
