@@ -141,6 +141,20 @@ def test_penalties_count_the_drafts_before_each_position(plain, spec, penalties)
     assert want != tokens(plain, REPEATS, GREEDY)
 
 
+def test_a_stop_string_inside_a_verified_run_ends_the_text_there(plain, spec):
+    """Several tokens accepted in one step: the text ends at the stop string among them,
+    the tokens after it are not returned."""
+    params = SamplingParams(max_tokens=40, temperature=0, stop=["date"])
+    want = plain.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    got: list = []
+    _, accepted = drafting(spec, lambda: got.extend(spec.generate(PROMPTS[:1], params,
+                                                                  use_tqdm=False)))
+    got = got[0].outputs[0]
+    assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == \
+        (want.text, want.token_ids, "stop", "date")
+    assert accepted > 0 or spec.engine.core.config.speculative_method == "self"
+
+
 def test_logprobs_of_verified_tokens_are_those_without_drafts(plain, spec):
     """Raw logprobs (and the top 3) of every token, drafted or not, as the model gives
     them one token at a time."""
