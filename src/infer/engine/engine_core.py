@@ -635,10 +635,8 @@ class EngineCore:
         seqs = [seq for seq_id in seq_ids if (seq := self.sequences.get(seq_id)) is not None]
         for seq in seqs:
             seq.request.spec_token_ids = []
-        if (len(self.sequences) > self.config.speculative_max_batch
+        if (not seqs or len(self.sequences) > self.config.speculative_max_batch
                 or self._in_flight is not None):
-            return
-        if not seqs:
             return
         for seq, drafts in zip(seqs, self.drafter.propose([seq.request for seq in seqs])):
             if seq.grammar is not None and drafts:
