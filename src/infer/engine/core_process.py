@@ -254,8 +254,10 @@ def run_core_process(config: EngineConfig, conns: list[Connection]) -> None:
     for conn in conns:
         conn.send(("ready", CoreInfo.of(core, model_name)))
     freeze_startup_objects()
-    core.warm_structured_outputs()
+    warming = core.warm_structured_outputs()
     CoreLoop(core, conns).run()
+    if warming is not None:  # a thread still in native code at exit aborts the process
+        warming.join(30)
 
 
 class CoreClient:

@@ -13,6 +13,7 @@ tokens are read back and accounted, so the GPU never waits for the host's bookke
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -309,6 +310,10 @@ class EngineCore:
         at a time to the GIL)."""
         if self.tokenizer is None:
             return None
+        # Imported here, not in the thread: torch's lazy submodules do not import safely
+        # beside a running model (a missing library is reported by the first request).
+        with contextlib.suppress(ImportError):
+            import llguidance.torch  # noqa: F401
 
         def warm() -> None:
             try:
