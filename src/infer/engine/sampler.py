@@ -299,12 +299,6 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if logits.dim() != 2 or logits.shape[1] != batch.vocab_size:
         raise ValueError(f"logits shape {tuple(logits.shape)}, want [B, {batch.vocab_size}]")
     logits = logits.float()
-    lse = logits.logsumexp(dim=-1, keepdim=True) if batch.want_logprobs else None
-    top_ids = top_lps = None
-    if batch.num_logprobs > 0:
-        values, top_ids = logits.topk(batch.num_logprobs, dim=-1)
-        top_lps = values - lse
-
     x = logits
     if batch.banned is not None:
         x = x.masked_fill(batch.banned, float("-inf"))
@@ -315,7 +309,19 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         tokens = _race(filter_logits(x, batch), batch)
         if batch.greedy is not None:
             tokens = torch.where(batch.greedy, x.argmax(dim=-1), tokens)
-    chosen = None
-    if lse is not None:
-        chosen = (logits.gather(1, tokens[:, None]) - lse).squeeze(1)
-    return SamplerOutput(tokens, chosen, top_ids, top_lps)
+    if not batch.want_logprobs:
+        return SamplerOutput(tokens, None)
+    return SamplerOutput(tokens, *raw_logprobs(logits, tokens, batch.num_logprobs))
+
+
+def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: int
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """From float32 `logits [N, V]` as the model gave them: the log-softmax at `tokens
+    [N]` (an id < 0 reads id 0), and the ids and log-softmax of the `num_logprobs` most
+    likely tokens, most likely first (None, None if 0)."""
+    lse = logits.logsumexp(dim=-1, keepdim=True)
+    chosen = (logits.gather(1, tokens.clamp(min=0)[:, None]) - lse).squeeze(1)
+    if not num_logprobs:
+        return chosen, None, None
+    values, top_ids = logits.topk(num_logprobs, dim=-1)
+    return chosen, top_ids, values - lse

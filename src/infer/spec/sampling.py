@@ -9,7 +9,13 @@ from typing import NamedTuple
 
 import torch
 
-from infer.engine.sampler import SamplingBatch, apply_penalties, filter_logits, seeded_draws
+from infer.engine.sampler import (
+    SamplingBatch,
+    apply_penalties,
+    filter_logits,
+    raw_logprobs,
+    seeded_draws,
+)
 from infer.spec.rejection import Verified, verify, verify_greedy
 from infer.transfer import to_device
 
@@ -59,13 +65,11 @@ def verified_logprobs(logits: torch.Tensor, counts: list[int], token_ids: torch.
     of a verified row: of the token kept there (`token_ids [B, K + 1]`, -1 past the kept
     ones) and of the `num_logprobs` most likely tokens (none if 0)."""
     b, k1 = token_ids.shape
-    x = logits.float()[_padded_rows(counts, logits.device)].view(b, k1, -1)
-    lse = x.logsumexp(dim=-1, keepdim=True)
-    chosen = (x.gather(2, token_ids.clamp(min=0)[..., None]) - lse).squeeze(2)
-    if not num_logprobs:
-        return VerifiedLogprobs(chosen, None, None)
-    values, ids = x.topk(num_logprobs, dim=-1)
-    return VerifiedLogprobs(chosen, ids, values - lse)
+    x = logits.float()[_padded_rows(counts, logits.device)]
+    chosen, ids, lps = raw_logprobs(x, token_ids.view(-1), num_logprobs)
+    if ids is None:
+        return VerifiedLogprobs(chosen.view(b, k1), None, None)
+    return VerifiedLogprobs(chosen.view(b, k1), ids.view(b, k1, -1), lps.view(b, k1, -1))
 
 
 def _padded_rows(counts: list[int], device: torch.device) -> torch.Tensor:
