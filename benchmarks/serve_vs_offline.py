@@ -156,7 +156,6 @@ def pin_cpus(client_cpus: int) -> str:
             f"{client_cpus}")
 
 
-SERVER_KINDS = ("api-1", "api-2", "api-4")
 CORE_COUNTERS = ("num_steps", "core_input_seconds", "core_step_seconds",
                  "core_output_seconds")
 
@@ -246,13 +245,10 @@ def run_server(kind: str, path: Path, flags: list[str], specs: list[Spec], clien
     import serve_bench
 
     server_flags = ["--model", str(path), *flags]
-    if kind.endswith("-unpinned"):  # the core process shares the CPUs with the others
-        server_flags.append("--no-pin-core")
-    base = kind.removesuffix("-unpinned")
-    if base == "core-thread":
+    if kind == "core-thread":
         server_flags.append("--no-core-process")
-    elif base.startswith("api-"):  # core process, this many API server processes
-        server_flags += ["--api-server-count", base.removeprefix("api-")]
+    elif kind.startswith("api-"):  # core process, this many API server processes
+        server_flags += ["--api-server-count", kind.removeprefix("api-")]
     log = results_dir / f"serve_vs_offline_{kind}.log"
     with _pythonpath(old_root if kind == "old" else None), \
             serve_bench.launched(server_flags, None, log, 900) as url:
@@ -275,10 +271,9 @@ def main() -> None:
                    help="max_num_seqs settings to run, the same for both paths ('default': "
                    "each path's own default: the server sizes its batch to the device)")
     p.add_argument("--servers", nargs="*", default=["core-process", "core-thread"],
-                   choices=["core-process", "core-thread", "old", *SERVER_KINDS,
-                            *(f"{k}-unpinned" for k in ("core-process", *SERVER_KINDS))],
+                   choices=["core-process", "core-thread", "old", "api-1", "api-2", "api-4"],
                    help="core-process: the server's defaults; api-N: the core process and N API "
-                   "server processes; -unpinned: with --no-pin-core")
+                   "server processes")
     p.add_argument("--old-root", help="tree of an older commit, for --servers old")
     p.add_argument("--pressure", action="store_true",
                    help="also the prefill-pressure workload (core-process, the server's "

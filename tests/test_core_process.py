@@ -88,14 +88,10 @@ def test_a_steps_outputs_cross_the_pipe_unchanged_and_in_order():
 def test_a_core_process_answers_as_the_engine_in_this_process():
     config = EngineConfig(model=str(tiny_model_dir()), **TINY)
     expected = [o.outputs[0].token_ids for o in _offline(config)]
-    cpu = max(os.sched_getaffinity(0))
-    engine = AsyncEngine.launch(config, core_cpus={cpu})  # as `infer serve --pin-core`
+    engine = AsyncEngine.launch(config)
     pid = engine.core_pid
     try:
         assert pid is not None and pid != os.getpid() and _running(pid)
-        # Every thread of the core on its CPU, those it started after pinning included.
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        assert len(tids) > 1 and all(os.sched_getaffinity(t) == {cpu} for t in tids)
 
         async def run():
             streams = await engine.add_requests(

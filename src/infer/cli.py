@@ -9,7 +9,6 @@ import sys
 import typing
 
 from infer.engine.config import EngineConfig
-from infer.engine.cpu_affinity import allowed_cpus, pin_this_process, split_for_core
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -120,28 +119,7 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
             print(f"infer: {args.api_server_count} API server processes, the server's "
                   f"default on a GPU with {cores} CPU cores (--api-server-count to change)",
                   file=sys.stderr)
-    if args.pin_core is None:
-        args.pin_core = on_gpu and args.core_process
     return engine_config(args)
-
-
-def core_cpu_split(args: argparse.Namespace) -> tuple[set[int], set[int]] | None:
-    """(the core process's CPUs, the server's other processes'), when the core is pinned;
-    says what it chose."""
-    if not args.pin_core:
-        return None
-    if not args.core_process:
-        raise ValueError("--pin-core needs the core in its own process (drop "
-                         "--no-core-process)")
-    split = split_for_core(allowed_cpus())
-    if split is None:
-        print("infer: the engine core is not pinned: fewer than 4 physical CPU cores",
-              file=sys.stderr)
-        return None
-    print(f"infer: the engine core runs on CPUs {sorted(split[0])}, the API server "
-          f"processes on the other {len(split[1])} (--no-pin-core to share them)",
-          file=sys.stderr)
-    return split
 
 
 def _has_cuda() -> bool:
@@ -205,19 +183,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def load() -> None:
         engine = None
         try:
-            split = core_cpu_split(args)
-            core_cpus = None
-            if split is not None:
-                core_cpus = split[0]
-                pin_this_process(split[1])  # and the API processes it starts
             if sock is not None:
-                engine, sides = AsyncEngine.launch_shared(config, args.api_server_count,
-                                                          core_cpus)
+                engine, sides = AsyncEngine.launch_shared(config, args.api_server_count)
                 engine.on_core_death = lambda: stop("the engine core")
                 others.append(ApiServers(args, sides, sock,
                                          lambda: stop("an API server process")))
             elif config.core_process:
-                engine = AsyncEngine.launch(config, core_cpus=core_cpus)
+                engine = AsyncEngine.launch(config)
             else:
                 engine = AsyncEngine.in_thread(LLMEngine(config))
             engine.on_core_death = lambda: stop("the engine core")
@@ -298,11 +270,6 @@ def build_parser() -> argparse.ArgumentParser:
                        "the port and the one engine core; more stream more tokens at once "
                        f"(default: on a GPU, {SERVE_GPU_API_SERVERS} or one per "
                        f"{CORES_PER_API_SERVER} CPU cores if fewer; on a CPU, 1)")
-    serve.add_argument("--pin-core", action=argparse.BooleanOptionalAction, default=None,
-                       help="run the engine core's process on a physical CPU core of its "
-                       "own and the API server processes on the others, so that streaming "
-                       "never slows the core's steps (default: on a GPU with 4 or more "
-                       "physical cores; never on a CPU)")
     add_engine_flags(serve)
     serve.set_defaults(func=cmd_serve, max_num_seqs=None, core_process=True)
     _set_help(serve, "core_process", "run the engine core (scheduler, model, sampler) in its "

@@ -36,7 +36,6 @@ import time
 from multiprocessing.connection import Connection
 
 from infer.engine.config import EngineConfig
-from infer.engine.cpu_affinity import pin_this_process
 from infer.engine.engine_core import CoreInfo, EngineCore, SequenceOutput, StepFailed, load_core
 from infer.engine.request import Request
 from infer.engine.setup import freeze_startup_objects
@@ -241,13 +240,9 @@ class CoreLoop:
             self._send(conn, ("stats", {**stats, **mine}))
 
 
-def run_core_process(config: EngineConfig, conns: list[Connection],
-                     cpus: set[int] | None = None) -> None:
+def run_core_process(config: EngineConfig, conns: list[Connection]) -> None:
     """The core process: load, say ready (or why not) to every request side, loop until
-    told or orphaned. `cpus`: where it runs (engine/cpu_affinity.py), before it starts a
-    thread."""
-    if cpus:
-        pin_this_process(cpus)
+    told or orphaned."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle
     try:
         core, _, model_name = load_core(config)
@@ -285,22 +280,21 @@ class CoreClient:
         self._sender.start()
 
     @classmethod
-    def spawn(cls, config: EngineConfig, cpus: set[int] | None = None
-              ) -> tuple[CoreClient, CoreInfo]:
-        """Start a core process (on `cpus`, if given) and wait until its model is loaded."""
-        client, info, _ = cls.spawn_shared(config, 1, cpus)
+    def spawn(cls, config: EngineConfig) -> tuple[CoreClient, CoreInfo]:
+        """Start a core process and wait until its model is loaded."""
+        client, info, _ = cls.spawn_shared(config, 1)
         return client, info
 
     @classmethod
-    def spawn_shared(cls, config: EngineConfig, sides: int, cpus: set[int] | None = None
+    def spawn_shared(cls, config: EngineConfig, sides: int
                      ) -> tuple[CoreClient, CoreInfo, list[Connection]]:
         """A core process that serves `sides` request sides: this one's client, and the
         pipe ends for the other sides (for other processes: `attach`; close them here
         once handed over)."""
         ctx = multiprocessing.get_context("spawn")
         pairs = [ctx.Pipe() for _ in range(sides)]
-        process = ctx.Process(target=run_core_process,
-                              args=(config, [c for _, c in pairs], cpus), name="infer-core")
+        process = ctx.Process(target=run_core_process, args=(config, [c for _, c in pairs]),
+                              name="infer-core")
         process.start()
         for _, child_conn in pairs:  # the child's ends live in the child only: its exit
             child_conn.close()       # is our EOF

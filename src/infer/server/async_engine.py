@@ -172,21 +172,19 @@ class AsyncEngine:
 
     @classmethod
     def launch(cls, config: EngineConfig, max_waiting_requests: int | None = None,
-               observer: LatencyObserver | None = None, core_cpus: set[int] | None = None
-               ) -> AsyncEngine:
-        """Start the engine core in its own process (on `core_cpus`, if given); returns
-        once its model is loaded."""
+               observer: LatencyObserver | None = None) -> AsyncEngine:
+        """Start the engine core in its own process; returns once its model is loaded."""
         tokenizer = load_tokenizer(config.model)
-        client, info = CoreClient.spawn(config, core_cpus)
+        client, info = CoreClient.spawn(config)
         return cls(client, tokenizer, info, config, None, max_waiting_requests, observer)
 
     @classmethod
-    def launch_shared(cls, config: EngineConfig, sides: int, core_cpus: set[int] | None = None
+    def launch_shared(cls, config: EngineConfig, sides: int
                       ) -> tuple[AsyncEngine, list[Connection]]:
         """`launch`, with a core that serves `sides` request sides: this one, and pipe ends
         for the others (`attach`, in other processes)."""
         tokenizer = load_tokenizer(config.model)
-        client, info, others = CoreClient.spawn_shared(config, sides, core_cpus)
+        client, info, others = CoreClient.spawn_shared(config, sides)
         return cls(client, tokenizer, info, config), others
 
     @classmethod
