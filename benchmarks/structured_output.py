@@ -1,11 +1,16 @@
 """What a constraint costs per decode step: the same requests plain and under a regex and a
-JSON-schema constraint, at several batch sizes, through `LLM.generate` with its defaults
+JSON-schema constraint, at several batch sizes, through the engine with `LLM` defaults
 (CUDA graphs, async scheduling). Random weights in a model shape, with a real vocabulary
 (`--tokenizer`, a directory with tokenizer.json) so that the grammars are real; 64
 constrained JSON answers are checked first (stopped ones must parse and fit the schema).
 Then the time to first token of one request under a JSON schema never seen before (its
 grammar compiled on the request's path) and under the same schema again (cached), beside
 an unconstrained one.
+
+"decode ms/step" times the steps once every request of the batch is decoding (its
+grammar's matcher made, its prompt in the cache); "whole run ms/step" divides the run
+from the first request added to the last finished, admission and prefill included, by
+its steps.
 
     python benchmarks/structured_output.py --tokenizer DIR [--batches 1 32 256] [--rounds 5]
 
@@ -15,6 +20,7 @@ Prints one table and writes benchmarks/results/structured_output_<device>.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -82,38 +88,71 @@ def main() -> None:
                   for name, constraint in constraints.items()}
         for name in constraints:
             llm.generate(prompts[:2], params[name][:2], use_tqdm=False)  # warm
-        runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name in constraints}
+        runs: dict[str, list[dict]] = {name: [] for name in constraints}
         names = list(constraints)
         for r in range(args.rounds):  # interleaved, the order turned each round
             for name in names[r % len(names):] + names[:r % len(names)]:
-                steps = llm.engine.stats()["num_steps"]
-                common.sync()
-                t = time.perf_counter()
-                outs = llm.generate(prompts, params[name], use_tqdm=False)
-                common.sync()
-                seconds = time.perf_counter() - t
-                steps = llm.engine.stats()["num_steps"] - steps
-                tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-                runs[name].append((seconds / steps * 1e3, tokens / seconds, tokens))
+                runs[name].append(_timed_run(llm.engine, prompts, params[name],
+                                             args.output_len // 2))
         for name, measured in runs.items():
-            ms = sorted(m[0] for m in measured)
-            rows.append({"batch": batch, "constraint": name, "tokens": measured[0][2],
-                         "ms_per_step": ms[len(ms) // 2], "ms_per_step_runs": ms,
-                         "out_tok_per_s": sorted(m[1] for m in measured)[len(ms) // 2]})
+            decode = sorted(m["decode_ms"] for m in measured)
+            whole = sorted(m["whole_ms"] for m in measured)
+            rows.append({"batch": batch, "constraint": name, "tokens": measured[0]["tokens"],
+                         "ms_per_step": decode[len(decode) // 2], "ms_per_step_runs": decode,
+                         "whole_run_ms_per_step": whole[len(whole) // 2],
+                         "out_tok_per_s": sorted(m["tok_per_s"]
+                                                 for m in measured)[len(measured) // 2]})
     ttft = _first_token_times(llm, SamplingParams, StructuredOutputsParams)
-    plain = {r["batch"]: r["ms_per_step"] for r in rows if r["constraint"] == "none"}
-    print("| batch | constraint | ms/step (median) | runs | vs none | out tok/s |\n"
-          "|---:|---|---:|---|---:|---:|")
+    plain = {r["batch"]: r for r in rows if r["constraint"] == "none"}
+    print("| batch | constraint | decode ms/step (median) | runs | vs none | whole run ms/step "
+          "| vs none | out tok/s |\n|---:|---|---:|---|---:|---:|---:|---:|")
     for r in rows:
-        r["vs_none"] = r["ms_per_step"] / plain[r["batch"]]
+        base = plain[r["batch"]]
+        r["vs_none"] = r["ms_per_step"] / base["ms_per_step"]
+        r["whole_run_vs_none"] = r["whole_run_ms_per_step"] / base["whole_run_ms_per_step"]
         runs = " ".join(f"{ms:.2f}" for ms in r["ms_per_step_runs"])
         print(f"| {r['batch']} | {r['constraint']} | {r['ms_per_step']:.2f} | {runs} "
-              f"| {r['vs_none']:.2f}x | {r['out_tok_per_s']:,.0f} |")
+              f"| {r['vs_none']:.2f}x | {r['whole_run_ms_per_step']:.2f} "
+              f"| {r['whole_run_vs_none']:.2f}x | {r['out_tok_per_s']:,.0f} |")
     print("| first token of one request | ms (median of 5) |\n|---|---:|")
     for name, ms in ttft.items():
         print(f"| {name} | {ms:.2f} |")
     common.write_results("structured_output", args, {
         "json_stopped": len(stopped), "json_valid": valid, "rows": rows, "ttft_ms": ttft})
+
+
+def _timed_run(engine, prompts: list, params: list, decode_steps: int) -> dict:
+    """One batch through the engine's step loop: the decode steps timed apart (once every
+    request has a token, `decode_steps` of them), and the whole run."""
+    from infer import RequestOutputKind
+
+    params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
+    steps_before = engine.stats()["num_steps"]
+    common.sync()
+    start = time.perf_counter()
+    ids = [engine.add_request(None, prompt, p) for prompt, p in zip(prompts, params)]
+    tokens = 0
+
+    def step() -> None:
+        nonlocal tokens
+        tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+
+    while not (len(engine.scheduler.running) == len(ids)
+               and all(r.output_token_ids for r in engine.scheduler.running)):
+        step()
+    common.sync()
+    decode_start = time.perf_counter()
+    for _ in range(decode_steps):
+        step()
+    common.sync()
+    decode = time.perf_counter() - decode_start
+    while engine.has_unfinished_requests():
+        step()
+    common.sync()
+    seconds = time.perf_counter() - start
+    steps = engine.stats()["num_steps"] - steps_before
+    return {"decode_ms": decode / decode_steps * 1e3, "whole_ms": seconds / steps * 1e3,
+            "tok_per_s": tokens / seconds, "tokens": tokens}
 
 
 def _first_token_times(llm, SamplingParams, StructuredOutputsParams) -> dict[str, float]:
