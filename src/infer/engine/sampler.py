@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from infer.kernels import triton_available
 from infer.sampling_params import SamplingParams
 from infer.transfer import to_device
 
@@ -262,12 +263,33 @@ def seeded_draws(seed: int, position: int, shape: tuple[int, ...], device: torch
                  kind: str = "exponential") -> torch.Tensor:
     """Random draws of a seeded request at one output position: Exp(1) noise (what the
     sampler races with) or, with `kind="uniform"`, [0, 1) numbers from a stream of their
-    own; the same whatever else the batch holds."""
+    own; the same whatever else the batch holds. (`fill_seeded`'s way off CUDA.)"""
     gen = torch.Generator(device=device)
     gen.manual_seed(_row_seed(seed, position) ^ (kind == "uniform"))
     out = torch.empty(shape, device=device)
     return out.exponential_(generator=gen) if kind == "exponential" else out.uniform_(
         generator=gen)
+
+
+def fill_seeded(out: torch.Tensor, rows: list[int], seeds: list[int], positions: list[int],
+                kind: str = "exponential") -> None:
+    """out[rows[i]] := the draws of seeded request seeds[i] at output position
+    positions[i] (`seeded_draws`' kinds). On CUDA one kernel for every row (a counter-based
+    stream per row: `kernels/seeded_noise.py`); elsewhere a generator per row, whose
+    set-up is cheap on a CPU. A seed's draws are the same within one kind of device."""
+    if not rows:
+        return
+    if out.is_cuda and triton_available():
+        from infer.kernels.seeded_noise import seeded_noise
+
+        # A seed as the int64 whose bits are the seed's low 64 (two's complement).
+        words = [[(seed + 2**63) % 2**64 - 2**63 for seed in seeds], positions, rows]
+        meta = to_device(torch.tensor(words, dtype=torch.int64), out.device)
+        seeded_noise(out, meta[2], meta[0], meta[1], exponential=kind == "exponential",
+                     stream=int(kind == "uniform"))
+        return
+    for row, seed, position in zip(rows, seeds, positions):
+        out[row] = seeded_draws(seed, position, out.shape[1:], out.device, kind)
 
 
 def _race(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -278,14 +300,10 @@ def _race(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     (seed, position), so they give the same token whatever else is in the batch and
     wherever the row sits. Computed in log space (x_i - log E_i): no softmax, no underflow.
     """
-    v = x.shape[1]
     noise = torch.empty_like(x).exponential_() if batch.any_unseeded_random else torch.ones_like(x)
     if batch.seeded_rows:
-        draws = []
-        for _, seed, position in batch.seeded_rows:
-            draws.append(seeded_draws(seed, position, (v,), x.device))
-        rows = to_device(torch.tensor([r for r, _, _ in batch.seeded_rows]), x.device)
-        noise[rows] = torch.stack(draws)
+        rows, seeds, positions = (list(c) for c in zip(*batch.seeded_rows))
+        fill_seeded(noise, rows, seeds, positions)
     # E = 0 would make log E = -inf and lift a -inf (filtered) token to NaN.
     noise = noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return (x - noise.log()).argmax(dim=-1)

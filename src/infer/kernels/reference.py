@@ -83,3 +83,41 @@ def apply_token_bitmask_ref(logits: torch.Tensor, masks: torch.Tensor,
 def _byte_shifts(device: torch.device) -> torch.Tensor:
     """Made on the device (a fill, not a copy from the host), once per device."""
     return torch.arange(8, dtype=torch.uint8, device=device)
+
+
+# Random123's Philox4x32 constants: round multipliers and Weyl key increments.
+PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+_U32 = 0xFFFFFFFF
+
+
+def philox4x32_ref(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch.Tensor],
+                   rounds: int = 10) -> tuple[torch.Tensor, ...]:
+    """Philox4x32-`rounds` on int64 tensors holding uint32 words (products of two of them
+    wrap in int64 with their low 64 bits intact)."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(rounds):
+        p0, p1 = c0 * PHILOX_M0, c2 * PHILOX_M1
+        hi0, lo0 = (p0 >> 32) & _U32, p0 & _U32
+        hi1, lo1 = (p1 >> 32) & _U32, p1 & _U32
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + PHILOX_W0) & _U32, (k1 + PHILOX_W1) & _U32
+    return c0, c1, c2, c3
+
+
+def seeded_noise_ref(out: torch.Tensor, rows: torch.Tensor, seeds: torch.Tensor,
+                     positions: torch.Tensor, exponential: bool = True, stream: int = 0) -> None:
+    """`kernels.seeded_noise.seeded_noise` in torch: out[rows[i], :] := the draws of the
+    Philox stream keyed by seeds[i] at counter (column, positions[i], stream, 0)."""
+    n, n_cols = len(rows), out.shape[1]
+    if n == 0 or n_cols == 0:
+        return
+    cols = torch.arange(n_cols, device=out.device, dtype=torch.int64).expand(n, n_cols)
+    seeds, positions = seeds[:, None], positions[:, None]
+    word, _, _, _ = philox4x32_ref(
+        (cols, (positions & _U32).expand(n, n_cols), torch.full_like(cols, stream),
+         torch.zeros_like(cols)),
+        ((seeds & _U32).expand(n, n_cols), ((seeds >> 32) & _U32).expand(n, n_cols)))
+    u = ((word >> 9).float() + 0.5) * (1.0 / 8388608.0)
+    out[rows] = -u.log() if exponential else u

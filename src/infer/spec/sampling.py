@@ -12,9 +12,9 @@ import torch
 from infer.engine.sampler import (
     SamplingBatch,
     apply_penalties,
+    fill_seeded,
     filter_logits,
     raw_logprobs,
-    seeded_draws,
 )
 from infer.spec.rejection import Verified, verify, verify_greedy
 from infer.transfer import to_device
@@ -43,11 +43,12 @@ def verify_drafts(logits: torch.Tensor, batch: SamplingBatch, counts: list[int],
     target = probs[index].view(b, k + 1, v)
     uniforms = torch.rand(b, k, device=device)
     noise = torch.empty(b, k + 1, v, device=device).exponential_()
-    for i, (seed, pos) in enumerate(zip(seeds, positions)):
-        if seed is not None and not greedy[i]:
-            uniforms[i] = seeded_draws(seed, pos, (k,), device, "uniform")
-            for j in range(k + 1):
-                noise[i, j] = seeded_draws(seed, pos + j, (v,), device)
+    seeded = [i for i, seed in enumerate(seeds) if seed is not None and not greedy[i]]
+    fill_seeded(uniforms, seeded, [seeds[i] for i in seeded], [positions[i] for i in seeded],
+                "uniform")
+    at = [(i, j) for i in seeded for j in range(k + 1)]  # the draw of position j of row i
+    fill_seeded(noise.view(b * (k + 1), v), [i * (k + 1) + j for i, j in at],
+                [seeds[i] for i, _ in at], [positions[i] + j for i, j in at])
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return verify(target, to_device(draft_ids, device), num_drafts,
                   to_device(torch.tensor(greedy), device), uniforms, noise)
