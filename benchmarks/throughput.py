@@ -12,7 +12,8 @@ All infer runs go first, then the HF peer runs (on --peer-models, default all).
 infer runs `LLM.generate` on all prompts at once after a short warm-up; by default the
 script lets the whole batch run together (max_num_seqs = number of sequences, 16384
 tokens per step as in nano-vllm, max_model_len = longest prompt + output); --engine flags
-override these. The HF peer is `model.continuous_batching_context_manager` (the machinery
+override these, and --llm-defaults drops them (what `LLM(model)` chooses). The HF peer
+is `model.continuous_batching_context_manager` (the machinery
 behind `generate_batch`), with per-request max_new_tokens and eos_token_id=-1 (never
 stops early), timed from the first add_request until the last result (its CUDA-graph
 warm-up, done before, is reported apart). If this transformers has no continuous
@@ -192,6 +193,9 @@ def main() -> None:
                         help="models the HF peer runs on (default: all of --models)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--llm-defaults", action="store_true",
+                        help="LLM(model) as it comes (no sizing flags of this script's; "
+                        "--engine flags still apply)")
     args = parser.parse_args()
     tiny = args.tiny
     for name, full, small in (("num_seqs", 256, 8), ("min_input", 100, 8),
@@ -231,14 +235,15 @@ def main() -> None:
         shape = common.load_shape(name, tiny)
         counts = common.shape_counts(shape)
         prompts, outs = workload(args, shape["vocab_size"])
-        defaults = dict(max_num_seqs=args.num_seqs, max_num_batched_tokens=16384,
-                        max_model_len=max(len(p) + n for p, n in zip(prompts, outs)) + 16)
+        defaults = {} if args.llm_defaults else dict(
+            max_num_seqs=args.num_seqs, max_num_batched_tokens=16384,
+            max_model_len=max(len(p) + n for p, n in zip(prompts, outs)) + 16)
         flags = common.merged_flags(defaults, user_flags)
         llm, build_s = common.build_llm(path, flags)
         dtype = llm.engine.dtype
-        cfg = llm.engine.config
-        roof = roofline([len(p) for p in prompts], outs, cfg.max_num_seqs,
-                        cfg.max_num_batched_tokens, counts, common.dtype_bytes(dtype), ceil)
+        info = llm.engine.info  # the batch sizes as the engine chose them
+        roof = roofline([len(p) for p in prompts], outs, info.max_num_seqs,
+                        info.max_num_batched_tokens, counts, common.dtype_bytes(dtype), ceil)
         base = dict(model=name, num_seqs=args.num_seqs, prompt_tokens=sum(map(len, prompts)),
                     dtype=str(dtype).replace("torch.", ""), **roof)
         mine = finish({**run_infer(llm, prompts, outs, args.temperature),

@@ -8,7 +8,16 @@ import os
 import sys
 import typing
 
+from infer.engine.batch_defaults import CPU_DEFAULTS, GPU_DEFAULTS, LARGE_GPU_DEFAULTS
 from infer.engine.config import EngineConfig
+
+SIZED_TO_DEVICE = {
+    "max_num_seqs": "most sequences in one batch (default: sized to the device: "
+    f"{CPU_DEFAULTS[0]} on a CPU, {LARGE_GPU_DEFAULTS[0]} on a GPU)",
+    "max_num_batched_tokens": "token budget per step (default: sized to the device: "
+    f"{CPU_DEFAULTS[1]} on a CPU, {LARGE_GPU_DEFAULTS[1]} on a GPU of 70 GiB or more, "
+    f"{GPU_DEFAULTS[1]} on a smaller one)",
+}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +32,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             continue
         kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
         parser.add_argument(flag, dest=f.name, type=kind, default=f.default,
-                            help=f"(default: {f.default})")
+                            help=SIZED_TO_DEVICE.get(f.name, f"(default: {f.default})"))
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -95,6 +104,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 # Measured on an H100 (docs/performance.md, "Serving vs offline"): a burst of 256 streams
 # is served 1.5x faster with 256 sequences per batch than with 64, and starts sooner.
 SERVE_GPU_MAX_NUM_SEQS = 256
+# Prefill chunks of at most this many tokens a step: the pressure workload's ITL p99 stays
+# within 3x its p50 (docs/performance.md); offline runs take 16,384 on a large GPU.
+SERVE_MAX_NUM_BATCHED_TOKENS = 2048
 # ... and with 4 API server processes its chunks carry one token each (5.7 with one
 # process, whose event loop falls behind), at 89 % of the offline rate against 80 %.
 SERVE_GPU_API_SERVERS = 4
@@ -107,9 +119,11 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
     tokens need more than one process to stream; a CPU keeps the engine's defaults."""
     on_gpu = args.device.startswith("cuda") or (args.device == "auto" and _has_cuda())
     if args.max_num_seqs is None:
-        args.max_num_seqs = SERVE_GPU_MAX_NUM_SEQS if on_gpu else EngineConfig.max_num_seqs
+        args.max_num_seqs = SERVE_GPU_MAX_NUM_SEQS if on_gpu else CPU_DEFAULTS[0]
         print(f"infer: max_num_seqs={args.max_num_seqs}, the server's default on a "
               f"{'GPU' if on_gpu else 'CPU'} (--max-num-seqs to change)", file=sys.stderr)
+    if args.max_num_batched_tokens is None:  # small steps: streams keep their pace
+        args.max_num_batched_tokens = SERVE_MAX_NUM_BATCHED_TOKENS
     if args.api_server_count is None:
         cores = os.cpu_count() or 1
         args.api_server_count = (max(1, min(SERVE_GPU_API_SERVERS,
@@ -276,7 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
               "own process, apart from HTTP and detokenizing; --no-core-process runs it in a "
               "thread of the server (default: on)")
     _set_help(serve, "max_num_seqs", "most sequences in one batch (default: "
-              f"{SERVE_GPU_MAX_NUM_SEQS} on a GPU, {EngineConfig.max_num_seqs} on a CPU)")
+              f"{SERVE_GPU_MAX_NUM_SEQS} on a GPU, {CPU_DEFAULTS[0]} on a CPU)")
+    _set_help(serve, "max_num_batched_tokens", "token budget per step (default: "
+              f"{SERVE_MAX_NUM_BATCHED_TOKENS})")
     return parser
 
 

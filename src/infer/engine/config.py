@@ -22,8 +22,10 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0
     max_model_len: int | None = None  # None: the model's context length, capped at 8192
-    max_num_seqs: int = 64  # most sequences in one batch
-    max_num_batched_tokens: int = 2048  # token budget per step
+    # Most sequences in one batch, and the token budget per step. None: sized to the device
+    # (engine/batch_defaults.py: 64 and 2,048 on a CPU; 256 and 16,384 on a large GPU).
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     batching_mode: str = "continuous"  # static | continuous
     kv_cache: str = "paged"  # paged | contiguous (one max_model_len block per sequence)
     block_size: int = 16
@@ -83,11 +85,11 @@ class EngineConfig:
         self._check_choice("speculative_method", SPECULATIVE_METHODS)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "num_speculative_tokens", "ngram_min", "ngram_max",
+        for name in ("block_size", "num_speculative_tokens", "ngram_min", "ngram_max",
                      "speculative_max_batch"):
             self._check_positive(name)
-        for name in ("max_model_len", "num_blocks", "prefill_chunk_size",
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
+                     "prefill_chunk_size",
                      "max_waiting_requests", "threads", "self_draft_layers"):
             if getattr(self, name) is not None:
                 self._check_positive(name)
@@ -116,6 +118,7 @@ class EngineConfig:
                 "or drop prefill_chunk_size"
             )
         if (not self.chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens is not None
                 and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError(
                 f"chunked_prefill=False needs max_num_batched_tokens "

@@ -28,6 +28,7 @@ from torch import nn
 from infer.attention import set_attention_backend
 from infer.cache.kv_manager import KVCacheManager
 from infer.config import ModelConfig
+from infer.engine.batch_defaults import fit_batch_to_device
 from infer.engine.config import EngineConfig
 from infer.engine.cpu_threads import set_cpu_threads
 from infer.engine.memory import plan_kv_cache
@@ -739,6 +740,8 @@ class CoreInfo:
     kernel_backend: str
     graph_capture_seconds: float
     quantization: str = "none"
+    max_num_seqs: int = 0  # as the core chose them (engine/batch_defaults.py)
+    max_num_batched_tokens: int = 0
 
     @classmethod
     def of(cls, core: EngineCore, model_name: str) -> CoreInfo:
@@ -746,7 +749,8 @@ class CoreInfo:
                    core.kv.pool.num_blocks, core.block_size, str(core.device),
                    str(core.dtype).removeprefix("torch."), core.attention_backend,
                    core.kernel_backend, core.graph_capture_seconds,
-                   core.quantization)
+                   core.quantization, core.config.max_num_seqs,
+                   core.config.max_num_batched_tokens)
 
 
 def load_core(config: EngineConfig) -> tuple[EngineCore, Tokenizer, str]:
@@ -771,6 +775,7 @@ def load_core(config: EngineConfig) -> tuple[EngineCore, Tokenizer, str]:
             f"max_model_len ({max_model_len}) exceeds the model's context length "
             f"({mc.max_position_embeddings})"
         )
+    config = fit_batch_to_device(config, device, max_model_len)
     if not config.chunked_prefill and config.max_num_batched_tokens < max_model_len:
         raise ValueError(
             f"chunked_prefill=False needs max_num_batched_tokens "
