@@ -3,8 +3,8 @@ say: sized to the device, as vLLM sizes them per GPU class.
 
 A GPU decodes a batch of 256 for little more than a batch of 64 (the weights are read once
 a step either way), and a step of 16,384 prompt tokens keeps its matmuls at full rate. On
-the H100 with `LLM(model)` defaults of 64 sequences and 2,048 tokens, nano-vllm's protocol
-ran at 8,884 tok/s against 18,516 with 256 and 16,384 (docs/performance.md). A smaller GPU
+the H100, nano-vllm's protocol on Qwen3-0.6B ran at 11,512 tok/s with 64 sequences and
+2,048 tokens, 16,956 with 256 and 16,384 (docs/performance.md). A smaller GPU
 gets half the budget (its KV cache holds fewer long sequences anyway: the scheduler runs
 as many as have blocks). A CPU keeps the small defaults: its steps cost in proportion to
 their tokens.

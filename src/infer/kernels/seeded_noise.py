@@ -3,9 +3,10 @@
 A seeded request must draw the same noise wherever it sits in whatever batch, so each row
 has its own stream: key = the request's 64-bit seed, counter = (column, output position,
 stream, 0). Stream 0 is the sampler's Exp(1) race noise, stream 1 the uniforms that
-judge drafts. The first 32-bit word of each Philox block becomes u = (x >> 9 + 0.5) / 2^23
-in (0, 1), exact in float32; the exponential draw is -log(u). One program fills one block
-of columns of one row: out[rows[i], :] for the i-th (seed, position).
+judge drafts. The first 32-bit word x of each Philox block becomes
+u = ((x >> 9) + 0.5) / 2^23 in (0, 1), exact in float32; the exponential draw is -log(u).
+One program fills one block of columns of one row: out[rows[i], :] for the i-th (seed,
+position).
 
 `reference.seeded_noise_ref` is the same arithmetic in torch (int64 holding uint32).
 """
