@@ -4,6 +4,9 @@ what the user sets kept, and the server's own choice."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -71,3 +74,17 @@ def test_the_engine_reports_what_it_chose():
 
     llm = make_llm(num_blocks=64)
     assert (llm.engine.info.max_num_seqs, llm.engine.info.max_num_batched_tokens) == (64, 2048)
+
+
+@pytest.mark.parametrize("configure", ["1", "0"])
+def test_the_choice_is_on_stderr_unless_logging_is_the_applications(configure):
+    from server_fixtures import tiny_model_dir
+
+    model = str(tiny_model_dir())
+    script = (f"from infer import LLM; LLM(model={model!r}, device='cpu', num_blocks=64, "
+              "max_model_len=128)")
+    env = {**os.environ, "INFER_CONFIGURE_LOGGING": configure}
+    err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=env, check=True).stderr
+    line = "INFO infer: max_num_seqs=64, max_num_batched_tokens=2048, the defaults on a CPU"
+    assert (line in err) == (configure == "1"), err

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import importlib
 
+from infer.logs import configure_logging
+
+configure_logging()
+
 _EXPORTS = {
     "LLM": "infer.llm",
     "SamplingParams": "infer.sampling_params",
