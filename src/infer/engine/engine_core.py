@@ -125,6 +125,13 @@ class _StepInFlight:
     spec_grammars: list[tuple[int, GrammarMatcher]] = field(default_factory=list)
 
 
+def _constrained(seqs: list[_Sequence]) -> list[tuple[int, GrammarMatcher]]:
+    """(row, matcher) of the sequences whose grammar still allows tokens (a finished
+    grammar's row is left unmasked: its token is discarded with the sequence)."""
+    return [(row, seq.grammar) for row, seq in enumerate(seqs)
+            if seq.grammar is not None and not seq.grammar.terminated]
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model: nn.Module, model_config: ModelConfig,
                  device: torch.device, dtype: torch.dtype, max_model_len: int,
@@ -484,12 +491,10 @@ class EngineCore:
         step = _StepInFlight(out, requests, plain_ids, None, None, spec_ids=spec_ids,
                              verified=HostCopy(verified.token_ids, verified.num_tokens,
                                                *(lp or (None, None, None))))
-        step.spec_grammars = [(i, seq.grammar) for i, seq in enumerate(seqs)
-                              if seq.grammar is not None and not seq.grammar.terminated]
+        step.spec_grammars = _constrained(seqs)
         if plain_ids:
             plain_logits = logits[to_device(torch.tensor(plain_rows), logits.device)]
-            step.masked = [(i, seq.grammar) for i, seq in enumerate(plain)
-                           if seq.grammar is not None and not seq.grammar.terminated]
+            step.masked = _constrained(plain)
             result = sample(plain_logits, self._sampling_batch(plain))
             step.token_ids = result.token_ids
             step.results = HostCopy(result.token_ids, result.logprobs,
@@ -663,11 +668,9 @@ class EngineCore:
 
     def _mask(self, logits: torch.Tensor, seqs: list[_Sequence]
               ) -> list[tuple[int, GrammarMatcher]]:
-        """Disallowed tokens -> -inf on the rows of constrained sequences (a finished
-        grammar's row is left alone: its token is discarded with the sequence); the
-        (row, matcher) pairs masked."""
-        masked = [(row, seq.grammar) for row, seq in enumerate(seqs)
-                  if seq.grammar is not None and not seq.grammar.terminated]
+        """Disallowed tokens -> -inf on the rows of constrained sequences (`_constrained`);
+        the (row, matcher) pairs masked."""
+        masked = _constrained(seqs)
         if not masked:
             return masked
         rows = [row for row, _ in masked]
