@@ -46,11 +46,12 @@ from infer.server.serving import (
     serve_detokenize,
     serve_tokenize,
 )
+from infer.server.web import PAGE_PATHS, add_chat_page
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 1024 * 1024
 RETRY_AFTER_S = 1
-_OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/redoc")
+_OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/redoc", *PAGE_PATHS)
 
 
 def error_response(status: int, message: str, type: str = "invalid_request_error",
@@ -107,6 +108,7 @@ def _serving(request: Request) -> ServingContext:
 
 def _add_routes(app: FastAPI) -> None:
     without_422(app)
+    add_chat_page(app)
 
     # GET is registered first: a 405 from /health then answers `Allow: GET`, not `HEAD`.
     @app.head("/health", response_class=Response, responses=HEALTH)
