@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from infer import LLM, SamplingParams
+from infer import LLM
+from infer.bench.offline import time_generate
 from infer.loader.resolve import resolve_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -33,15 +34,10 @@ def workload(args, vocab: int) -> list[tuple[list[int], int]]:
 
 
 def run_infer(llm: LLM, requests) -> dict:
-    warm = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
-    llm.generate([requests[0][0]], warm, use_tqdm=False)
-    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for _, n in requests]
-    start = time.perf_counter()
-    outs = llm.generate([p for p, _ in requests], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert produced == sum(n for _, n in requests)
-    return {"engine": "infer", "seconds": elapsed, "output_tokens": produced}
+    result = time_generate(llm, [p for p, _ in requests], [n for _, n in requests])
+    assert result["output_tokens"] == result["expected_output_tokens"]
+    return {"engine": "infer", "seconds": result["seconds"],
+            "output_tokens": result["output_tokens"]}
 
 
 def run_transformers(args, requests) -> dict:

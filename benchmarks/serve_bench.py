@@ -1,11 +1,7 @@
-"""Serving benchmark: an async client on the OpenAI wire format, streaming /v1/completions.
-
-Per request it measures TTFT (send -> first chunk with text), ITL (gaps between chunks
-with text; a chunk may carry more than one token when the server batches the text of
-several steps), end-to-end latency, and the output tokens of the final usage chunk
-(`stream_options.include_usage`). Per workload: output tokens / wall time, completed
-requests / wall time, percentiles, and every failure (HTTP status, stream error event,
-missing [DONE] or usage, fewer tokens than max_tokens although `ignore_eos` is set).
+"""Serving benchmark: the five workloads of workloads.py through `infer bench serve`'s
+streaming client (infer.bench.serve, which says what it measures per request: TTFT, ITL,
+end-to-end latency, output tokens, failures). Per workload: output tokens / wall time,
+completed requests / wall time, percentiles, and every failure.
 
     # start `infer serve` with the engine flags after `--`, run everything, stop it
     python benchmarks/serve_bench.py --launch --scale 0.25 --tag cpu -- --device cpu
@@ -30,143 +26,54 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-
-import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from workloads import NAMES, RequestSpec, Workload, build
 
+from infer.bench import serve
+from infer.bench.http_client import HttpClient, HttpError
+from infer.bench.serve import Outcome, send
+
 RESULTS = Path(__file__).parent / "results"
 
 
-@dataclass
-class Outcome:
-    """One request as the client saw it; times in seconds."""
-
-    start: float = 0.0
-    ttft: float | None = None
-    itl: list[float] = field(default_factory=list)
-    e2e: float | None = None
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    error: str | None = None
-
-
-async def send(client: httpx.AsyncClient, model: str, spec: RequestSpec) -> Outcome:
-    body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens,
-            "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    out = Outcome(start=time.perf_counter())
-    last: float | None = None
-    done, usage = False, None
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                text = (await r.aread()).decode(errors="replace")
-                out.error = f"HTTP {r.status_code}: {text[:200]}"
-                return out
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    out.error = f"stream error: {chunk['error'].get('message')}"
-                    return out
-                now = time.perf_counter()
-                if any(c.get("text") for c in chunk.get("choices") or ()):
-                    if last is None:
-                        out.ttft = now - out.start
-                    else:
-                        out.itl.append(now - last)
-                    last = now
-                usage = chunk.get("usage") or usage
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        out.error = f"{type(exc).__name__}: {exc}"
-        return out
-    finally:
-        out.e2e = time.perf_counter() - out.start
-    if not done or usage is None:
-        out.error = "stream ended without " + ("[DONE]" if not done else "a usage chunk")
-        return out
-    out.prompt_tokens, out.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
-    if out.output_tokens != spec.max_tokens:
-        out.error = f"{out.output_tokens} output tokens, expected {spec.max_tokens}"
-    return out
-
-
-async def run_workload(client: httpx.AsyncClient, model: str, wl: Workload):
+async def run_workload(client: HttpClient, model: str, wl: Workload):
     t0 = time.perf_counter()
     if wl.sequential:
-        outcomes = [await send(client, model, spec) for spec in wl.requests]
+        outcomes = [await send(client, model, spec.prompt, spec.max_tokens)
+                    for spec in wl.requests]
     else:
         async def at(spec: RequestSpec) -> Outcome:
             await asyncio.sleep(max(0.0, t0 + spec.at - time.perf_counter()))
-            return await send(client, model, spec)
+            return await send(client, model, spec.prompt, spec.max_tokens)
 
         outcomes = list(await asyncio.gather(*(at(spec) for spec in wl.requests)))
     return outcomes, time.perf_counter() - t0
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def summarize(wl: Workload, outcomes: list[Outcome], wall: float) -> dict:
-    ok = [o for o in outcomes if o.error is None]
-    ttft = [o.ttft for o in ok if o.ttft is not None]
-    itl = [gap for o in ok for gap in o.itl]
-    e2e = [o.e2e for o in ok if o.e2e is not None]
-    out_tokens = sum(o.output_tokens for o in ok)
-
-    def pcts(xs: list[float]) -> dict[str, float | None]:
-        return {f"p{q}": percentile(xs, q) for q in (50, 90, 99)} | {
-            "mean": sum(xs) / len(xs) if xs else None}
-
-    return {
-        "workload": wl.name, "measures": wl.measures, "pattern": wl.pattern,
-        "requests": len(outcomes), "completed": len(ok), "errors": len(outcomes) - len(ok),
-        "error_samples": sorted({o.error for o in outcomes if o.error})[:5],
-        "max_tokens": wl.requests[0].max_tokens,
-        "prompt_tokens": sum(o.prompt_tokens for o in ok), "output_tokens": out_tokens,
-        "seconds": wall, "output_tok_per_s": out_tokens / wall, "req_per_s": len(ok) / wall,
-        "ttft_s": pcts(ttft), "itl_s": pcts(itl), "e2e_s": pcts(e2e),
-        "per_request": [{"ttft": o.ttft, "e2e": o.e2e, "output_tokens": o.output_tokens,
-                         "chunks": len(o.itl) + (o.ttft is not None), "error": o.error}
-                        for o in outcomes],
-    }
+    return {"workload": wl.name, "measures": wl.measures, "pattern": wl.pattern,
+            "max_tokens": wl.requests[0].max_tokens, **serve.summarize(outcomes, wall)}
 
 
-async def server_stats(client: httpx.AsyncClient) -> dict[str, float] | None:
+async def server_stats(client: HttpClient) -> dict[str, float] | None:
     """infer's /stats (prefix-cache hits, preemptions); None on servers without it."""
-    with contextlib.suppress(httpx.HTTPError, ValueError):
-        r = await client.get("/stats")
-        if r.status_code == 200:
-            return r.json()
+    with contextlib.suppress(OSError, HttpError, ValueError):
+        return await client.get_json("/stats")
     return None
 
 
 async def bench(args: argparse.Namespace, url: str) -> tuple[str, list[dict]]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
-    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(args.timeout)) as client:
-        model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+    client = HttpClient(url, headers, args.timeout)
+    try:
+        model = args.model or await serve.first_model(client)
         for i in range(args.warmup):  # first requests pay one-off costs
-            await send(client, model, RequestSpec(f"warm up {i}", 4, 0.0))
+            await send(client, model, f"warm up {i}", 4)
         results = []
         for name in args.workload:
             wl = build(name, args.scale, args.seed)
@@ -183,6 +90,8 @@ async def bench(args: argparse.Namespace, url: str) -> tuple[str, list[dict]]:
             results.append(result)
             for error in result["error_samples"]:
                 print(f"  error: {error}", file=sys.stderr)
+    finally:
+        await client.close()
     return model, results
 
 
@@ -213,8 +122,8 @@ def launched(engine_flags: list[str], threads: int | None, log: Path,
                 if proc.poll() is not None:
                     raise RuntimeError(f"infer serve exited with {proc.returncode}:\n"
                                        + log.read_text()[-2000:])
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                with contextlib.suppress(OSError):  # urllib's errors included
+                    if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
                         break
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"infer serve not healthy after {timeout} s; see {log}")

@@ -109,20 +109,12 @@ def roofline(prompt_lens: list[int], out_lens: list[int], max_seqs: int, budget:
 
 
 def run_infer(llm, prompts, outs, temperature) -> dict:
-    from infer import SamplingParams
+    from infer.bench.offline import time_generate
 
-    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)
-    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True)
-              for n in outs]
-    common.sync()
-    t = time.perf_counter()
-    res = llm.generate(prompts, params, use_tqdm=False)
-    common.sync()
-    dt = time.perf_counter() - t
-    produced = sum(len(r.outputs[0].token_ids) for r in res)
+    result = time_generate(llm, prompts, outs, temperature)
+    produced = result["output_tokens"]
     assert produced == sum(outs), (produced, sum(outs))
-    return dict(engine="infer", seconds=dt, output_tokens=produced)
+    return dict(engine="infer", seconds=result["seconds"], output_tokens=produced)
 
 
 def run_hf_cb(path: Path, dtype, prompts, outs, temperature) -> dict:

@@ -3,9 +3,10 @@
 Five workloads, after the ones the project's seed describes: a sequential baseline,
 staggered arrivals (continuous batching), a burst (paged attention), long prompts arriving
 while others decode (chunked prefill), and a long shared prefix (prefix caching). Every
-prompt is random common English words drawn from a seeded generator, so a run is
-repeatable; a word is about one token in the BPE vocabularies of the models served here
-(the client reports the exact prompt tokens from the server's usage counts).
+prompt is random common English words drawn from a seeded generator
+(`infer.bench.prompts`), so a run is repeatable; a word is about one token in the BPE
+vocabularies of the models served here (the client reports the exact prompt tokens from
+the server's usage counts).
 
 `scale` multiplies request counts, arrival rates and prompt/output lengths together, so a
 CPU can run a small copy of the same shape.
@@ -16,21 +17,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-_WORDS = (
-    "the of and to in is was for on that with as by at from his her they this had not are "
-    "but were which one all she there been their has would when who will more no if out so "
-    "said what up its about into than them can only other new some could time these two may "
-    "then first any like now my such over our man even most made after also did many before "
-    "must through back years where much your way well down should because each just those "
-    "people how too little state good very make world still own see men work long get here "
-    "between both life being under never day same another know while last might us great old "
-    "year off come since against go came right used take three small house water word number "
-    "part place sound light hand city tree river story song road music table paper money "
-    "field group system night morning garden window market school letter doctor teacher "
-    "family friend animal mountain island summer winter village street ocean forest bridge "
-    "engine report question answer reason moment history nature weather picture country"
-)
-WORDS = tuple(_WORDS.split())
+from infer.bench.prompts import random_words
 
 
 @dataclass(frozen=True)
@@ -61,10 +48,6 @@ def rate_of(workload: Workload) -> float:
     return (len(workload.requests) - 1) / last if last > 0 else 0.0
 
 
-def _words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(max(1, n)))
-
-
 def _count(n: float, scale: float) -> int:
     return max(2, round(n * scale))
 
@@ -81,29 +64,29 @@ def build(name: str, scale: float = 1.0, seed: int = 0) -> Workload:
     rng = random.Random(f"{name}:{seed}")
     s = scale
     if name == "baseline":
-        prompts = [_words(rng, _len(256, s)) for _ in range(_count(10, s))]
+        prompts = [random_words(rng, _len(256, s)) for _ in range(_count(10, s))]
         return Workload(name, "single-request overhead floor", True,
                         [RequestSpec(p, _len(128, s), 0.0) for p in prompts])
     if name == "continuous_batching":
-        prompts = [_words(rng, rng.randint(_len(128, s), _len(384, s)))
+        prompts = [random_words(rng, rng.randint(_len(128, s), _len(384, s)))
                    for _ in range(_count(32, s))]
         return Workload(name, "TTFT with staggered arrivals", False,
                         _staggered(prompts, _len(128, s), 4 * s))
     if name == "paged_attention":
-        prompts = [_words(rng, rng.randint(_len(64, s), _len(512, s)))
+        prompts = [random_words(rng, rng.randint(_len(64, s), _len(512, s)))
                    for _ in range(_count(48, s))]
         return Workload(name, "throughput at high concurrency", False,
                         [RequestSpec(p, _len(128, s), 0.0) for p in prompts])
     if name == "chunked_prefill":
         n = _count(48, s)
         long_ids = set(rng.sample(range(n), round(0.75 * n)))
-        prompts = [_words(rng, _len(1536, s) if i in long_ids else _len(64, s))
+        prompts = [random_words(rng, _len(1536, s) if i in long_ids else _len(64, s))
                    for i in range(n)]
         return Workload(name, "ITL under long-prompt prefill pressure", False,
                         _staggered(prompts, _len(128, s), 6 * s))
     if name == "prefix_caching":
-        prefix = _words(rng, _len(1024, s))
-        prompts = [f"{prefix} {_words(rng, _len(32, s))}" for _ in range(_count(48, s))]
+        prefix = random_words(rng, _len(1024, s))
+        prompts = [f"{prefix} {random_words(rng, _len(32, s))}" for _ in range(_count(48, s))]
         return Workload(name, "TTFT with a shared ~1024-token prefix", False,
                         _staggered(prompts, _len(64, s), 8 * s))
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(NAMES)}")

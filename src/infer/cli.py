@@ -1,4 +1,4 @@
-"""`infer serve | generate | chat` (and, as it lands, `bench`)."""
+"""The command line: `infer serve | generate | chat | bench` (`infer COMMAND --help`)."""
 
 from __future__ import annotations
 
@@ -6,51 +6,17 @@ import argparse
 import dataclasses
 import os
 import sys
-import typing
 
-from infer.engine.batch_defaults import CPU_DEFAULTS, GPU_DEFAULTS, LARGE_GPU_DEFAULTS
+from infer.bench.cli import add_bench_command
+from infer.engine.batch_defaults import CPU_DEFAULTS
 from infer.engine.config import EngineConfig
-
-SIZED_TO_DEVICE = {
-    "max_num_seqs": "most sequences in one batch (default: sized to the device: "
-    f"{CPU_DEFAULTS[0]} on a CPU, {LARGE_GPU_DEFAULTS[0]} on a GPU)",
-    "max_num_batched_tokens": "token budget per step (default: sized to the device: "
-    f"{CPU_DEFAULTS[1]} on a CPU, {LARGE_GPU_DEFAULTS[1]} on a GPU of 70 GiB or more, "
-    f"{GPU_DEFAULTS[1]} on a smaller one)",
-}
-
-
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field (`--max-num-seqs 8`, `--no-prefix-caching`)."""
-    hints = typing.get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
-        hint = hints[f.name]
-        if hint is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=f.default, help=f"(default: {f.default})")
-            continue
-        kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
-        parser.add_argument(flag, dest=f.name, type=kind, default=f.default,
-                            help=SIZED_TO_DEVICE.get(f.name, f"(default: {f.default})"))
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{name: getattr(args, name) for name in EngineConfig.field_names()})
-
-
-def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-
-
-def sampling_params(args: argparse.Namespace, **extra):
-    from infer.sampling_params import SamplingParams
-
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, **extra)
+from infer.flags import (
+    add_engine_flags,
+    add_model_argument,
+    add_sampling_flags,
+    engine_config,
+    sampling_params,
+)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -245,45 +211,45 @@ def _set_help(parser: argparse.ArgumentParser, dest: str, text: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="infer", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="complete one prompt, streaming to stdout")
-    gen.add_argument("prompt")
-    gen.add_argument("--chat", action="store_true",
-                     help="wrap the prompt as a user message in the chat template")
-    add_engine_flags(gen)
-    add_sampling_flags(gen)
-    gen.set_defaults(func=cmd_generate)
-    chat = sub.add_parser("chat", help="interactive chat in the terminal")
-    chat.add_argument("--system", default=None, help="a system message")
-    add_engine_flags(chat)
-    add_sampling_flags(chat)
-    chat.set_defaults(func=cmd_chat)
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=os.environ.get("INFER_API_KEY"),
-                       help="require `Authorization: Bearer KEY` (default: $INFER_API_KEY)")
-    serve.add_argument("--served-model-name", nargs="+", default=None,
-                       help="model name(s) clients use (default: the model's name)")
-    serve.add_argument("--max-seqs-per-request", type=int, default=None,
-                       help="most sequences (prompts x n) one request may ask for; more "
-                       "get 400 (default: 1024)")
-    serve.add_argument("--request-timeout", type=float, default=None,
-                       help="seconds before a request is aborted with 504 (default: none)")
-    serve.add_argument("--timeout-keep-alive", type=float, default=5.0,
-                       help="seconds an idle keep-alive connection stays open (default: 5)")
-    serve.add_argument("--request-read-timeout", type=float, default=30.0,
-                       help="seconds a client has to send a whole request, head and body, "
-                       "before the connection is closed (408) (default: 30)")
-    serve.add_argument("--max-connections", type=int, default=1024,
-                       help="open connections beyond this get 503 (default: 1024)")
-    serve.add_argument("--log-level", default="info")
-    serve.add_argument("--api-server-count", type=int, default=None,
-                       help="API server processes (HTTP, tokenizing, detokenizing) sharing "
-                       "the port and the one engine core; more stream more tokens at once "
-                       f"(default: on a GPU, {SERVE_GPU_API_SERVERS} or one per "
-                       f"{CORES_PER_API_SERVER} CPU cores if fewer; on a CPU, 1)")
+    parser = argparse.ArgumentParser(
+        prog="infer", description="An LLM inference and serving engine: an OpenAI-compatible "
+        "server, one-shot generation, a terminal chat and benchmarks. `infer COMMAND --help` "
+        "lists a command's flags.")
+    parser.add_argument("--version", action="version", version=f"infer {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                           description="Serve MODEL (default: the embedded "
+                           "SmolLM2-135M-Instruct) over the OpenAI API: /v1/completions, "
+                           "/v1/chat/completions, /v1/models, /health, /metrics.")
+    add_model_argument(serve)
+    server = serve.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default: 127.0.0.1)")
+    server.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    server.add_argument("--api-key", default=os.environ.get("INFER_API_KEY"),
+                        help="require `Authorization: Bearer KEY` (default: $INFER_API_KEY)")
+    server.add_argument("--served-model-name", nargs="+", default=None,
+                        help="model name(s) clients use (default: the model's name)")
+    server.add_argument("--max-seqs-per-request", type=int, default=None,
+                        help="most sequences (prompts x n) one request may ask for; more "
+                        "get 400 (default: 1024)")
+    server.add_argument("--request-timeout", type=float, default=None,
+                        help="seconds before a request is aborted with 504 (default: none)")
+    server.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                        help="seconds an idle keep-alive connection stays open (default: 5)")
+    server.add_argument("--request-read-timeout", type=float, default=30.0,
+                        help="seconds a client has to send a whole request, head and body, "
+                        "before the connection is closed (408) (default: 30)")
+    server.add_argument("--max-connections", type=int, default=1024,
+                        help="open connections beyond this get 503 (default: 1024)")
+    server.add_argument("--log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug", "trace"),
+                        help="uvicorn's log level (default: info)")
+    server.add_argument("--api-server-count", type=int, default=None,
+                        help="API server processes (HTTP, tokenizing, detokenizing) sharing "
+                        "the port and the one engine core; more stream more tokens at once "
+                        f"(default: on a GPU, {SERVE_GPU_API_SERVERS} or one per "
+                        f"{CORES_PER_API_SERVER} CPU cores if fewer; on a CPU, 1)")
     add_engine_flags(serve)
     serve.set_defaults(func=cmd_serve, max_num_seqs=None, core_process=True)
     _set_help(serve, "core_process", "run the engine core (scheduler, model, sampler) in its "
@@ -292,8 +258,37 @@ def build_parser() -> argparse.ArgumentParser:
     _set_help(serve, "max_num_seqs", "most sequences in one batch (default: "
               f"{SERVE_GPU_MAX_NUM_SEQS} on a GPU, {CPU_DEFAULTS[0]} on a CPU)")
     _set_help(serve, "max_num_batched_tokens", "token budget per step (default: "
-              f"{SERVE_MAX_NUM_BATCHED_TOKENS})")
+              f"{SERVE_MAX_NUM_BATCHED_TOKENS}: small steps keep the running streams' "
+              "inter-token latency low while prompts arrive)")
+    gen = sub.add_parser("generate", help="complete one prompt, streaming to stdout",
+                         description="Complete PROMPT with the model of --model (default: "
+                         "the embedded SmolLM2-135M-Instruct), streaming the text to stdout.")
+    gen.add_argument("prompt", help="the text to complete")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt as a user message in the chat template")
+    add_sampling_flags(gen)
+    add_engine_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat in the terminal",
+                          description="Chat with MODEL (default: the embedded "
+                          "SmolLM2-135M-Instruct) in the terminal; an empty line or Ctrl-D "
+                          "quits.")
+    add_model_argument(chat)
+    chat.add_argument("--system", default=None, help="a system message")
+    add_sampling_flags(chat)
+    add_engine_flags(chat)
+    chat.set_defaults(func=cmd_chat)
+    add_bench_command(sub)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("infer")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:

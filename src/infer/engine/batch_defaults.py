@@ -19,10 +19,10 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
-from infer.engine.config import EngineConfig
-
 if TYPE_CHECKING:
     import torch
+
+    from infer.engine.config import EngineConfig  # which imports these defaults
 
 log = logging.getLogger(__name__)
 

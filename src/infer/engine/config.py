@@ -2,88 +2,139 @@
 
 Plain values only: building one reads no file. Conflicting fields fail here, at
 construction, with a message naming them.
+
+Each field's help text (and its choices, where it takes one of a few strings) lives in its
+metadata: the CLI's flags (`infer serve --help`) are made from it, so what a field means is
+written once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from infer.engine.batch_defaults import CPU_DEFAULTS, GPU_DEFAULTS, LARGE_GPU_DEFAULTS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")  # cuda:N for any device index N
+BATCHING_MODES = ("static", "continuous")
+KV_CACHES = ("paged", "contiguous")
 BACKENDS = ("auto", "torch", "triton")
 MIXED_STEP_GRAPHS = ("full", "piecewise", "off")
 QUANTIZATIONS = ("auto", "none", "int8", "fp8", "gguf")  # the choices infer.quantization takes
 SPECULATIVE_METHODS = ("none", "ngram", "self", "draft")
 
 
+def knob(default: Any, text: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A field with its help text; `choices`: the only values it takes."""
+    return field(default=default, metadata={"help": text, "choices": choices})
+
+
+def is_device(text: str) -> bool:
+    """One of DEVICES, N an index."""
+    return text in DEVICES[:3] or (text.startswith("cuda:") and text[5:].isdigit())
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct)
-    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    seed: int = 0
-    max_model_len: int | None = None  # None: the model's context length, capped at 8192
-    # Most sequences in one batch, and the token budget per step. None: sized to the device
-    # (engine/batch_defaults.py: 64 and 2,048 on a CPU; 256 and 16,384 on a large GPU).
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    batching_mode: str = "continuous"  # static | continuous
-    kv_cache: str = "paged"  # paged | contiguous (one max_model_len block per sequence)
-    block_size: int = 16
-    num_blocks: int | None = None  # None: size the pool from gpu_memory_utilization
-    gpu_memory_utilization: float = 0.9  # device memory share: weights + activations + KV
-    chunked_prefill: bool = True
-    prefill_chunk_size: int | None = None  # most prompt tokens per request per step
-    prefix_caching: bool = True
-    # auto: triton on CUDA (when Triton is installed), torch elsewhere; torch is the reference.
-    attention_backend: str = "auto"
-    # Norms, RoPE and gated activations: the same choice as attention_backend.
-    kernel_backend: str = "auto"
-    cuda_graphs: bool = True  # replay captured decode steps (CUDA + triton attention only)
-    # With cuda_graphs, the steps that carry prompt tokens: full = whole-step graphs
-    # (and piecewise ones for steps with a sequence too long for their attention launch),
-    # piecewise = graphs cut where each layer attends (attention eager), off = eager.
-    mixed_step_graphs: str = "full"
-    # Launch the next decode step before this one's tokens reach the host (stop checks run
-    # one step behind), so the GPU does not idle during the host's bookkeeping.
-    async_scheduling: bool = True
-    max_waiting_requests: int | None = None  # None: unbounded queue
-    # The core (scheduler, model, sampler) in a process of its own, apart from tokenizing
-    # and detokenizing. Off for LLM (no IPC in the way); `infer serve` turns it on.
-    core_process: bool = False
-    # The weights' format: auto (the checkpoint's own: FP8 / INT8 checkpoints as stored;
-    # a GGUF file's quantized weights stay quantized on the CPU, dequantized on CUDA,
-    # faster for prefill and large batches) | none (dequantized at load) | int8
-    # (weight-only, per output channel, made at load) | fp8 (e4m3 per output channel,
-    # made at load; FP8 activations per token in large steps) | gguf (a GGUF file's
-    # blocks kept as stored on any device: 3-4x less memory); quantization/ says more.
-    quantization: str = "auto"
-    # On a CPU, the threads the model's kernels use; None: one per usable core less one
-    # (engine/cpu_threads.py says why: more collapses beside any other busy process).
-    threads: int | None = None
-    # Speculative decoding: none | ngram (drafts looked up in the sequence's own earlier
-    # tokens, spec/ngram.py) | self (the model's own first self_draft_layers layers) |
-    # draft (draft_model, a small model with the same vocabulary). Drafts are verified in
-    # one forward of the model, the output distributed exactly as without them (penalties,
-    # logprobs and grammar masks at every drafted position). A step with drafts is not
-    # launched ahead (async_scheduling): steps above speculative_max_batch are.
-    speculative_method: str = "none"
-    num_speculative_tokens: int = 4  # k: most drafts per sequence per step
-    ngram_min: int = 1  # n-gram drafts: the shortest and longest suffix looked up
-    ngram_max: int = 4
-    self_draft_layers: int | None = None  # None: half the model's layers
-    draft_model: str | None = None  # a model directory or GGUF file, as `model`
-    speculative_max_batch: int = 16  # no drafts in steps of more running sequences
+    model: str | None = knob(
+        None, "the model: a GGUF file, an HF model directory (config.json + *.safetensors) "
+        "or a hub id (org/name); default: the embedded SmolLM2-135M-Instruct")
+    dtype: str = knob("auto", "weights' and activations' dtype; auto: bfloat16 on a GPU, "
+                      "float32 on a CPU", DTYPES)
+    device: str = knob("auto", "auto: cuda if a GPU is available, else cpu; or cpu, cuda, "
+                       "cuda:N")
+    seed: int = knob(0, "seed of the global random generator, which samples the requests "
+                     "that bring no seed of their own")
+    max_model_len: int | None = knob(
+        None, "most tokens (prompt + output) per sequence; default: the model's context "
+        "length, capped at 8192")
+    max_num_seqs: int | None = knob(
+        None, "most sequences in one batch; default: sized to the device "
+        f"(engine/batch_defaults.py): {CPU_DEFAULTS[0]} on a CPU, {LARGE_GPU_DEFAULTS[0]} "
+        "on a GPU")
+    max_num_batched_tokens: int | None = knob(
+        None, "token budget per step; default: sized to the device (engine/batch_defaults.py):"
+        f" {CPU_DEFAULTS[1]} on a CPU, {LARGE_GPU_DEFAULTS[1]} on a GPU of 70 GiB or more, "
+        f"{GPU_DEFAULTS[1]} on a smaller one")
+    batching_mode: str = knob("continuous", "continuous: sequences join and leave the "
+                              "running batch at every step; static: admit only when the "
+                              "running batch has drained", BATCHING_MODES)
+    kv_cache: str = knob("paged", "paged: blocks of block_size tokens, allocated as "
+                         "sequences grow; contiguous: one max_model_len block per sequence "
+                         "(needs --no-prefix-caching)", KV_CACHES)
+    block_size: int = knob(16, "tokens per KV-cache block")
+    num_blocks: int | None = knob(
+        None, "KV-cache blocks; default: sized from memory (on a GPU, what "
+        "gpu_memory_utilization leaves after the weights and a warm-up step; on a CPU, a "
+        "quarter of the available memory), at most twice what max_num_seqs full-length "
+        "sequences need")
+    gpu_memory_utilization: float = knob(
+        0.9, "share of the GPU's memory for weights, activations and the KV cache")
+    chunked_prefill: bool = knob(True, "split long prompts over steps, so the running "
+                                 "sequences keep decoding while they are read")
+    prefill_chunk_size: int | None = knob(
+        None, "most prompt tokens per request per step (needs chunked_prefill); default: the "
+        "step's token budget")
+    prefix_caching: bool = knob(True, "reuse the KV blocks of prompt prefixes seen before "
+                                "(least recently used evicted first)")
+    attention_backend: str = knob(
+        "auto", "paged attention and the KV-cache store: auto is triton on CUDA (when Triton "
+        "is installed), torch elsewhere; torch is the reference", BACKENDS)
+    kernel_backend: str = knob(
+        "auto", "norms, RoPE and gated activations: the same choice as attention_backend",
+        BACKENDS)
+    cuda_graphs: bool = knob(True, "replay captured decode steps (CUDA with triton attention "
+                             "only; ignored elsewhere)")
+    mixed_step_graphs: str = knob(
+        "full", "with cuda_graphs, the steps that carry prompt tokens: full = whole-step "
+        "graphs (and piecewise ones for steps with a sequence too long for their attention "
+        "launch), piecewise = graphs cut where each layer attends (attention eager), "
+        "off = eager", MIXED_STEP_GRAPHS)
+    async_scheduling: bool = knob(
+        True, "launch the next decode step before this one's tokens reach the host (stop "
+        "checks run one step behind), so the GPU does not idle during the host's bookkeeping")
+    max_waiting_requests: int | None = knob(
+        None, "most requests waiting to be scheduled (the server answers 503 beyond); "
+        "default: unbounded")
+    core_process: bool = knob(
+        False, "run the core (scheduler, model, sampler) in a process of its own, apart from "
+        "tokenizing and detokenizing; off for LLM (no IPC in the way), on for `infer serve`")
+    quantization: str = knob(
+        "auto", "the weights' format: auto = the checkpoint's own (FP8 / INT8 checkpoints as "
+        "stored; a GGUF file's quantized weights stay quantized on the CPU, dequantized on "
+        "CUDA, faster for prefill and large batches); none = dequantized at load; int8 = "
+        "weight-only, per output channel, made at load; fp8 = e4m3 per output channel, made "
+        "at load (FP8 activations per token in large steps); gguf = a GGUF file's blocks "
+        "kept as stored on any device (3-4x less memory); infer/quantization/ says more",
+        QUANTIZATIONS)
+    threads: int | None = knob(
+        None, "on a CPU, the threads the model's kernels use; default: one per usable core "
+        "less one (engine/cpu_threads.py says why: more collapses beside any other busy "
+        "process)")
+    speculative_method: str = knob(
+        "none", "speculative decoding: none = off; ngram = drafts looked up in the sequence's own "
+        "earlier tokens (spec/ngram.py); self = the model's own first self_draft_layers "
+        "layers; draft = draft_model, a small model with the same vocabulary. Drafts are "
+        "verified in one forward of the model, the output distributed exactly as without "
+        "them (penalties, logprobs and grammar masks at every drafted position). A step "
+        "with drafts is not launched ahead (async_scheduling): steps above "
+        "speculative_max_batch are", SPECULATIVE_METHODS)
+    num_speculative_tokens: int = knob(4, "k: most drafts per sequence per step")
+    ngram_min: int = knob(1, "n-gram drafts: the shortest suffix looked up")
+    ngram_max: int = knob(4, "n-gram drafts: the longest suffix looked up")
+    self_draft_layers: int | None = knob(
+        None, "self drafts: the layers that draft; default: half the model's layers")
+    draft_model: str | None = knob(
+        None, "the draft model of speculative_method=draft (which needs one): a model "
+        "directory or GGUF file, as for model; default: none")
+    speculative_max_batch: int = knob(16, "no drafts in steps of more running sequences")
 
     def __post_init__(self) -> None:
-        self._check_choice("dtype", DTYPES)
-        self._check_choice("batching_mode", ("static", "continuous"))
-        self._check_choice("kv_cache", ("paged", "contiguous"))
-        self._check_choice("attention_backend", BACKENDS)
-        self._check_choice("kernel_backend", BACKENDS)
-        self._check_choice("mixed_step_graphs", MIXED_STEP_GRAPHS)
-        self._check_choice("quantization", QUANTIZATIONS)
-        self._check_choice("speculative_method", SPECULATIVE_METHODS)
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+        for f in fields(self):
+            if f.metadata["choices"] is not None:
+                self._check_choice(f.name, f.metadata["choices"])
+        if not is_device(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("block_size", "num_speculative_tokens", "ngram_min", "ngram_max",
                      "speculative_max_batch"):

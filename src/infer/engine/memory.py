@@ -31,12 +31,12 @@ def plan_kv_cache(
     A draft model's cache has as many blocks (the same block tables), in the same budget."""
     contiguous = config.kv_cache == "contiguous"
     block_size = max_model_len if contiguous else config.block_size
-    if config.num_blocks is not None:
-        return block_size, config.num_blocks
     per_token = kv_bytes_per_token(cfg, dtype)
     if draft_config is not None:
         per_token += kv_bytes_per_token(draft_config, dtype)
     per_block = per_token * block_size
+    if config.num_blocks is not None:
+        return _logged(block_size, config.num_blocks, per_block)
     needed = -(-max_model_len // block_size)  # blocks of one full-length sequence
     # No use in more than every sequence at full length, plus (paged) as much again for
     # the prefix cache.
@@ -55,6 +55,13 @@ def plan_kv_cache(
     if contiguous and num_blocks < config.max_num_seqs:
         log.info("contiguous KV cache: memory for %d sequences of %d tokens (max_num_seqs=%d)",
                  num_blocks, max_model_len, config.max_num_seqs)
+    return _logged(block_size, num_blocks, per_block)
+
+
+def _logged(block_size: int, num_blocks: int, per_block: int) -> tuple[int, int]:
+    """Said before the cache is allocated: zeroing gigabytes takes seconds on a CPU."""
+    log.info("KV cache: %d blocks of %d tokens, %.2f GiB", num_blocks, block_size,
+             num_blocks * per_block / 2**30)
     return block_size, num_blocks
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 
 import torch
 from torch import nn
@@ -11,6 +12,8 @@ from infer.config import ModelConfig
 from infer.loader.resolve import resolve_model
 from infer.loader.tokenizer import Tokenizer
 from infer.quantization.gguf_blocks import GGUFBlocks
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,6 +37,7 @@ def load_model_and_tokenizer(
     from infer.quantization import method_made_at_load
 
     source = resolve_model(model)
+    log.info("loading %s from %s on %s", source.name, source.path, device)
     method = method_made_at_load(quantization)
     if source.format == "gguf":
         net, cfg = load_gguf(source.path, dtype, device, method)

@@ -51,6 +51,14 @@ def read_field(reader: GGUFReader, key: str, default: Any = MISSING) -> Any:
     return field.contents()
 
 
+ROPE_FREQS = "rope_freqs.weight"  # already folded into the ModelConfig's rope
+
+
+def num_weights(reader: GGUFReader) -> int:
+    """How many tensors `iter_gguf_weights` yields."""
+    return sum(t.name != ROPE_FREQS for t in reader.tensors)
+
+
 def iter_gguf_weights(reader: GGUFReader, cfg: ModelConfig, device: torch.device | str = "cpu"
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, float32 tensor)` in HF's layout, one tensor at a time: the names
@@ -60,7 +68,7 @@ def iter_gguf_weights(reader: GGUFReader, cfg: ModelConfig, device: torch.device
     src, arch = source_of(reader), cfg.architecture
     entry = REGISTRY[arch]
     for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":  # already folded into cfg.rope
+        if tensor.name == ROPE_FREQS:
             continue
         mapped = entry.gguf_tensors.hf_name(tensor.name)
         if mapped is None:

@@ -64,6 +64,18 @@ def tensor_headers(files: list[Path]) -> dict[str, tuple[str, list[int]]]:
     return headers
 
 
+def num_tensors(files: list[Path]) -> int:
+    """How many tensors the files hold (from their headers)."""
+    count = 0
+    for path in files:
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                count += len(f.keys())
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"{path}: unreadable safetensors file ({exc})") from None
+    return count
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     """The checkpoint's safetensors files; refuses pickle-only checkpoints."""
     index = model_dir / "model.safetensors.index.json"

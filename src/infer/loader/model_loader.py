@@ -15,6 +15,7 @@ from infer.loader.gguf_metadata import gguf_config
 from infer.models import model_class
 from infer.models.linear import LinearMethod, UnquantizedLinearMethod, linear_method_default
 from infer.models.weights import WeightError
+from infer.progress import loading_bar
 from infer.quantization.checkpoint import read_scheme
 
 
@@ -55,13 +56,12 @@ def load_hf_dir(
     cfg = hf_dir.load_config(model_dir)
     files = hf_dir.safetensors_files(model_dir)
     scheme = read_scheme(hf_dir.quantization_config(model_dir), str(model_dir / "config.json"))
-    if scheme is None:
-        return build_model(cfg, hf_dir.iter_safetensors(files), str(model_dir), dtype,
-                           device, linear_method), cfg
-    scheme.check_tensors(hf_dir.tensor_headers(files), str(model_dir))
-    model = build_model(cfg, hf_dir.iter_safetensors(files), str(model_dir), dtype, device,
-                        scheme.make_method)
-    return model, cfg
+    if scheme is not None:
+        scheme.check_tensors(hf_dir.tensor_headers(files), str(model_dir))
+        linear_method = scheme.make_method
+    weights = loading_bar(hf_dir.iter_safetensors(files), hf_dir.num_tensors(files),
+                          "Loading safetensors checkpoint")
+    return build_model(cfg, weights, str(model_dir), dtype, device, linear_method), cfg
 
 
 def load_gguf(
@@ -73,7 +73,8 @@ def load_gguf(
     reader = gguf_file.open_gguf(path)
     cfg = gguf_config(reader)
     gguf_file.check_tensor_types(reader)
-    weights = gguf_file.iter_gguf_weights(reader, cfg, device)
+    weights = loading_bar(gguf_file.iter_gguf_weights(reader, cfg, device),
+                          gguf_file.num_weights(reader), "Loading GGUF tensors")
     model = build_model(cfg, weights, gguf_file.source_of(reader), dtype, device,
                         linear_method)
     return model, cfg

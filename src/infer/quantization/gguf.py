@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from infer.models.linear import LinearBase, VocabParallelEmbedding
+from infer.progress import loading_bar
 from infer.quantization.gguf_blocks import INT4_TYPES, GGUFBlocks, int4_groups
 from infer.quantization.gguf_gpu import GGUFBlocksLinearMethod, gpu_types
 from infer.quantization.int4 import Int4GroupLinearMethod, int4_packable
@@ -49,10 +50,11 @@ def keep_gguf_quantized(model: nn.Module, blocks: dict[str, GGUFBlocks],
     keep_linear, keep_table = (_keep_blocks, _keep_table_blocks) if as_blocks else \
         (_keep_linear, _keep_table)
     kept: Counter[str] = Counter()
-    for name, module in model.named_modules():
-        if isinstance(module, LinearBase):
-            shards = [by_param.get((f"{name}.weight", s)) for s in module.shard_ids or (None,)]
-            kept[keep_linear(module, shards)] += 1
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, LinearBase)]
+    for name, module in loading_bar(linears, len(linears), "Keeping GGUF weights quantized",
+                                    "layer"):
+        shards = [by_param.get((f"{name}.weight", s)) for s in module.shard_ids or (None,)]
+        kept[keep_linear(module, shards)] += 1
     for name, module in list(model.named_modules()):
         table = by_param.get((f"{name}.weight", None))
         if isinstance(module, VocabParallelEmbedding) and table is not None:
