@@ -70,18 +70,20 @@ def test_a_steps_outputs_cross_the_pipe_unchanged_and_in_order():
 
     from infer.engine.core_process import pack_outputs, unpack_outputs
     from infer.engine.engine_core import SequenceOutput
+    from infer.engine.prompt_logprobs import PromptLogprobs
 
     outputs = [
         SequenceOutput("a", [5], num_cached_tokens=16),
-        SequenceOutput("b", [7], [-0.5], [([7, 9], [-0.5, -1.5])]),
+        SequenceOutput("b", [7], [-0.5], [([7, 9], [-0.5, -1.5])], ranks=[1]),
         SequenceOutput("c", [1, 2], num_cached_tokens=0),
         SequenceOutput("d", [], finish_reason="error", error="ValueError: bad"),
         SequenceOutput("e", [3], finish_reason="stop", stop_reason=3),
         SequenceOutput("f", [4]),
+        SequenceOutput("g", [2], prompt_logprobs=PromptLogprobs([-1.0], [3], None)),
     ]
     packed = pickle.loads(pickle.dumps(pack_outputs(outputs)))
     assert unpack_outputs(packed) == outputs
-    assert [place for place, _ in packed[3]] == [1, 3, 4]  # only those go whole
+    assert [place for place, _ in packed[3]] == [1, 3, 4, 6]  # only those go whole
     assert unpack_outputs(pack_outputs([])) == []
 
 
@@ -124,7 +126,7 @@ def test_a_core_process_answers_as_the_engine_in_this_process():
 def test_the_offline_api_with_a_core_process_answers_as_without():
     prompts = ["The quick brown fox", "Once upon a time"]
     params = [GREEDY, SamplingParams(max_tokens=24, temperature=0.8, seed=5, n=2,
-                                     stop=[" the"], logprobs=2)]
+                                     stop=[" the"], logprobs=2, prompt_logprobs=1)]
     here = LLM(str(tiny_model_dir()), **TINY)
     apart = LLM(str(tiny_model_dir()), core_process=True, **TINY)
     pid = apart.engine.core.client.runner.pid
@@ -140,6 +142,14 @@ def test_the_offline_api_with_a_core_process_answers_as_without():
                     assert [{t: lp.logprob for t, lp in e.items()} for e in c.logprobs] == [
                         pytest.approx({t: lp.logprob for t, lp in e.items()}, abs=1e-4)
                         for e in d.logprobs]
+            assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
+            if b.prompt_logprobs is not None:
+                assert len(a.prompt_logprobs) == len(a.prompt_token_ids)
+                for e, f in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+                    assert {t: lp.rank for t, lp in e.items()} == {
+                        t: lp.rank for t, lp in f.items()}
+                    assert {t: lp.logprob for t, lp in e.items()} == pytest.approx(
+                        {t: lp.logprob for t, lp in f.items()}, abs=1e-4)
         for _out in apart.stream("Once upon a time", GREEDY):  # left after one output
             break
         [again] = apart.generate(prompts[:1], GREEDY, use_tqdm=False)

@@ -85,13 +85,13 @@ def test_output_metrics_are_filled_in_order():
         outputs += engine.step()
     assert len(outputs) == GREEDY.max_tokens
     first = outputs[0].metrics
-    assert first["arrival_time"] <= first["first_token_time"] == first["last_token_time"]
-    assert "finished_time" not in first
+    assert first.arrival_time <= first.first_token_time == first.last_token_time
+    assert first.finished_time is None
     last = outputs[-1].metrics
-    assert last["first_token_time"] == first["first_token_time"]
-    assert last["finished_time"] == last["last_token_time"] > first["first_token_time"]
-    assert [o.metrics["last_token_time"] for o in outputs] == sorted(
-        o.metrics["last_token_time"] for o in outputs)
+    assert last.first_token_time == first.first_token_time
+    assert last.finished_time == last.last_token_time > first.first_token_time
+    assert [o.metrics.last_token_time for o in outputs] == sorted(
+        o.metrics.last_token_time for o in outputs)
 
 
 def test_final_only_requests_report_once_with_the_same_result():
@@ -114,7 +114,7 @@ def test_final_only_requests_report_once_with_the_same_result():
     for a, b in zip(final.outputs, full.outputs):  # rows of other batches: float noise only
         assert [sorted(e) for e in a.logprobs] == [sorted(e) for e in b.logprobs]
         assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
-    assert final.metrics["first_token_time"] < final.metrics["finished_time"]
+    assert final.metrics.first_token_time < final.metrics.finished_time
 
 
 def test_prompt_too_long_and_pool_too_small_are_distinct_errors():

@@ -5,19 +5,25 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
+from typing import Any
 
-from infer.engine.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.outputs import RequestOutput
-from infer.inputs import PromptType, is_single_prompt
+from infer.inputs import PromptType, TokensPrompt, is_single_prompt, text_messages
+from infer.llm_args import engine_config
 from infer.sampling_params import RequestOutputKind, SamplingParams
 
-Message = dict[str, str]
+Message = dict[str, Any]
+# chat_template_content_format values: how list content reaches the template. Text parts
+# are joined into a string either way ("openai" templates read strings too).
+CONTENT_FORMATS = ("auto", "string", "openai")
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **config) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **config))
+    def __init__(self, model: str | None = None, **config: Any) -> None:
+        """`config`: EngineConfig's fields, or the vLLM names `llm_args` maps onto them
+        (enforce_eager, enable_prefix_caching, trust_remote_code, ...)."""
+        self.engine = LLMEngine(engine_config(model, config))
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -61,13 +67,35 @@ class LLM:
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
+        """Render each conversation with the chat template (the model's, or
+        `chat_template`: a template text or the name of one of the model's), then
+        generate. Content may be a string or a list of text parts; `tools` and
+        `chat_template_kwargs` reach the template, as in vLLM."""
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not supported (lora_request must be None)")
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of "
+                             f"{', '.join(CONTENT_FORMATS)}; got "
+                             f"{chat_template_content_format!r}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        prompts = [tok.encode_chat(c, add_generation_prompt=add_generation_prompt)
-                   for c in conversations]
+        prompts: list[TokensPrompt] = []
+        for conversation in conversations:
+            text = tok.apply_chat_template(
+                text_messages(conversation), add_generation_prompt,
+                chat_template=chat_template, tools=tools,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            # the template writes the special tokens: none are added (Tokenizer.encode_chat)
+            prompts.append(TokensPrompt(prompt=text, prompt_token_ids=tok.encode(
+                text, add_special_tokens=False)))
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(

@@ -19,6 +19,11 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 128
 MAX_STOP_TOKEN_IDS = 256
+# logit_bias as OpenAI bounds it (-100 bans a token, 100 all but forces it); the count
+# bounds the host work per step.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_BAD_WORDS = 256
 
 
 def _is_int(value: object) -> bool:
@@ -53,6 +58,17 @@ def _bool(name: str, value: object) -> bool:
     return value
 
 
+def _token_id_list(name: str, ids: object) -> list[int]:
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"{name} must be a list of ints, got {ids!r}")
+    for t in ids:
+        if not _is_int(t):
+            raise ValueError(f"{name} must be ints, got {t!r}")
+        if t < 0:
+            raise ValueError(f"{name} must be >= 0, got {t}")
+    return [int(t) for t in ids]
+
+
 class RequestOutputKind(enum.Enum):
     """What each output of a request carries (vLLM's names)."""
 
@@ -83,6 +99,20 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output obeys
+    # Logprobs of the prompt's tokens (each given the ones before it), with the top-N
+    # at each position: RequestOutput.prompt_logprobs. Such a request computes its whole
+    # prompt (no prefix-cache hits), as vLLM does.
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    # Words never generated: each word's tokens (with and without a leading space) are
+    # banned as a sequence, i.e. its last token after the others.
+    bad_words: list[str] | None = None
+    detokenize: bool = True  # False: token ids only, `text` stays empty
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens
+    # bad_words as token-id sequences: filled in from the tokenizer when the request is
+    # queued (the engine core has no tokenizer).
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n)
@@ -145,6 +175,29 @@ class SamplingParams:
         )
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, optional=True)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (or None), got "
+                             f"{self.prompt_logprobs}")
+        self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_id_list("allowed_token_ids",
+                                                    self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None: every token)")
+        self.bad_words = self._normalise_bad_words(self.bad_words)
+        self.detokenize = _bool("detokenize", self.detokenize)
+        if not self.detokenize and self.stop:
+            raise ValueError("stop strings need the text: they cannot be combined with "
+                             "detokenize=False (use stop_token_ids)")
+        self.truncate_prompt_tokens = _int("truncate_prompt_tokens",
+                                           self.truncate_prompt_tokens, optional=True)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise ValueError("truncate_prompt_tokens must be at least 1 (or None), got "
+                             f"{self.truncate_prompt_tokens}")
+        if self.bad_words_token_ids is not None:
+            self.bad_words_token_ids = [_token_id_list("bad_words_token_ids", ids)
+                                        for ids in self.bad_words_token_ids]
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
@@ -178,21 +231,65 @@ class SamplingParams:
     def _normalise_stop_token_ids(ids: object) -> list[int]:
         if ids is None:
             return []
-        if not isinstance(ids, (list, tuple)):
-            raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+        ids = _token_id_list("stop_token_ids", ids)
         if len(ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids has {len(ids)} ids; at most "
                              f"{MAX_STOP_TOKEN_IDS} are allowed")
-        for t in ids:
-            if not _is_int(t):
-                raise ValueError(f"stop_token_ids must be ints, got {t!r}")
-            if t < 0:
-                raise ValueError(f"stop_token_ids must be >= 0, got {t}")
-        return [int(t) for t in ids]
+        return ids
+
+    @staticmethod
+    def _normalise_logit_bias(bias: object) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+        if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias has {len(bias)} tokens; at most "
+                             f"{MAX_LOGIT_BIAS_TOKENS} are allowed")
+        out = {}
+        for token, value in bias.items():
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+            value = _float("logit_bias values", value)
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {value} for token {token}")
+            out[int(token)] = value
+        return out or None
+
+    @staticmethod
+    def _normalise_bad_words(words: object) -> list[str] | None:
+        if words is None:
+            return None
+        if isinstance(words, str) or not isinstance(words, (list, tuple)):
+            raise ValueError(f"bad_words must be a list of strings, got {words!r}")
+        if len(words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words has {len(words)} words; at most {MAX_BAD_WORDS} "
+                             "are allowed")
+        for word in words:
+            if not isinstance(word, str) or not word.strip():
+                raise ValueError(f"bad_words must be non-empty strings, got {word!r}")
+        return list(words) or None
+
+    def token_ids_named(self) -> list[tuple[str, list[int]]]:
+        """Every token id the parameters name, by field (checked against the vocabulary
+        when the request is queued)."""
+        named = [("stop_token_ids", self.stop_token_ids)]
+        if self.logit_bias:
+            named.append(("logit_bias", list(self.logit_bias)))
+        if self.allowed_token_ids:
+            named.append(("allowed_token_ids", self.allowed_token_ids))
+        return named
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def reads_output(self) -> bool:
+        """Whether sampling reads the tokens generated so far: penalties count them, a
+        bad word of several tokens matches its start against them."""
+        return self.has_penalties or any(len(w) > 1 for w in self.bad_words_token_ids or ())
 
     @property
     def has_penalties(self) -> bool:

@@ -53,10 +53,11 @@ PackedOutputs = tuple[list[str], list[list[int]], list[int], list[tuple[int, Seq
 
 def pack_outputs(outputs: list[SequenceOutput]) -> PackedOutputs:
     """The outputs that carry only new tokens as columns (ids, tokens, cached tokens);
-    the others (logprobs, a finish, an error) whole, with their places."""
+    the others (logprobs, a finish, an error, prompt logprobs) whole, with their places."""
     ids, tokens, cached, whole = [], [], [], []
     for place, out in enumerate(outputs):
-        if out.logprobs is None and out.finish_reason is None and out.error is None:
+        if (out.logprobs is None and out.finish_reason is None and out.error is None
+                and out.prompt_logprobs is None):
             ids.append(out.seq_id)
             tokens.append(out.new_token_ids)
             cached.append(out.num_cached_tokens)

@@ -146,3 +146,22 @@ class IncrementalDetokenizer:
         if delta:
             self._returned.append(delta)
         return delta
+
+
+class NoText:
+    """The detokenizer of a sequence that asked for token ids only (detokenize=False):
+    it has no text and no stop strings."""
+
+    text = returned_text = ""
+
+    def push(self, token_id: int, check_stop: bool = True) -> None:
+        return None
+
+    def append(self, token_id: int) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def new_text(self, finished: bool) -> str:
+        return ""

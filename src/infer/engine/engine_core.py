@@ -33,6 +33,12 @@ from infer.engine.config import EngineConfig
 from infer.engine.cpu_threads import set_cpu_threads
 from infer.engine.memory import plan_kv_cache
 from infer.engine.model_runner import ModelRunner, StepInputs
+from infer.engine.prompt_logprobs import (
+    PromptLogprobs,
+    PromptLogprobsJob,
+    PromptLogprobsState,
+    launch_prompt_logprobs,
+)
 from infer.engine.request import Request
 from infer.engine.sampler import SamplingBatch, sample
 from infer.engine.scheduler import Scheduler, SchedulerOutput
@@ -79,6 +85,9 @@ class SequenceOutput(NamedTuple):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # the step failed for this sequence alone
+    ranks: list[int] | None = None  # with logprobs: each new token's rank (1 = most likely)
+    # With prompt_logprobs, on the sequence's first token: the prompt's logprobs
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
@@ -123,6 +132,7 @@ class _StepInFlight:
     verified: HostCopy | None = None  # (+ raw logprobs, top ids, top logprobs, or Nones)
     # (index in spec_ids, matcher) of the rows judged under grammar masks
     spec_grammars: list[tuple[int, GrammarMatcher]] = field(default_factory=list)
+    prompt_job: PromptLogprobsJob | None = None  # prompt logprobs it computed
 
 
 def _constrained(seqs: list[_Sequence]) -> list[tuple[int, GrammarMatcher]]:
@@ -183,6 +193,8 @@ class EngineCore:
                 pieces = self.runner.enable_piecewise_graphs(budget)
                 self.graph_capture_seconds += pieces.capture_seconds
         self.sequences: dict[str, _Sequence] = {}
+        # Sequences whose prompt logprobs are not all out yet (`prompt_logprobs.py`).
+        self._prompt_lp: dict[str, PromptLogprobsState] = {}
         self._compiling: dict[str, _Compiling] = {}  # waiting for their grammars
         self.compile_thread = CompileThread()
         self._in_flight: _StepInFlight | None = None
@@ -259,6 +271,10 @@ class EngineCore:
             request.eos_token_ids = frozenset(self.eos_token_ids)
         request.stop_token_ids = frozenset(params.stop_token_ids)
         request.min_tokens = params.min_tokens
+        if params.prompt_logprobs is not None:
+            self._prompt_lp[request.request_id] = PromptLogprobsState(
+                params.prompt_logprobs, len(request.prompt_token_ids))
+            request.skip_prefix_cache = True
         self.scheduler.add(request)
         self.sequences[request.request_id] = _Sequence(request, params, grammar)
 
@@ -336,6 +352,7 @@ class EngineCore:
     def finish(self, seq_id: str, reason: str, stop_reason: int | str | None = None) -> None:
         """End a sequence now (a stop string, an abort), freeing its blocks."""
         seq = self.sequences.pop(seq_id, None)
+        self._prompt_lp.pop(seq_id, None)
         if seq is not None:
             self.scheduler.finish(seq.request, reason, stop_reason)
         self._compiling.pop(seq_id, None)  # its grammar, if still compiling, goes unread
@@ -430,12 +447,26 @@ class EngineCore:
         prev's tokens, which are read (and fed to the grammars) while this forward runs."""
         seqs = [self.sequences[rid] for rid in inputs.sample_request_ids]
         requests = {i.request_id: self.sequences[i.request_id].request for i in out.scheduled}
-        logits = self.runner.execute(inputs, device_input_ids)
+        hidden = self.runner.forward(inputs, device_input_ids)
+        logits = self.runner.sample_logits(hidden, inputs)
+        prompt_job = None
+        if self._prompt_lp:
+            prompts = {i.request_id: self.sequences[i.request_id].request.prompt_token_ids
+                       for i in out.scheduled if i.request_id in self._prompt_lp}
+            prompt_job = launch_prompt_logprobs(self.runner.model, hidden, out.scheduled,
+                                                self._prompt_lp, prompts)
         if self.drafter is not None:
             self.drafter.mirror(out, requests, device_input_ids)
         self.num_steps += 1
         if prev is not None:
             self.num_steps_launched_ahead += 1
+        step = self._sample(out, requests, inputs, logits, seqs, prev)
+        step.prompt_job = prompt_job
+        return step
+
+    def _sample(self, out: SchedulerOutput, requests: dict[str, Request], inputs: StepInputs,
+                logits: torch.Tensor, seqs: list[_Sequence], prev: _StepInFlight | None
+                ) -> _StepInFlight:
         if not seqs:
             return _StepInFlight(out, requests, [], None, None)
         if any(count > 1 for count in inputs.sample_counts):
@@ -447,8 +478,8 @@ class EngineCore:
             masked = self._mask(logits, seqs)
         pending = {item.request_id for item in out.scheduled if item.token_ids is None}
         result = sample(logits, self._sampling_batch(seqs, pending))
-        results = HostCopy(result.token_ids, result.logprobs, result.top_logprob_ids,
-                           result.top_logprobs)
+        results = HostCopy(result.token_ids, result.logprobs, result.ranks,
+                           result.top_logprob_ids, result.top_logprobs)
         return _StepInFlight(out, requests, inputs.sample_request_ids, result.token_ids, results,
                              masked)
 
@@ -490,14 +521,14 @@ class EngineCore:
                                    max(seq.params.logprobs or 0 for seq in seqs))
         step = _StepInFlight(out, requests, plain_ids, None, None, spec_ids=spec_ids,
                              verified=HostCopy(verified.token_ids, verified.num_tokens,
-                                               *(lp or (None, None, None))))
+                                               *(lp or (None, None, None, None))))
         step.spec_grammars = _constrained(seqs)
         if plain_ids:
             plain_logits = logits[to_device(torch.tensor(plain_rows), logits.device)]
             step.masked = _constrained(plain)
             result = sample(plain_logits, self._sampling_batch(plain))
             step.token_ids = result.token_ids
-            step.results = HostCopy(result.token_ids, result.logprobs,
+            step.results = HostCopy(result.token_ids, result.logprobs, result.ranks,
                                     result.top_logprob_ids, result.top_logprobs)
         return step
 
@@ -532,12 +563,12 @@ class EngineCore:
     def _launch_ahead(self, prev: _StepInFlight) -> _StepInFlight | None:
         """Launch the step after `prev` before prev's tokens reach the host, when the
         scheduler can plan it now and no sequence's sampling depends on prev's token
-        values (penalties). None: the next step is planned once prev is accounted."""
+        values (penalties, bad words). None: the next step is planned once prev is accounted."""
         if not self.config.async_scheduling:
             return None
         if self.drafter is not None and len(self.sequences) <= self.config.speculative_max_batch:
             return None  # drafts come from prev's tokens: the next step waits for them
-        if any(seq.params.has_penalties for seq in self.sequences.values()):
+        if any(seq.params.reads_output for seq in self.sequences.values()):
             return None
         plan = self.scheduler.schedule_ahead(prev.out)
         if plan is None:
@@ -562,11 +593,14 @@ class EngineCore:
         live = {rid for rid, request in step.requests.items()
                 if rid in self.sequences and self.sequences[rid].request is request}
         self._advance_grammars(step)
+        if step.prompt_job is not None:
+            step.prompt_job.deliver({rid: state for rid, state in self._prompt_lp.items()
+                                     if rid in live})
         sampled: dict[str, list[int]] = {}
         rows: dict[str, int] = {}
-        chosen_lp = top_ids = top_lps = None
+        chosen_lp = ranks = top_ids = top_lps = None
         if step.seq_ids:
-            token_ids, chosen_lp, top_ids, top_lps = (
+            token_ids, chosen_lp, ranks, top_ids, top_lps = (
                 None if t is None else t.tolist() for t in step.results.wait())
             for row, seq_id in enumerate(step.seq_ids):
                 if seq_id not in live:
@@ -574,9 +608,9 @@ class EngineCore:
                     continue
                 sampled[seq_id] = [token_ids[row]]
                 rows[seq_id] = row
-        spec_lp: dict[str, tuple[list[float], list]] = {}
+        spec_lp: dict[str, tuple[list[float], list[int], list]] = {}
         if step.spec_ids:
-            spec_tokens, spec_counts, chosen, s_ids, s_lps = (
+            spec_tokens, spec_counts, chosen, s_ranks, s_ids, s_lps = (
                 None if t is None else t.tolist() for t in step.verified.wait())
             for i, matcher in step.spec_grammars:
                 if not matcher.accept_all(spec_tokens[i][:spec_counts[i]]):
@@ -595,7 +629,7 @@ class EngineCore:
                 sampled[seq_id] = tokens[:count]
                 k = self.sequences[seq_id].params.logprobs
                 if k is not None:
-                    spec_lp[seq_id] = (chosen[i][:count], [
+                    spec_lp[seq_id] = (chosen[i][:count], s_ranks[i][:count], [
                         (s_ids[i][j][:k], s_lps[i][j][:k]) if k else None
                         for j in range(count)])
         outputs = []
@@ -615,18 +649,25 @@ class EngineCore:
                                         seq.request.num_cached_tokens)
             elif rid in spec_lp:
                 n = len(update.new_token_ids)  # the verified tokens up to a stop
-                output = SequenceOutput(rid, update.new_token_ids, spec_lp[rid][0][:n],
-                                        spec_lp[rid][1][:n], update.finish_reason,
-                                        update.stop_reason, seq.request.num_cached_tokens)
+                lps, token_ranks, tops = spec_lp[rid]
+                output = SequenceOutput(rid, update.new_token_ids, lps[:n], tops[:n],
+                                        update.finish_reason, update.stop_reason,
+                                        seq.request.num_cached_tokens, ranks=token_ranks[:n])
             else:  # then the batch computed chosen_lp
                 row, k = rows[rid], seq.params.logprobs
                 top = (top_ids[row][:k], top_lps[row][:k]) if top_ids is not None and k else None
                 output = SequenceOutput(rid, update.new_token_ids, [chosen_lp[row]], [top],
                                         update.finish_reason, update.stop_reason,
-                                        seq.request.num_cached_tokens)
+                                        seq.request.num_cached_tokens, ranks=[ranks[row]])
+            state = self._prompt_lp.get(rid)
+            if state is not None and state.complete:
+                output = output._replace(prompt_logprobs=state.result())
+                del self._prompt_lp[rid]
+                seq.request.skip_prefix_cache = False
             outputs.append(output)
             if update.finish_reason is not None:
                 del self.sequences[rid]
+                self._prompt_lp.pop(rid, None)
         if self.drafter is not None:
             self._propose(sampled)
         return outputs
@@ -758,7 +799,9 @@ class CoreInfo:
 
 def load_core(config: EngineConfig) -> tuple[EngineCore, Tokenizer, str]:
     """Load the model and its tokenizer, and build the core: (core, tokenizer, model name).
-    The tokenizer gives the EOS ids; the core itself never decodes."""
+    The tokenizer gives the EOS ids; the core itself never decodes. Logs what was chosen
+    once it is ready (both the in-process engine and the core process come here)."""
+    start = time.perf_counter()
     device, dtype = pick_device_and_dtype(config.device, config.dtype)
     if device.type == "cpu":
         log.info("CPU: %d threads for the model's kernels%s", set_cpu_threads(config.threads),
@@ -791,4 +834,15 @@ def load_core(config: EngineConfig) -> tuple[EngineCore, Tokenizer, str]:
     core = EngineCore(config, model, mc, device, dtype, max_model_len, eos_token_ids,
                       tokenizer, draft)
     core.quantization = quantization
+    log.info("ready in %.1f s: %s on %s, %s, quantization %s; KV cache %d tokens (%d blocks x "
+             "%d); attention %s, kernels %s; CUDA graphs %s; max_num_seqs=%d, "
+             "max_num_batched_tokens=%d, max_model_len=%d%s",
+             time.perf_counter() - start, model_name, device, str(dtype).removeprefix("torch."),
+             quantization, core.kv.pool.num_blocks * core.block_size,
+             core.kv.pool.num_blocks, core.block_size, core.attention_backend,
+             core.kernel_backend,
+             f"on (captured in {core.graph_capture_seconds:.1f} s)" if core.graphs_on
+             else "off", config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
+             "" if config.speculative_method == "none" else
+             f"; speculative {config.speculative_method}, k={config.num_speculative_tokens}")
     return core, tokenizer, model_name

@@ -40,6 +40,7 @@ class ProcessedPrompt:
     text: str | None
     token_ids: list[int]
     max_new_tokens: int
+    params: SamplingParams  # as given, with what needs the tokenizer filled in
 
 
 class InputProcessor:
@@ -64,12 +65,31 @@ class InputProcessor:
 
     def process(self, prompt: object, params: SamplingParams) -> ProcessedPrompt:
         text, ids = parse_prompt(prompt)
+        keep = params.truncate_prompt_tokens
         if ids is None:
-            ids = self.tokenize(text)
+            ids = self.tokenize(text, limit=keep is None)
+        if keep is not None and len(ids) > keep:
+            ids = ids[-keep:]
+            text = None if text is None else self.tokenizer.decode(ids, False)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = dataclasses.replace(params,
+                                         bad_words_token_ids=self.bad_words_ids(params))
         self.check_token_ids(ids, params)
         if params.structured_outputs is not None:
             self.check_constraint(params)
-        return ProcessedPrompt(text, ids, self.max_new_tokens(len(ids), params.max_tokens))
+        return ProcessedPrompt(text, ids, self.max_new_tokens(len(ids), params.max_tokens),
+                               params)
+
+    def bad_words_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word's token ids, as written and after a space (how it reads inside a
+        text), as vLLM bans them."""
+        found: list[list[int]] = []
+        for word in params.bad_words or ():
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in found:
+                    found.append(ids)
+        return found
 
     def check_constraint(self, params: SamplingParams) -> None:
         """A constraint the grammar library cannot compile is refused before anything is
@@ -106,9 +126,11 @@ class InputProcessor:
                 self._structured = StructuredOutputs(self.tokenizer, self.vocab_size)
         return self._structured
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """A text whose length alone proves it over the context is refused untokenized."""
-        at_least = self.tokenizer.min_token_count(text)
+    def tokenize(self, text: str, add_special_tokens: bool = True,
+                 limit: bool = True) -> list[int]:
+        """A text whose length alone proves it over the context is refused untokenized
+        (unless not `limit`: the prompt is truncated afterwards)."""
+        at_least = self.tokenizer.min_token_count(text) if limit else 0
         if at_least >= self.max_model_len:
             raise RequestRejected(
                 f"This model's maximum context length is {self.max_model_len} tokens; the "
@@ -121,13 +143,12 @@ class InputProcessor:
         if not prompt_ids:
             raise RequestRejected("the prompt is empty (no tokens)")
         vocab = self.vocab_size
-        for what, ids, field in (("prompt token ids", prompt_ids, "prompt"),
-                                 ("stop_token_ids", params.stop_token_ids, "stop_token_ids")):
+        for field, ids in (("prompt", prompt_ids), *params.token_ids_named()):
             if not ids or (min(ids) >= 0 and max(ids) < vocab):
                 continue
             bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise RequestRejected(f"{what} out of range [0, {vocab}): {bad[:5]}", field)
+            what = "prompt token ids" if field == "prompt" else field
+            raise RequestRejected(f"{what} out of range [0, {vocab}): {bad[:5]}", field)
 
     def max_new_tokens(self, num_prompt: int, max_tokens: int | None,
                        strict: bool = False) -> int:
@@ -165,16 +186,19 @@ class InputProcessor:
         return max_new
 
 
-def split_into_sequences(request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+def split_into_sequences(request_id: str, prompt: ProcessedPrompt,
                          arrival_time: float) -> list[tuple[Request, SamplingParams]]:
     """A request's `n` sequences for the core: `<id>#<i>` when n > 1 (sharing the first
-    one's prompt blocks), each with its own seed (seed + i) when one is set."""
+    one's prompt blocks), each with its own seed (seed + i) when one is set. Only the
+    first computes prompt logprobs (they are the request's, not a sequence's)."""
+    params = prompt.params
     sequences = []
     for i in range(params.n):
         seq_id = f"{request_id}#{i}" if params.n > 1 else request_id
         p = params
-        if params.seed is not None and i > 0:
-            p = dataclasses.replace(params, seed=params.seed + i)
+        if i > 0 and (params.seed is not None or params.prompt_logprobs is not None):
+            p = dataclasses.replace(params, prompt_logprobs=None, seed=None if params.seed
+                                    is None else params.seed + i)
         sequences.append((Request(seq_id, prompt.token_ids, prompt.max_new_tokens, arrival_time,
                                   share_prefix_with=f"{request_id}#0" if i > 0 else None), p))
     return sequences

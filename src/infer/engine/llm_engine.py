@@ -106,7 +106,7 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         processed = self.input_processor.process(prompt, params)
         now = time.monotonic()
-        sequences = split_into_sequences(request_id, processed, params, now)
+        sequences = split_into_sequences(request_id, processed, now)
         for request, seq_params in sequences:
             self.core.add(request, seq_params)
         self.output_processor.add(request_id, processed.text, processed.token_ids,

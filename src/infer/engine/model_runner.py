@@ -149,12 +149,18 @@ class ModelRunner:
                 inputs.sample_counts.append(rows)
         return inputs
 
-    @torch.inference_mode()
     def execute(self, inputs: StepInputs, device_input_ids: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """Float32 logits `[len(sample_rows), vocab]`. `device_input_ids` replaces
         `inputs.input_ids` with ids already on the device (async scheduling: the tokens the
         step still in flight will have sampled)."""
+        return self.sample_logits(self.forward(inputs, device_input_ids), inputs)
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs, device_input_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """The step's hidden states `[tokens, hidden]`, in its token order (a graph's
+        output buffer: read it before the next step runs)."""
         if self._layers[0].k_cache is not self._views[0][0]:
             self._bind()
         ids = inputs.input_ids if device_input_ids is None else device_input_ids
@@ -178,6 +184,11 @@ class ModelRunner:
                 positions = to_device(torch.tensor(inputs.positions, dtype=torch.long),
                                       self.device)
                 hidden = self.model(ids, positions, meta)
+        return hidden
+
+    @torch.inference_mode()
+    def sample_logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        """Float32 logits of the rows that sample, `[len(sample_rows), vocab]`."""
         if not inputs.sample_rows:
             return hidden[:0]
         if inputs.sample_rows != list(range(len(inputs.sample_rows))) or \

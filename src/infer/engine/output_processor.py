@@ -15,9 +15,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from infer.engine.detokenizer import IncrementalDetokenizer
+from infer.engine.detokenizer import IncrementalDetokenizer, NoText
 from infer.engine.engine_core import SequenceOutput
-from infer.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from infer.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprobs,
+)
+from infer.engine.prompt_logprobs import PromptLogprobs
 from infer.loader.tokenizer import Tokenizer
 from infer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -29,7 +36,7 @@ class _Sequence:
     seq_id: str
     index: int
     params: SamplingParams
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | NoText
     # No text wanted before the end and no stop strings: decoded once, at the end.
     text_at_end: bool
     token_ids: list[int] = field(default_factory=list)
@@ -53,6 +60,8 @@ class _Group:
     num_cached_tokens: int = 0
     error: str | None = None
     num_finished: int = 0  # sequences with a finish_reason
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False  # in a DELTA output
 
     @property
     def finished(self) -> bool:
@@ -88,7 +97,8 @@ class OutputProcessor:
         for i, (seq_id, p) in enumerate(zip(seq_ids, params)):
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                            p.skip_special_tokens, p.stop,
-                                           p.include_stop_str_in_output)
+                                           p.include_stop_str_in_output) \
+                if p.detokenize else NoText()
             seq = _Sequence(seq_id, i, p, detok,
                             kind is RequestOutputKind.FINAL_ONLY and not p.stop,
                             logprobs=[] if p.logprobs is not None else None)
@@ -123,6 +133,9 @@ class OutputProcessor:
                 touched[group.request_id] = group
                 continue
             try:
+                if update.prompt_logprobs is not None:
+                    group.prompt_logprobs = self._prompt_entries(group.prompt_token_ids,
+                                                                 update.prompt_logprobs)
                 self._apply(seq, update, to_finish)
                 group.num_finished += seq.finish_reason is not None
                 if seq.index == 0:
@@ -161,7 +174,9 @@ class OutputProcessor:
             if seq.logprobs is not None:  # then the core sent the numbers
                 lp = update.logprobs[i]
                 seq.cumulative_logprob += lp
-                seq.logprobs.append(self._logprob_entry(token, lp, update.top_logprobs[i]))
+                seq.logprobs.append(self._logprob_entry(
+                    token, lp, update.ranks[i], update.top_logprobs[i],
+                    seq.params.detokenize))
             if seq.text_at_end:
                 seq.detok.append(token)
                 continue
@@ -175,17 +190,27 @@ class OutputProcessor:
         if update.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = update.finish_reason, update.stop_reason
 
-    def _logprob_entry(self, token: int, lp: float,
-                       top: tuple[list[int], list[float]] | None) -> TokenLogprobs:
-        decode = self.tokenizer.decode
-        entry = {token: Logprob(lp, None, decode([token], False))}
+    def _logprob_entry(self, token: int, lp: float, rank: int,
+                       top: tuple[list[int], list[float]] | None,
+                       detokenize: bool = True) -> TokenLogprobs:
+        """The token's entry first, then the top ones (by rank; a tie with the token
+        keeps the token's own rank)."""
+        def decode(tid: int) -> str | None:
+            return self.tokenizer.decode([tid], False) if detokenize else None
+
+        entry = {token: Logprob(lp, rank, decode(token))}
         if top is not None:
-            for rank, (tid, tlp) in enumerate(zip(*top), 1):
-                if tid == token:
-                    entry[token] = Logprob(lp, rank, entry[token].decoded_token)
-                else:
-                    entry[tid] = Logprob(tlp, rank, decode([tid], False))
+            for top_rank, (tid, tlp) in enumerate(zip(*top), 1):
+                if tid != token:
+                    entry[tid] = Logprob(tlp, top_rank, decode(tid))
         return entry
+
+    def _prompt_entries(self, prompt_token_ids: list[int], found: PromptLogprobs
+                        ) -> list[TokenLogprobs | None]:
+        tops = found.top or [None] * len(found.logprobs)
+        return [None, *(self._logprob_entry(token, lp, rank, top)
+                        for token, lp, rank, top in zip(prompt_token_ids[1:], found.logprobs,
+                                                        found.ranks, tops))]
 
     def _output(self, group: _Group, now: float) -> RequestOutput | None:
         finished = group.finished
@@ -214,21 +239,23 @@ class OutputProcessor:
             seq.changed = False
         if not completions:
             return None
+        prompt_logprobs = group.prompt_logprobs
+        if group.kind is RequestOutputKind.DELTA and prompt_logprobs is not None:
+            prompt_logprobs = None if group.prompt_logprobs_sent else prompt_logprobs
+            group.prompt_logprobs_sent = True
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
                              completions, finished, group.num_cached_tokens,
-                             self._metrics(group, now, finished))
+                             self._metrics(group, now, finished),
+                             prompt_logprobs=prompt_logprobs)
 
     @staticmethod
     def _cumulative(seq: _Sequence) -> float | None:
         return seq.cumulative_logprob if seq.logprobs is not None else None
 
     @staticmethod
-    def _metrics(group: _Group, now: float, finished: bool) -> dict[str, float]:
-        metrics = {"arrival_time": group.arrival_time,
-                   "first_token_time": group.first_token_time, "last_token_time": now}
-        if finished:
-            metrics["finished_time"] = now
-        return metrics
+    def _metrics(group: _Group, now: float, finished: bool) -> RequestMetrics:
+        return RequestMetrics(group.arrival_time, group.first_token_time, now,
+                              now if finished else None)
 
     def _failed(self, group: _Group, now: float) -> RequestOutput:
         """The final output of a request that failed alone: what it had returned so far,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Per generated token: {token_id: logprob} holding the sampled token and the top-N.
 TokenLogprobs = dict[int, "Logprob"]
@@ -23,6 +23,22 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When things happened to a request, in time.monotonic() seconds (vLLM's names)."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None  # once finished
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -30,16 +46,17 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    # time.monotonic() seconds: arrival_time, first_token_time, last_token_time, and
-    # finished_time once finished.
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: RequestMetrics | None = None
     # Set when the engine failed this request (and only it): a finished output whose
     # completions end with finish_reason "error".
     error: str | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
+    # (nothing comes before it), as vLLM gives them.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
 class Logprob:
     logprob: float
-    rank: int | None = None  # 1 = most likely; None: outside the requested top-N
+    rank: int | None = None  # 1 = most likely
     decoded_token: str | None = None

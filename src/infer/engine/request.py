@@ -40,6 +40,9 @@ class Request:
     # A draft model's cache lacks the token before the last: its last verify accepted
     # every draft, and the draft model never ran the last draft (spec/model_drafter.py).
     draft_behind: bool = False
+    # Computes its prompt in full, taking no prefix-cache hits (prompt logprobs need the
+    # hidden state at every prompt position).
+    skip_prefix_cache: bool = False
 
     @property
     def num_tokens(self) -> int:

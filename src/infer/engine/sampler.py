@@ -6,7 +6,9 @@ Per row (all rows at once, per-row parameters held in [B, 1] tensors; no loop ov
    (before banning, penalties, temperature and filters): the model's own distribution,
    like vLLM's default "raw_logprobs". They describe the model, not the filtered sampler.
    Computed only when some row asks for logprobs.
-1. banned ids (e.g. EOS while fewer than min_tokens were generated) -> -inf.
+1. banned ids -> -inf: EOS while fewer than min_tokens were generated, every id outside
+   `allowed_token_ids`, the last token of a bad word whose other tokens end the output;
+   then `logit_bias` added.
 2. penalties, on tokens seen before: repetition (tokens in the prompt or the output; a
    positive logit is divided by the penalty, a negative one multiplied), then frequency
    (minus frequency_penalty * count in the output), then presence (minus presence_penalty
@@ -44,6 +46,7 @@ class SamplerOutput:
     # [B] float32: the sampled token's raw logprob; None when no row asked for logprobs
     # (it costs a log-softmax pass over the whole vocabulary)
     logprobs: torch.Tensor | None
+    ranks: torch.Tensor | None = None  # [B] int64: the sampled token's rank, 1 = most likely
     top_logprob_ids: torch.Tensor | None = None  # [B, K] int64, most likely first
     top_logprobs: torch.Tensor | None = None  # [B, K] float32, raw, descending
 
@@ -72,6 +75,7 @@ class SamplingBatch:
     output_counts: torch.Tensor | None  # [B, V] float32: occurrences in the output so far
     prompt_mask: torch.Tensor | None  # [B, V] bool: token occurs in the prompt
     banned: torch.Tensor | None  # [B, V] bool
+    logit_bias: torch.Tensor | None  # [B, V] float32, added after the bans
     # Host side: each non-greedy seeded row's (row, seed, index of the token it generates).
     seeded_rows: list[tuple[int, int, int]]
     any_unseeded_random: bool
@@ -136,6 +140,8 @@ class SamplingBatch:
                 pres = col([p.presence_penalty for p in params])
 
         banned_mask = None
+        if any(p.allowed_token_ids or p.bad_words_token_ids for p in params):
+            banned = _with_allowed_and_bad_words(banned, params, output_token_ids, b, v)
         if isinstance(banned, torch.Tensor):
             if banned.shape != (b, v):
                 raise ValueError(f"banned mask has shape {tuple(banned.shape)}, want {(b, v)}")
@@ -149,6 +155,15 @@ class SamplingBatch:
                 raise ValueError(f"banned token ids out of range [0, {v}): {bad[:5]}")
             if rows:
                 banned_mask = _mask(banned, rows, b, v, device)
+
+        bias = None
+        if any(p.logit_bias for p in params):
+            rows = [i for i, p in enumerate(params) for _ in p.logit_bias or ()]
+            cols = [t for p in params for t in p.logit_bias or ()]
+            values = [x for p in params for x in (p.logit_bias or {}).values()]
+            bias = torch.zeros(b, v)
+            bias[rows, cols] = torch.tensor(values)
+            bias = to_device(bias, device)
 
         seeded = [
             (i, p.seed, positions[i])
@@ -171,11 +186,38 @@ class SamplingBatch:
             output_counts=counts,
             prompt_mask=prompt_mask,
             banned=banned_mask,
+            logit_bias=bias,
             seeded_rows=seeded,
             any_unseeded_random=any(p.seed is None for p in random_params),
             num_logprobs=min(max((p.logprobs or 0 for p in params), default=0), v),
             want_logprobs=any(p.logprobs is not None for p in params),
         )
+
+
+def _with_allowed_and_bad_words(banned: list[list[int]] | torch.Tensor | None,
+                                params: list[SamplingParams], outputs: list[list[int]],
+                                b: int, v: int) -> torch.Tensor:
+    """`banned` as a [B, V] mask (on the host), with every id outside a row's
+    allowed_token_ids and the bad words' next tokens added."""
+    if isinstance(banned, torch.Tensor):
+        mask = banned.to(device="cpu", dtype=torch.bool).clone()
+    else:
+        mask = torch.zeros(b, v, dtype=torch.bool)
+        for row, ids in enumerate(banned or ()):
+            if ids:
+                mask[row, [t for t in ids if 0 <= t < v]] = True
+    for row, p in enumerate(params):
+        if p.allowed_token_ids:
+            keep = torch.ones(v, dtype=torch.bool)
+            keep[[t for t in p.allowed_token_ids if t < v]] = False
+            mask[row] |= keep
+        for word in p.bad_words_token_ids or ():
+            *before, last = word
+            out = outputs[row]
+            if last < v and (not before or (len(out) >= len(before)
+                                             and out[len(out) - len(before):] == before)):
+                mask[row, last] = True
+    return mask
 
 
 def _flat_index(token_lists: list[list[int]], rows: list[int], v: int) -> torch.Tensor:
@@ -195,6 +237,15 @@ def _mask(
     flat = to_device(_flat_index(token_lists, rows, v), device)
     mask.view(-1).scatter_(0, flat, True)
     return mask
+
+
+def apply_bans_and_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Banned ids -> -inf, then logit_bias added (out of place; no-op when neither)."""
+    if batch.banned is not None:
+        logits = logits.masked_fill(batch.banned, float("-inf"))
+    if batch.logit_bias is not None:
+        logits = logits + batch.logit_bias
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -318,9 +369,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raise ValueError(f"logits shape {tuple(logits.shape)}, want [B, {batch.vocab_size}]")
     logits = logits.float()
     x = logits
-    if batch.banned is not None:
-        x = x.masked_fill(batch.banned, float("-inf"))
-    x = apply_penalties(x, batch)
+    x = apply_penalties(apply_bans_and_bias(x, batch), batch)
     if batch.all_greedy:
         tokens = x.argmax(dim=-1)
     else:
@@ -333,13 +382,17 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
 
 
 def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: int
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                            torch.Tensor | None]:
     """From float32 `logits [N, V]` as the model gave them: the log-softmax at `tokens
-    [N]` (an id < 0 reads id 0), and the ids and log-softmax of the `num_logprobs` most
-    likely tokens, most likely first (None, None if 0)."""
+    [N]` (an id < 0 reads id 0), the rank of each (1 + how many tokens are more likely),
+    and the ids and log-softmax of the `num_logprobs` most likely tokens, most likely
+    first (None, None if 0)."""
     lse = logits.logsumexp(dim=-1, keepdim=True)
-    chosen = (logits.gather(1, tokens.clamp(min=0)[:, None]) - lse).squeeze(1)
+    token_logits = logits.gather(1, tokens.clamp(min=0)[:, None])
+    chosen = (token_logits - lse).squeeze(1)
+    ranks = (logits > token_logits).sum(dim=-1) + 1
     if not num_logprobs:
-        return chosen, None, None
+        return chosen, ranks, None, None
     values, top_ids = logits.topk(num_logprobs, dim=-1)
-    return chosen, top_ids, values - lse
+    return chosen, ranks, top_ids, values - lse

@@ -203,6 +203,8 @@ class Scheduler:
         )
 
     def _match_prefix(self, request: Request) -> int:
+        if request.skip_prefix_cache:
+            return 0
         tokens = request.all_token_ids
         computed = self.kv.match_prefix(request.request_id, tokens)
         source = self.requests.get(request.share_prefix_with or "")

@@ -259,7 +259,7 @@ class AsyncEngine:
             if taken or len(set(ids)) < len(ids):
                 raise ValueError(f"duplicate request id {(taken or ids)[0]!r}")
             for request_id, prompt in zip(ids, processed):
-                seqs = split_into_sequences(request_id, prompt, params, now)
+                seqs = split_into_sequences(request_id, prompt, now)
                 self.output_processor.add(request_id, prompt.text, prompt.token_ids,
                                           [r.request_id for r, _ in seqs],
                                           [p for _, p in seqs], now)

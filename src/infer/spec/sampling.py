@@ -1,7 +1,7 @@
 """A step's drafts judged from its logits: the target's distributions at each drafted
-position (the sampler's own banned tokens, penalties, temperature / top-k / top-p / min-p,
-per position), the random draws (per seeded request and position, so batch-invariant),
-then `rejection.verify`; and the raw logprobs of the tokens it keeps."""
+position (the sampler's own banned tokens and logit bias, penalties, temperature / top-k /
+top-p / min-p, per position), the random draws (per seeded request and position, so
+batch-invariant), then `rejection.verify`; and the raw logprobs of the tokens it keeps."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from infer.engine.sampler import (
     SamplingBatch,
+    apply_bans_and_bias,
     apply_penalties,
     fill_seeded,
     filter_logits,
@@ -29,10 +30,7 @@ def verify_drafts(logits: torch.Tensor, batch: SamplingBatch, counts: list[int],
     row."""
     b, k = len(counts), max(counts) - 1
     v, device = logits.shape[1], logits.device
-    x = logits.float()
-    if batch.banned is not None:
-        x = x.masked_fill(batch.banned, float("-inf"))
-    x = apply_penalties(x, batch)
+    x = apply_penalties(apply_bans_and_bias(logits.float(), batch), batch)
     index = _padded_rows(counts, device)
     draft_ids = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.long)
     num_drafts = to_device(torch.tensor([len(d) for d in drafts]), device)
@@ -56,6 +54,7 @@ def verify_drafts(logits: torch.Tensor, batch: SamplingBatch, counts: list[int],
 
 class VerifiedLogprobs(NamedTuple):
     chosen: torch.Tensor  # [B, K + 1]: each kept token's raw logprob (garbage past them)
+    ranks: torch.Tensor  # [B, K + 1]: each kept token's rank (1 = most likely)
     top_ids: torch.Tensor | None  # [B, K + 1, n]: the n most likely tokens at each position
     top_logprobs: torch.Tensor | None  # [B, K + 1, n]
 
@@ -64,13 +63,14 @@ def verified_logprobs(logits: torch.Tensor, counts: list[int], token_ids: torch.
                       num_logprobs: int) -> VerifiedLogprobs:
     """Raw logprobs (the model's log-softmax, as the sampler reports them) at each position
     of a verified row: of the token kept there (`token_ids [B, K + 1]`, -1 past the kept
-    ones) and of the `num_logprobs` most likely tokens (none if 0)."""
+    ones), with its rank, and of the `num_logprobs` most likely tokens (none if 0)."""
     b, k1 = token_ids.shape
     x = logits.float()[_padded_rows(counts, logits.device)]
-    chosen, ids, lps = raw_logprobs(x, token_ids.view(-1), num_logprobs)
+    chosen, ranks, ids, lps = raw_logprobs(x, token_ids.view(-1), num_logprobs)
     if ids is None:
-        return VerifiedLogprobs(chosen.view(b, k1), None, None)
-    return VerifiedLogprobs(chosen.view(b, k1), ids.view(b, k1, -1), lps.view(b, k1, -1))
+        return VerifiedLogprobs(chosen.view(b, k1), ranks.view(b, k1), None, None)
+    return VerifiedLogprobs(chosen.view(b, k1), ranks.view(b, k1), ids.view(b, k1, -1),
+                            lps.view(b, k1, -1))
 
 
 def _padded_rows(counts: list[int], device: torch.device) -> torch.Tensor:
