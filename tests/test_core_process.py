@@ -375,3 +375,28 @@ def test_a_killed_server_leaves_no_further_api_process_behind():
         proc.kill()
         proc.wait(10)
         _wait_gone(descendants)
+
+
+def test_further_api_processes_take_the_chat_template_and_cors_flags(tmp_path):
+    from infer.loader.tokenizer import Tokenizer
+
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    origin = "http://ui.example"
+    chat = [{"role": "user", "content": "Hi"}]
+    expected = Tokenizer.from_hf_dir(tiny_model_dir()).encode_chat(chat, chat_template=template)
+    preflight = {"Access-Control-Request-Method": "POST"}
+    with _serve("--api-server-count", "2", "--chat-template", str(tmp_path / "t.jinja"),
+                "--allowed-origins", origin, spawned=2) as (proc, url, _):
+        os.kill(proc.pid, signal.SIGSTOP)  # only the further process can answer now
+        try:
+            r = httpx.post(url + "/tokenize", json={"messages": chat}, timeout=30)
+            assert r.status_code == 200 and r.json()["tokens"] == expected
+            allowed = httpx.options(url + "/v1/completions", timeout=30,
+                                    headers={**preflight, "Origin": origin})
+            assert allowed.headers["access-control-allow-origin"] == origin
+            other = httpx.options(url + "/v1/completions", timeout=30,
+                                  headers={**preflight, "Origin": "http://b.example"})
+            assert other.status_code == 400
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)

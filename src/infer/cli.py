@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
+from pathlib import Path
 
 from infer.bench.cli import add_bench_command
 from infer.engine.batch_defaults import CPU_DEFAULTS
@@ -17,6 +19,7 @@ from infer.flags import (
     engine_config,
     sampling_params,
 )
+from infer.version import version
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -109,13 +112,62 @@ def _has_cuda() -> bool:
 
 
 def serve_app(args: argparse.Namespace):
-    """The server's app, without an engine yet (/health is 503 until one is attached)."""
+    """The server's app, without an engine yet (/health is 503 until one is attached).
+    Every API server process builds its own from the same args."""
     from infer.server import build_app
 
     limits = {} if args.max_seqs_per_request is None else {
         "max_seqs_per_request": args.max_seqs_per_request}
     return build_app(None, args.served_model_name, api_key=args.api_key,
-                     request_timeout=args.request_timeout, **limits)
+                     request_timeout=args.request_timeout,
+                     chat_template=load_chat_template(args.chat_template),
+                     allowed_origins=_flat(args.allowed_origins),
+                     allowed_methods=_flat(args.allowed_methods),
+                     allowed_headers=_flat(args.allowed_headers),
+                     allow_credentials=args.allow_credentials, **limits)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template, as vLLM takes it: a file's path, or the template itself (a value
+    with no Jinja in it that names no readable file is a path that failed). ValueError
+    for one that cannot be read or does not compile."""
+    from infer.loader.chat_template import ChatTemplateError, compile_template
+
+    if value is None:
+        return None
+    try:
+        text = Path(value).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"--chat-template {value}: the file is not UTF-8 text") from None
+    except OSError as exc:
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(f"--chat-template {value}: cannot read the file "
+                             f"({exc.strerror or exc})") from None
+        text = value
+    try:
+        compile_template(text)
+    except ChatTemplateError as exc:
+        shown = value if text is not value else "(the template given)"
+        raise ValueError(f"--chat-template {shown}: {exc}") from None
+    return text
+
+
+def _cors_list(text: str) -> list[str]:
+    """A value of --allowed-origins and co: one item, or a JSON list of them (vLLM's
+    older form, `'["http://a", "http://b"]'`)."""
+    if not text.lstrip().startswith("["):
+        return [text]
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text}")
+    return items
+
+
+def _flat(values: list[list[str]]) -> list[str]:
+    return [item for items in values for item in items]
 
 
 def uvicorn_server(app, args: argparse.Namespace):
@@ -215,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="infer", description="An LLM inference and serving engine: an OpenAI-compatible "
         "server, one-shot generation, a terminal chat and benchmarks. `infer COMMAND --help` "
         "lists a command's flags.")
-    parser.add_argument("--version", action="version", version=f"infer {_version()}")
+    parser.add_argument("--version", action="version", version=f"infer {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                            description="Serve MODEL (default: the embedded "
@@ -245,6 +297,18 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"),
                         help="uvicorn's log level (default: info)")
+    server.add_argument("--chat-template", default=None,
+                        help="a chat template (Jinja) for chat completions and /tokenize "
+                        "with messages, in place of the model's: a file's path, or the "
+                        "template itself (default: the model's)")
+    for what in ("origins", "methods", "headers"):
+        server.add_argument(f"--allowed-{what}", nargs="+", type=_cors_list,
+                            default=[["*"]], metavar=what[:-1].upper(),
+                            help=f"CORS: the allowed {what} (* for any); each a value "
+                            "or a JSON list (default: *)")
+    server.add_argument("--allow-credentials", action="store_true",
+                        help="CORS: let browsers send cookies and Authorization headers "
+                        "(default: off)")
     server.add_argument("--api-server-count", type=int, default=None,
                         help="API server processes (HTTP, tokenizing, detokenizing) sharing "
                         "the port and the one engine core; more stream more tokens at once "
@@ -280,15 +344,6 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
     add_bench_command(sub)
     return parser
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("infer")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "(not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:

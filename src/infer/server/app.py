@@ -6,26 +6,34 @@ import hmac
 import itertools
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from infer.loader.chat_template import compile_template
 from infer.server.async_engine import AsyncEngine, EngineDeadError
+from infer.server.ignored_fields import IGNORED_FIELDS_HEADER, IgnoredFieldsHeader, note_ignored
 from infer.server.metrics import ServerMetrics
 from infer.server.openapi import (
     API,
     CHAT_COMPLETION,
     COMPLETION,
     HEALTH,
+    IGNORED_FIELDS,
     METRICS,
+    MODEL,
     PROMETHEUS_TEXT,
     TOKENS,
+    VERSION,
     DetokenizeResponse,
     TokenizeResponse,
+    VersionResponse,
     without_422,
 )
 from infer.server.protocol import (
@@ -47,11 +55,13 @@ from infer.server.serving import (
     serve_tokenize,
 )
 from infer.server.web import PAGE_PATHS, add_chat_page
+from infer.version import version
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 1024 * 1024
 RETRY_AFTER_S = 1
-_OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/redoc", *PAGE_PATHS)
+_OPEN_PATHS = ("/health", "/version", "/metrics", "/docs", "/openapi.json", "/redoc",
+               *PAGE_PATHS)
 
 
 def error_response(status: int, message: str, type: str = "invalid_request_error",
@@ -64,23 +74,40 @@ def error_response(status: int, message: str, type: str = "invalid_request_error
 def build_app(async_engine: AsyncEngine | None, served_model_name: str | list[str] | None = None,
               api_key: str | None = None, request_timeout: float | None = None,
               max_body_bytes: int = MAX_BODY_BYTES,
-              max_seqs_per_request: int = MAX_SEQS_PER_REQUEST) -> FastAPI:
+              max_seqs_per_request: int = MAX_SEQS_PER_REQUEST,
+              chat_template: str | None = None,
+              allowed_origins: Sequence[str] = ("*",), allowed_methods: Sequence[str] = ("*",),
+              allowed_headers: Sequence[str] = ("*",), allow_credentials: bool = False
+              ) -> FastAPI:
     """`async_engine` may be None while the model loads (then /health is 503); set it
-    later with `attach_engine`."""
+    later with `attach_engine`. `chat_template` (a template's text) replaces the model's
+    for chats; one that does not compile is a ChatTemplateError here. The `allowed_*` and
+    `allow_credentials` are CORS's (Starlette's CORSMiddleware)."""
     if max_seqs_per_request < 1:
         raise ValueError(f"max_seqs_per_request must be at least 1, got {max_seqs_per_request}")
-    app = FastAPI(title="infer", version="0.1.0")
+    if chat_template is not None:
+        compile_template(chat_template)
+    app = FastAPI(title="infer", version=version())
     app.state.engine = None
     app.state.names = served_model_name
     app.state.request_timeout = request_timeout
     app.state.max_seqs_per_request = max_seqs_per_request
+    app.state.chat_template = chat_template
     if async_engine is not None:
         attach_engine(app, async_engine)
     _add_error_handlers(app)
     _add_routes(app)
+    # The last added runs first: CORS answers preflights before auth and puts its headers
+    # on every answer, a 401 or 413 included (a browser shows no body without them).
+    app.add_middleware(IgnoredFieldsHeader)
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(_BearerAuth, api_key=api_key)
+    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                       allow_methods=list(allowed_methods),
+                       allow_headers=list(allowed_headers),
+                       allow_credentials=allow_credentials,
+                       expose_headers=[IGNORED_FIELDS_HEADER])
     return app
 
 
@@ -91,7 +118,8 @@ def attach_engine(app: FastAPI, async_engine: AsyncEngine) -> None:
                                       async_engine.other_sides_histograms)
     async_engine.observer = app.state.metrics
     app.state.serving = ServingContext(async_engine, names, app.state.request_timeout,
-                                       app.state.max_seqs_per_request)
+                                       app.state.max_seqs_per_request,
+                                       app.state.chat_template)
     app.state.engine = async_engine
 
 
@@ -119,19 +147,32 @@ def _add_routes(app: FastAPI) -> None:
             return error_response(503, "not ready", "ServiceUnavailable")
         return Response(status_code=200)
 
+    @app.get("/version", responses=VERSION)
+    async def get_version() -> VersionResponse:
+        return VersionResponse(version=version())
+
     @app.get("/v1/models", responses=API)
     async def models(request: Request) -> ModelList:
         ctx = _serving(request)
-        return ModelList(data=[ModelCard(id=name, max_model_len=ctx.engine.max_model_len,
-                                         quantization=ctx.engine.info.quantization)
-                               for name in ctx.model_names])
+        return ModelList(data=[_model_card(ctx, name) for name in ctx.model_names])
+
+    @app.get("/v1/models/{model_id:path}", responses=MODEL)
+    async def model(model_id: str, request: Request) -> ModelCard:
+        ctx = _serving(request)
+        if model_id not in ctx.model_names:
+            raise RequestError(f"The model `{model_id}` does not exist; this server serves "
+                               f"{', '.join(ctx.model_names)}", "model", 404, 404,
+                               "NotFoundError")
+        return _model_card(ctx, model_id)
 
     @app.post("/v1/completions", responses=COMPLETION)
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        note_ignored(body.ignored_fields(), request)
         return await create_completion(body, _serving(request), request)
 
     @app.post("/v1/chat/completions", responses=CHAT_COMPLETION)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        note_ignored(body.ignored_fields(), request)
         return await create_chat_completion(body, _serving(request), request)
 
     @app.get("/metrics", response_class=Response, responses=METRICS)
@@ -144,14 +185,23 @@ def _add_routes(app: FastAPI) -> None:
         return _stats(_serving(request).engine)
 
     @app.post("/tokenize", response_model=None,
-              responses={200: {"model": TokenizeResponse}, **TOKENS})
+              responses={200: {"model": TokenizeResponse, "headers": IGNORED_FIELDS},
+                         **TOKENS})
     async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+        note_ignored(body.ignored_fields(), request)
         return await serve_tokenize(body, _serving(request), request)
 
     @app.post("/detokenize", response_model=None,
-              responses={200: {"model": DetokenizeResponse}, **TOKENS})
+              responses={200: {"model": DetokenizeResponse, "headers": IGNORED_FIELDS},
+                         **TOKENS})
     async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+        note_ignored(body.ignored_fields(), request)
         return await serve_detokenize(body, _serving(request), request)
+
+
+def _model_card(ctx: ServingContext, name: str) -> ModelCard:
+    return ModelCard(id=name, max_model_len=ctx.engine.max_model_len,
+                     quantization=ctx.engine.info.quantization)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -32,13 +32,15 @@ class ChatSetup:
     tools: ToolCalling
     template_kwargs: dict[str, Any]
     reasoning_tags: tuple[str, str] | None
+    template: str  # the one the rest was read from
 
     def render(self, tokenizer: Tokenizer, add_generation_prompt: bool,
                continue_final_message: bool) -> str:
         """The prompt text (in the tokenizer pool; ChatTemplateError on a bad chat)."""
         return tokenizer.apply_chat_template(
-            self.messages, add_generation_prompt, tools=self.tools.template_tools,
-            continue_final_message=continue_final_message, **self.template_kwargs)
+            self.messages, add_generation_prompt, chat_template=self.template,
+            tools=self.tools.template_tools, continue_final_message=continue_final_message,
+            **self.template_kwargs)
 
     def reasoning(self, prompt: str) -> str | None:
         """How the answer to `prompt` may reason (reasoning.output_reasoning), or None."""
@@ -65,7 +67,7 @@ def chat_setup(messages: list[dict[str, Any]], tools: ToolCalling,
         raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)}")
     shows_tools = tool_format(template) is not None
     return ChatSetup(template_messages(messages, tools, shows_tools), tools, kwargs,
-                     reasoning_tags(template))
+                     reasoning_tags(template), template)
 
 
 @dataclass

@@ -36,8 +36,19 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def _header(description: str, type: str = "string") -> dict[str, Any]:
-    return {"description": description, "required": True, "schema": {"type": type}}
+class VersionResponse(BaseModel):
+    version: str
+
+
+def _header(description: str, type: str = "string", required: bool = True
+            ) -> dict[str, Any]:
+    return {"description": description, "required": required, "schema": {"type": type}}
+
+
+# On any answer to a request body with fields the server ignored (ignored_fields.py).
+IGNORED_FIELDS = {"X-Infer-Ignored-Fields": _header(
+    "the request's fields that were accepted but ignored, percent-encoded, comma-separated "
+    "(absent when none)", required=False)}
 
 
 def _error(description: str, headers: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -59,6 +70,8 @@ METRICS = {200: {"description": "Prometheus text exposition",
            **API}
 TOKENS = {**API, 400: _error("invalid request"), 404: _error("unknown model"),
           413: _error("body over the size limit")}
+MODEL = {**API, 404: _error("a model this server does not serve")}
+VERSION = {200: {"model": VersionResponse}}
 _GENERATION = {**TOKENS, 500: _error("the engine failed"),
                504: _error("the request timed out (--request-timeout)")}
 
@@ -72,7 +85,8 @@ def _streamed(chunk: type[BaseModel]) -> dict[str, Any]:
         "contentSchema": {"anyOf": [{"$ref": ref(chunk.__name__)},
                                     {"$ref": ref(ErrorResponse.__name__)}]}}]}
     event = {"type": "object", "required": ["data"], "properties": {"data": data}}
-    return {200: {"model": chunk, "content": {"text/event-stream": {"itemSchema": event}}}}
+    return {200: {"model": chunk, "headers": IGNORED_FIELDS,
+                  "content": {"text/event-stream": {"itemSchema": event}}}}
 
 
 COMPLETION = {**_streamed(CompletionResponse), **_GENERATION}

@@ -1,9 +1,13 @@
 """OpenAI wire format: request models (validated, strict types) and response models.
 
-Requests reject unknown fields, as the OpenAI API does ("Unrecognized request argument");
-the official client sends only the fields a caller sets (plus `extra_body`). Fields that
-OpenAI accepts but this server cannot honour are declared and refused with a 400 when set
-to anything but their no-op value, rather than silently ignored.
+Fields a request model does not declare are accepted and ignored, as vLLM does: OpenAI
+keeps adding fields (`service_tier`, `prompt_cache_key`, ...) that clients send and a
+server need not act on. `ignored_fields()` names those of a request body and of its
+`stream_options` (the server logs them and answers them in a header); extra keys of
+messages and content parts are dropped silently (clients echo back what they received).
+Declared fields keep strict types. Fields that OpenAI accepts but this server cannot
+honour are declared and refused with a 400 when set to anything but their no-op value,
+rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -15,9 +19,12 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
     SerializerFunctionWrapHandler,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 from infer.sampling_params import (
@@ -51,13 +58,32 @@ def error_body(message: str, type: str, code: str | int | None,
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True,
+                              json_schema_extra={"additionalProperties": True})
+    _ignored: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_ignored(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        model = handler(data)
+        if isinstance(data, dict):
+            model._ignored = [str(k) for k in data if k not in cls.model_fields]
+        return model
 
     @field_validator("*")
     @classmethod
     def _valid_unicode(cls, value: Any) -> Any:
         _check_unicode(value)
         return value
+
+    def ignored_fields(self) -> list[str]:
+        """The fields of the body that were given but ignored, `stream_options.NAME` for
+        those of its stream options."""
+        names = list(self._ignored)
+        options = getattr(self, "stream_options", None)
+        if options is not None:
+            names += [f"stream_options.{name}" for name in options._ignored]
+        return names
 
 
 def _check_unicode(value: Any) -> None:
@@ -103,7 +129,7 @@ class _SamplingRequest(_Request):
     seed: int | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     user: str | None = None
     # extensions (vLLM's names), sent by the openai client through extra_body
     top_k: Annotated[int, Field(ge=-1)] | None = None
@@ -114,6 +140,7 @@ class _SamplingRequest(_Request):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # Output constraints (`constraints.py`): OpenAI's response_format and vLLM's fields.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -131,11 +158,22 @@ class _SamplingRequest(_Request):
             raise RequestError(str(exc), exc.param) from None
 
     def _check_common(self) -> None:
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported", "logit_bias")
+        if self.prompt_logprobs is not None and self.stream:
+            raise RequestError("prompt_logprobs are not available with stream=true",
+                               "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream=true",
                                "stream_options")
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias: token ids written as strings."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise RequestError("logit_bias keys must be token ids (integers as strings), "
+                               f"got {list(self.logit_bias)[:5]}", "logit_bias") from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         constraint: tuple[StructuredOutputsParams, str] | None = None
@@ -148,6 +186,7 @@ class _SamplingRequest(_Request):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "structured_outputs": constraint[0] if constraint else None,
+            "logit_bias": self._logit_bias(), "prompt_logprobs": self.prompt_logprobs,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty"):
@@ -171,6 +210,8 @@ Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 class CompletionRequest(_SamplingRequest):
     prompt: Prompt
+    # 0 only with echo: the prompt scored, nothing generated (lm-eval's loglikelihood)
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
     logprobs: Logprobs | None = None
     echo: bool = False
     best_of: int | None = None
@@ -178,8 +219,13 @@ class CompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         self._check_common()
-        if self.echo:
-            raise RequestError("echo is not supported", "echo")
+        if self.max_tokens == 0 and (not self.echo or self.stream):
+            raise RequestError("max_tokens must be at least 1 (0 only with echo=true and "
+                               "without stream, which returns the prompt scored)",
+                               "max_tokens")
+        if self.echo and self.stream and self.logprobs is not None:
+            raise RequestError("echo with logprobs is not available with stream=true",
+                               "echo")
         if self.suffix:
             raise RequestError("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -204,6 +250,9 @@ class ChatMessage(_Request):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
+    # an earlier answer's reasoning, as clients send it back; templates that show it read it
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def as_template_message(self) -> dict[str, Any]:
         content = self.content
@@ -211,7 +260,7 @@ class ChatMessage(_Request):
             content = "".join(part.text for part in content)
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
                                    "content": content or ""}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
         return message
@@ -243,7 +292,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class TokenizeRequest(_Request):
     # exactly one of prompt and messages, not null
-    model_config = ConfigDict(json_schema_extra={"oneOf": [
+    model_config = ConfigDict(json_schema_extra={"additionalProperties": True, "oneOf": [
         {"required": [key], "properties": {key: {"type": kind}}}
         for key, kind in (("prompt", "string"), ("messages", "array"))]})
     model: str | None = None
@@ -272,12 +321,35 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: entry}
+# for the token itself and the N most likely there.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+def _without_none(data: dict[str, Any], key: str) -> dict[str, Any]:
+    if data.get(key) is None:
+        data.pop(key, None)
+    return data
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # only when asked for
+
+    @model_serializer(mode="wrap")
+    def _without_absent_prompt_logprobs(self, handler: SerializerFunctionWrapHandler
+                                        ) -> dict[str, Any]:
+        return _without_none(handler(self), "prompt_logprobs")
 
 
 class CompletionResponse(BaseModel):
@@ -338,6 +410,12 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # only when asked for
+
+    @model_serializer(mode="wrap")
+    def _without_absent_prompt_logprobs(self, handler: SerializerFunctionWrapHandler
+                                        ) -> dict[str, Any]:
+        return _without_none(handler(self), "prompt_logprobs")
 
 
 class ModelCard(BaseModel):

@@ -27,7 +27,7 @@ from infer.server.async_engine import (
     RequestStream,
 )
 from infer.server.chat import ChatSetup, MessageStream, chat_setup, read_message
-from infer.server.logprobs import chat_logprobs, completion_logprobs
+from infer.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from infer.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -69,6 +69,7 @@ class ServingContext:
     model_names: list[str]
     request_timeout: float | None = None
     max_seqs_per_request: int = MAX_SEQS_PER_REQUEST
+    chat_template: str | None = None  # the server's (--chat-template); None: the model's
     # Chat rendering and tokenization run here, never on the event loop: a long prompt
     # would stall every stream and /health for as long as it takes.
     executor: ThreadPoolExecutor = field(default_factory=_tokenizer_pool)
@@ -125,49 +126,87 @@ async def create_completion(body: CompletionRequest, ctx: ServingContext,
     ctx.check_fan_out(len(texts), body.n)
     constraint = body.constraint()
 
-    def prepare() -> list[list[int]]:
+    tokenizer = ctx.engine.tokenizer
+
+    def prepare() -> tuple[list[list[int]], list[str]]:
         ctx.compile_constraint(constraint)
-        return [ctx.encode_prompt(p) if isinstance(p, str) else p for p in texts]
+        ids = [ctx.encode_prompt(p) if isinstance(p, str) else p for p in texts]
+        echoed = [(p if isinstance(p, str) else tokenizer.decode(p, False)) if body.echo
+                  else "" for p in texts]
+        return ids, echoed
 
     try:
-        prompts = await ctx.off_loop(request, prepare)
+        prompts, echoed = await ctx.off_loop(request, prepare)
     except ClientGone:
         return Response(status_code=499)
-    max_tokens = _max_tokens(ctx, prompts, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
+    # echo with max_tokens=0 scores the prompt: one token is generated, then dropped
+    score_only = body.max_tokens == 0
+    max_tokens = _max_tokens(ctx, prompts, 1 if score_only else body.max_tokens,
+                             COMPLETION_DEFAULT_MAX_TOKENS)
     params = body.sampling_params(max_tokens, body.logprobs, constraint)
+    if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs
+        params = dataclasses.replace(params, prompt_logprobs=max(
+            body.logprobs, params.prompt_logprobs or 0))
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = await _add_all(ctx.engine, rid, prompts, params)
 
-    def choice(i: int, c: CompletionOutput) -> CompletionChoice:
+    def choice(i: int, c: CompletionOutput, out: RequestOutput | None = None
+               ) -> CompletionChoice:
+        """`out`: the choice's whole request output, which the prompt's echo and logprobs
+        come from (not streaming)."""
+        text, entries, token_ids = c.text, c.logprobs, c.token_ids
+        if score_only:
+            text, token_ids = "", []
+            entries = None if entries is None else []
+        if body.echo and out is not None:
+            text = echoed[i // params.n] + text
+        if body.echo and out is not None and out.prompt_logprobs is not None:
+            entries = out.prompt_logprobs + (entries or [])
+            token_ids = out.prompt_token_ids + token_ids
         lps = None
-        if c.logprobs is not None:
-            lps = completion_logprobs(c.logprobs, c.token_ids, body.logprobs or 0)
-        return CompletionChoice(index=i, text=c.text, logprobs=lps,
+        if entries is not None and body.logprobs is not None:
+            lps = completion_logprobs(entries, token_ids, body.logprobs,
+                                      lambda t: tokenizer.decode([t], False))
+        plp = None
+        if out is not None and body.prompt_logprobs is not None:
+            plp = prompt_logprobs(out.prompt_logprobs or [])
+        return CompletionChoice(index=i, text=text, logprobs=lps, prompt_logprobs=plp,
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         created = int(time.time())
+        unechoed = set(range(len(prompts) * params.n)) if body.echo else set()
 
         def chunk(i: int, c: CompletionOutput) -> str:
             return CompletionResponse(id=rid, model=model, created=created,
                                       choices=[choice(i, c)]).model_dump_json()
+
+        fast = with_text_fast_path(chunk)
+
+        def echo_first(i: int, c: CompletionOutput) -> str:
+            """With echo, a choice's first chunk starts with its prompt."""
+            if i in unechoed:
+                unechoed.discard(i)
+                return chunk(i, dataclasses.replace(c, text=echoed[i // params.n] + c.text))
+            return fast(i, c)
 
         def usage_chunk(usage: Usage) -> str:
             return CompletionResponse(id=rid, model=model, created=created, choices=[],
                                       usage=usage).model_dump_json()
 
         return _sse(_stream_events(streams, params.n, ctx, request,
-                                   with_text_fast_path(chunk), None,
+                                   echo_first if body.echo else fast, None,
                                    usage_chunk if include_usage else None))
     finals = await _collect(streams, ctx, request)
     if isinstance(finals, Response):
         return finals
-    choices = [choice(p * params.n + c.index, c)
+    choices = [choice(p * params.n + c.index, c, out)
                for p, out in enumerate(finals) for c in out.outputs]
     return JSONResponse(CompletionResponse(
-        id=rid, model=model, choices=choices, usage=_usage(finals)).model_dump())
+        id=rid, model=model, choices=choices,
+        usage=_usage(finals, generated=not score_only)).model_dump())
 
 
 async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContext,
@@ -268,9 +307,12 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: ServingContex
     if isinstance(finals, Response):
         return finals
     choices = [final_choice(c) for c in finals[0].outputs]
+    plp = None
+    if body.prompt_logprobs is not None:
+        plp = prompt_logprobs(finals[0].prompt_logprobs or [])
     return JSONResponse(ChatCompletionResponse(
-        id=rid, model=model, choices=choices, usage=_usage(finals)).model_dump(
-            exclude={"choices": {"__all__": {"delta"}}}))
+        id=rid, model=model, choices=choices, usage=_usage(finals),
+        prompt_logprobs=plp).model_dump(exclude={"choices": {"__all__": {"delta"}}}))
 
 
 def _chat_setup(body: ChatCompletionRequest, ctx: ServingContext) -> ChatSetup:
@@ -278,7 +320,7 @@ def _chat_setup(body: ChatCompletionRequest, ctx: ServingContext) -> ChatSetup:
     for tools, tool_choice or chat_template_kwargs that do not fit."""
     tokenizer = ctx.engine.tokenizer
     try:
-        template = tokenizer.get_chat_template(None, body.tools or None)
+        template = tokenizer.get_chat_template(ctx.chat_template, body.tools or None)
     except ChatTemplateError as exc:
         raise RequestError(str(exc), "messages") from None
     try:
@@ -316,7 +358,8 @@ async def serve_tokenize(body: TokenizeRequest, ctx: ServingContext,
         if body.messages is not None:
             messages = [m.as_template_message() for m in body.messages]
             try:
-                ids = tok.encode_chat(messages, body.add_generation_prompt)
+                ids = tok.encode_chat(messages, body.add_generation_prompt,
+                                      chat_template=ctx.chat_template)
             except ChatTemplateError as exc:
                 raise RequestError(str(exc), "messages") from None
         else:
@@ -492,21 +535,25 @@ class _Total:
     def __init__(self) -> None:
         self.last: RequestOutput | None = None
         self.choices: dict[int, _Choice] = {}
+        self.prompt_logprobs = None  # in one delta only
 
     def add(self, output: RequestOutput) -> None:
         self.last = output
+        self.prompt_logprobs = output.prompt_logprobs or self.prompt_logprobs
         for c in output.outputs:
             _choice(self.choices, c.index).add(c)
 
     def output(self) -> RequestOutput:
         assert self.last is not None and self.last.finished
         return dataclasses.replace(
-            self.last, outputs=[self.choices[i].take() for i in sorted(self.choices)])
+            self.last, outputs=[self.choices[i].take() for i in sorted(self.choices)],
+            prompt_logprobs=self.prompt_logprobs)
 
 
-def _usage(outputs: list[RequestOutput]) -> Usage:
+def _usage(outputs: list[RequestOutput], generated: bool = True) -> Usage:
+    """`generated` False: the tokens generated were dropped (echo with max_tokens=0)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs) if generated else 0
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
                  total_tokens=prompt + completion)
 
