@@ -62,7 +62,7 @@ def main() -> None:
     timed(engine.scheduler, "schedule_ahead", "schedule (launched ahead)")
     timed(engine.scheduler, "update", "scheduler update (+ token stops)")
     timed(engine.runner, "prepare", "prepare inputs")
-    timed(engine.runner, "execute", "model forward (not host)")
+    timed(engine.runner, "forward", "model forward (not host)")
     timed(engine.core, "_sampling_batch", "sampling batch")
     timed(engine_core, "sample", "sample")
     timed(engine.output_processor, "_apply", "detokenize + stop strings")
