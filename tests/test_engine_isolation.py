@@ -117,7 +117,7 @@ def test_a_failure_no_request_explains_still_fails_the_whole_step(monkeypatch):
     engine = _engine()
     engine.add_request("a", [5, 6, 7], GREEDY)
     engine.add_request("b", [8, 9], GREEDY)
-    monkeypatch.setattr(engine.runner, "execute", _raise)
+    monkeypatch.setattr(engine.runner, "forward", _raise)
     with pytest.raises(RuntimeError, match="device lost"):
         engine.step()
     assert not engine.output_processor.groups and engine.kv.pool.num_used == 0

@@ -98,7 +98,7 @@ def test_prompt_forms(engine, form):
 
 @pytest.mark.parametrize(("prompt", "match"), [
     ({"prompt_ids": [1, 2]}, r"keys \['prompt_ids'\]"),
-    ({"prompt": "a", "prompt_token_ids": [1]}, "a prompt dict must be"),
+    ({"prompt": 3, "prompt_token_ids": [1]}, "a prompt dict must be"),  # text not a str
     ({"prompt_token_ids": "abc"}, "a prompt dict must be"),
     (3.5, "got float"),
     ([1, "a"], "got int"),  # a list of two prompts, the first an int
