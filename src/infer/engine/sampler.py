@@ -140,8 +140,6 @@ class SamplingBatch:
                 pres = col([p.presence_penalty for p in params])
 
         banned_mask = None
-        if any(p.allowed_token_ids or p.bad_words_token_ids for p in params):
-            banned = _with_allowed_and_bad_words(banned, params, output_token_ids, b, v)
         if isinstance(banned, torch.Tensor):
             if banned.shape != (b, v):
                 raise ValueError(f"banned mask has shape {tuple(banned.shape)}, want {(b, v)}")
@@ -155,6 +153,9 @@ class SamplingBatch:
                 raise ValueError(f"banned token ids out of range [0, {v}): {bad[:5]}")
             if rows:
                 banned_mask = _mask(banned, rows, b, v, device)
+        if any(p.allowed_token_ids or p.bad_words_token_ids for p in params):
+            more = _allowed_and_bad_word_bans(params, output_token_ids, b, v, device)
+            banned_mask = more if banned_mask is None else banned_mask | more
 
         bias = None
         if any(p.logit_bias for p in params):
@@ -194,30 +195,28 @@ class SamplingBatch:
         )
 
 
-def _with_allowed_and_bad_words(banned: list[list[int]] | torch.Tensor | None,
-                                params: list[SamplingParams], outputs: list[list[int]],
-                                b: int, v: int) -> torch.Tensor:
-    """`banned` as a [B, V] mask (on the host), with every id outside a row's
-    allowed_token_ids and the bad words' next tokens added."""
-    if isinstance(banned, torch.Tensor):
-        mask = banned.to(device="cpu", dtype=torch.bool).clone()
-    else:
-        mask = torch.zeros(b, v, dtype=torch.bool)
-        for row, ids in enumerate(banned or ()):
-            if ids:
-                mask[row, [t for t in ids if 0 <= t < v]] = True
-    for row, p in enumerate(params):
-        if p.allowed_token_ids:
-            keep = torch.ones(v, dtype=torch.bool)
-            keep[[t for t in p.allowed_token_ids if t < v]] = False
-            mask[row] |= keep
-        for word in p.bad_words_token_ids or ():
-            *before, last = word
-            out = outputs[row]
-            if last < v and (not before or (len(out) >= len(before)
-                                             and out[len(out) - len(before):] == before)):
-                mask[row, last] = True
+def _allowed_and_bad_word_bans(params: list[SamplingParams], outputs: list[list[int]],
+                               b: int, v: int, device: torch.device) -> torch.Tensor:
+    """[B, V] bool: every id outside a row's allowed_token_ids, and the last token of each
+    of its bad words whose other tokens end its output."""
+    mask = torch.zeros(b, v, dtype=torch.bool, device=device)
+    allowed_rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
+    if allowed_rows:
+        allowed = _mask([p.allowed_token_ids or [] for p in params], allowed_rows, b, v,
+                        device)
+        limited = to_device(torch.tensor([bool(p.allowed_token_ids) for p in params]), device)
+        mask |= ~allowed & limited[:, None]
+    word_ends = [[word[-1] for word in p.bad_words_token_ids or ()
+                  if word[-1] < v and _ends_with(out, word[:-1])]
+                 for p, out in zip(params, outputs)]
+    word_rows = [i for i, ends in enumerate(word_ends) if ends]
+    if word_rows:
+        mask |= _mask(word_ends, word_rows, b, v, device)
     return mask
+
+
+def _ends_with(tokens: list[int], tail: list[int]) -> bool:
+    return not tail or (len(tokens) >= len(tail) and tokens[len(tokens) - len(tail):] == tail)
 
 
 def _flat_index(token_lists: list[list[int]], rows: list[int], v: int) -> torch.Tensor:
