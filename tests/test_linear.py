@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer.distributed.group import TensorParallelGroup
 from infer.models import (
     ARCHITECTURES,
     MODEL_TYPES,
@@ -116,7 +117,7 @@ def test_missing_shard_and_unexpected_tensor():
 
 
 def _ranks(make, tp_size: int = 2):
-    return [make(tp_rank=r, tp_size=tp_size) for r in range(tp_size)]
+    return [make(tp=TensorParallelGroup(r, tp_size)) for r in range(tp_size)]
 
 
 def test_column_parallel_ranks_hold_output_slices():
@@ -143,8 +144,6 @@ def test_row_parallel_ranks_hold_input_slices():
     # What the all-reduce will sum: each rank's slice of x times its columns.
     partial = [r.quant_method.apply(r, xs, None) for r, xs in zip(ranks, x.chunk(2, dim=-1))]
     torch.testing.assert_close(sum(partial) + bias, F.linear(x, weight, bias))
-    with pytest.raises(NotImplementedError, match="all-reduce"):
-        ranks[0](x[:, :4])
 
 
 def test_qkv_and_merged_ranks_hold_their_heads_of_each_shard():
@@ -165,6 +164,30 @@ def test_qkv_and_merged_ranks_hold_their_heads_of_each_shard():
         layer.weight_loader(layer.weight, gate, 0)
     assert torch.equal(torch.cat([r.weight[:2] for r in ranks]), gate)
     assert torch.equal(torch.cat([r.weight[2:] for r in ranks]), up)
+
+
+def test_rank_part_names_the_slice_each_rank_loads():
+    """What formats with a layout of their own (GGUF blocks, FP8 tiles) cut by: the same
+    rows and columns as the loaders copy."""
+    q, k = torch.randn(8, 6), torch.randn(2, 6)
+    for rank, layer in enumerate(_ranks(
+            lambda **tp: QKVParallelLinear(6, 2, num_heads=4, num_kv_heads=1, **tp))):
+        # q split over the two ranks, the single KV head replicated on both
+        assert layer.rank_part("q") == (0, rank, 2, 4) and layer.rank_part("q").start == 4 * rank
+        assert layer.rank_part("k") == (0, 0, 1, 2)
+        layer.weight_loader(layer.weight, q, "q")
+        layer.weight_loader(layer.weight, k, "k")
+        part = layer.rank_part("q")
+        assert torch.equal(layer.weight[:4], q.narrow(part.dim, part.start, part.size))
+        assert torch.equal(layer.weight[4:6], k)
+        with pytest.raises(WeightError, match="one slice per shard"):
+            layer.rank_part(None)
+    w = torch.randn(3, 8)
+    for rank, layer in enumerate(_ranks(lambda **tp: RowParallelLinear(8, 3, **tp))):
+        part = layer.rank_part()
+        assert part == (1, rank, 2, 4)
+        layer.weight_loader(layer.weight, w)
+        assert torch.equal(layer.weight, w.narrow(part.dim, part.start, part.size))
 
 
 def test_vocab_parallel_embedding_ranks_hold_row_slices():

@@ -117,8 +117,9 @@ def test_vllm_constructor_arguments_map_or_are_refused_by_name():
     assert engine_config("m", {"enforce_eager": False}).cuda_graphs
     with pytest.raises(ValueError, match="did you mean enforce_eager"):
         engine_config("m", {"enforce_eagr": True})
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
-        engine_config("m", {"tensor_parallel_size": 2})
+    assert engine_config("m", {"tensor_parallel_size": 2}).tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported"):
+        engine_config("m", {"pipeline_parallel_size": 2})
     with pytest.raises(ValueError, match="not both"):
         engine_config("m", {"enforce_eager": True, "cuda_graphs": True})
 

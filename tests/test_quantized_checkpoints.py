@@ -118,11 +118,12 @@ def _quantize(w: torch.Tensor, how: str, scale_dtype: torch.dtype
     return q, scale, (q.double() * per_weight).float()
 
 
-def write_quantized(tmp_path, layout: str, qwen3: bool = True):
-    """The checkpoint in `layout`; returns (reference transformers model holding the values
-    it stands for, the original float model's logits function, our format name)."""
+def write_quantized(tmp_path, layout: str, qwen3: bool = True, config=None):
+    """The checkpoint in `layout` (of `config`, by default this file's shape); returns
+    (reference transformers model holding the values it stands for, the original float
+    model's logits function, our format name)."""
     qconfig, scale_name, how, scale_dtype, fmt = LAYOUTS[layout]
-    model = save_random_checkpoint(_config(qwen3), tmp_path)
+    model = save_random_checkpoint(config or _config(qwen3), tmp_path)
     original = {k: v.clone() for k, v in model.state_dict().items()}
     tensors = {}
     with torch.no_grad():

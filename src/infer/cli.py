@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from infer.bench.cli import add_bench_command
+from infer.distributed.torchrun import run_torchrun_worker, torchrun_rank
 from infer.engine.batch_defaults import CPU_DEFAULTS
 from infer.engine.config import EngineConfig
 from infer.flags import (
@@ -349,6 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.func in (cmd_serve, cmd_generate, cmd_chat) and torchrun_rank():
+            # A rank torchrun started, on this host or another: only its shard of the
+            # engine runs here; rank 0 runs the command.
+            run_torchrun_worker(engine_config(args))
+            return 0
         return args.func(args)
     except (ValueError, KeyboardInterrupt) as exc:
         if isinstance(exc, ValueError):

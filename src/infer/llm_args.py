@@ -15,7 +15,6 @@ RENAMED = {"enable_prefix_caching": "prefix_caching",
 # Accepted where they ask for what infer does anyway (None or this value), refused else.
 NO_OP = {
     "trust_remote_code": None,  # any value: infer runs its own model code, never a checkpoint's
-    "tensor_parallel_size": 1,
     "pipeline_parallel_size": 1,
     "tokenizer": None,  # the model's own tokenizer
     "tokenizer_mode": "auto",

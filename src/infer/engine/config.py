@@ -129,6 +129,10 @@ class EngineConfig:
         None, "the draft model of speculative_method=draft (which needs one): a model "
         "directory or GGUF file, as for model; default: none")
     speculative_max_batch: int = knob(16, "no drafts in steps of more running sequences")
+    tensor_parallel_size: int = knob(
+        1, "N: shard the model over N ranks (one process per GPU, or per CPU rank), each "
+        "with its part of every layer's heads and features and of the KV cache; NCCL on "
+        "GPUs, gloo on CPUs (distributed/ says more)")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -137,7 +141,7 @@ class EngineConfig:
         if not is_device(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("block_size", "num_speculative_tokens", "ngram_min", "ngram_max",
-                     "speculative_max_batch"):
+                     "speculative_max_batch", "tensor_parallel_size"):
             self._check_positive(name)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
                      "prefill_chunk_size",
@@ -154,6 +158,8 @@ class EngineConfig:
         if self.self_draft_layers is not None and self.speculative_method != "self":
             raise ValueError("self_draft_layers is set but speculative_method is "
                              f"{self.speculative_method!r}, not 'self'")
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -177,6 +183,16 @@ class EngineConfig:
                 "or a long prompt could never be scheduled; raise the budget or enable "
                 "chunked_prefill"
             )
+
+    def _check_tensor_parallel(self) -> None:
+        if self.speculative_method != "none":
+            raise ValueError(f"speculative_method={self.speculative_method!r} with "
+                             f"tensor_parallel_size={self.tensor_parallel_size} is not "
+                             "supported yet; use one or the other")
+        if self.device.startswith("cuda:"):
+            raise ValueError(f"device={self.device!r} with tensor_parallel_size="
+                             f"{self.tensor_parallel_size}: rank r runs on cuda:r; choose the "
+                             "GPUs with CUDA_VISIBLE_DEVICES and set device='cuda'")
 
     def _check_choice(self, name: str, choices: tuple[str, ...]) -> None:
         value = getattr(self, name)

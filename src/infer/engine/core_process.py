@@ -31,6 +31,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import signal
+import sys
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -97,12 +98,13 @@ class CoreLoop:
         self._stats_time = 0.0
         self._changed = True  # something the gauges show changed since the last stats
 
-    def run(self) -> None:
+    def run(self) -> bool:
+        """False when the core stopped because it cannot go on (`StepFailed.fatal`)."""
         self.core.on_step_start = self._on_step_start
         try:
             while self._apply_commands():
-                if self.core.has_unfinished():
-                    self._step()
+                if self.core.has_unfinished() and not self._step():
+                    return False
         except _GONE:
             log.info("the request side is gone; the engine core stops")
         finally:
@@ -110,6 +112,7 @@ class CoreLoop:
             self._finish_all("abort")
             for conn in self.conns:
                 conn.close()
+        return True
 
     def _apply_commands(self) -> bool:
         """Everything that has arrived (waiting for a message when there is nothing to
@@ -173,11 +176,17 @@ class CoreLoop:
             raise ValueError(f"unknown message {kind!r} for the engine core")
         return True
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """False when the core cannot go on: every sequence has been failed."""
         start = time.perf_counter()
         try:
             outputs = self.core.step()
         except StepFailed as exc:
+            if exc.fatal:
+                log.error("%s; failing every sequence and stopping the engine core", exc)
+                seq_ids = exc.seq_ids + self._finish_all("error")
+                self._send_outputs(self._failed(seq_ids, str(exc)))
+                return False
             log.exception("engine step failed; failing its %d sequence(s)", len(exc.seq_ids))
             outputs = self._failed(exc.seq_ids, str(exc))
         except Exception as exc:  # outside any one step (e.g. planning): fail everything
@@ -190,6 +199,7 @@ class CoreLoop:
         if outputs:
             self._send_outputs(outputs)
             self.seconds["core_output_seconds"] += time.perf_counter() - stepped
+        return True
 
     def _send_outputs(self, outputs: list[SequenceOutput]) -> None:
         """Each output to the side that added its sequence."""
@@ -256,9 +266,12 @@ def run_core_process(config: EngineConfig, conns: list[Connection]) -> None:
         conn.send(("ready", CoreInfo.of(core, model_name)))
     freeze_startup_objects()
     warming = core.warm_structured_outputs()
-    CoreLoop(core, conns).run()
+    went_on = CoreLoop(core, conns).run()
+    core.shutdown()
     if warming is not None:  # a thread still in native code at exit aborts the process
         warming.join(30)
+    if not went_on:
+        sys.exit(1)
 
 
 class CoreClient:

@@ -25,13 +25,15 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from infer.attention import set_attention_backend
 from infer.cache.kv_manager import KVCacheManager
 from infer.config import ModelConfig
+from infer.distributed.checks import check_tensor_parallel
+from infer.distributed.group import SINGLE, TensorParallelGroup, tensor_parallel
+from infer.distributed.mirrored_runner import MirroredRunner
+from infer.distributed.workers import TensorParallelError, Workers
 from infer.engine.batch_defaults import fit_batch_to_device
 from infer.engine.config import EngineConfig
 from infer.engine.cpu_threads import set_cpu_threads
-from infer.engine.memory import plan_kv_cache
 from infer.engine.model_runner import ModelRunner, StepInputs
 from infer.engine.prompt_logprobs import (
     PromptLogprobs,
@@ -40,17 +42,18 @@ from infer.engine.prompt_logprobs import (
     launch_prompt_logprobs,
 )
 from infer.engine.request import Request
+from infer.engine.runner_setup import build_runner, capture_graphs, uses_graphs
 from infer.engine.sampler import SamplingBatch, sample
 from infer.engine.scheduler import Scheduler, SchedulerOutput
 from infer.engine.setup import (
     gguf_blocks_of,
     load_model_and_tokenizer,
+    model_config_of,
     pick_backend,
     pick_device_and_dtype,
 )
 from infer.engine.structured_output import CompileThread, GrammarMatcher, StructuredOutputs
 from infer.loader.tokenizer import Tokenizer
-from infer.models.layers import set_kernel_backend
 from infer.quantization import quantize_model
 from infer.sampling_params import SamplingParams
 from infer.spec.draft_model import load_draft_model
@@ -70,6 +73,8 @@ class StepFailed(RuntimeError):
     def __init__(self, cause: Exception, seq_ids: list[str]) -> None:
         super().__init__(f"engine step failed: {cause!r}")
         self.seq_ids = seq_ids
+        # The engine cannot go on (a tensor-parallel rank died): nothing will step again.
+        self.fatal = isinstance(cause, TensorParallelError)
 
 
 class SequenceOutput(NamedTuple):
@@ -146,8 +151,11 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model: nn.Module, model_config: ModelConfig,
                  device: torch.device, dtype: torch.dtype, max_model_len: int,
                  eos_token_ids: tuple[int, ...], tokenizer: Tokenizer | None = None,
-                 draft: tuple[nn.Module, ModelConfig] | None = None) -> None:
-        """`draft`: the draft model and its config (speculative_method='draft')."""
+                 draft: tuple[nn.Module, ModelConfig] | None = None,
+                 tp: TensorParallelGroup = SINGLE, workers: Workers | None = None) -> None:
+        """`draft`: the draft model and its config (speculative_method='draft'). `tp`: this
+        rank's group (rank 0: the core runs here), `workers`: the other ranks' processes
+        when this one started them."""
         self.config = config
         self.tokenizer = tokenizer  # for structured output's grammars only; never decodes
         self._structured: StructuredOutputs | None = None
@@ -160,38 +168,27 @@ class EngineCore:
         self.attention_backend = pick_backend("attention_backend", config.attention_backend,
                                               device)
         self.kernel_backend = pick_backend("kernel_backend", config.kernel_backend, device)
-        # Bound before sizing the pool, so the warm-up forward measures the backends in use.
-        set_attention_backend(model, self.attention_backend)
-        set_kernel_backend(model, self.kernel_backend)
-        self.block_size, num_blocks = plan_kv_cache(config, mc, max_model_len, model, device,
-                                                    dtype, draft[1] if draft else None)
+        self.tp, self.workers = tp, workers
+        runner = build_runner(config, model, mc, device, dtype, max_model_len,
+                              self.attention_backend, self.kernel_backend,
+                              draft[1] if draft else None, tp)
+        self.block_size, num_blocks = runner.block_size, runner.num_blocks
         self.kv = KVCacheManager(num_blocks, self.block_size, config.prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens,
             batching=config.batching_mode, chunked_prefill=config.chunked_prefill,
             max_prefill_chunk=config.prefill_chunk_size,
         )
-        self.runner = ModelRunner(model, mc, num_blocks, self.block_size, device, dtype,
-                                  self.attention_backend, self.kernel_backend)
+        self.runner = runner
         self.graph_capture_seconds = 0.0
-        self.graphs_on = self._uses_graphs()
+        self.graphs_on = uses_graphs(config, device, self.attention_backend)
         self.drafter = self._make_drafter(draft, num_blocks)
         if self.graphs_on:
-            graphs = self.runner.enable_decode_graphs(config.max_num_seqs, max_model_len)
-            self.graph_capture_seconds += graphs.capture_seconds
-            if self.drafter is not None:  # steps where every sequence verifies k drafts
-                graphs = self.runner.enable_decode_graphs(
-                    min(config.speculative_max_batch, config.max_num_seqs), max_model_len,
-                    tokens_per_seq=config.num_speculative_tokens + 1)
-                self.graph_capture_seconds += graphs.capture_seconds
-            budget = config.max_num_batched_tokens
-            if config.mixed_step_graphs == "full":
-                mixed = self.runner.enable_mixed_graphs(budget, config.max_num_seqs,
-                                                        max_model_len)
-                self.graph_capture_seconds += mixed.capture_seconds
-            if config.mixed_step_graphs != "off":
-                pieces = self.runner.enable_piecewise_graphs(budget)
-                self.graph_capture_seconds += pieces.capture_seconds
+            self.graph_capture_seconds += capture_graphs(runner, config, max_model_len,
+                                                         verify=self.drafter is not None)
+        if tp.size > 1:
+            # Every call that runs the model goes to the other ranks first (workers).
+            self.runner = MirroredRunner(runner, tp, workers)
         self.sequences: dict[str, _Sequence] = {}
         # Sequences whose prompt logprobs are not all out yet (`prompt_logprobs.py`).
         self._prompt_lp: dict[str, PromptLogprobsState] = {}
@@ -210,14 +207,6 @@ class EngineCore:
         # Called once a step is scheduled, before it runs (a server refreshes its gauges:
         # a long step would otherwise show the state from before it).
         self.on_step_start: Callable[[], None] | None = None
-
-    def _uses_graphs(self) -> bool:
-        if not (self.config.cuda_graphs and self.device.type == "cuda"):
-            return False
-        if self.attention_backend != "triton":
-            log.warning("cuda_graphs needs attention_backend='triton'; running eagerly")
-            return False
-        return True
 
     def _make_drafter(self, draft: tuple[nn.Module, ModelConfig] | None, num_blocks: int
                       ) -> Drafter | None:
@@ -453,7 +442,7 @@ class EngineCore:
         if self._prompt_lp:
             prompts = {i.request_id: self.sequences[i.request_id].request.prompt_token_ids
                        for i in out.scheduled if i.request_id in self._prompt_lp}
-            prompt_job = launch_prompt_logprobs(self.runner.model, hidden, out.scheduled,
+            prompt_job = launch_prompt_logprobs(self.runner, hidden, out.scheduled,
                                                 self._prompt_lp, prompts)
         if self.drafter is not None:
             self.drafter.mirror(out, requests, device_input_ids)
@@ -746,6 +735,11 @@ class EngineCore:
         )
 
     # -- counters --------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if this core started them."""
+        if self.workers is not None:
+            self.workers.shutdown()
+
     def stats(self) -> dict[str, float]:
         pool = self.kv.pool
         return {
@@ -806,10 +800,46 @@ def load_core(config: EngineConfig) -> tuple[EngineCore, Tokenizer, str]:
     if device.type == "cpu":
         log.info("CPU: %d threads for the model's kernels%s", set_cpu_threads(config.threads),
                  "" if config.threads else " (one per usable core less one; --threads)")
-    model, mc, tokenizer, model_name = load_model_and_tokenizer(config.model, dtype, device,
-                                                                config.quantization)
-    quantization = quantize_model(model, config.quantization,
-                                  gguf_blocks_of(config.model, mc, config.quantization))
+    tp, workers = SINGLE, None
+    if config.tensor_parallel_size > 1:
+        check_tensor_parallel(config, model_config_of(config.model), device)
+        workers = Workers.start(config, device)
+        tp = workers.group
+    try:
+        core, tokenizer, model_name, quantization = _load_core(config, device, dtype, tp,
+                                                               workers)
+    except BaseException:
+        if workers is not None:
+            workers.shutdown()
+        raise
+    core.quantization = quantization
+    config = core.config
+    log.info("ready in %.1f s: %s on %s, %s, quantization %s; KV cache %d tokens (%d blocks x "
+             "%d); attention %s, kernels %s; CUDA graphs %s; max_num_seqs=%d, "
+             "max_num_batched_tokens=%d, max_model_len=%d%s%s",
+             time.perf_counter() - start, model_name, device, str(dtype).removeprefix("torch."),
+             quantization, core.kv.pool.num_blocks * core.block_size,
+             core.kv.pool.num_blocks, core.block_size, core.attention_backend,
+             core.kernel_backend,
+             f"on (captured in {core.graph_capture_seconds:.1f} s)" if core.graphs_on
+             else "off", config.max_num_seqs, config.max_num_batched_tokens,
+             core.max_model_len,
+             "" if config.speculative_method == "none" else
+             f"; speculative {config.speculative_method}, k={config.num_speculative_tokens}",
+             "" if tp.size == 1 else f"; tensor parallel over {tp.size} ranks")
+    return core, tokenizer, model_name
+
+
+def _load_core(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+               tp: TensorParallelGroup, workers: Workers | None
+               ) -> tuple[EngineCore, Tokenizer, str, str]:
+    """load_core's work on rank 0 (the workers make the same calls: distributed/worker.py);
+    also the quantization in effect."""
+    with tensor_parallel(tp):
+        model, mc, tokenizer, model_name = load_model_and_tokenizer(config.model, dtype,
+                                                                    device, config.quantization)
+        quantization = quantize_model(model, config.quantization,
+                                      gguf_blocks_of(config.model, mc, config.quantization))
     if quantization != "none":
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the full-precision weights' memory, for the KV cache
@@ -827,22 +857,11 @@ def load_core(config: EngineConfig) -> tuple[EngineCore, Tokenizer, str]:
             f"chunked_prefill=False needs max_num_batched_tokens "
             f"({config.max_num_batched_tokens}) >= max_model_len ({max_model_len})"
         )
+    tp.broadcast_object((config, max_model_len))  # the workers build their runners from it
     eos_token_ids = tuple(tokenizer.eos_token_ids) or mc.eos_token_ids
     draft = None
     if config.draft_model is not None:
         draft = load_draft_model(config.draft_model, tokenizer, mc, dtype, device)
     core = EngineCore(config, model, mc, device, dtype, max_model_len, eos_token_ids,
-                      tokenizer, draft)
-    core.quantization = quantization
-    log.info("ready in %.1f s: %s on %s, %s, quantization %s; KV cache %d tokens (%d blocks x "
-             "%d); attention %s, kernels %s; CUDA graphs %s; max_num_seqs=%d, "
-             "max_num_batched_tokens=%d, max_model_len=%d%s",
-             time.perf_counter() - start, model_name, device, str(dtype).removeprefix("torch."),
-             quantization, core.kv.pool.num_blocks * core.block_size,
-             core.kv.pool.num_blocks, core.block_size, core.attention_backend,
-             core.kernel_backend,
-             f"on (captured in {core.graph_capture_seconds:.1f} s)" if core.graphs_on
-             else "off", config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
-             "" if config.speculative_method == "none" else
-             f"; speculative {config.speculative_method}, k={config.num_speculative_tokens}")
-    return core, tokenizer, model_name
+                      tokenizer, draft, tp, workers)
+    return core, tokenizer, model_name, quantization

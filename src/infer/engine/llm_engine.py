@@ -49,6 +49,8 @@ class LLMEngine:
             self.dtype = getattr(torch, self.info.dtype)
         else:
             self.core, self.tokenizer, self.model_name = load_core(config)
+            if self.core.workers is not None:  # an engine let go stops its ranks
+                weakref.finalize(self, self.core.workers.shutdown)
             self.info = CoreInfo.of(self.core, self.model_name)
             self.model = self.core.runner.model
             self.model_config = self.core.model_config
@@ -152,6 +154,6 @@ class LLMEngine:
         return self.output_processor.num_requests_failed
 
     def shutdown(self) -> None:
-        """Stop a core process (at exit otherwise); nothing to do for a core in here."""
-        if isinstance(self.core, RemoteCore):
-            self.core.shutdown()
+        """Stop a core process or the tensor-parallel workers of a core in here (at exit
+        otherwise)."""
+        self.core.shutdown()

@@ -7,6 +7,7 @@ import logging
 import torch
 from torch import nn
 
+from infer.attention import Attention
 from infer.config import ModelConfig
 from infer.engine.config import EngineConfig
 
@@ -24,14 +25,18 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 def plan_kv_cache(
     config: EngineConfig, cfg: ModelConfig, max_model_len: int, model: nn.Module,
     device: torch.device, dtype: torch.dtype, draft_config: ModelConfig | None = None,
+    tp_size: int = 1,
 ) -> tuple[int, int]:
     """(block_size, num_blocks), from the same memory budget for both layouts. Contiguous
     = one max_model_len block per sequence, so the budget may hold fewer sequences than
     max_num_seqs (as llama.cpp's slots): the scheduler runs as many as have a block.
-    A draft model's cache has as many blocks (the same block tables), in the same budget."""
+    A draft model's cache has as many blocks (the same block tables), in the same budget.
+    Under tensor parallelism (`tp_size` ranks) this rank holds its KV heads of each block,
+    and on a CPU the ranks share the host's memory."""
     contiguous = config.kv_cache == "contiguous"
     block_size = max_model_len if contiguous else config.block_size
-    per_token = kv_bytes_per_token(cfg, dtype)
+    local_kv_heads = next(m.num_kv_heads for m in model.modules() if isinstance(m, Attention))
+    per_token = kv_bytes_per_token(cfg, dtype) * local_kv_heads // cfg.num_kv_heads
     if draft_config is not None:
         per_token += kv_bytes_per_token(draft_config, dtype)
     per_block = per_token * block_size
@@ -44,7 +49,7 @@ def plan_kv_cache(
     if device.type == "cuda":
         free = _cuda_free_after_warmup(config, model, device, dtype)
     else:
-        free = int(_available_host_memory() * _CPU_SHARE)
+        free = int(_available_host_memory() * _CPU_SHARE / tp_size)
     num_blocks = min(useful, free // per_block)
     if num_blocks < needed:
         raise ValueError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,7 @@ class ModelRunner:
         cache and attention backend this one uses; only the graphs are its own."""
         self.model = model
         self.model_config = model_config
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
         self.attention_backend = attention_backend
@@ -82,7 +84,7 @@ class ModelRunner:
         same static-buffer path eagerly (CPU tests)."""
         attn = self.backend.init_graph_metadata(
             max_num_seqs, tokens_per_seq, max_model_len, self.block_size,
-            self.model_config.num_kv_heads, self.device)
+            self._layers[0].num_kv_heads, self.device)
         self._bind()
         graphs = DecodeGraphs(self.model, attn, self.device, capture=capture,
                               pool=self._graph_pool())
@@ -196,3 +198,12 @@ class ModelRunner:
             rows = to_device(torch.tensor(inputs.sample_rows), self.device)
             hidden = hidden[rows]
         return self.model.compute_logits(hidden)
+
+    def logits_of_rows(self, hidden: torch.Tensor, rows: list[int], chunk: int
+                       ) -> Iterator[torch.Tensor]:
+        """Float32 logits of `hidden`'s `rows`, `chunk` rows at a time, each computed when
+        it is asked for."""
+        index = to_device(torch.tensor(rows), self.device)
+        for start in range(0, len(rows), chunk):
+            with torch.inference_mode():
+                yield self.model.compute_logits(hidden[index[start:start + chunk]]).float()

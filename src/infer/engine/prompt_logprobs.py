@@ -10,14 +10,16 @@ its whole prompt: positions served from the prefix cache would have no hidden st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-from torch import nn
 
 from infer.engine.sampler import raw_logprobs
 from infer.engine.scheduler import ScheduledRequest
 from infer.transfer import HostCopy, to_device
+
+if TYPE_CHECKING:
+    from infer.engine.model_runner import ModelRunner
 
 # Rows of logits made at once: [rows, vocab] float32 (128 MB for a 128k vocabulary).
 CHUNK_ROWS = 256
@@ -76,7 +78,7 @@ class PromptLogprobsJob:
             at += count
 
 
-def launch_prompt_logprobs(model: nn.Module, hidden: torch.Tensor,
+def launch_prompt_logprobs(runner: ModelRunner, hidden: torch.Tensor,
                            scheduled: tuple[ScheduledRequest, ...],
                            states: dict[str, PromptLogprobsState],
                            prompts: dict[str, list[int]]) -> PromptLogprobsJob | None:
@@ -103,14 +105,12 @@ def launch_prompt_logprobs(model: nn.Module, hidden: torch.Tensor,
         offset += item.num_new_tokens
     if not rows:
         return None
-    device = hidden.device
-    row_index = to_device(torch.tensor(rows), device)
-    target_ids = to_device(torch.tensor(targets), device)
+    target_ids = to_device(torch.tensor(targets), hidden.device)
     parts = []
     with torch.inference_mode():
-        for start in range(0, len(rows), CHUNK_ROWS):
-            logits = model.compute_logits(hidden[row_index[start:start + CHUNK_ROWS]]).float()
-            parts.append(raw_logprobs(logits, target_ids[start:start + CHUNK_ROWS], num_top))
+        for at, logits in zip(range(0, len(rows), CHUNK_ROWS),
+                              runner.logits_of_rows(hidden, rows, CHUNK_ROWS)):
+            parts.append(raw_logprobs(logits, target_ids[at:at + CHUNK_ROWS], num_top))
     chosen, ranks, top_ids, top_lps = (
         None if part[0] is None else torch.cat(part) for part in zip(*parts))
     return PromptLogprobsJob(spans, HostCopy(chosen, ranks, top_ids, top_lps))

@@ -48,6 +48,17 @@ def load_model_and_tokenizer(
     return net, cfg, tokenizer, source.name
 
 
+def model_config_of(model: str | None) -> ModelConfig:
+    """The model's config alone, read without its weights."""
+    from infer.loader import gguf_file, hf_dir
+    from infer.loader.gguf_metadata import gguf_config
+
+    source = resolve_model(model)
+    if source.format == "gguf":
+        return gguf_config(gguf_file.open_gguf(source.path))
+    return hf_dir.load_config(source.path)
+
+
 def gguf_blocks_of(model: str | None, cfg: ModelConfig, quantization: str
                    ) -> dict[str, GGUFBlocks] | None:
     """The quantized weights as stored, when `model` is a GGUF file whose weights

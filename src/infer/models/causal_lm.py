@@ -20,6 +20,7 @@ from torch import nn
 
 from infer.attention import AttentionMetadata
 from infer.config import ModelConfig
+from infer.distributed.group import SINGLE
 from infer.models.linear import ParallelLMHead, VocabParallelEmbedding
 from infer.models.weights import ShardId, load_weights
 
@@ -46,7 +47,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         # Replicated on every rank, never split.
         self.embed_positions = (
-            VocabParallelEmbedding(cfg.max_position_embeddings, cfg.hidden_size)
+            VocabParallelEmbedding(cfg.max_position_embeddings, cfg.hidden_size, tp=SINGLE)
             if learned_positions else None
         )
         # Created in the default (= weight) dtype and cast along with the model, so in bf16

@@ -9,7 +9,11 @@ are the layer's output and input features; absent: not split).
 Tensor parallelism: a layer holds part `tp_rank` of `tp_size` equal parts of its weight,
 cut along the output dim (column-parallel) or the input dim (row-parallel), and each
 parameter's `weight_loader(param, tensor, shard_id)` copies that part of a full checkpoint
-tensor. Today `tp_size` is always 1.
+tensor; `rank_part(shard_id)` names that part for the weight formats that cut a layout of
+their own (GGUF blocks, FP8 tiles). A row-parallel layer sums its partial outputs over the
+ranks (one all-reduce); the vocabulary is split by rows, each rank's part padded to the
+same length. The group is the one in effect when the layer is built
+(`distributed.tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer.distributed.group import TensorParallelGroup, current_group
 from infer.models.weights import ShardId, WeightError, WeightLoader, check_shape
 
 
@@ -86,6 +92,22 @@ def linear_method_default(make: Callable[[], LinearMethod]) -> Iterator[None]:
         _DEFAULT_METHOD.reset(token)
 
 
+class RankPart(NamedTuple):
+    """The slice of a checkpoint's full weight `[out, in]` (one fused shard's) that a rank
+    holds: part `index` of `parts` equal parts of `size` along `dim` (0: rows, of a
+    column-parallel layer; 1: columns, of a row-parallel one). For weight formats that
+    keep their own layout (GGUF blocks, FP8 tiles), cut to the same slice."""
+
+    dim: int
+    index: int
+    parts: int
+    size: int
+
+    @property
+    def start(self) -> int:
+        return self.index * self.size
+
+
 class LinearBase(nn.Module):
     """`y = x W^T + b`. `input_size` and `output_sizes` are this rank's; `shard_ids` names the
     fused shards of the output (their checkpoint tensors are loaded one by one)."""
@@ -93,11 +115,12 @@ class LinearBase(nn.Module):
     def __init__(
         self, input_size: int, output_sizes: list[int], bias: bool,
         shard_ids: tuple[ShardId, ...] = (), quant_method: LinearMethod | None = None,
-        tp_rank: int = 0, tp_size: int = 1,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         self.input_size, self.output_sizes, self.shard_ids = input_size, output_sizes, shard_ids
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp = tp or current_group()
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.quant_method = quant_method or _DEFAULT_METHOD.get()()
         self.quant_method.create_weights(self, input_size, output_sizes, self.weight_loader)
         if bias:  # never quantised: the layer owns it
@@ -116,16 +139,34 @@ class LinearBase(nn.Module):
     ) -> None:
         raise NotImplementedError
 
+    def rank_part(self, shard_id: ShardId = None) -> RankPart:
+        """This rank's slice of the checkpoint's weight for `shard_id`."""
+        raise NotImplementedError
+
 
 class ColumnParallelLinear(LinearBase):
     """The output features are split across ranks; each rank computes its slice of `y`."""
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool = False,
-        quant_method: LinearMethod | None = None, tp_rank: int = 0, tp_size: int = 1,
+        quant_method: LinearMethod | None = None, tp: TensorParallelGroup | None = None,
     ) -> None:
-        super().__init__(input_size, [_divide(output_size, tp_size)], bias, (), quant_method,
-                         tp_rank, tp_size)
+        tp = tp or current_group()
+        super().__init__(input_size, [_divide(output_size, tp.size)], bias, (), quant_method,
+                         tp)
+
+    def shard_part(self, shard_id: ShardId) -> tuple[int, int]:
+        """(part, parts): which of how many equal parts of the checkpoint's tensor for
+        `shard_id` this rank holds."""
+        return self.tp_rank, self.tp_size
+
+    def rank_part(self, shard_id: ShardId = None) -> RankPart:
+        if shard_id is None:
+            if len(self.shard_ids) > 1 and self.tp_size > 1:
+                raise WeightError("a rank's rows of a fused weight are one slice per shard")
+            return RankPart(0, *self.shard_part(None), sum(self.output_sizes))
+        return RankPart(0, *self.shard_part(shard_id),
+                        self.output_sizes[self.shard_ids.index(shard_id)])
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None
@@ -134,11 +175,12 @@ class ColumnParallelLinear(LinearBase):
         if shard_id is None and len(self.shard_ids) > 1 and dim is not None:
             # A checkpoint that stores the shards already fused (GPT-2's c_attn): each
             # shard's rows are cut per rank separately.
+            full = [n * self.shard_part(sid)[1] for n, sid in zip(self.output_sizes,
+                                                                  self.shard_ids)]
             want = list(param.shape)
-            want[dim] = sum(self.output_sizes) * self.tp_size
+            want[dim] = sum(full)
             check_shape(loaded, want)
-            parts = loaded.split([n * self.tp_size for n in self.output_sizes], dim)
-            for sid, part in zip(self.shard_ids, parts):
+            for sid, part in zip(self.shard_ids, loaded.split(full, dim)):
                 self.weight_loader(param, part, sid)
             return
         target = param.data
@@ -148,7 +190,7 @@ class ColumnParallelLinear(LinearBase):
             index = self.shard_ids.index(shard_id)
             start = sum(self.output_sizes[:index])
             target = target.narrow(dim, start, self.output_sizes[index])
-        _load_part(target, loaded, dim, self.tp_rank, self.tp_size)
+        _load_part(target, loaded, dim, *self.shard_part(shard_id))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -157,39 +199,60 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(
         self, input_size: int, output_sizes: list[int], bias: bool = False,
-        quant_method: LinearMethod | None = None, tp_rank: int = 0, tp_size: int = 1,
+        quant_method: LinearMethod | None = None, tp: TensorParallelGroup | None = None,
     ) -> None:
+        tp = tp or current_group()
         LinearBase.__init__(
-            self, input_size, [_divide(n, tp_size) for n in output_sizes], bias,
-            tuple(range(len(output_sizes))), quant_method, tp_rank, tp_size,
+            self, input_size, [_divide(n, tp.size) for n in output_sizes], bias,
+            tuple(range(len(output_sizes))), quant_method, tp,
         )
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q/k/v projection (shard ids "q", "k", "v"); each rank holds its heads of each."""
+    """Fused q/k/v projection (shard ids "q", "k", "v"); each rank holds its heads of each.
+    With fewer KV heads than ranks, each KV head is replicated on the ranks whose query
+    heads read it (`tp_size` a multiple of `num_kv_heads`)."""
 
     def __init__(
         self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
         bias: bool = False, quant_method: LinearMethod | None = None,
-        tp_rank: int = 0, tp_size: int = 1,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
-        heads, kv_heads = _divide(num_heads, tp_size), _divide(num_kv_heads, tp_size)
+        tp = tp or current_group()
+        heads = _divide(num_heads, tp.size)
+        if num_kv_heads < tp.size:
+            if tp.size % num_kv_heads:
+                raise ValueError(f"{num_kv_heads} KV heads cannot be replicated evenly over "
+                                 f"{tp.size} tensor-parallel ranks")
+            kv_heads = 1
+        else:
+            kv_heads = _divide(num_kv_heads, tp.size)
+        self.total_kv_heads = num_kv_heads
         sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-        LinearBase.__init__(self, hidden_size, sizes, bias, ("q", "k", "v"), quant_method,
-                            tp_rank, tp_size)
+        LinearBase.__init__(self, hidden_size, sizes, bias, ("q", "k", "v"), quant_method, tp)
         self.head_dim, self.num_heads, self.num_kv_heads = head_dim, heads, kv_heads
+
+    def shard_part(self, shard_id: ShardId) -> tuple[int, int]:
+        if shard_id in ("k", "v") and self.total_kv_heads < self.tp_size:
+            # Rank r's query heads all read KV head r // (ranks per KV head).
+            return self.tp_rank // (self.tp_size // self.total_kv_heads), self.total_kv_heads
+        return self.tp_rank, self.tp_size
 
 
 class RowParallelLinear(LinearBase):
     """The input features are split across ranks: each rank multiplies its slice of `x` by
-    its columns of `W`, giving a partial `y` that must be summed over the ranks."""
+    its columns of `W`, giving a partial `y` that is summed over the ranks."""
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool = False,
-        quant_method: LinearMethod | None = None, tp_rank: int = 0, tp_size: int = 1,
+        quant_method: LinearMethod | None = None, tp: TensorParallelGroup | None = None,
     ) -> None:
-        super().__init__(_divide(input_size, tp_size), [output_size], bias, (), quant_method,
-                         tp_rank, tp_size)
+        tp = tp or current_group()
+        super().__init__(_divide(input_size, tp.size), [output_size], bias, (), quant_method,
+                         tp)
+
+    def rank_part(self, shard_id: ShardId = None) -> RankPart:
+        return RankPart(1, self.tp_rank, self.tp_size, self.input_size)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None
@@ -201,22 +264,25 @@ class RowParallelLinear(LinearBase):
                    self.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size > 1:
-            # Here: y = apply(x, bias=None), all-reduce y over the tensor-parallel group,
-            # then add the bias once.
-            raise NotImplementedError("row-parallel all-reduce: tensor parallelism comes later")
-        return self.quant_method.apply(self, x, self.bias)
+        if self.tp_size == 1:
+            return self.quant_method.apply(self, x, self.bias)
+        y = self.tp.all_reduce(self.quant_method.apply(self, x, None))
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embedding table `[vocab, dim]`; rank `tp_rank` holds its slice of the rows."""
+    """Token embedding table `[vocab, dim]`; rank `tp_rank` holds rows
+    `[vocab_start, vocab_start + rows)`, the last rank's part padded with zero rows."""
 
     def __init__(
-        self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1
+        self, num_embeddings: int, embedding_dim: int, tp: TensorParallelGroup | None = None
     ) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        rows = _divide(num_embeddings, tp_size)
+        self.tp = tp or current_group()
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
+        self.num_embeddings = num_embeddings
+        rows = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * rows
         weight = nn.Parameter(torch.empty(rows, embedding_dim), requires_grad=False)
         self.weight = with_loader(weight, self.weight_loader, 0, 1)
         # Set by infer.quantization when the table is kept quantized: it looks rows up
@@ -228,40 +294,55 @@ class VocabParallelEmbedding(nn.Module):
     ) -> None:
         if shard_id is not None:
             raise WeightError(f"{type(self).__name__} has no shard {shard_id!r}")
-        _load_part(param.data, loaded, 0, self.tp_rank, self.tp_size)
+        if self.tp_size == 1:
+            _load_part(param.data, loaded, 0, 0, 1)
+            return
+        check_shape(loaded, (self.num_embeddings, *param.shape[1:]))
+        mine = loaded[self.vocab_start:self.vocab_start + param.shape[0]]
+        param.data[:mine.shape[0]].copy_(mine)
+        param.data[mine.shape[0]:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_size > 1:
-            # Here: zero the rows of ids outside this rank's slice, then all-reduce.
-            raise NotImplementedError("vocab-parallel lookup: tensor parallelism comes later")
+        if self.tp_size == 1:
+            return self._embed(input_ids)
+        # Each rank looks up the ids in its rows (zeros for the others'); the sum over
+        # the ranks is every id's row.
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = self._embed(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
-            return self.quant_method.embed(self, input_ids)
-        return F.embedding(input_ids, self.weight)
+            return self.quant_method.embed(self, ids)
+        return F.embedding(ids, self.weight)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits `hidden @ W^T` over the vocabulary. `tied`: use that embedding's parameter
-    (one tensor, loaded once, under the embedding's name)."""
+    """Logits `hidden @ W^T` over the vocabulary (each rank's slice, gathered). `tied`: use
+    that embedding's parameter (one tensor, loaded once, under the embedding's name)."""
 
     def __init__(
         self, num_embeddings: int, embedding_dim: int,
-        tied: VocabParallelEmbedding | None = None, tp_rank: int = 0, tp_size: int = 1,
+        tied: VocabParallelEmbedding | None = None, tp: TensorParallelGroup | None = None,
     ) -> None:
         if tied is None:
-            super().__init__(num_embeddings, embedding_dim, tp_rank, tp_size)
+            super().__init__(num_embeddings, embedding_dim, tp)
             return
         nn.Module.__init__(self)
-        self.tp_rank, self.tp_size = tied.tp_rank, tied.tp_size
+        self.tp, self.tp_rank, self.tp_size = tied.tp, tied.tp_rank, tied.tp_size
+        self.num_embeddings, self.vocab_start = tied.num_embeddings, tied.vocab_start
         self.weight = tied.weight
         self.quant_method = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.tp_size > 1:
-            # Here: gather every rank's slice of the vocabulary.
-            raise NotImplementedError("vocab-parallel logits: tensor parallelism comes later")
         if self.quant_method is not None:
-            return self.quant_method.apply(self, hidden, None)
-        return F.linear(hidden, self.weight)
+            logits = self.quant_method.apply(self, hidden, None)
+        else:
+            logits = F.linear(hidden, self.weight)
+        if self.tp_size == 1:
+            return logits
+        return self.tp.all_gather(logits)[..., :self.num_embeddings]
 
 
 def with_loader(

@@ -7,6 +7,10 @@ scale.
 Decode-sized steps on CUDA read the weight as stored through the W8A16 kernel, which
 scales each tile as it goes; larger steps, and the CPU, multiply by the dequantized weight
 (made per step: the weights stay in FP8 in memory).
+
+Under tensor parallelism each rank keeps its part's tiles, so its part must be whole tiles
+(rows of a column-parallel shard, input columns of a row-parallel layer); a split that
+would cut a tile is refused when the layer is built.
 """
 
 from __future__ import annotations
@@ -21,6 +25,24 @@ from infer.quantization.fp8 import FP8, WEIGHT_ONLY_ROWS
 from infer.quantization.stored import stored_weight
 
 
+def _check_rank_part(layer: nn.Module, shard_id: ShardId, block: tuple[int, int]) -> None:
+    """Under tensor parallelism each rank's part of a shard must be whole tiles: a tile cut
+    between two ranks would need its scale on both, at an offset inside it."""
+    if layer.tp_size == 1:
+        return
+    part = layer.rank_part(shard_id)
+    tile = block[part.dim]
+    if part.parts > 1 and part.size % tile:
+        what = f"{part.size} {'rows' if part.dim == 0 else 'input columns'}"
+        shard = "" if shard_id is None else f" of shard {shard_id!r}"
+        raise WeightError(
+            f"fp8-block weights ({block[0]}x{block[1]} tiles) cannot be split for "
+            f"tensor_parallel_size={layer.tp_size}: each rank would hold {what}{shard} of a "
+            f"{type(layer).__name__}, not a whole number of {tile}-wide tiles (a tile's "
+            "one scale would straddle two ranks); use a tensor_parallel_size that divides "
+            "the layer into whole tiles")
+
+
 class Fp8BlockLinearMethod(LinearMethod):
     format = "fp8-block"
 
@@ -30,8 +52,8 @@ class Fp8BlockLinearMethod(LinearMethod):
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        weight_loader: WeightLoader) -> None:
         rows, cols = self.block
-        if layer.tp_size > 1:
-            raise WeightError("block-wise FP8 weights are not split for tensor parallelism yet")
+        for shard_id in layer.shard_ids or (None,):
+            _check_rank_part(layer, shard_id, self.block)
         stored_weight(layer, FP8, input_size, output_sizes, weight_loader)
         scale = nn.Parameter(torch.empty(-(-sum(output_sizes) // rows), -(-input_size // cols),
                                          dtype=torch.float32), requires_grad=False)
@@ -46,6 +68,13 @@ class Fp8BlockLinearMethod(LinearMethod):
                 raise WeightError(f"shard {shard_id!r} starts at row {start}, inside a "
                                   f"{rows}-row tile of the fused weight")
             target = param.data.narrow(0, start // rows, -(-size // rows))
+            if layer.tp_size > 1:  # this rank's tiles (whole: `_check_rank_part`)
+                part = layer.rank_part(shard_id)
+                tile = self.block[part.dim]
+                want = list(target.shape)
+                want[part.dim] = -(-part.size * part.parts // tile)
+                check_shape(loaded, want)
+                loaded = loaded.narrow(part.dim, part.start // tile, -(-part.size // tile))
             check_shape(loaded, target.shape)
             target.copy_(loaded)
 

@@ -14,6 +14,13 @@ On the CPU (PyTorch's packed kernels):
   their precision within their own rounding (tests measure it);
 - a quantized token embedding (and the LM head that shares it, or a quantized LM head of
   its own) goes to INT8 per row the same way; float tensors stay float.
+
+Under tensor parallelism the blocks are the file's whole tensors: each layer keeps its
+rank's part (`LinearBase.rank_part`): rows of a column-parallel layer, columns of a
+row-parallel one, cut on block boundaries (a 4-bit weight on the CPU in groups of 32
+after decoding, since a Q4_K block of 256 may straddle two ranks; on CUDA such a layer
+is requantized to INT8 from its rank's dequantized weight), the vocabulary's rows of a
+table with its zero padding.
 """
 
 from __future__ import annotations
@@ -25,8 +32,9 @@ import torch
 from torch import nn
 
 from infer.models.linear import LinearBase, VocabParallelEmbedding
+from infer.models.weights import ShardId
 from infer.progress import loading_bar
-from infer.quantization.gguf_blocks import INT4_TYPES, GGUFBlocks, int4_groups
+from infer.quantization.gguf_blocks import GROUP, INT4_TYPES, GGUFBlocks, int4_groups
 from infer.quantization.gguf_gpu import GGUFBlocksLinearMethod, gpu_types
 from infer.quantization.int4 import Int4GroupLinearMethod, int4_packable
 from infer.quantization.int8 import Int8WeightOnlyLinearMethod, quantize_table
@@ -71,15 +79,48 @@ def _keep_blocks(layer: LinearBase, shards: list[GGUFBlocks | None]) -> str:
     if all(b is None for b in shards):
         return "float"
     if all(b is not None and b.qtype in gpu_types() for b in shards):
-        GGUFBlocksLinearMethod().load(layer, shards)
-        return "linear layers as stored"
+        try:
+            mine = [_rank_blocks(layer, s, b) for s, b in zip(_shard_ids(layer), shards)]
+        except ValueError:  # a block straddles two ranks
+            mine = None
+        if mine is not None:
+            GGUFBlocksLinearMethod().load(layer, mine)
+            return "linear layers as stored"
     Int8WeightOnlyLinearMethod().quantize(layer)
     return "linear layers requantized to 8 bits per channel"
+
+
+def _shard_ids(layer: LinearBase) -> tuple[ShardId, ...]:
+    return layer.shard_ids or (None,)
+
+
+def _rank_blocks(layer: LinearBase, shard_id: ShardId, blocks: GGUFBlocks) -> GGUFBlocks:
+    """This rank's part of a shard's blocks (ValueError: it cuts a block)."""
+    if layer.tp_size == 1:
+        return blocks
+    part = layer.rank_part(shard_id)
+    return blocks.part(part.dim, part.start, part.size)
+
+
+def _rank_int4_groups(layer: LinearBase, shard_id: ShardId, blocks: GGUFBlocks
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`int4_groups` of this rank's part of a shard (its columns a whole number of groups:
+    `int4_packable`)."""
+    try:
+        return int4_groups(_rank_blocks(layer, shard_id, blocks))
+    except ValueError:  # columns inside a Q4_K block: cut the groups instead
+        part = layer.rank_part(shard_id)
+        q, a, b = int4_groups(blocks)
+        cols = slice(part.start, part.start + part.size)
+        groups = slice(part.start // GROUP, (part.start + part.size) // GROUP)
+        return q[:, cols].contiguous(), a[:, groups], b[:, groups]
 
 
 def _keep_table_blocks(table: VocabParallelEmbedding, blocks: GGUFBlocks, model: nn.Module
                        ) -> str:
     if blocks.qtype in gpu_types():
+        if table.tp_size > 1:  # this rank's rows of the vocabulary, padded
+            blocks = blocks.part(0, table.vocab_start, table.weight.shape[0])
         convert_table(table, model, lambda t: GGUFBlocksLinearMethod().load(t, [blocks]))
         return "embedding tables / LM heads as stored"
     return _keep_table(table, blocks, model)
@@ -98,7 +139,7 @@ def _keep_linear(layer: LinearBase, shards: list[GGUFBlocks | None]) -> str:
     rows = sum(layer.output_sizes)
     if all(b is not None and b.qtype in INT4_TYPES for b in shards) and \
             int4_packable(rows, cols):
-        parts = [int4_groups(b) for b in shards]
+        parts = [_rank_int4_groups(layer, s, b) for s, b in zip(_shard_ids(layer), shards)]
         q, a, b = (torch.cat(p) for p in zip(*parts))
         Int4GroupLinearMethod().load(layer, q, a, b)
         return "linear layers in 4 bits as stored"

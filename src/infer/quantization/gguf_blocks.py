@@ -45,6 +45,26 @@ class GGUFBlocks:
         block, size = GGML_QUANT_SIZES[qtype]
         return cls(name, qtype, rows, cols, np.asarray(raw).reshape(rows, cols // block * size))
 
+    def part(self, dim: int, start: int, size: int) -> GGUFBlocks:
+        """Rows (`dim` 0) or columns (`dim` 1) `[start, start + size)` of the checkpoint-layout
+        weight; columns only on block boundaries (a block's values share its scales).
+        Rows past the end are zero blocks (every type's zero bytes decode to 0): the
+        padding of a tensor-parallel rank's last part of a vocabulary."""
+        if dim == 1:
+            block, nbytes = GGML_QUANT_SIZES[self.qtype]
+            if start % block or size % block:
+                raise ValueError(f"{self.name}: columns [{start}, {start + size}) cut a "
+                                 f"{self.qtype.name} block of {block} values")
+            data = self.data[:, start // block * nbytes:(start + size) // block * nbytes]
+            return GGUFBlocks(self.name, self.qtype, self.rows, size, data, self.row_order)
+        end = min(start + size, self.rows)
+        data = self.data[start:end] if self.row_order is None else \
+            self.data[self.row_order[start:end].numpy()]
+        if len(data) < size:
+            data = np.concatenate([data, np.zeros((size - len(data), data.shape[1]),
+                                                  dtype=data.dtype)])
+        return GGUFBlocks(self.name, self.qtype, size, self.cols, data)
+
 
 def int4_groups(blocks: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(q, a, b)` of a 4-bit GGUF weight, rows in checkpoint order: `q` uint8

@@ -42,15 +42,20 @@ def channel_scale(layer: nn.Module, name: str, output_sizes: list[int], dtype: t
         if loaded.dim() == 2 and loaded.shape[1] == 1:
             loaded = loaded[:, 0]
         elif loaded.dim() <= 1 and loaded.numel() == 1:
-            rows = param.shape[0] if shard_id is None else \
-                layer.output_sizes[layer.shard_ids.index(shard_id)]
-            if not isinstance(layer, RowParallelLinear):
-                rows *= layer.tp_size
-            loaded = loaded.reshape(1).expand(rows)
+            loaded = loaded.reshape(1).expand(_checkpoint_rows(layer, shard_id))
         weight_loader(param, loaded, shard_id)
 
     scale = nn.Parameter(torch.empty(sum(output_sizes), dtype=dtype), requires_grad=False)
     layer.register_parameter(name, with_loader(scale, load, 0, None))
+
+
+def _checkpoint_rows(layer: nn.Module, shard_id: ShardId) -> int:
+    """The rows of the checkpoint tensor that `shard_id` of `layer` (None: all of it) loads
+    from, of which its loader keeps this rank's part (`LinearBase.rank_part`)."""
+    if isinstance(layer, RowParallelLinear):
+        return sum(layer.output_sizes)
+    ids = layer.shard_ids if shard_id is None and layer.shard_ids else (shard_id,)
+    return sum(part.size * part.parts for part in map(layer.rank_part, ids))
 
 
 def quantized_as_loaded(layer: nn.Module, dtype: torch.dtype,

@@ -1,0 +1,108 @@
+"""The tensor-parallel group: this process's rank of `size`, and the collectives its layers
+and its engine call.
+
+Two torch.distributed groups over the same ranks: `device_group` moves tensors (NCCL on
+GPUs, gloo on CPUs; the model's all-reduces, the LM head's gather, the step's token ids),
+`cpu_group` (gloo) moves Python objects (each step's inputs) without touching the GPU.
+A group of size 1 calls nothing: it is what every layer gets outside tensor parallelism.
+
+Layers take the group in effect when they are built (`tensor_parallel(group)`), as they
+take their linear method, so a model file never mentions ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    rank: int = 0
+    size: int = 1
+    device_group: Any = None  # torch.distributed ProcessGroup (None: size 1)
+    cpu_group: Any = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `x` (in place; returned)."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's `x` concatenated along `dim`, in rank order."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.device_group)
+        return torch.cat(parts, dim)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` into every rank's `x` (same shape and dtype everywhere)."""
+        if self.size > 1:
+            dist.broadcast(x, self.global_rank(0), group=self.device_group)
+        return x
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0's `obj` (pickled), returned on every rank."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, self.global_rank(0), group=self.cpu_group)
+        return box[0]
+
+    def min(self, value: int) -> int:
+        """The smallest of every rank's `value`."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+    def global_rank(self, rank: int) -> int:
+        return dist.get_global_rank(self.cpu_group, rank) if self.cpu_group else rank
+
+
+SINGLE = TensorParallelGroup()
+
+
+def init_group(rank: int, size: int, init_method: str, device: torch.device,
+               timeout_s: float = 600.0) -> TensorParallelGroup:
+    """Join the `size`-rank world at `init_method` (tcp://host:port, env://, file://) as
+    `rank`: NCCL for tensors on a GPU, gloo on a CPU, gloo for objects either way."""
+    from datetime import timedelta
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    timeout = timedelta(seconds=timeout_s)
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=timeout, **kwargs)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" \
+        else dist.group.WORLD
+    return TensorParallelGroup(rank, size, dist.group.WORLD, cpu_group)
+
+_CURRENT: ContextVar[TensorParallelGroup] = ContextVar("tensor_parallel_group", default=SINGLE)
+
+
+@contextmanager
+def tensor_parallel(group: TensorParallelGroup) -> Iterator[None]:
+    """Within: every layer built without a group of its own is part `group.rank` of
+    `group.size` (see `models/linear.py`)."""
+    token = _CURRENT.set(group)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_group() -> TensorParallelGroup:
+    return _CURRENT.get()

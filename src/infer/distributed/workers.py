@@ -1,0 +1,152 @@
+"""Rank 0's side of tensor parallelism: start ranks 1..N-1, watch them, stop them.
+
+Each worker is a process of its own (spawned; `worker.py`). They meet rank 0 at a TCP
+address on this host; under torchrun (`RANK` and `WORLD_SIZE` in the environment) every
+rank is already running and they meet where torchrun says (`env://`), across hosts too.
+
+A worker that exits while the engine runs leaves the ranks unable to go on: the watcher
+records why (`failure`), stops the other workers and aborts the device group, so that a
+collective rank 0 waits in fails instead of hanging; every later model call raises
+`TensorParallelError`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import threading
+
+import torch
+import torch.distributed as dist
+
+from infer.distributed.group import TensorParallelGroup, init_group
+from infer.distributed.torchrun import torchrun_rank
+from infer.distributed.worker import worker_main
+from infer.engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+_STOP_TIMEOUT_S = 10.0
+
+
+class TensorParallelError(RuntimeError):
+    """A rank died or the ranks fell out of step: the engine cannot go on."""
+
+
+class Workers:
+    def __init__(self, processes: list[multiprocessing.process.BaseProcess],
+                 group: TensorParallelGroup) -> None:
+        self.processes, self.group = processes, group
+        self.failure: str | None = None
+        self._stopping = False
+        if processes:
+            threading.Thread(target=self._watch, name="infer-tp-watch", daemon=True).start()
+        atexit.register(self.shutdown)
+
+    @classmethod
+    def start(cls, config: EngineConfig, device: torch.device) -> Workers:
+        """Start the other ranks and form the group with them (rank 0 is this process)."""
+        size = config.tensor_parallel_size
+        if torchrun_rank() is not None:
+            if int(os.environ["WORLD_SIZE"]) != size:
+                raise ValueError(f"tensor_parallel_size={size} but torchrun started "
+                                 f"WORLD_SIZE={os.environ['WORLD_SIZE']} ranks")
+            return cls([], init_group(0, size, "env://", device))
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = multiprocessing.get_context("spawn")
+        processes = []
+        for rank in range(1, size):
+            rank_device = f"cuda:{rank}" if device.type == "cuda" else "cpu"
+            processes.append(ctx.Process(
+                target=worker_main,
+                args=(config, rank, size, init_method, rank_device, os.getpid()),
+                name=f"infer-tp-rank{rank}", daemon=True))
+        for process in processes:
+            process.start()
+        try:
+            group = _join(processes, size, init_method, device)
+        except BaseException:
+            _stop(processes)
+            raise
+        return cls(processes, group)
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+
+    def shutdown(self) -> None:
+        """Tell the workers to stop (those that do not are terminated), leave the group."""
+        if self._stopping:
+            return
+        self._stopping = True
+        atexit.unregister(self.shutdown)
+        if self.failure is None and self.group.size > 1:
+            with contextlib.suppress(Exception):  # a worker already gone: stopped below
+                self.group.broadcast_object(("stop",))
+        _stop(self.processes, _STOP_TIMEOUT_S)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _watch(self) -> None:
+        by_sentinel = {p.sentinel: (rank, p) for rank, p in enumerate(self.processes, 1)}
+        ready = multiprocessing.connection.wait(list(by_sentinel))
+        if self._stopping:
+            return
+        rank, process = by_sentinel[ready[0]]
+        process.join()
+        self.failure = (f"tensor-parallel rank {rank} exited (exit code {process.exitcode}); "
+                        "the engine cannot go on")
+        log.error("%s: stopping the other ranks", self.failure)
+        _stop(self.processes)
+        if self.group.device_group is not None and torch.cuda.is_available():
+            try:  # an NCCL collective rank 0 waits in returns with an error
+                dist.distributed_c10d._abort_process_group(self.group.device_group)
+            except Exception:
+                log.exception("could not abort the tensor-parallel group")
+
+
+def _join(processes: list[multiprocessing.process.BaseProcess], size: int, init_method: str,
+          device: torch.device) -> TensorParallelGroup:
+    """Form the group in a thread, so that a worker that dies before it joins ends the
+    wait at once (the rendezvous itself would wait for its timeout)."""
+    result: list = []
+
+    def rendezvous() -> None:
+        try:
+            result.append(init_group(0, size, init_method, device))
+        except BaseException as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=rendezvous, name="infer-tp-rendezvous", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+        for rank, process in enumerate(processes, 1):
+            if not process.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} exited while starting "
+                                   f"(exit code {process.exitcode})")
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+def _stop(processes: list[multiprocessing.process.BaseProcess],
+          timeout: float = 0.0) -> None:
+    for process in processes:
+        process.join(timeout)
+        if process.is_alive():
+            process.terminate()
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,67 @@
+"""Building a model runner: backends bound, the KV cache sized and allocated, CUDA graphs
+captured.
+
+The engine core and every tensor-parallel worker build theirs here, from the same config
+and in the same order, so the collectives inside (the warm-up forward that sizes the
+cache, each graph capture) line up across the ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from infer.attention import set_attention_backend
+from infer.config import ModelConfig
+from infer.distributed.group import SINGLE, TensorParallelGroup
+from infer.engine.config import EngineConfig
+from infer.engine.memory import plan_kv_cache
+from infer.engine.model_runner import ModelRunner
+from infer.models.layers import set_kernel_backend
+
+log = logging.getLogger(__name__)
+
+
+def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConfig,
+                 device: torch.device, dtype: torch.dtype, max_model_len: int,
+                 attention_backend: str, kernel_backend: str,
+                 draft_config: ModelConfig | None = None, tp: TensorParallelGroup = SINGLE
+                 ) -> ModelRunner:
+    # Bound before sizing the pool, so the warm-up forward measures the backends in use.
+    set_attention_backend(model, attention_backend)
+    set_kernel_backend(model, kernel_backend)
+    block_size, num_blocks = plan_kv_cache(config, model_config, max_model_len, model, device,
+                                           dtype, draft_config, tp.size)
+    # Rank 0's scheduler hands out block ids for every rank's pool: all the same size.
+    num_blocks = tp.min(num_blocks)
+    return ModelRunner(model, model_config, num_blocks, block_size, device, dtype,
+                       attention_backend, kernel_backend)
+
+
+def uses_graphs(config: EngineConfig, device: torch.device, attention_backend: str) -> bool:
+    if not (config.cuda_graphs and device.type == "cuda"):
+        return False
+    if attention_backend != "triton":
+        log.warning("cuda_graphs needs attention_backend='triton'; running eagerly")
+        return False
+    return True
+
+
+def capture_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: int,
+                   verify: bool = False) -> float:
+    """Capture the graphs `config` asks for: decode steps, steps that verify k drafts of
+    every sequence (`verify`), mixed steps (whole or cut at attention). Seconds spent."""
+    seconds = runner.enable_decode_graphs(config.max_num_seqs, max_model_len).capture_seconds
+    if verify:
+        seconds += runner.enable_decode_graphs(
+            min(config.speculative_max_batch, config.max_num_seqs), max_model_len,
+            tokens_per_seq=config.num_speculative_tokens + 1).capture_seconds
+    budget = config.max_num_batched_tokens
+    if config.mixed_step_graphs == "full":
+        seconds += runner.enable_mixed_graphs(budget, config.max_num_seqs,
+                                              max_model_len).capture_seconds
+    if config.mixed_step_graphs != "off":
+        seconds += runner.enable_piecewise_graphs(budget).capture_seconds
+    return seconds
