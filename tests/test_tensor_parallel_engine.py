@@ -253,6 +253,8 @@ def test_ranks_started_as_torchrun_starts_them_meet_through_the_environment(mode
         for p in ranks:
             if p.poll() is None:
                 p.kill()
-    assert [p.returncode for p in ranks] == [0, 0], [err[-2000:] for _, err in outs]
+    if [p.returncode for p in ranks] != [0, 0]:
+        pytest.fail("\n".join(f"rank {r} exited {p.returncode}; stderr:\n{err[-3000:]}"
+                               for r, (p, (_, err)) in enumerate(zip(ranks, outs))))
     assert outs[0][0] == alone.stdout and alone.stdout.strip()
     assert outs[1][0] == ""

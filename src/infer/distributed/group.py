@@ -66,6 +66,11 @@ class TensorParallelGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t.item())
 
+    def barrier(self) -> None:
+        """Wait until every rank is here."""
+        if self.size > 1:
+            dist.barrier(group=self.cpu_group)
+
     def global_rank(self, rank: int) -> int:
         return dist.get_global_rank(self.cpu_group, rank) if self.cpu_group else rank
 

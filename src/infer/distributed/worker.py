@@ -22,6 +22,7 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 
 from infer.distributed.group import TensorParallelGroup, init_group, tensor_parallel
 from infer.engine.config import EngineConfig
@@ -67,6 +68,8 @@ def worker_main(config: EngineConfig, rank: int, size: int, init_method: str,
     if uses_graphs(config, device, attention):
         capture_graphs(runner, config, max_model_len)
     serve(runner, group)
+    group.barrier()  # rank 0 leaves the group with us
+    dist.destroy_process_group()
 
 
 def serve(runner: ModelRunner, group: TensorParallelGroup) -> None:

@@ -87,6 +87,9 @@ class Workers:
         if self.failure is None and self.group.size > 1:
             with contextlib.suppress(Exception):  # a worker already gone: stopped below
                 self.group.broadcast_object(("stop",))
+                # Every rank leaves the group together (a rank torchrun started is not
+                # ours to join).
+                self.group.barrier()
         _stop(self.processes, _STOP_TIMEOUT_S)
         if dist.is_initialized():
             dist.destroy_process_group()
