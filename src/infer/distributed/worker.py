@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from infer.distributed.group import TensorParallelGroup, init_group, tensor_parallel
+from infer.distributed.group import TensorParallelGroup, init_group
 from infer.engine.config import EngineConfig
 from infer.engine.model_runner import ModelRunner
 
@@ -37,14 +37,9 @@ def worker_main(config: EngineConfig, rank: int, size: int, init_method: str,
     """Rank `rank` of `size` on `device_name` (cpu, cuda:N). `parent_pid`: exit when that
     process is gone (None: launched by torchrun, whose agent ends the ranks)."""
     from infer.engine.cpu_threads import set_cpu_threads
+    from infer.engine.engine_core import load_model_shard
     from infer.engine.runner_setup import build_runner, capture_graphs, uses_graphs
-    from infer.engine.setup import (
-        gguf_blocks_of,
-        load_model_and_tokenizer,
-        pick_backend,
-        pick_device_and_dtype,
-    )
-    from infer.quantization import quantize_model
+    from infer.engine.setup import pick_device_and_dtype
 
     if parent_pid is not None:
         threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True,
@@ -55,17 +50,11 @@ def worker_main(config: EngineConfig, rank: int, size: int, init_method: str,
     else:
         set_cpu_threads(config.threads)
     group = init_group(rank, size, init_method, device)
-    with tensor_parallel(group):
-        model, model_config, _, _ = load_model_and_tokenizer(config.model, dtype, device,
-                                                             config.quantization)
-        quantize_model(model, config.quantization,
-                       gguf_blocks_of(config.model, model_config, config.quantization))
+    model, model_config, *_ = load_model_shard(config, dtype, device, group)
     config, max_model_len = group.broadcast_object()  # as rank 0 settled them
-    attention = pick_backend("attention_backend", config.attention_backend, device)
-    kernels = pick_backend("kernel_backend", config.kernel_backend, device)
     runner = build_runner(config, model, model_config, device, dtype, max_model_len,
-                          attention, kernels, tp=group)
-    if uses_graphs(config, device, attention):
+                          tp=group)
+    if uses_graphs(config, device, runner.attention_backend):
         capture_graphs(runner, config, max_model_len)
     serve(runner, group)
     group.barrier()  # rank 0 leaves the group with us

@@ -49,7 +49,6 @@ from infer.engine.setup import (
     gguf_blocks_of,
     load_model_and_tokenizer,
     model_config_of,
-    pick_backend,
     pick_device_and_dtype,
 )
 from infer.engine.structured_output import CompileThread, GrammarMatcher, StructuredOutputs
@@ -165,13 +164,11 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.quantization = "none"  # the format in effect (load_core sets it)
-        self.attention_backend = pick_backend("attention_backend", config.attention_backend,
-                                              device)
-        self.kernel_backend = pick_backend("kernel_backend", config.kernel_backend, device)
         self.tp, self.workers = tp, workers
         runner = build_runner(config, model, mc, device, dtype, max_model_len,
-                              self.attention_backend, self.kernel_backend,
                               draft[1] if draft else None, tp)
+        self.attention_backend, self.kernel_backend = runner.attention_backend, \
+            runner.kernel_backend
         self.block_size, num_blocks = runner.block_size, runner.num_blocks
         self.kv = KVCacheManager(num_blocks, self.block_size, config.prefix_caching)
         self.scheduler = Scheduler(
@@ -830,16 +827,26 @@ def load_core(config: EngineConfig) -> tuple[EngineCore, Tokenizer, str]:
     return core, tokenizer, model_name
 
 
-def _load_core(config: EngineConfig, device: torch.device, dtype: torch.dtype,
-               tp: TensorParallelGroup, workers: Workers | None
-               ) -> tuple[EngineCore, Tokenizer, str, str]:
-    """load_core's work on rank 0 (the workers make the same calls: distributed/worker.py);
-    also the quantization in effect."""
+def load_model_shard(config: EngineConfig, dtype: torch.dtype, device: torch.device,
+                     tp: TensorParallelGroup) -> tuple[nn.Module, ModelConfig, Tokenizer, str, str]:
+    """The model (this rank's part of it), its config, its tokenizer, its name, and the
+    quantization in effect: what every rank loads, rank 0 here and the others in
+    distributed/worker.py."""
     with tensor_parallel(tp):
         model, mc, tokenizer, model_name = load_model_and_tokenizer(config.model, dtype,
                                                                     device, config.quantization)
         quantization = quantize_model(model, config.quantization,
                                       gguf_blocks_of(config.model, mc, config.quantization))
+    return model, mc, tokenizer, model_name, quantization
+
+
+def _load_core(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+               tp: TensorParallelGroup, workers: Workers | None
+               ) -> tuple[EngineCore, Tokenizer, str, str]:
+    """load_core's work on rank 0 (the workers make the same calls: distributed/worker.py);
+    also the quantization in effect."""
+    model, mc, tokenizer, model_name, quantization = load_model_shard(config, dtype, device,
+                                                                      tp)
     if quantization != "none":
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the full-precision weights' memory, for the KV cache

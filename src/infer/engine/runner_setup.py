@@ -19,6 +19,7 @@ from infer.distributed.group import SINGLE, TensorParallelGroup
 from infer.engine.config import EngineConfig
 from infer.engine.memory import plan_kv_cache
 from infer.engine.model_runner import ModelRunner
+from infer.engine.setup import pick_backend
 from infer.models.layers import set_kernel_backend
 
 log = logging.getLogger(__name__)
@@ -26,9 +27,12 @@ log = logging.getLogger(__name__)
 
 def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConfig,
                  device: torch.device, dtype: torch.dtype, max_model_len: int,
-                 attention_backend: str, kernel_backend: str,
                  draft_config: ModelConfig | None = None, tp: TensorParallelGroup = SINGLE
                  ) -> ModelRunner:
+    """The runner, with the backends `config` asks for on `device` (its
+    `attention_backend` / `kernel_backend` say which)."""
+    attention_backend = pick_backend("attention_backend", config.attention_backend, device)
+    kernel_backend = pick_backend("kernel_backend", config.kernel_backend, device)
     # Bound before sizing the pool, so the warm-up forward measures the backends in use.
     set_attention_backend(model, attention_backend)
     set_kernel_backend(model, kernel_backend)
