@@ -100,9 +100,9 @@ def main() -> None:
     profiler.disable()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / steps * 1e3
-    forward = sum(s.elapsed_time(e) for s, e in gpu_ms) / len(gpu_ms)
+    gpu_step = sum(s.elapsed_time(e) for s, e in gpu_ms) / len(gpu_ms)
     print(f"{args.shape} batch {args.batch}: {steps} decode steps, {wall:.3f} ms/step wall, "
-          f"{forward:.3f} ms/step GPU in forward + LM head, "
+          f"{gpu_step:.3f} ms/step GPU in forward + LM head, "
           f"graphs={runner.graphs is not None}")
     for name, times in host_ms.items():
         times = sorted(times)

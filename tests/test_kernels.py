@@ -22,10 +22,12 @@ from infer.attention.metadata import AttentionMetadata
 from infer.attention.triton_backend import paged_attention_kernels
 from infer.kernels import reference as ref
 from infer.kernels.activation import geglu_tanh, swiglu
+from infer.kernels.argmax import BLOCK, argmax_rows
 from infer.kernels.kv_store import store_kv
 from infer.kernels.paged_attention import paged_decode, paged_prefill, prefill_block_q
 from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from infer.kernels.rope import rope_
+from infer.kernels.rope_kv_store import rope_store_kv
 from infer.models.layers import RMSNorm
 
 # conftest.py sets TRITON_INTERPRET (1 unless INFER_TEST_DEVICE asks for a GPU run).
@@ -153,6 +155,72 @@ def test_store_kv_skips_minus_one() -> None:
     assert torch.equal(v_cache.nan_to_num(7.0), v_ref.nan_to_num(7.0))
 
 
+@pytest.mark.parametrize(("head_dim", "norm", "dtype"), [
+    (64, None, torch.float32), (80, 0.0, torch.float32), (64, 1.0, torch.float32),
+    (64, 0.0, torch.bfloat16), (128, 1.0, torch.bfloat16)])
+def test_rope_store_kv_equals_the_unfused_kernels(head_dim: int, norm: float | None,
+                                                  dtype: torch.dtype) -> None:
+    """The fused prologue + store against the references one after the other (q/k norm,
+    RoPE, the store), on q/k/v views of one qkv row as the models pass them."""
+    tokens, heads, kv_heads, max_pos, blocks, block_size = 7, 6, 2, 50, 5, 4
+    qkv = (randn(tokens, (heads + 2 * kv_heads) * head_dim) * 2).to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q = q.view(tokens, heads, head_dim)
+    k, v = k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+    angles = torch.rand(max_pos, head_dim // 2, device=DEVICE) * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.randint(0, max_pos, (tokens,), device=DEVICE)
+    slots = torch.randperm(blocks * block_size, device=DEVICE)[:tokens]
+    slots[2] = -1
+    q_w, k_w = randn(head_dim).to(dtype), randn(head_dim).to(dtype)
+    exp_q, exp_k = q.clone(), k.clone()
+    if norm is not None:
+        exp_q = ref.rmsnorm_ref(exp_q, q_w, 1e-6, norm)
+        exp_k = ref.rmsnorm_ref(exp_k, k_w, 1e-6, norm)
+    exp_q, exp_k = ref.rope_ref(exp_q, exp_k, cos, sin, positions)
+    k_cache = torch.full((blocks, block_size, kv_heads, head_dim), float("nan"),
+                         device=DEVICE, dtype=dtype)
+    v_cache = k_cache.clone()
+    exp_kc, exp_vc = k_cache.clone(), v_cache.clone()
+    torch_backend.write_kv(exp_kc, exp_vc, exp_k, v, slots)
+    q_before, k_before, v_before = q.clone(), k.clone(), v.clone()
+
+    out = rope_store_kv(q, k, v, k_cache, v_cache, slots, positions, cos, sin,
+                        q_w if norm is not None else None, k_w if norm is not None else None,
+                        1e-6, norm or 0.0)
+    assert out is q
+    # bf16: the norm's float32 sum runs in another order, so a value may round one ulp off.
+    rel = 1e-5 if dtype == torch.float32 else 2e-2
+    assert_close(q, exp_q, rel)
+    assert_close(k_cache.nan_to_num(7.0), exp_kc.nan_to_num(7.0), rel)
+    assert torch.equal(v_cache.nan_to_num(7.0), exp_vc.nan_to_num(7.0))
+    assert torch.equal(k, k_before) and torch.equal(v, v_before), "k and v are only read"
+    if dtype == torch.bfloat16:
+        # The unfused kernels round bf16 as this one does (the interpreter's rounding
+        # too): equal but for a rare one-ulp difference from the norm's summation order.
+        unfused_q, unfused_k = q_before.clone(), k_before.clone()
+        if norm is not None:
+            unfused_q = rmsnorm(unfused_q, q_w, 1e-6, norm)
+            unfused_k = rmsnorm(unfused_k, k_w, 1e-6, norm)
+        rope_(unfused_q, unfused_k, cos, sin, positions)
+        stored = k_cache.view(-1, kv_heads, head_dim)[slots[slots >= 0]]
+        assert (q == unfused_q).float().mean().item() > 0.98
+        assert (stored == unfused_k[slots >= 0]).float().mean().item() > 0.98
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows(dtype: torch.dtype) -> None:
+    """Rows of one part and of several (the last one ragged); ties go to the lowest index,
+    as torch's, also across parts; a -inf row (every token banned) gives column 0."""
+    for rows, cols in [(1, 50), (4, 2 * BLOCK + 7)]:
+        x = (randn(rows, cols) * 4).to(dtype)
+        x[0, 3] = x[0, -1] = x[0].max() + 1
+        if rows > 1:
+            x[1, BLOCK + 5] = x[1, 2 * BLOCK + 1] = x[1].max() + 1
+            x[2] = float("-inf")
+        assert torch.equal(argmax_rows(x), x.float().argmax(dim=-1))
+
+
 def _paged_case(query_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int,
                 head_dim: int, block_size: int = 16):
     """Random q and a pool with scattered block tables. Returns the metadata, q, the pool
@@ -189,17 +257,25 @@ ATTN_CASES = [
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window", "softcap"), ATTN_CASES)
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_paged_decode(heads, kv_heads, head_dim, window, softcap, num_splits) -> None:
+@pytest.mark.parametrize(("num_splits", "counters"), [(1, False), (3, False), (3, True)])
+def test_paged_decode(heads, kv_heads, head_dim, window, softcap, num_splits,
+                      counters) -> None:
+    """Split, the partials are combined by a second launch, or (`counters`) by the last
+    split to finish, which leaves the counters at zero for the next launch."""
     seq_lens = [1, 40, 17, 66]
     meta, q, (k_cache, v_cache), (k_ref, v_ref) = _paged_case(
         [1] * len(seq_lens), seq_lens, heads, kv_heads, head_dim)
     scale = head_dim ** -0.5
     expected = torch_backend.paged_attention(q, k_ref, v_ref, meta, scale, window, softcap)
-    out = torch.full_like(q, float("nan"))
-    paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, window,
-                 softcap, num_splits=num_splits, out=out)
-    assert_close(out, expected)
+    split_counters = (torch.zeros(len(seq_lens) * kv_heads + 3, dtype=torch.int32,
+                                  device=DEVICE) if counters else None)
+    for _ in range(2 if counters else 1):
+        out = torch.full_like(q, float("nan"))
+        paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, window,
+                     softcap, num_splits=num_splits, out=out, split_counters=split_counters)
+        assert_close(out, expected)
+        if counters:
+            assert not split_counters.any(), "the counters must be back at zero"
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window", "softcap"), ATTN_CASES)

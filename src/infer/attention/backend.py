@@ -14,6 +14,7 @@ import torch
 
 from infer.attention.graph_metadata import GraphMetadata
 from infer.attention.metadata import AttentionMetadata
+from infer.attention.qk_prologue import QKPrologue
 from infer.attention.varlen_graph_metadata import VarlenGraphMetadata
 
 BACKENDS = ("torch", "triton")
@@ -34,6 +35,15 @@ class AttentionBackend(Protocol):
         slot_mapping: torch.Tensor,
     ) -> None:
         """Store new keys/values `[num_tokens, kv_heads, head_dim]` at their slots (-1: skip)."""
+        ...
+
+    def write_kv_with_prologue(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+        v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
+        prologue: QKPrologue,
+    ) -> torch.Tensor:
+        """Apply `prologue` at `positions` to q `[num_tokens, heads, head_dim]` and k, store
+        k and v as `write_kv` does; returns the new q (possibly q itself, changed in place)."""
         ...
 
     def forward(

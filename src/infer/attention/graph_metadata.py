@@ -25,6 +25,7 @@ class GraphMetadata:
     def __init__(
         self, max_batch: int, query_len: int, max_blocks_per_seq: int, block_size: int,
         device: torch.device, decode_splits: Callable[[int], int] | None = None,
+        num_kv_heads: int = 0,
     ) -> None:
         if query_len < 1:
             raise ValueError(f"query_len must be >= 1, got {query_len}")
@@ -34,6 +35,8 @@ class GraphMetadata:
         self.device = device
         # Split-K factor per batch size: a captured launch cannot change shape.
         self.decode_splits = decode_splits
+        self.split_counters = (torch.zeros(max_batch * num_kv_heads, dtype=torch.int32,
+                                           device=device) if decode_splits else None)
         tokens = max_batch * query_len
         self.slot_mapping = torch.full((tokens,), -1, dtype=torch.long, device=device)
         self.seq_lens = torch.full((max_batch,), query_len, dtype=torch.int32, device=device)
@@ -53,6 +56,7 @@ class GraphMetadata:
             # steer anything, so it holds a placeholder.
             seq_lens_host=[q] * batch,
             decode_splits=self.decode_splits(batch) if self.decode_splits else None,
+            split_counters=self.split_counters,
         )
 
     def prepare_replay(

@@ -7,15 +7,18 @@ from torch import nn
 
 from infer.attention.backend import AttentionBackend, make_attention_backend
 from infer.attention.metadata import AttentionMetadata
+from infer.attention.qk_prologue import QKPrologue
 from infer.attention.torch_backend import TorchAttentionBackend
 
 
 class Attention(nn.Module):
     """Backend-neutral attention over a paged KV cache.
 
-    Models hand it projected, position-encoded q/k/v of shape `[num_tokens, heads * head_dim]`;
-    the backend object bound by the runner (`set_attention_backend`) writes the cache and
-    attends, so model code never names a backend.
+    Models hand it projected q/k/v of shape `[num_tokens, heads * head_dim]`, position-encoded
+    unless the layer has a `prologue` (then `positions` too: the backend applies it to q and
+    k, fused with the KV store where it can); the backend object bound by the runner
+    (`set_attention_backend`) writes the cache and attends, so model code never names a
+    backend.
     """
 
     def __init__(
@@ -26,6 +29,7 @@ class Attention(nn.Module):
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        prologue: QKPrologue | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -34,13 +38,15 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
+        self.prologue = prologue
         # Bound by `allocate_kv_cache`: views [num_blocks, block_size, kv_heads, head_dim].
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.backend: AttentionBackend = TorchAttentionBackend()
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("no KV cache bound: call infer.attention.allocate_kv_cache first")
@@ -48,7 +54,13 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        self.backend.write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        if self.prologue is None:
+            self.backend.write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        else:
+            assert positions is not None, "a layer with a prologue needs the positions"
+            q = self.backend.write_kv_with_prologue(self.k_cache, self.v_cache, q, k, v,
+                                                    meta.slot_mapping, positions,
+                                                    self.prologue)
         out = self.backend.forward(
             q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
             self.logit_softcap,

@@ -41,6 +41,9 @@ class AttentionMetadata:
     # Split-K factor for an all-decode batch (None: the backend picks from the lengths).
     # CUDA-graph replays fix it, since a captured launch cannot change shape.
     decode_splits: int | None = None
+    # int32 zeros, one per (sequence, kv head), that a split decode launch leaves at zero:
+    # its last split to finish then combines the partials (graphs: one launch fewer).
+    split_counters: torch.Tensor | None = None
     # Graphs of steps of any shape (`varlen_graph_metadata`): int32 [num_seqs + 1] prefix
     # sums of each sequence's query tiles, and the launch size that covers any step of
     # this many tokens. The host lists then hold placeholders.

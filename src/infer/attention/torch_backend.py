@@ -9,6 +9,7 @@ import torch
 
 from infer.attention.graph_metadata import GraphMetadata
 from infer.attention.metadata import AttentionMetadata
+from infer.attention.qk_prologue import QKPrologue
 from infer.attention.varlen_graph_metadata import VarlenGraphMetadata
 
 
@@ -23,6 +24,17 @@ def write_kv(
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def write_kv_with_prologue(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
+    prologue: QKPrologue,
+) -> torch.Tensor:
+    """The prologue's modules one by one, then the store; returns the new q."""
+    q, k = prologue.apply(positions, q, k)
+    write_kv(k_cache, v_cache, k, v, slot_mapping)
+    return q
 
 
 def paged_attention(
@@ -117,6 +129,7 @@ class TorchAttentionBackend:
     # The step's metadata, the KV store and the attention: this module's functions.
     build_metadata = staticmethod(AttentionMetadata.build)
     write_kv = staticmethod(write_kv)
+    write_kv_with_prologue = staticmethod(write_kv_with_prologue)
     forward = staticmethod(paged_attention)
 
     def init_graph_metadata(

@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from infer.attention.graph_metadata import GraphMetadata
 from infer.attention.metadata import AttentionMetadata
+from infer.attention.qk_prologue import QKPrologue
 from infer.attention.varlen_graph_metadata import VarlenGraphMetadata
 from infer.kernels.kv_store import store_kv
 from infer.kernels.paged_attention import (
@@ -30,6 +31,7 @@ from infer.kernels.paged_attention import (
     paged_prefill,
     prefill_block_q,
 )
+from infer.kernels.rope_kv_store import rope_store_kv
 
 DENSE_PREFILL_MIN_TOKENS = 2048
 _SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
@@ -41,6 +43,25 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     store_kv(k_cache, v_cache, k, v, slot_mapping)
+
+
+def write_kv_with_prologue(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
+    prologue: QKPrologue,
+) -> torch.Tensor:
+    """One kernel for the q/k norms, RoPE and the store when the model's kernels are
+    Triton's (`prologue.fusable`); q is changed in place."""
+    if not prologue.fusable:
+        q, k = prologue.apply(positions, q, k)
+        store_kv(k_cache, v_cache, k, v, slot_mapping)
+        return q
+    norm = prologue.q_norm
+    return rope_store_kv(
+        q, k, v, k_cache, v_cache, slot_mapping, positions, prologue.rotary.cos,
+        prologue.rotary.sin, None if norm is None else norm.weight,
+        None if norm is None else prologue.k_norm.weight,
+        0.0 if norm is None else norm.eps, 0.0 if norm is None else norm.offset)
 
 
 def paged_attention(
@@ -58,7 +79,8 @@ def paged_attention(
             first -= 1
     if first == meta.num_seqs:
         return paged_attention_kernels(q, k_cache, v_cache, meta, scale, sliding_window,
-                                       logit_softcap, num_splits=meta.decode_splits)
+                                       logit_softcap, num_splits=meta.decode_splits,
+                                       split_counters=meta.split_counters)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     start = sum(meta.query_lens_host[:first])
     if first > 0:
@@ -76,7 +98,7 @@ def paged_attention(
 def paged_attention_kernels(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     scale: float, sliding_window: int | None = None, logit_softcap: float | None = None,
-    num_splits: int | None = None,
+    num_splits: int | None = None, split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Our kernels only, same contract as `torch_backend.paged_attention`: a batch of pure
     decodes takes the split-K decode kernel, anything else the varlen prefill kernel."""
@@ -90,7 +112,8 @@ def paged_attention_kernels(
             num_splits = default_num_splits(meta.num_seqs, k_cache.shape[2], longest,
                                             q.device)
         return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
-                            sliding_window, logit_softcap, num_splits)
+                            sliding_window, logit_softcap, num_splits,
+                            split_counters=split_counters)
     return paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                          meta.block_tables, max(meta.query_lens_host, default=0), scale,
                          sliding_window, logit_softcap)
@@ -123,6 +146,7 @@ class TritonAttentionBackend:
     # The step's metadata, the KV store and the attention: this module's functions.
     build_metadata = staticmethod(AttentionMetadata.build)
     write_kv = staticmethod(write_kv)
+    write_kv_with_prologue = staticmethod(write_kv_with_prologue)
     forward = staticmethod(paged_attention)
 
     def init_graph_metadata(
@@ -139,7 +163,7 @@ class TritonAttentionBackend:
 
         # Only an all-decode batch takes the split-K launch.
         return GraphMetadata(max_batch, query_len, -(-max_seq_len // block_size), block_size,
-                             device, splits if query_len == 1 else None)
+                             device, splits if query_len == 1 else None, num_kv_heads)
 
     def init_varlen_graph_metadata(
         self, max_tokens: int, max_seqs: int, max_seq_len: int, block_size: int,

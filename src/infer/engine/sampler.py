@@ -359,6 +359,16 @@ def _race(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return (x - noise.log()).argmax(dim=-1)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax of `[B, V]`: on CUDA two short launches (`kernels/argmax.py`)
+    instead of torch's one thread block per row."""
+    if x.is_cuda and triton_available():
+        from infer.kernels.argmax import argmax_rows
+
+        return argmax_rows(x)
+    return x.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """Sample one token per row of `logits` [B, V]; never modifies `logits`.
 
@@ -366,15 +376,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """
     if logits.dim() != 2 or logits.shape[1] != batch.vocab_size:
         raise ValueError(f"logits shape {tuple(logits.shape)}, want [B, {batch.vocab_size}]")
+    if (batch.all_greedy and not batch.want_logprobs and batch.banned is None
+            and batch.logit_bias is None and batch.output_counts is None):
+        return SamplerOutput(argmax(logits), None)  # the model's dtype ranks as float32
     logits = logits.float()
     x = logits
     x = apply_penalties(apply_bans_and_bias(x, batch), batch)
     if batch.all_greedy:
-        tokens = x.argmax(dim=-1)
+        tokens = argmax(x)
     else:
         tokens = _race(filter_logits(x, batch), batch)
         if batch.greedy is not None:
-            tokens = torch.where(batch.greedy, x.argmax(dim=-1), tokens)
+            tokens = torch.where(batch.greedy, argmax(x), tokens)
     if not batch.want_logprobs:
         return SamplerOutput(tokens, None)
     return SamplerOutput(tokens, *raw_logprobs(logits, tokens, batch.num_logprobs))

@@ -70,15 +70,43 @@ def _attend(
     return acc, l_i, m_i
 
 
+@triton.jit
+def _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq, heads, num_heads, num_splits,
+                    head_dim, stride_ot, stride_oh, dims, qmask, gmask, BLOCK_G: tl.constexpr,
+                    BLOCK_D: tl.constexpr, L2_ONLY: tl.constexpr):
+    """out of `heads` = the splits' partials weighted by 2^lse. Split 0 always holds the
+    first visible key, so its lse is finite; empty splits (lse = -inf) weigh 0."""
+    row0 = (seq * num_heads + heads) * num_splits
+    m = tl.load(part_lse_ptr + row0, mask=gmask, other=0.0,
+                cache_modifier=".cg" if L2_ONLY else "")
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    total = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for split in range(0, num_splits):
+        lse = tl.load(part_lse_ptr + row0 + split, mask=gmask, other=float("-inf"),
+                      cache_modifier=".cg" if L2_ONLY else "")
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        o = tl.load(part_o_ptr + (row0 + split)[:, None] * head_dim + dims[None, :],
+                    mask=qmask, other=0.0, cache_modifier=".cg" if L2_ONLY else "")
+        acc = acc * alpha[:, None] + o * w[:, None]
+        total = total * alpha + w
+        m = m_new
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    counter_ptr,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ot, stride_oh,
-    num_heads, num_splits, scale, softcap, window, head_dim, group,
+    num_heads, num_kv_heads, num_splits, scale, softcap, window, head_dim, group,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
-    WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, LAST_COMBINES: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -117,6 +145,19 @@ def _decode_kernel(
         tl.store(part_o_ptr + row[:, None] * head_dim + dims[None, :], o, mask=qmask)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
         tl.store(part_lse_ptr + row, lse, mask=g < group)
+        if LAST_COMBINES:
+            # The last split of (seq, kv head) to finish combines them, instead of a second
+            # launch. The barrier puts every thread's partial stores before the atomic,
+            # which publishes them (release) and orders the combining reads after it
+            # (acquire); the counter goes back to 0 for the next launch.
+            tl.debug_barrier()
+            counter = counter_ptr + seq * num_kv_heads + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+                _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq, heads, num_heads,
+                                num_splits, head_dim, stride_ot, stride_oh, dims, qmask,
+                                g < group,
+                                BLOCK_G, BLOCK_D, True)
+                tl.atomic_xchg(counter, 0, sem="relaxed")
     else:
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=qmask)
@@ -125,23 +166,15 @@ def _decode_kernel(
 @triton.jit
 def _reduce_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_heads, num_splits,
-    head_dim, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    head_dim, BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    splits = tl.arange(0, BLOCK_S)
+    heads = head + tl.arange(0, 1)
     dims = tl.arange(0, BLOCK_D)
-    smask = splits < num_splits
-    row = (seq * num_heads + head) * num_splits + splits
-    lse = tl.load(part_lse_ptr + row, mask=smask, other=float("-inf"))
-    # Split 0 always holds the first visible key, so the max is finite; empty splits
-    # (lse = -inf) get weight 0.
-    w = tl.exp2(lse - tl.max(lse, 0))
-    o = tl.load(part_o_ptr + row[:, None] * head_dim + dims[None, :],
-                mask=smask[:, None] & (dims[None, :] < head_dim), other=0.0)
-    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims,
-             out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+    qmask = (heads[:, None] >= 0) & (dims[None, :] < head_dim)
+    _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq, heads, num_heads, num_splits,
+                    head_dim, stride_ot, stride_oh, dims, qmask, heads >= 0, 1, BLOCK_D, False)
 
 
 # Lengths that change from step to step are not specialised on (Triton would compile
@@ -265,11 +298,17 @@ def paged_decode(
     logit_softcap: float | None = None, num_splits: int = 1,
     out: torch.Tensor | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None,
+    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new query per sequence (`q[i]` is sequence i's token at position seq_lens[i]-1,
     its K/V already stored). Launch shape depends only on `q.shape` and `num_splits`, never
     on sequence lengths. `block_n` (keys per tile), `num_warps` and `num_stages` override
-    the tuned launch (benchmarks/decode_attention_tuning.py)."""
+    the tuned launch (benchmarks/decode_attention_tuning.py).
+
+    Split (num_splits > 1), the splits' partials are combined by a second launch, or, given
+    `split_counters` (int32, zeros, at least `num_seqs * kv_heads`; left zero after each
+    launch), by the last split of each (sequence, kv head) to finish: one launch fewer, for
+    CUDA graphs, whose buffers can hold the counters between replays."""
     _check(q, k_cache, v_cache, block_tables, seq_lens)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -290,24 +329,29 @@ def paged_decode(
                                dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
+    last_combines = split and split_counters is not None
+    if last_combines:
+        assert split_counters.dtype == torch.int32 and split_counters.is_contiguous()
+        assert split_counters.numel() >= num_seqs * num_kv_heads, split_counters.shape
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse,
+        split_counters if last_combines else seq_lens,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
-        num_heads, num_splits, **common,
+        num_heads, num_kv_heads, num_splits, **common,
         BLOCK_G=max(16, triton.next_power_of_2(common["group"])),
         # Tuned on the H100 for head_dim 128 (benchmarks/decode_attention_tuning.py): 128
         # keys per tile and 4 warps beat 64 and 8 by 5-20 % from batch 1 to 256. Other
         # head sizes keep the untuned launch.
         BLOCK_N=block_n or (128 if head_dim == 128 else 64 if head_dim < 128 else 32),
-        BLOCK_D=block_d, SPLIT=split, num_warps=num_warps or (4 if head_dim == 128 else 8),
+        BLOCK_D=block_d, SPLIT=split, LAST_COMBINES=last_combines,
+        num_warps=num_warps or (4 if head_dim == 128 else 8),
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
-    if split:
+    if split and not last_combines:
         _reduce_kernel[(num_seqs, num_heads)](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
-            head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=4,
+            head_dim, BLOCK_D=block_d, num_warps=4,
         )
     return out
 

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from infer.attention import Attention, AttentionMetadata
+from infer.attention.qk_prologue import QKPrologue
 from infer.config import ModelConfig
 from infer.models.layers import RMSNorm, RotaryEmbedding
 from infer.models.linear import QKVParallelLinear, RowParallelLinear
@@ -31,22 +32,20 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, offset=norm_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, offset=norm_offset)
         self.qk_norm = cfg.qk_norm
-        # A list, so the module shared by all layers is not registered once per layer.
-        self.rotary = [] if rotary is None else [rotary]
+        # The q/k norms and RoPE run where attention stores the keys (fused on Triton).
+        prologue = None
+        if rotary is not None:
+            prologue = QKPrologue(rotary, *((self.q_norm, self.k_norm) if cfg.qk_norm else ()))
+        elif cfg.qk_norm:
+            raise ValueError("q/k norms without RoPE are not supported")
         scalar = cfg.query_pre_attn_scalar or cfg.head_dim
         self.attn = Attention(
             self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim, scalar**-0.5,
-            sliding_window=cfg.layer_window(layer),
+            sliding_window=cfg.layer_window(layer), prologue=prologue,
         )
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.reshape(x.shape[0], -1, self.head_dim)
-        k = k.reshape(x.shape[0], -1, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary:
-            q, k = self.rotary[0](positions, q, k)
-        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v, meta))
+        return self.o_proj(self.attn(q, k, v, meta, positions))

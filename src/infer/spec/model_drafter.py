@@ -26,6 +26,7 @@ import torch
 from infer.cache.kv_manager import KVCacheManager
 from infer.engine.model_runner import ModelRunner, StepInputs
 from infer.engine.request import Request
+from infer.engine.sampler import argmax
 from infer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from infer.spec.drafter import draft_budget
 
@@ -52,7 +53,7 @@ class ModelDrafter:
         rows.sort(key=lambda i: -budgets[i])
         chosen = [requests[i] for i in rows]
         tables = [self.kv.tables[r.request_id] for r in chosen]
-        ids = self.runner.execute(self._first_inputs(chosen, tables)).argmax(dim=-1)
+        ids = argmax(self.runner.execute(self._first_inputs(chosen, tables)))
         proposed = [ids]
         positions = [r.num_tokens for r in chosen]
         for j in range(1, budgets[rows[0]]):
@@ -60,7 +61,7 @@ class ModelDrafter:
             inputs = StepInputs([], positions[:n], [1] * n, [p + 1 for p in positions[:n]],
                                 tables[:n], list(range(n)),
                                 [r.request_id for r in chosen[:n]], [1] * n)
-            ids = self.runner.execute(inputs, ids[:n]).argmax(dim=-1)
+            ids = argmax(self.runner.execute(inputs, ids[:n]))
             proposed.append(ids)
             positions = [p + 1 for p in positions]
         self.num_forwards += len(proposed)

@@ -13,6 +13,7 @@ from infer.engine.sampler import (
     SamplingBatch,
     apply_bans_and_bias,
     apply_penalties,
+    argmax,
     fill_seeded,
     filter_logits,
     raw_logprobs,
@@ -35,7 +36,7 @@ def verify_drafts(logits: torch.Tensor, batch: SamplingBatch, counts: list[int],
     draft_ids = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.long)
     num_drafts = to_device(torch.tensor([len(d) for d in drafts]), device)
     if all(greedy):  # a draft's verdict needs only the argmax
-        return verify_greedy(x.argmax(dim=-1)[index].view(b, k + 1),
+        return verify_greedy(argmax(x)[index].view(b, k + 1),
                              to_device(draft_ids, device), num_drafts)
     probs = (x if batch.all_greedy else filter_logits(x, batch)).softmax(dim=-1)
     target = probs[index].view(b, k + 1, v)
