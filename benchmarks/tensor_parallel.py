@@ -47,17 +47,26 @@ shows how close a tie it was.
     # rewritten after every row, so a run cut short keeps what it measured
     PYTHONPATH=src python benchmarks/tensor_parallel.py --tp 1 2
     python benchmarks/tensor_parallel.py --check          # only the token comparison
+    ... --dump-stacks-after 60    # a part that runs 60 s dumps every rank's stacks
     python benchmarks/tensor_parallel.py --tiny           # CPU check (gloo), seconds
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import math
+import multiprocessing
+import os
 import random
+import signal
 import statistics
 import sys
+import threading
+import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +188,49 @@ def print_check(c: dict) -> None:
              ("pctile", "gap_percentile", ".2%"), ("<= noise", "within_noise", "")])
 
 
+# -- where the time goes -----------------------------------------------------------------
+class Phases:
+    """Each part's start and end printed with its time; with `dump_after_s`, a part still
+    running that long has the stacks of this process's threads dumped to stderr, and each
+    worker rank (a child process) asked for its own (SIGUSR1: `distributed/worker.py`;
+    not while an engine is built), again every `dump_after_s` while it runs: where a run
+    that hangs waits."""
+
+    def __init__(self, dump_after_s: float | None) -> None:
+        self.name: str | None = None
+        self.since = 0.0
+        if dump_after_s:
+            threading.Thread(target=self._watch, args=(dump_after_s,), daemon=True,
+                             name="stack-dumps").start()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t = time.monotonic()
+        print(f"[phase] {name}: started", flush=True)
+        self.name, self.since = name, t
+        try:
+            yield
+        finally:
+            self.name = None
+            print(f"[phase] {name}: {time.monotonic() - t:.1f} s", flush=True)
+
+    def _watch(self, after: float) -> None:
+        while True:
+            time.sleep(1.0)
+            name = self.name
+            if name is None or time.monotonic() - self.since < after:
+                continue
+            self.since = time.monotonic()
+            print(f"[phase] {name}: still running after {after:.0f} s more; stacks follow",
+                  file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(sys.stderr, all_threads=True)
+            if name.endswith("build"):
+                continue  # a worker still starting has no handler: SIGUSR1 would end it
+            for child in multiprocessing.active_children():
+                with contextlib.suppress(OSError):
+                    os.kill(child.pid, signal.SIGUSR1)
+
+
 # -- one engine -------------------------------------------------------------------------
 def why_not(tp: int) -> str | None:
     """Why TP=`tp` cannot run here (None: it can)."""
@@ -203,7 +255,8 @@ def dispose(llm) -> None:
 
 
 def run_tp(tp: int, llm, args, shape: dict, counts: common.ShapeCounts, norms: int,
-           ceil: dict, check_prompts: list[list[int]], emit) -> list[dict] | None:
+           ceil: dict, check_prompts: list[list[int]], emit, phase: Phases
+           ) -> list[dict] | None:
     """Every part on the engine of TP=`tp`; rows go to `emit(kind, row)`. Returns the
     check's runs (None when the check is not part of this run)."""
     dtype = llm.engine.dtype
@@ -232,18 +285,22 @@ def run_tp(tp: int, llm, args, shape: dict, counts: common.ShapeCounts, norms: i
                   f"per rank", flush=True)
             emit("decode", row)
 
-        decode.run_infer(llm, args.batches, args.prompt_len, args.new_tokens, vocab,
-                         random.Random(args.seed), args.repeats, decode_row)
+        with phase(f"tp={tp} decode"):
+            decode.run_infer(llm, args.batches, args.prompt_len, args.new_tokens, vocab,
+                             random.Random(args.seed), args.repeats, decode_row)
     if "throughput" in args.parts:
         prompts, outs = throughput.workload(args, vocab)
-        row = {**base, **throughput.run_infer(llm, prompts, outs, args.temperature),
-               "num_seqs": args.num_seqs, "prompt_tokens": sum(map(len, prompts))}
+        with phase(f"tp={tp} throughput"):
+            got = throughput.run_infer(llm, prompts, outs, args.temperature)
+        row = {**base, **got, "num_seqs": args.num_seqs,
+               "prompt_tokens": sum(map(len, prompts))}
         row["tok_per_s"] = row["output_tokens"] / row["seconds"]
         print(f"[tp={tp}] throughput: {row['output_tokens']} tokens in {row['seconds']:.1f} s "
               f"= {row['tok_per_s']:.0f} tok/s", flush=True)
         emit("throughput", row)
     if "check" in args.parts:
-        return greedy_top2(llm, check_prompts, args.check_tokens)
+        with phase(f"tp={tp} check"):
+            return greedy_top2(llm, check_prompts, args.check_tokens)
     return None
 
 
@@ -318,6 +375,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--check-prompts", type=int, default=None, help="default 64 (tiny 8)")
     parser.add_argument("--check-tokens", type=int, default=None, help="default 128 (tiny 16)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dump-stacks-after", type=float, default=None, metavar="S",
+                        help="a part still running after S seconds dumps every rank's "
+                             "stacks to stderr (again every S seconds)")
     args = parser.parse_args()
     if args.check:
         args.parts = ["check"]
@@ -367,6 +427,7 @@ def main() -> None:
         save()
 
     runs: dict[int, list[dict]] = {}
+    phase = Phases(args.dump_stacks_after)
     for tp in args.tp:
         reason = why_not(tp)
         if reason:
@@ -376,10 +437,12 @@ def main() -> None:
             continue
         llm = None
         try:
-            llm, build_s = common.build_llm(
-                path, {**flags, **({"tensor_parallel_size": tp} if tp != 1 else {})})
+            with phase(f"tp={tp} build"):
+                llm, build_s = common.build_llm(
+                    path, {**flags, **({"tensor_parallel_size": tp} if tp != 1 else {})})
             res["engines"][str(tp)] = {"build_s": build_s, **common.engine_info(llm)}
-            got = run_tp(tp, llm, args, shape, counts, norms, ceil, check_prompts, emit)
+            got = run_tp(tp, llm, args, shape, counts, norms, ceil, check_prompts, emit,
+                         phase)
             if got is not None:
                 runs[tp] = got
         except Exception as exc:  # one TP size failing must not sink the others; say why

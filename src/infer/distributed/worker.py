@@ -11,13 +11,16 @@ then makes, call for call, the model calls rank 0's `MirroredRunner` announces:
     ("stop",)
 
 It never samples: tokens come from rank 0. It exits when told to, when a collective fails
-(a peer is gone), or when its parent (rank 0's process) is gone.
+(a peer is gone), or when its parent (rank 0's process) is gone. SIGUSR1 prints its
+threads' stacks to stderr (faulthandler): where a rank that hangs waits.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 import threading
 import time
 
@@ -41,6 +44,7 @@ def worker_main(config: EngineConfig, rank: int, size: int, init_method: str,
     from infer.engine.runner_setup import build_runner, capture_graphs, uses_graphs
     from infer.engine.setup import pick_device_and_dtype
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if parent_pid is not None:
         threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True,
                          name="infer-tp-parent-watch").start()

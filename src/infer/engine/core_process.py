@@ -371,6 +371,12 @@ class CoreClient:
     def exitcode(self) -> int | None:
         return getattr(self.runner, "exitcode", None)
 
+    def death_message(self) -> str:
+        """What to tell the requests in flight; the exit code where this process knows it
+        (it started the core, and the core has exited)."""
+        code = self.exitcode
+        return "the engine core died" + ("" if code is None else f" (exit code {code})")
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the core to stop; a process that does not is terminated, then killed."""
         if self._shut_down:
@@ -456,8 +462,7 @@ class RemoteCore:
         except (EOFError, OSError):
             self.sequences.clear()
             self.client.join(5)
-            raise RuntimeError(
-                f"the engine core died (exit code {self.client.exitcode})") from None
+            raise RuntimeError(self.client.death_message()) from None
         if message[0] == "stats":
             self._stats = message[1]
         elif message[0] == "outputs":

@@ -403,8 +403,7 @@ class AsyncEngine:
         else:
             self._dead = True
             self._client.join(5)
-            error = EngineDeadError(
-                f"the engine core died (exit code {self._client.exitcode})")
+            error = EngineDeadError(self._client.death_message())
             log.error("%s; failing %d request(s)", error, len(self._streams))
         with self._lock:
             streams, self._streams = self._streams, {}
