@@ -1,5 +1,5 @@
-"""Decode speed at batch 1, 8 and 32: infer vs HF transformers (static cache), bf16,
-random weights in the llama-3.2-1b and llama-3.1-8b shapes.
+"""Decode speed at batch 1, 8 and 32: infer vs HF transformers (static cache) and gpt-fast,
+bf16, random weights in the llama-3.2-1b and llama-3.1-8b shapes.
 
 Workload: per sequence a 128-token random prompt and 256 new tokens, greedy, ignore_eos.
 
@@ -15,7 +15,16 @@ is (last stamp - first-token stamp) / N. By default (`--hf-compile auto`) HF's a
 torch.compile of static-cache decoding stays on, as its users get it (one compile per
 batch size, in the warm-up); `off` passes disable_compile=True (about 5x slower).
 
-Metric, per decode step (same formula for both engines):
+gpt-fast peer (gpt_fast_peer.py): pytorch-labs/gpt-fast's model.py from `--gpt-fast DIR`
+(default .peers/gpt-fast, exported from its repository; skipped when absent), on the same
+checkpoint converted as its convert_hf_checkpoint.py does, driven as `generate.py --compile`
+drives it (decode_one_token under torch.compile(mode="reduce-overhead", fullgraph=True), its
+sampler at top_k=200 and a temperature of 1e-5, greedy in effect), timed like infer: the step
+time is (T(1+N) - T(1)) / N after a warm-up generate whose time, compile included, is
+`compile_s` (compiled on a CPU too, where inductor makes C++ and CUDA graphs are skipped).
+`--skip-peer` skips both peers.
+
+Metric, per decode step (same formula for every engine):
   bytes = weight bytes + KV bytes read
   weight bytes = (all parameters but the embedding table, plus the LM head) x dtype bytes;
                  a tied embedding is counted once, as the LM head read
@@ -43,6 +52,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import gguf_checkpoint
+import gpt_fast_peer
 
 try:
     from transformers.generation.streamers import BaseStreamer
@@ -169,6 +179,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=None, help="default 128 (tiny 16)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default 256 (tiny 16)")
     parser.add_argument("--hf-compile", choices=["off", "auto"], default="auto")
+    default_gpt_fast = common.ROOT / ".peers" / "gpt-fast"
+    parser.add_argument("--gpt-fast", type=Path, metavar="DIR",
+                        default=default_gpt_fast if default_gpt_fast.is_dir() else None,
+                        help="a gpt-fast tree (its model.py) to run as a second peer "
+                        "(default: .peers/gpt-fast when present)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed runs per batch size; the median step time is reported")
     parser.add_argument("--seed", type=int, default=0)
@@ -182,6 +197,8 @@ def main() -> None:
     args.prompt_len = args.prompt_len or (16 if tiny else 128)
     args.new_tokens = args.new_tokens or (16 if tiny else 256)
     user_flags = common.parse_engine_flags(args.engine)
+    if args.gpt_fast is None and not args.skip_peer:
+        print("[gpt-fast] skipped: no --gpt-fast DIR and no .peers/gpt-fast", flush=True)
     common.setup_cpu_threads()
     ceil = common.ceilings()
     rows: list[dict] = []
@@ -240,18 +257,32 @@ def main() -> None:
                 rows.append(dict(engine="hf-static", model=name, error=repr(exc)))
                 save()
             common.free_memory()
+        if not args.skip_peer and args.gpt_fast is not None:
+            try:
+                rng = random.Random(args.seed)
+                gpt_fast_peer.run_gpt_fast(
+                    args.gpt_fast, shape, path, dtype, args.batches, args.prompt_len,
+                    args.new_tokens, vocab, rng, args.repeats, emit)
+            except Exception as exc:  # the peer must not sink the run; say why
+                print(f"[gpt-fast] FAILED on {name}: {type(exc).__name__}: {exc}", flush=True)
+                rows.append(dict(engine="gpt-fast", model=name, error=repr(exc)))
+                save()
+            common.free_memory()
 
     for r in rows:
         if r.get("engine") == "infer":
-            peer = next((p for p in rows if p.get("engine") == "hf-static"
-                         and p.get("model") == r["model"] and p.get("batch") == r["batch"]
-                         and "step_ms" in p), None)
-            r["speedup_vs_hf"] = peer["step_ms"] / r["step_ms"] if peer else None
+            for engine, key in (("hf-static", "speedup_vs_hf"),
+                                ("gpt-fast", "speedup_vs_gpt_fast")):
+                peer = next((p for p in rows if p.get("engine") == engine
+                             and p.get("model") == r["model"] and p.get("batch") == r["batch"]
+                             and "step_ms" in p), None)
+                r[key] = peer["step_ms"] / r["step_ms"] if peer else None
     save()
     print(f"\nwrote {out}")
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, matmul {ceil['matmul_TFLOPs']:.1f} "
           f"TFLOP/s; prompt {args.prompt_len}, {args.new_tokens} decode steps timed, "
-          f"engine flags {user_flags or '{}'}, hf compile {args.hf_compile}")
+          f"engine flags {user_flags or '{}'}, hf compile {args.hf_compile}, "
+          f"gpt-fast {args.gpt_fast or 'skipped'}")
     common.print_table(
         "decode (per step; bytes = weights + KV read at the mean context)",
         [r for r in rows if "step_ms" in r],
@@ -259,7 +290,8 @@ def main() -> None:
          ("ms/step", "step_ms", ".2f"), ("tok/s", "tok_per_s", ".0f"),
          ("W MB", "weight_MB", ".0f"), ("KV MB", "kv_MB", ".1f"), ("GB/s", "GBps", ".0f"),
          ("%copyBW", "frac_copy", ".1%"), ("TFLOP/s", "TFLOPs", ".2f"),
-         ("%matmul", "frac_matmul", ".2%"), ("x HF", "speedup_vs_hf", ".2f")])
+         ("%matmul", "frac_matmul", ".2%"), ("x HF", "speedup_vs_hf", ".2f"),
+         ("x gpt-fast", "speedup_vs_gpt_fast", ".2f")])
 
 
 if __name__ == "__main__":
