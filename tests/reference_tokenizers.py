@@ -24,7 +24,7 @@ def gguf_path(name: str) -> Path:
 
 @cache
 def gguf_reader(name: str) -> Any:
-    """An open gguf.GGUFReader of the file (slow to open: shared)."""
+    """The file opened by our reader (`infer.loader.gguf_reader.GGUFFile`), shared."""
     from infer.loader.gguf_file import open_gguf
 
     return open_gguf(gguf_path(name))

@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp): open, read metadata fields, yield dequantised HF-named tensors.
 
-The file is memory-mapped by `gguf.GGUFReader`; each tensor is dequantised with the `gguf`
-package only when the iterator reaches it, so peak memory is the model plus one tensor.
+The file is memory-mapped by our reader (`gguf_reader.py`); each tensor is dequantised with
+the `gguf` package only when the iterator reaches it, so peak memory is the model plus one
+tensor.
 `gguf_metadata.gguf_config` turns the metadata into a ModelConfig.
 """
 
@@ -13,53 +14,50 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
-from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
 
 from infer.config import ModelConfig
 from infer.loader.errors import ModelLoadError
+from infer.loader.gguf_reader import GGUFFile, GGUFFormatError, GGUFTensor
 from infer.models import REGISTRY
 from infer.quantization.gguf_blocks import GGUFBlocks
 
 MISSING = object()
 
 
-def open_gguf(path: str | Path) -> GGUFReader:
+def open_gguf(path: str | Path) -> GGUFFile:
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"{path}: file not found")
     try:
-        return GGUFReader(path)
-    except Exception as exc:  # the reader fails in numpy/struct code on damaged input
-        raise ModelLoadError(
-            f"{path}: not a valid GGUF file (truncated or corrupt?): {type(exc).__name__}: {exc}"
-        ) from None
+        return GGUFFile(path)
+    except (GGUFFormatError, OSError, ValueError) as exc:  # ValueError: an empty file
+        raise ModelLoadError(f"{path}: not a valid GGUF file: {exc}") from None
 
 
-def source_of(reader: GGUFReader) -> str:
-    return str(getattr(reader.data, "filename", None) or "GGUF file")
+def source_of(reader: GGUFFile) -> str:
+    return str(reader.path)
 
 
-def read_field(reader: GGUFReader, key: str, default: Any = MISSING) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
+def read_field(reader: GGUFFile, key: str, default: Any = MISSING) -> Any:
+    if key not in reader.fields:
         if default is MISSING:
             raise ModelLoadError(f"{source_of(reader)}: GGUF metadata lacks {key!r}")
         return default
-    return field.contents()
+    return reader.fields[key]
 
 
 ROPE_FREQS = "rope_freqs.weight"  # already folded into the ModelConfig's rope
 
 
-def num_weights(reader: GGUFReader) -> int:
+def num_weights(reader: GGUFFile) -> int:
     """How many tensors `iter_gguf_weights` yields."""
     return sum(t.name != ROPE_FREQS for t in reader.tensors)
 
 
-def iter_gguf_weights(reader: GGUFReader, cfg: ModelConfig, device: torch.device | str = "cpu"
+def iter_gguf_weights(reader: GGUFFile, cfg: ModelConfig, device: torch.device | str = "cpu"
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, float32 tensor)` in HF's layout, one tensor at a time: the names
     and the layout fix-ups are the architecture's registry entry's. On CUDA the types our
@@ -83,7 +81,7 @@ def iter_gguf_weights(reader: GGUFReader, cfg: ModelConfig, device: torch.device
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
-def quantized_blocks(reader: GGUFReader, cfg: ModelConfig) -> dict[str, GGUFBlocks]:
+def quantized_blocks(reader: GGUFFile, cfg: ModelConfig) -> dict[str, GGUFBlocks]:
     """The quantized 2-D weights of the file as stored (views of the memory map, nothing
     dequantized), by HF name, rows in HF order. A weight whose layout fix-up is not a
     permutation of its rows (GPT-2's transposes) is left out: it can only be used
@@ -110,7 +108,7 @@ def quantized_blocks(reader: GGUFReader, cfg: ModelConfig) -> dict[str, GGUFBloc
     return out
 
 
-def dequantize_tensor(tensor: ReaderTensor, src: str, device: torch.device | str = "cpu"
+def dequantize_tensor(tensor: GGUFTensor, src: str, device: torch.device | str = "cpu"
                       ) -> torch.Tensor:
     qtype = GGMLQuantizationType(tensor.tensor_type)
     shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # GGUF lists ne[0] first
@@ -141,7 +139,7 @@ def dequantize_tensor(tensor: ReaderTensor, src: str, device: torch.device | str
     return torch.from_numpy(values)
 
 
-def check_tensor_types(reader: GGUFReader) -> None:
+def check_tensor_types(reader: GGUFFile) -> None:
     """Fail before building the model if a tensor's type cannot be dequantised (probed on
     one zero block, so the answer is the gguf package's own)."""
     src = source_of(reader)

@@ -10,17 +10,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from gguf import GGUFReader
-from gguf.gguf_reader import ReaderTensor
 
 from infer.config import ConfigError, ModelConfig, RopeConfig
 from infer.loader.errors import ModelLoadError
 from infer.loader.gguf_file import MISSING, dequantize_tensor, read_field, source_of
+from infer.loader.gguf_reader import GGUFFile, GGUFTensor
 from infer.models import REGISTRY
 from infer.models.layers import rope_inv_freq
 
 
-def gguf_config(reader: GGUFReader) -> ModelConfig:
+def gguf_config(reader: GGUFFile) -> ModelConfig:
     """ModelConfig from GGUF metadata, with the same derivations as transformers' GGUF
     loader (Gemma 3 layer pattern, tied embeddings = no `output.weight`)."""
     try:
@@ -33,7 +32,7 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
         raise ModelLoadError(f"{source_of(reader)}: invalid GGUF metadata ({exc})") from None
 
 
-def _gguf_config(reader: GGUFReader) -> ModelConfig:
+def _gguf_config(reader: GGUFFile) -> ModelConfig:
     g = GGUFMetadata(reader)
     entry = REGISTRY.get(g.arch)
     if entry is None:
@@ -49,11 +48,11 @@ class GGUFMetadata:
     """One GGUF file's metadata and tensors, as the architectures' `from_gguf` hooks read
     them."""
 
-    def __init__(self, reader: GGUFReader) -> None:
+    def __init__(self, reader: GGUFFile) -> None:
         self.reader = reader
         self.src = source_of(reader)
         self.arch: str = read_field(reader, "general.architecture")
-        self.tensors: dict[str, ReaderTensor] = {t.name: t for t in reader.tensors}
+        self.tensors: dict[str, GGUFTensor] = {t.name: t for t in reader.tensors}
 
     def meta(self, key: str, default: Any = MISSING) -> Any:
         """The architecture's field `<arch>.<key>`."""
@@ -123,7 +122,7 @@ class GGUFMetadata:
 
 
 def _rope(
-    reader: GGUFReader, arch: str, theta: float, head_dim: int, tensors: dict[str, ReaderTensor]
+    reader: GGUFFile, arch: str, theta: float, head_dim: int, tensors: dict[str, GGUFTensor]
 ) -> RopeConfig:
     kind = read_field(reader, f"{arch}.rope.scaling.type", "none")
     factor = float(read_field(reader, f"{arch}.rope.scaling.factor", 0.0)
@@ -138,7 +137,7 @@ def _rope(
 
 
 def _llama3_rope(
-    reader: GGUFReader, theta: float, head_dim: int, tensor: ReaderTensor
+    reader: GGUFFile, theta: float, head_dim: int, tensor: GGUFTensor
 ) -> RopeConfig:
     """llama.cpp stores Llama 3.1+ RoPE scaling as per-frequency divisors (`rope_freqs`),
     not as parameters; recover the parameters and check they reproduce every divisor."""

@@ -15,18 +15,16 @@ default BOS (`_LLAMA3_PRE`).
 
 from __future__ import annotations
 
-import mmap
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
 from infer.loader.errors import ModelLoadError
+from infer.loader.gguf_reader import GGUFFile, GGUFFormatError, read_metadata
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 CONTROL = 3
@@ -102,12 +100,10 @@ class GGUFVocab:
         return self.tokens[token_id]
 
 
-def read_gguf_vocab(source: str | Path | GGUFReader) -> GGUFVocab:
-    """The tokenizer metadata of a GGUF file (a path, or an open `gguf.GGUFReader`)."""
-    if isinstance(source, GGUFReader):
-        name = str(getattr(source.data, "filename", None) or "GGUF file")
-        meta = {key: field.contents() for key, field in source.fields.items()
-                if key.startswith("tokenizer.") or key == "general.architecture"}
+def read_gguf_vocab(source: str | Path | GGUFFile) -> GGUFVocab:
+    """The tokenizer metadata of a GGUF file (a path, or one open with `gguf_reader`)."""
+    if isinstance(source, GGUFFile):
+        name, meta = str(source.path), source.fields
     else:
         name = str(source)
         meta = _read_metadata(Path(source))
@@ -152,64 +148,13 @@ def _vocab_from_metadata(meta: dict[str, Any], source: str) -> GGUFVocab:
     )
 
 
-# --- metadata reader: only the key/value section, so a 262k-token vocabulary loads in
-# well under a second (gguf.GGUFReader also indexes every tensor and array element).
-
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
-            12: "d"}
-_STRING, _ARRAY = 8, 9
-
-
 def _read_metadata(path: Path) -> dict[str, Any]:
     try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            if buf[:4] != b"GGUF":
-                raise ModelLoadError(f"{path}: not a GGUF file (bad magic bytes)")
-            version, _, count = struct.unpack_from("<IQQ", buf, 4)
-            if version not in (2, 3):
-                raise ModelLoadError(f"{path}: GGUF version {version} is not supported (2, 3)")
-            pos, meta = 24, {}
-            for _ in range(count):
-                key, pos = _read_string(buf, pos)
-                (kind,) = struct.unpack_from("<I", buf, pos)
-                meta[key], pos = _read_value(buf, pos + 4, kind)
-            return meta
+        return read_metadata(path)
     except FileNotFoundError:
         raise ModelLoadError(f"{path}: file not found") from None
-    except (struct.error, ValueError, OverflowError, UnicodeDecodeError) as exc:
-        if isinstance(exc, ModelLoadError):
-            raise
-        raise ModelLoadError(
-            f"{path}: GGUF metadata is unreadable (truncated or corrupt?): {exc}"
-        ) from None
-
-
-def _read_string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
-    (length,) = struct.unpack_from("<Q", buf, pos)
-    end = pos + 8 + length
-    if end > len(buf):
-        raise ValueError("string runs past the end of the file")
-    return buf[pos + 8:end].decode("utf-8"), end
-
-
-def _read_value(buf: mmap.mmap, pos: int, kind: int) -> tuple[Any, int]:
-    if kind in _SCALARS:
-        fmt = "<" + _SCALARS[kind]
-        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
-    if kind == _STRING:
-        return _read_string(buf, pos)
-    if kind == _ARRAY:
-        item_kind, count = struct.unpack_from("<IQ", buf, pos)
-        pos += 12
-        if item_kind in _SCALARS:
-            fmt = f"<{count}{_SCALARS[item_kind]}"
-            return list(struct.unpack_from(fmt, buf, pos)), pos + struct.calcsize(fmt)
-        values = []
-        for _ in range(count):
-            value, pos = _read_value(buf, pos, item_kind)
-            values.append(value)
-        return values, pos
-    raise ValueError(f"unknown metadata value type {kind}")
+    except (GGUFFormatError, OSError, ValueError) as exc:  # ValueError: an empty file
+        raise ModelLoadError(f"{path}: {exc}") from None
 
 
 # --- building the tokenizer

@@ -13,13 +13,13 @@ from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFReader
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 from tokenizers.decoders import DecodeStream
 
 from infer.loader.chat_template import ChatTemplateError, Message, render_chat_template
 from infer.loader.errors import ModelLoadError
+from infer.loader.gguf_reader import GGUFFile
 from infer.loader.gguf_tokenizer import build_gguf_backend, read_gguf_vocab, template_processor
 from infer.loader.hf_dir import read_json
 from infer.loader.token_bound import max_bytes_per_token
@@ -107,7 +107,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_gguf(cls, source: str | Path | GGUFReader) -> Tokenizer:
+    def from_gguf(cls, source: str | Path | GGUFFile) -> Tokenizer:
         """From a GGUF file's `tokenizer.ggml.*` metadata (a path or an open reader)."""
         vocab = read_gguf_vocab(source)
         backend = build_gguf_backend(vocab)
