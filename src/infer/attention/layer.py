@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 from torch import nn
 
@@ -94,10 +97,22 @@ def allocate_kv_cache(
     if len(shapes) != 1:
         raise ValueError(f"layers disagree on (kv_heads, head_dim): {sorted(shapes)}")
     num_kv_heads, head_dim = shapes.pop()
-    pool = torch.zeros(
-        len(layers), 2, num_blocks, block_size, num_kv_heads, head_dim,
-        dtype=dtype, device=device or next(model.parameters()).device,
-    )
+    pool = zeroed_pool((len(layers), 2, num_blocks, block_size, num_kv_heads, head_dim),
+                       dtype, torch.device(device or next(model.parameters()).device))
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = pool[i, 0], pool[i, 1]
     return pool
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+                ) -> torch.Tensor:
+    """Zeros of `shape`. On a CPU, pages the kernel zeroes when first touched (numpy's
+    calloc of a large block is a fresh mapping) rather than gigabytes written at start-up:
+    a pool sized to a quarter of RAM took seconds to fill and was all resident before a
+    single block was used. 64-byte aligned, as torch aligns its own."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(nbytes + 64, dtype=np.uint8))
+    start = -raw.data_ptr() % 64
+    return raw[start:start + nbytes].view(dtype).view(shape)

@@ -64,7 +64,8 @@ def plan_kv_cache(
 
 
 def _logged(block_size: int, num_blocks: int, per_block: int) -> tuple[int, int]:
-    """Said before the cache is allocated: zeroing gigabytes takes seconds on a CPU."""
+    """Said before the cache is allocated (on a GPU, zeroing gigabytes is not instant; on a
+    CPU the pages are taken as blocks are written: `attention.layer.zeroed_pool`)."""
     log.info("KV cache: %d blocks of %d tokens, %.2f GiB", num_blocks, block_size,
              num_blocks * per_block / 2**30)
     return block_size, num_blocks
