@@ -110,6 +110,18 @@ def test_extra_keys_of_messages_and_parts_are_dropped_silently(server, caplog):
     assert r.status_code == 200, r.text
 
 
+def test_text_parts_are_joined_by_newlines_as_offline(server):
+    from infer.inputs import text_messages
+
+    messages = [{"role": "user", "content": [{"type": "text", "text": "first"},
+                                             {"type": "text", "text": "second"}]}]
+    r = _post(server, "/tokenize", {"model": NAME, "messages": messages})
+    tok = server.engine.tokenizer
+    assert r.json()["tokens"] == tok.encode_chat(
+        [{"role": "user", "content": "first\nsecond"}]) == tok.encode_chat(
+        text_messages(messages))
+
+
 def test_reasoning_sent_back_reaches_the_template(server):
     template = ("{% for m in messages %}{{ m['role'] }}:{{ m.get('reasoning_content', '') }}"
                 "|{{ m['content'] }};{% endfor %}")

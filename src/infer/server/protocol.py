@@ -256,8 +256,8 @@ class ChatMessage(_Request):
 
     def as_template_message(self) -> dict[str, Any]:
         content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
+        if isinstance(content, list):  # as `inputs.text_messages` joins them offline
+            content = "\n".join(part.text for part in content)
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
                                    "content": content or ""}
         for key in ("name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning"):
