@@ -110,6 +110,7 @@ def test_async_client_stream_and_not(server):
 
 
 def test_models_tokenize_metrics_stats(server, client):
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)  # tokens to count
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.list().data[0].model_extra["quantization"] == "none"
     ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()["tokens"]
