@@ -1,7 +1,7 @@
 """Rank 0's model runner under tensor parallelism.
 
 Every call that runs the model is first announced to the other ranks (one pickled tuple
-over the CPU group; the step's token ids, when they are already on the device, by a
+through `channel.py`; the step's token ids, when they are already on the device, by a
 device broadcast), which make the same call on their shards (`worker.serve`); then rank 0
 makes it. So the collectives inside the model (each row-parallel all-reduce, the LM
 head's gather) meet in the same order on every rank. Everything else (`prepare`, the
@@ -66,13 +66,13 @@ class MirroredRunner:
             raise TensorParallelError(self.broken)
         self.workers.check()
         try:
-            self.tp.broadcast_object(message)
+            self.workers.channel.send(message)
             return call(*args)
         except Exception as exc:
             raise self._broke(exc) from exc
 
     def _broke(self, exc: Exception) -> TensorParallelError:
-        self.broken = self.workers.failure or (
+        self.broken = self.workers.exited() or (
             f"a tensor-parallel model call failed on rank 0 ({type(exc).__name__}: {exc}); "
             "the ranks are out of step and the engine cannot go on")
         return TensorParallelError(self.broken)

@@ -23,10 +23,12 @@ import os
 import signal
 import threading
 import time
+from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
 
+from infer.distributed.channel import GlooChannel, PipeReceiver
 from infer.distributed.group import TensorParallelGroup, init_group
 from infer.engine.config import EngineConfig
 from infer.engine.model_runner import ModelRunner
@@ -36,9 +38,11 @@ _PARENT_POLL_S = 0.5
 
 
 def worker_main(config: EngineConfig, rank: int, size: int, init_method: str,
-                device_name: str, parent_pid: int | None = None) -> None:
+                device_name: str, parent_pid: int | None = None,
+                messages: Connection | None = None) -> None:
     """Rank `rank` of `size` on `device_name` (cpu, cuda:N). `parent_pid`: exit when that
-    process is gone (None: launched by torchrun, whose agent ends the ranks)."""
+    process is gone (None: launched by torchrun, whose agent ends the ranks). `messages`:
+    the pipe rank 0 announces its model calls on (None: over the group, `channel.py`)."""
     from infer.engine.cpu_threads import set_cpu_threads
     from infer.engine.engine_core import load_model_shard
     from infer.engine.runner_setup import build_runner, capture_graphs, uses_graphs
@@ -60,16 +64,20 @@ def worker_main(config: EngineConfig, rank: int, size: int, init_method: str,
                           tp=group)
     if uses_graphs(config, device, runner.attention_backend):
         capture_graphs(runner, config, max_model_len)
-    serve(runner, group)
+    serve(runner, group, GlooChannel(group) if messages is None else PipeReceiver(messages))
     group.barrier()  # rank 0 leaves the group with us
     dist.destroy_process_group()
 
 
-def serve(runner: ModelRunner, group: TensorParallelGroup) -> None:
+def serve(runner: ModelRunner, group: TensorParallelGroup,
+          channel: PipeReceiver | GlooChannel) -> None:
     """Make rank 0's model calls until told to stop."""
     hidden = inputs = None
     while True:
-        message = group.broadcast_object()
+        try:
+            message = channel.receive()
+        except EOFError:  # rank 0 is gone (the parent watch would see it within 0.5 s)
+            os._exit(1)
         kind = message[0]
         if kind == "forward":
             _, inputs, num_ids, dtype = message

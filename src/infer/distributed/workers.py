@@ -24,6 +24,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from infer.distributed.channel import GlooChannel, PipeSender
 from infer.distributed.group import TensorParallelGroup, init_group
 from infer.distributed.torchrun import torchrun_rank
 from infer.distributed.worker import worker_main
@@ -39,8 +40,8 @@ class TensorParallelError(RuntimeError):
 
 class Workers:
     def __init__(self, processes: list[multiprocessing.process.BaseProcess],
-                 group: TensorParallelGroup) -> None:
-        self.processes, self.group = processes, group
+                 group: TensorParallelGroup, channel: PipeSender | GlooChannel) -> None:
+        self.processes, self.group, self.channel = processes, group, channel
         self.failure: str | None = None
         self._stopping = False
         if processes:
@@ -55,28 +56,45 @@ class Workers:
             if int(os.environ["WORLD_SIZE"]) != size:
                 raise ValueError(f"tensor_parallel_size={size} but torchrun started "
                                  f"WORLD_SIZE={os.environ['WORLD_SIZE']} ranks")
-            return cls([], init_group(0, size, "env://", device))
+            group = init_group(0, size, "env://", device)
+            return cls([], group, GlooChannel(group))
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = multiprocessing.get_context("spawn")
-        processes = []
+        processes, senders, receivers = [], [], []
         for rank in range(1, size):
             rank_device = f"cuda:{rank}" if device.type == "cuda" else "cpu"
+            receiver, sender = ctx.Pipe(duplex=False)
+            senders.append(sender)
+            receivers.append(receiver)
             processes.append(ctx.Process(
                 target=worker_main,
-                args=(config, rank, size, init_method, rank_device, os.getpid()),
+                args=(config, rank, size, init_method, rank_device, os.getpid(), receiver),
                 name=f"infer-tp-rank{rank}", daemon=True))
         for process in processes:
             process.start()
+        for receiver in receivers:  # the worker's now: a dead worker breaks our sends
+            receiver.close()
         try:
             group = _join(processes, size, init_method, device)
         except BaseException:
             _stop(processes)
             raise
-        return cls(processes, group)
+        return cls(processes, group, PipeSender(senders))
 
     def check(self) -> None:
         if self.failure is not None:
             raise TensorParallelError(self.failure)
+
+    def exited(self, grace_s: float = 0.5) -> str | None:
+        """Why the ranks cannot go on, if a worker has exited or exits within `grace_s`
+        (called after a failed call: a send to a dying worker can fail before the watcher,
+        or the worker's own exit, has happened)."""
+        if self.failure is None and self.processes:
+            multiprocessing.connection.wait([p.sentinel for p in self.processes], grace_s)
+            for rank, process in enumerate(self.processes, 1):
+                if not process.is_alive():
+                    return _exited(rank, process)
+        return self.failure
 
     def shutdown(self) -> None:
         """Tell the workers to stop (those that do not are terminated), leave the group."""
@@ -86,10 +104,11 @@ class Workers:
         atexit.unregister(self.shutdown)
         if self.failure is None and self.group.size > 1:
             with contextlib.suppress(Exception):  # a worker already gone: stopped below
-                self.group.broadcast_object(("stop",))
+                self.channel.send(("stop",))
                 # Every rank leaves the group together (a rank torchrun started is not
                 # ours to join).
                 self.group.barrier()
+        self.channel.close()
         _stop(self.processes, _STOP_TIMEOUT_S)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -101,8 +120,7 @@ class Workers:
             return
         rank, process = by_sentinel[ready[0]]
         process.join()
-        self.failure = (f"tensor-parallel rank {rank} exited (exit code {process.exitcode}); "
-                        "the engine cannot go on")
+        self.failure = _exited(rank, process)
         log.error("%s: stopping the other ranks", self.failure)
         _stop(self.processes)
         if self.group.device_group is not None and torch.cuda.is_available():
@@ -110,6 +128,11 @@ class Workers:
                 dist.distributed_c10d._abort_process_group(self.group.device_group)
             except Exception:
                 log.exception("could not abort the tensor-parallel group")
+
+
+def _exited(rank: int, process: multiprocessing.process.BaseProcess) -> str:
+    return (f"tensor-parallel rank {rank} exited (exit code {process.exitcode}); "
+            "the engine cannot go on")
 
 
 def _join(processes: list[multiprocessing.process.BaseProcess], size: int, init_method: str,
