@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -15,6 +16,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # One thread: on a 2-core machine shared with other processes, OpenMP threads that spin
 # while waiting make small matmuls 10-50x slower (measured); one thread never oversubscribes.
 torch.set_num_threads(1)
+# Started as a background job (`bash .ci/run &`), this process ignores SIGINT and so would
+# every server a test starts, which then exits 0 on SIGINT (uvicorn stops gracefully and
+# re-raises a signal that is ignored): give them Ctrl-C as a terminal gives it.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
