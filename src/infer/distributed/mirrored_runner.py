@@ -75,4 +75,5 @@ class MirroredRunner:
         self.broken = self.workers.exited() or (
             f"a tensor-parallel model call failed on rank 0 ({type(exc).__name__}: {exc}); "
             "the ranks are out of step and the engine cannot go on")
+        self.workers.fail(self.broken)
         return TensorParallelError(self.broken)

@@ -96,8 +96,15 @@ class Workers:
                     return _exited(rank, process)
         return self.failure
 
+    def fail(self, reason: str) -> None:
+        """The ranks are out of step for good (a model call failed on rank 0)."""
+        if self.failure is None:
+            self.failure = reason
+
     def shutdown(self) -> None:
-        """Tell the workers to stop (those that do not are terminated), leave the group."""
+        """Tell the workers to stop (those that do not are terminated), leave the group.
+        After a failure nothing waits on the others: the device group is aborted, not
+        destroyed (destroying an NCCL group whose peer is gone can block)."""
         if self._stopping:
             return
         self._stopping = True
@@ -110,7 +117,9 @@ class Workers:
                 self.group.barrier()
         self.channel.close()
         _stop(self.processes, _STOP_TIMEOUT_S)
-        if dist.is_initialized():
+        if self.failure is not None:
+            self._abort()
+        elif dist.is_initialized():
             dist.destroy_process_group()
 
     def _watch(self) -> None:
@@ -123,8 +132,12 @@ class Workers:
         self.failure = _exited(rank, process)
         log.error("%s: stopping the other ranks", self.failure)
         _stop(self.processes)
+        self._abort()
+
+    def _abort(self) -> None:
+        """An NCCL collective rank 0 waits in (or will) returns with an error."""
         if self.group.device_group is not None and torch.cuda.is_available():
-            try:  # an NCCL collective rank 0 waits in returns with an error
+            try:
                 dist.distributed_c10d._abort_process_group(self.group.device_group)
             except Exception:
                 log.exception("could not abort the tensor-parallel group")
