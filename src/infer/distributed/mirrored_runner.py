@@ -26,7 +26,6 @@ from infer.engine.model_runner import ModelRunner, StepInputs
 class MirroredRunner:
     def __init__(self, runner: ModelRunner, tp: TensorParallelGroup, workers: Workers) -> None:
         self.runner, self.tp, self.workers = runner, tp, workers
-        self.broken: str | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)
@@ -62,8 +61,6 @@ class MirroredRunner:
             raise self._broke(exc) from exc
 
     def _mirrored(self, message: tuple, call: Any, *args: Any) -> Any:
-        if self.broken is not None:
-            raise TensorParallelError(self.broken)
         self.workers.check()
         try:
             self.workers.channel.send(message)
@@ -72,8 +69,8 @@ class MirroredRunner:
             raise self._broke(exc) from exc
 
     def _broke(self, exc: Exception) -> TensorParallelError:
-        self.broken = self.workers.exited() or (
+        """The ranks are out of step for good: every later call raises (`Workers.check`)."""
+        self.workers.fail(self.workers.exited() or (
             f"a tensor-parallel model call failed on rank 0 ({type(exc).__name__}: {exc}); "
-            "the ranks are out of step and the engine cannot go on")
-        self.workers.fail(self.broken)
-        return TensorParallelError(self.broken)
+            "the ranks are out of step and the engine cannot go on"))
+        return TensorParallelError(self.workers.failure)
