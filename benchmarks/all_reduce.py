@@ -1,6 +1,7 @@
 """All-reduce latency between the GPUs of one host, at the sizes tensor parallelism sends:
-NCCL (what `distributed/group.py` calls today) against torch's symmetric-memory
-all-reduces (one-shot and two-shot: each rank reads its peers' buffers over NVLink; no
+NCCL against the engine's custom all-reduce (`peer`: `distributed/peer_all_reduce.py`,
+`EngineConfig.custom_all_reduce`) and torch's symmetric-memory all-reduces called
+directly (one-shot and two-shot: each rank reads its peers' buffers over NVLink; no
 multicast, which this host keeps off), eager and inside a CUDA graph.
 
 Why: at TP=2 on the Llama-3.1-8B shape each decode step runs 65 collectives (two 8 KB
@@ -11,9 +12,11 @@ the latter for small tensors.
 
 For each method and size (bf16 rows of `--hidden` values: 1 row is a batch-1 decode step's
 all-reduce, 8 and 32 larger batches, 2048 a prefill chunk), on every rank:
-- correctness: each rank's input is random from its own seed; the result must equal the
-  float32 sum of every rank's input (computed from an NCCL all-gather) within bf16
-  rounding of the sum (|diff| <= 2^-7 x max |sum| + 1e-2);
+- correctness: three inputs per rank, random from its own seeds; each result must equal
+  the float32 sum of every rank's input (computed from an NCCL all-gather) within bf16
+  rounding of the sum (|diff| <= 2^-7 x max |sum| + 1e-2); in the graph the all-reduces
+  cycle through the three, each into a tensor of its own, so one that read a staging
+  buffer a later all-reduce had already overwritten would be caught;
 - eager latency: median over `--reps` of one all-reduce (device events, rank 0);
 - graph latency: `--graph-ops` all-reduces captured in one CUDA graph (as a decode step's
   are), replayed; median per all-reduce.
@@ -21,7 +24,8 @@ A method that fails to set up (no symmetric memory in this torch, no CUDA) is re
 with why, on every rank alike, and the others still run.
 
     torchrun-free: python benchmarks/all_reduce.py [--ranks 2]   # spawns the ranks itself
-    python benchmarks/all_reduce.py --tiny                        # CPU (gloo): NCCL's row only
+    python benchmarks/all_reduce.py --tiny                        # CPU (gloo): NCCL and
+                                                                  # peer's refusal
 
 Writes benchmarks/results/all_reduce_<device>.json; rank 0 prints the table.
 """
@@ -45,22 +49,35 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
-METHODS = ("nccl", "symm_one_shot", "symm_two_shot")
+METHODS = ("nccl", "peer", "symm_one_shot", "symm_two_shot")
 
 
 # -- the methods ------------------------------------------------------------------------------
 class Method:
-    """An all-reduce of a 1-D tensor into `out` (out of place), or why it cannot run."""
+    """An in-place all-reduce of a 1-D tensor, or why it cannot run. `peer` is the engine's
+    own (`infer.distributed.peer_all_reduce`, `EngineConfig.custom_all_reduce`); the
+    `symm_*` rows call torch's kernels directly, staging through a symmetric buffer."""
 
     def __init__(self, name: str, max_numel: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.name, self.why_not = name, None
         self.buffer: torch.Tensor | None = None
         try:
-            if name != "nccl":
+            if name == "peer":
+                self._setup_peer(max_numel * torch.finfo(dtype).bits // 8, device)
+            elif name != "nccl":
                 self._setup_symm(max_numel, dtype, device)
         except Exception as exc:  # reported in the table
             self.why_not = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+
+    def _setup_peer(self, max_bytes: int, device: torch.device) -> None:
+        from infer.distributed.peer_all_reduce import PeerAllReduce
+
+        # A cpu group as the engine has one (init_group): where the ranks agree.
+        self.cpu_group = dist.new_group(backend="gloo")
+        self.peer = PeerAllReduce.create(dist.group.WORLD, self.cpu_group, device, max_bytes)
+        if self.peer is None:
+            raise RuntimeError("PeerAllReduce.create declined (see its log line)")
 
     def _setup_symm(self, max_numel: int, dtype: torch.dtype, device: torch.device) -> None:
         if device.type != "cuda":
@@ -71,19 +88,21 @@ class Method:
         self.buffer = symm_mem.empty(max_numel, dtype=dtype, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
+    def __call__(self, t: torch.Tensor) -> None:
         if self.name == "nccl":
-            out.copy_(x)
-            dist.all_reduce(out)
+            dist.all_reduce(t)
+            return
+        if self.name == "peer":
+            assert self.peer(t), "the engine's all-reduce declined a tensor it should take"
             return
         assert self.buffer is not None
-        staged = self.buffer[:x.numel()]
-        staged.copy_(x)
+        staged = self.buffer[:t.numel()]
+        staged.copy_(t)
         if self.name == "symm_one_shot":
-            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, out)
+            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, t)
         else:
             torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.group_name)
-            out.copy_(staged)
+            t.copy_(staged)
 
 
 # -- one rank ---------------------------------------------------------------------------------
@@ -121,43 +140,59 @@ def timed_ms(fn: Callable[[], None], reps: int) -> float:
 
 
 def measure(method: Method, rows: int, args, rank: int, world: int) -> dict[str, Any]:
+    """Three different inputs per rank, each checked against the float32 sum of every
+    rank's; the graph's all-reduces cycle through them, each into its own tensor, so an
+    all-reduce that read a buffer a later one had overwritten would show."""
     numel = rows * args.hidden
     dtype = torch.bfloat16 if _device.type == "cuda" else torch.float32
-    gen = torch.Generator(device="cpu").manual_seed(1000 * rows + rank)
-    x = torch.randn(numel, generator=gen).to(_device, dtype)
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x)
-    expected = torch.stack([p.float() for p in parts]).sum(0)
-    out = torch.full_like(x, float("nan"))
-    method(x, out)
+    xs, expected = [], []
+    for k in range(3):
+        gen = torch.Generator(device="cpu").manual_seed(1000 * rows + 100 * k + rank)
+        x = torch.randn(numel, generator=gen).to(_device, dtype)
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x)
+        xs.append(x)
+        expected.append(torch.stack([p.float() for p in parts]).sum(0))
+    tol = [2.0 ** -7 * e.abs().max().item() + 1e-2 for e in expected]
+
+    def worst(ts: list[torch.Tensor]) -> tuple[float, bool]:
+        diffs = [(t.float() - expected[i % 3]).abs().max().item() for i, t in enumerate(ts)]
+        return max(diffs), all(d <= tol[i % 3] for i, d in enumerate(diffs))
+
+    ts = [x.clone() for x in xs]
+    for t in ts:
+        method(t)
     if _device.type == "cuda":
         torch.cuda.synchronize()
-    diff = (out.float() - expected).abs().max().item()
-    tol = 2.0 ** -7 * expected.abs().max().item() + 1e-2
+    diff, ok = worst(ts)
     row: dict[str, Any] = dict(method=method.name, rows=rows, numel=numel,
-                               bytes=numel * x.element_size(), KB=numel * x.element_size() / 1024,
-                               max_abs_diff=diff,
-                               correct=agree(diff <= tol))
-    row["eager_us"] = timed_ms(lambda: method(x, out), args.reps) * 1e3
+                               bytes=numel * xs[0].element_size(),
+                               KB=numel * xs[0].element_size() / 1024,
+                               max_abs_diff=diff, correct=agree(ok))
+    # In place, again and again: the values double each time (bf16 holds 2^100 easily).
+    t = xs[0].clone()
+    row["eager_us"] = timed_ms(lambda: method(t), args.reps) * 1e3
     if _device.type == "cuda" and not args.no_graphs:
         graph = torch.cuda.CUDAGraph()
-        outs = [torch.empty_like(x) for _ in range(2)]
+        gts = [xs[i % 3].clone() for i in range(args.graph_ops)]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for i in range(3):  # warm-up outside the capture, as the engine's graphs do
-                method(x, outs[i % 2])
+                method(gts[i])
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         dist.barrier()
         with torch.cuda.graph(graph):
-            for i in range(args.graph_ops):
-                method(x, outs[i % 2])
-        outs[0].fill_(float("nan"))
+            for g in gts:
+                method(g)
+        for i, g in enumerate(gts):
+            g.copy_(xs[i % 3])
+        dist.barrier()
         graph.replay()
         torch.cuda.synchronize()
-        diff = (outs[(args.graph_ops - 1) % 2].float() - expected).abs().max().item()
-        row["graph_correct"] = agree(diff <= tol)
+        _, ok = worst(gts)
+        row["graph_correct"] = agree(ok)
         row["graph_us"] = timed_ms(graph.replay, args.reps) * 1e3 / args.graph_ops
         del graph
     return row
@@ -221,7 +256,7 @@ def main() -> None:
     parser.add_argument("--results-dir", default=str(common.RESULTS))
     args = parser.parse_args()
     if args.tiny:
-        args.hidden, args.rows, args.reps, args.methods = 64, [1, 8], 5, ["nccl"]
+        args.hidden, args.rows, args.reps, args.methods = 64, [1, 8], 5, ["nccl", "peer"]
     elif torch.cuda.device_count() < args.ranks:
         raise SystemExit(f"{torch.cuda.device_count()} GPU(s) visible, --ranks {args.ranks}")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

@@ -11,7 +11,11 @@ tensor_parallel_size=N)`; shut down and its memory freed before the next one sta
   `run_infer`): 256 sequences, prompts of U[100, 1024] random token ids (< 10000), output
   lengths U[100, 1024], temperature 0.6, ignore_eos; output tokens / seconds;
 - the correctness check (`--check` runs only it): 64 random 128-token prompts, greedy, 128
-  new tokens, `SamplingParams(logprobs=2)`.
+  new tokens, `SamplingParams(logprobs=2)`;
+- `--parts profile` (not by default): where rank 0's GPU time goes at batch 1 — one
+  sequence of 64 greedy tokens under torch.profiler, after a warm-up: the kernels with the
+  most device time, all-reduce kernels summed apart, per decode step, against the wall
+  time per step (a gap between them: the GPU idles, waiting for the host).
 
 One engine serves all three, sized for the largest (max_num_seqs 256, 16384 tokens a step,
 max_model_len the longest sequence + 16); `--engine` flags go on top.
@@ -78,7 +82,7 @@ import decode
 import throughput
 
 NAME = "tensor_parallel"
-PARTS = ("decode", "throughput", "check")
+PARTS = ("decode", "throughput", "check", "profile")
 TARGET_SPEEDUP, TARGET_BW = 1.7, 0.75  # batch-1 decode TP=2 / TP=1; per-rank copy BW
 
 
@@ -298,10 +302,54 @@ def run_tp(tp: int, llm, args, shape: dict, counts: common.ShapeCounts, norms: i
         print(f"[tp={tp}] throughput: {row['output_tokens']} tokens in {row['seconds']:.1f} s "
               f"= {row['tok_per_s']:.0f} tok/s", flush=True)
         emit("throughput", row)
+    if "profile" in args.parts and torch.cuda.is_available():
+        with phase(f"tp={tp} profile"):
+            emit("profile", {"tp": tp, **profile_decode(llm, args.prompt_len, vocab, tp)})
     if "check" in args.parts:
         with phase(f"tp={tp} check"):
             return greedy_top2(llm, check_prompts, args.check_tokens)
     return None
+
+
+def profile_decode(llm, prompt_len: int, vocab: int, tp: int, new_tokens: int = 64
+                   ) -> dict[str, Any]:
+    """Rank 0's kernels over one batch-1 run of `new_tokens` greedy tokens (the prompt's
+    prefill is one step of it, amortised in the per-step figures)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from infer import SamplingParams
+
+    prompt = {"prompt_token_ids": common.random_prompts(random.Random(7), 1, prompt_len,
+                                                         vocab)[0]}
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate([prompt], params, use_tqdm=False)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        wall = time.perf_counter() - t
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0
+               and e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: -e.device_time_total)
+    per_step = 1e3 / new_tokens  # us totals -> us per step (ms: / 1e3)
+
+    def is_all_reduce(name: str) -> bool:
+        return "allreduce" in name.replace("_", "").lower()
+
+    total = sum(e.device_time_total for e in kernels)
+    reduce = sum(e.device_time_total for e in kernels if is_all_reduce(e.key))
+    out = dict(new_tokens=new_tokens, wall_ms_per_step=wall * 1e3 / new_tokens,
+               kernel_ms_per_step=total * per_step / 1e6,
+               all_reduce_ms_per_step=reduce * per_step / 1e6,
+               top=[dict(kernel=e.key[:90], calls_per_step=e.count / new_tokens,
+                         us_per_step=e.device_time_total / new_tokens)
+                    for e in kernels[:15]])
+    print(f"[tp={tp}] profile, batch 1, per step: wall {out['wall_ms_per_step']:.2f} ms, "
+          f"kernels {out['kernel_ms_per_step']:.2f} ms, of which all-reduce "
+          f"{out['all_reduce_ms_per_step']:.2f} ms", flush=True)
+    for row in out["top"]:
+        print(f"    {row['us_per_step']:8.1f} us  x{row['calls_per_step']:5.1f}  "
+              f"{row['kernel']}", flush=True)
+    return out
 
 
 # -- the table ------------------------------------------------------------------------------
@@ -415,7 +463,7 @@ def main() -> None:
         max_num_batched_tokens=16384)
     flags = common.merged_flags(defaults, user_flags)
     res: dict[str, Any] = dict(model=args.model, ceilings=ceil, decode=[], throughput=[],
-                               check=[], errors={}, engines={})
+                               check=[], profile=[], errors={}, engines={})
     out = None
 
     def save() -> None:
@@ -450,7 +498,8 @@ def main() -> None:
             res["errors"][str(tp)] = f"{type(exc).__name__}: {exc}"
         finally:
             if llm is not None:
-                dispose(llm)
+                with phase(f"tp={tp} shutdown"):
+                    dispose(llm)
             llm = None
             common.free_memory()
         save()
@@ -472,7 +521,8 @@ def main() -> None:
              "throughput": f"throughput {args.num_seqs} seqs, input [{args.min_input}, "
                            f"{args.max_input}], output [{args.min_output}, {args.max_output}], "
                            f"temperature {args.temperature}",
-             "check": f"check {args.check_prompts} prompts x {args.check_tokens} tokens"}
+             "check": f"check {args.check_prompts} prompts x {args.check_tokens} tokens",
+             "profile": "profile: batch 1, 64 tokens"}
     print(f"{args.model}{' (tiny)' if args.tiny else ''} on {common.device_name()}: copy "
           f"{ceil['copy_GBps']:.0f} GB/s on {where}; "
           + "; ".join(parts[p] for p in PARTS if p in args.parts) + f"; engine flags {flags}")

@@ -197,7 +197,11 @@ def main() -> None:
     if args.tiny:
         cmd += ["--device", "cpu"]
     for name, value in flags.items():
-        cmd += [f"--{name.replace('_', '-')}", str(value)]
+        flag = name.replace("_", "-")
+        if isinstance(value, bool):  # the CLI's booleans: --flag / --no-flag
+            cmd.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            cmd += [f"--{flag}", str(value)]
     log_path = common.results_path("tp_kill", args).with_suffix(".log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()

@@ -65,6 +65,8 @@ VARIANTS = {
                        max_num_seqs=4),
     "static": dict(num_blocks=64, batching_mode="static", max_num_seqs=2),
     "preempting": dict(num_blocks=10, block_size=4, prefix_caching=False),
+    # No peer memory between CPU ranks: every rank must decline it alike and use gloo.
+    "custom-all-reduce": dict(num_blocks=64, custom_all_reduce=True),
 }
 
 

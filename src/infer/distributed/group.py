@@ -5,6 +5,7 @@ Two torch.distributed groups over the same ranks: `device_group` moves tensors (
 GPUs, gloo on CPUs; the model's all-reduces, the LM head's gather, the step's token ids),
 `cpu_group` (gloo) moves Python objects (each step's inputs) without touching the GPU.
 A group of size 1 calls nothing: it is what every layer gets outside tensor parallelism.
+With `peer`, small all-reduces skip NCCL and go over peer memory (`peer_all_reduce.py`).
 
 Layers take the group in effect when they are built (`tensor_parallel(group)`), as they
 take their linear method, so a model file never mentions ranks.
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from infer.distributed.peer_all_reduce import PeerAllReduce
+
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
@@ -28,10 +31,11 @@ class TensorParallelGroup:
     size: int = 1
     device_group: Any = None  # torch.distributed ProcessGroup (None: size 1)
     cpu_group: Any = None
+    peer: PeerAllReduce | None = None  # the custom all-reduce, where it is on
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x` (in place; returned)."""
-        if self.size > 1:
+        if self.size > 1 and (self.peer is None or not self.peer(x)):
             dist.all_reduce(x, group=self.device_group)
         return x
 
@@ -79,9 +83,11 @@ SINGLE = TensorParallelGroup()
 
 
 def init_group(rank: int, size: int, init_method: str, device: torch.device,
-               timeout_s: float = 600.0) -> TensorParallelGroup:
+               custom_all_reduce: bool = False, timeout_s: float = 600.0
+               ) -> TensorParallelGroup:
     """Join the `size`-rank world at `init_method` (tcp://host:port, env://, file://) as
-    `rank`: NCCL for tensors on a GPU, gloo on a CPU, gloo for objects either way."""
+    `rank`: NCCL for tensors on a GPU, gloo on a CPU, gloo for objects either way; with
+    `custom_all_reduce`, small all-reduces over peer memory where every rank can."""
     from datetime import timedelta
 
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -93,7 +99,9 @@ def init_group(rank: int, size: int, init_method: str, device: torch.device,
                             timeout=timeout, **kwargs)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" \
         else dist.group.WORLD
-    return TensorParallelGroup(rank, size, dist.group.WORLD, cpu_group)
+    peer = PeerAllReduce.create(dist.group.WORLD, cpu_group, device) \
+        if custom_all_reduce else None
+    return TensorParallelGroup(rank, size, dist.group.WORLD, cpu_group, peer)
 
 _CURRENT: ContextVar[TensorParallelGroup] = ContextVar("tensor_parallel_group", default=SINGLE)
 

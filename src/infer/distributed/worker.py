@@ -57,7 +57,7 @@ def worker_main(config: EngineConfig, rank: int, size: int, init_method: str,
         torch.cuda.set_device(device)
     else:
         set_cpu_threads(config.threads)
-    group = init_group(rank, size, init_method, device)
+    group = init_group(rank, size, init_method, device, config.custom_all_reduce)
     model, model_config, *_ = load_model_shard(config, dtype, device, group)
     config, max_model_len = group.broadcast_object()  # as rank 0 settled them
     runner = build_runner(config, model, model_config, device, dtype, max_model_len,

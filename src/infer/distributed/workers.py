@@ -7,7 +7,8 @@ rank is already running and they meet where torchrun says (`env://`), across hos
 A worker that exits while the engine runs leaves the ranks unable to go on: the watcher
 records why (`failure`), stops the other workers and aborts the device group, so that a
 collective rank 0 waits in fails instead of hanging; every later model call raises
-`TensorParallelError`.
+`TensorParallelError`. With the custom all-reduce (`peer_all_reduce.py`) the watcher
+exits the process instead: a kernel of rank 0 may wait for the dead rank for good.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class Workers:
             if int(os.environ["WORLD_SIZE"]) != size:
                 raise ValueError(f"tensor_parallel_size={size} but torchrun started "
                                  f"WORLD_SIZE={os.environ['WORLD_SIZE']} ranks")
-            group = init_group(0, size, "env://", device)
+            group = init_group(0, size, "env://", device, config.custom_all_reduce)
             return cls([], group, GlooChannel(group))
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = multiprocessing.get_context("spawn")
@@ -75,7 +76,7 @@ class Workers:
         for receiver in receivers:  # the worker's now: a dead worker breaks our sends
             receiver.close()
         try:
-            group = _join(processes, size, init_method, device)
+            group = _join(processes, size, init_method, device, config.custom_all_reduce)
         except BaseException:
             _stop(processes)
             raise
@@ -109,17 +110,22 @@ class Workers:
             return
         self._stopping = True
         atexit.unregister(self.shutdown)
+        left = False
         if self.failure is None and self.group.size > 1:
             with contextlib.suppress(Exception):  # a worker already gone: stopped below
                 self.channel.send(("stop",))
-                # Every rank leaves the group together (a rank torchrun started is not
-                # ours to join).
+                # Every rank leaves the group together, as the workers do after this
+                # barrier: destroying an NCCL group waits for the peers' own destroy, so
+                # rank 0 must not wait for the workers' exit first (a rank torchrun
+                # started is not ours to join).
                 self.group.barrier()
+                dist.destroy_process_group()
+                left = True
         self.channel.close()
         _stop(self.processes, _STOP_TIMEOUT_S)
         if self.failure is not None:
             self._abort()
-        elif dist.is_initialized():
+        elif not left and dist.is_initialized():
             dist.destroy_process_group()
 
     def _watch(self) -> None:
@@ -133,6 +139,13 @@ class Workers:
         log.error("%s: stopping the other ranks", self.failure)
         _stop(self.processes)
         self._abort()
+        if self.group.peer is not None:
+            # A custom all-reduce waits for its peers in a kernel, which no abort ends:
+            # this GPU may never finish its stream again, so this process cannot go on.
+            log.error("custom all-reduce: rank 0's GPU may wait for the dead rank for "
+                      "good; exiting")
+            logging.shutdown()
+            os._exit(1)
 
     def _abort(self) -> None:
         """An NCCL collective rank 0 waits in (or will) returns with an error."""
@@ -149,14 +162,14 @@ def _exited(rank: int, process: multiprocessing.process.BaseProcess) -> str:
 
 
 def _join(processes: list[multiprocessing.process.BaseProcess], size: int, init_method: str,
-          device: torch.device) -> TensorParallelGroup:
+          device: torch.device, custom_all_reduce: bool) -> TensorParallelGroup:
     """Form the group in a thread, so that a worker that dies before it joins ends the
     wait at once (the rendezvous itself would wait for its timeout)."""
     result: list = []
 
     def rendezvous() -> None:
         try:
-            result.append(init_group(0, size, init_method, device))
+            result.append(init_group(0, size, init_method, device, custom_all_reduce))
         except BaseException as exc:
             result.append(exc)
 

@@ -133,6 +133,11 @@ class EngineConfig:
         1, "N: shard the model over N ranks (one process per GPU, or per CPU rank), each "
         "with its part of every layer's heads and features and of the KV cache; NCCL on "
         "GPUs, gloo on CPUs (distributed/ says more)")
+    custom_all_reduce: bool = knob(
+        False, "tensor parallelism on one host's GPUs: all-reduces up to 1 MiB (decode "
+        "steps') over peer memory in one kernel (torch symmetric memory, one-shot) instead "
+        "of NCCL; NCCL where the GPUs cannot read each other's memory. A rank that dies "
+        "then ends rank 0's process too (its GPU may wait in that kernel for good)")
 
     def __post_init__(self) -> None:
         for f in fields(self):
