@@ -493,6 +493,8 @@ def main() -> None:
                          phase)
             if got is not None:
                 runs[tp] = got
+                if tp != 1 and 1 in runs:  # saved now: a shutdown that hangs cannot lose it
+                    emit("check", compare(runs[1], got, tp))
         except Exception as exc:  # one TP size failing must not sink the others; say why
             traceback.print_exc()
             res["errors"][str(tp)] = f"{type(exc).__name__}: {exc}"
@@ -504,10 +506,6 @@ def main() -> None:
             common.free_memory()
         save()
 
-    if 1 in runs:
-        for tp, got in runs.items():
-            if tp != 1:
-                res["check"].append(compare(runs[1], got, tp))
     done = [tp for tp in args.tp if str(tp) not in res["errors"]]
     rows, cols = summary(done, res["decode"], res["throughput"], args.batches) if done \
         else ([], [])

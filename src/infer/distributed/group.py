@@ -13,6 +13,8 @@ take their linear method, so a model file never mentions ranks.
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -23,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from infer.distributed.peer_all_reduce import PeerAllReduce
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,26 @@ def init_group(rank: int, size: int, init_method: str, device: torch.device,
     peer = PeerAllReduce.create(dist.group.WORLD, cpu_group, device) \
         if custom_all_reduce else None
     return TensorParallelGroup(rank, size, dist.group.WORLD, cpu_group, peer)
+
+def leave_world(wait_s: float = 10.0) -> None:
+    """Leave the torch.distributed world, after every rank's last collective and after
+    the CUDA graphs that captured its collectives are destroyed (NCCL's teardown waits
+    for them: with them alive it never returned on two H200s). A world with NCCL is
+    aborted, not destroyed (no rank waits for another; the global state is cleared as by
+    destroy, so that a later engine can form a world again); gloo's is destroyed.
+    At most `wait_s` is spent: the teardown runs in a thread of its own, left behind
+    (and logged) if it has not ended by then."""
+    if not dist.is_initialized():
+        return
+    nccl = dist.get_backend() == "nccl"
+    leave = dist.distributed_c10d._abort_process_group if nccl else dist.destroy_process_group
+    thread = threading.Thread(target=leave, name="infer-tp-leave", daemon=True)
+    thread.start()
+    thread.join(wait_s)
+    if thread.is_alive():
+        log.warning("the tensor-parallel world was not torn down in %.0f s; going on "
+                    "without waiting", wait_s)
+
 
 _CURRENT: ContextVar[TensorParallelGroup] = ContextVar("tensor_parallel_group", default=SINGLE)
 

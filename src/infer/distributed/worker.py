@@ -26,10 +26,9 @@ import time
 from multiprocessing.connection import Connection
 
 import torch
-import torch.distributed as dist
 
 from infer.distributed.channel import GlooChannel, PipeReceiver
-from infer.distributed.group import TensorParallelGroup, init_group
+from infer.distributed.group import TensorParallelGroup, init_group, leave_world
 from infer.engine.config import EngineConfig
 from infer.engine.model_runner import ModelRunner
 
@@ -65,8 +64,9 @@ def worker_main(config: EngineConfig, rank: int, size: int, init_method: str,
     if uses_graphs(config, device, runner.attention_backend):
         capture_graphs(runner, config, max_model_len)
     serve(runner, group, GlooChannel(group) if messages is None else PipeReceiver(messages))
+    runner.release_graphs()
     group.barrier()  # rank 0 leaves the group with us
-    dist.destroy_process_group()
+    leave_world()
 
 
 def serve(runner: ModelRunner, group: TensorParallelGroup,

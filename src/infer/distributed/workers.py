@@ -26,13 +26,14 @@ import torch
 import torch.distributed as dist
 
 from infer.distributed.channel import GlooChannel, PipeSender
-from infer.distributed.group import TensorParallelGroup, init_group
+from infer.distributed.group import TensorParallelGroup, init_group, leave_world
 from infer.distributed.torchrun import torchrun_rank
 from infer.distributed.worker import worker_main
 from infer.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 _STOP_TIMEOUT_S = 10.0
+_ABORT_WAIT_S = 2.0
 
 
 class TensorParallelError(RuntimeError):
@@ -110,23 +111,18 @@ class Workers:
             return
         self._stopping = True
         atexit.unregister(self.shutdown)
-        left = False
         if self.failure is None and self.group.size > 1:
             with contextlib.suppress(Exception):  # a worker already gone: stopped below
                 self.channel.send(("stop",))
-                # Every rank leaves the group together, as the workers do after this
-                # barrier: destroying an NCCL group waits for the peers' own destroy, so
-                # rank 0 must not wait for the workers' exit first (a rank torchrun
-                # started is not ours to join).
+                # Every rank leaves the world after this barrier, the workers too (a
+                # rank torchrun started is not ours to join).
                 self.group.barrier()
-                dist.destroy_process_group()
-                left = True
         self.channel.close()
         _stop(self.processes, _STOP_TIMEOUT_S)
         if self.failure is not None:
             self._abort()
-        elif not left and dist.is_initialized():
-            dist.destroy_process_group()
+        else:
+            leave_world()
 
     def _watch(self) -> None:
         by_sentinel = {p.sentinel: (rank, p) for rank, p in enumerate(self.processes, 1)}
@@ -148,12 +144,22 @@ class Workers:
             os._exit(1)
 
     def _abort(self) -> None:
-        """An NCCL collective rank 0 waits in (or will) returns with an error."""
-        if self.group.device_group is not None and torch.cuda.is_available():
-            try:
-                dist.distributed_c10d._abort_process_group(self.group.device_group)
-            except Exception:
-                log.exception("could not abort the tensor-parallel group")
+        """An NCCL collective rank 0 waits in (or will) returns with an error. NCCL flags
+        the abort at once but then waits for the CUDA graphs that captured its
+        collectives, which are still alive: that part is left to a thread of its own."""
+        if self.group.device_group is None or not torch.cuda.is_available():
+            return
+        thread = threading.Thread(target=_abort_world, name="infer-tp-abort", daemon=True)
+        thread.start()
+        thread.join(_ABORT_WAIT_S)
+
+
+def _abort_world() -> None:
+    try:
+        if dist.is_initialized():  # a second abort after the first ended: nothing left
+            dist.distributed_c10d._abort_process_group()
+    except Exception:
+        log.exception("could not abort the tensor-parallel group")
 
 
 def _exited(rank: int, process: multiprocessing.process.BaseProcess) -> str:

@@ -735,6 +735,8 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if this core started them."""
         if self.workers is not None:
+            if self.workers.failure is None:  # else the device may never finish its work
+                self.runner.release_graphs()
             self.workers.shutdown()
 
     def stats(self) -> dict[str, float]:

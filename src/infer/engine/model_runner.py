@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -115,6 +116,15 @@ class ModelRunner:
         self.piecewise = PiecewiseGraphs(self.model, self.backend, max_tokens, self.device,
                                          capture=capture, pool=self._graph_pool())
         return self.piecewise
+
+    def release_graphs(self) -> None:
+        """Drop every captured graph, once the device has finished with them. Before a
+        tensor-parallel world is left: NCCL's teardown waits until each graph that
+        captured one of its collectives is destroyed."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.graphs = self.verify_graphs = self.mixed = self.piecewise = None
+        gc.collect()
 
     def _graph_pool(self) -> object:
         """The memory pool graphs captured so far share (None: none captured yet). Steps
