@@ -257,12 +257,15 @@ ATTN_CASES = [
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window", "softcap"), ATTN_CASES)
-@pytest.mark.parametrize(("num_splits", "counters"), [(1, False), (3, False), (3, True)])
+@pytest.mark.parametrize(("num_splits", "counters", "min_keys"),
+                         [(1, False, 256), (3, False, 16), (3, True, 16), (4, True, 256)])
 def test_paged_decode(heads, kv_heads, head_dim, window, softcap, num_splits,
-                      counters) -> None:
+                      counters, min_keys) -> None:
     """Split, the partials are combined by a second launch, or (`counters`) by the last
-    split to finish, which leaves the counters at zero for the next launch."""
-    seq_lens = [1, 40, 17, 66]
+    split to finish, which leaves the counters at zero for the next launch. With at least
+    `min_keys` keys a split, the shorter sequences have fewer live splits than the launch
+    (256: each but the longest one only)."""
+    seq_lens = [1, 40, 17, 66, 300]
     meta, q, (k_cache, v_cache), (k_ref, v_ref) = _paged_case(
         [1] * len(seq_lens), seq_lens, heads, kv_heads, head_dim)
     scale = head_dim ** -0.5
@@ -272,7 +275,8 @@ def test_paged_decode(heads, kv_heads, head_dim, window, softcap, num_splits,
     for _ in range(2 if counters else 1):
         out = torch.full_like(q, float("nan"))
         paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, window,
-                     softcap, num_splits=num_splits, out=out, split_counters=split_counters)
+                     softcap, num_splits=num_splits, out=out, split_counters=split_counters,
+                     min_split_keys=min_keys)
         assert_close(out, expected)
         if counters:
             assert not split_counters.any(), "the counters must be back at zero"

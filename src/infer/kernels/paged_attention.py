@@ -72,16 +72,17 @@ def _attend(
 
 @triton.jit
 def _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq, heads, num_heads, num_splits,
-                    head_dim, stride_ot, stride_oh, dims, qmask, gmask, BLOCK_G: tl.constexpr,
-                    BLOCK_D: tl.constexpr, L2_ONLY: tl.constexpr):
-    """out of `heads` = the splits' partials weighted by 2^lse. Split 0 always holds the
-    first visible key, so its lse is finite; empty splits (lse = -inf) weigh 0."""
+                    count, head_dim, stride_ot, stride_oh, dims, qmask, gmask,
+                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, L2_ONLY: tl.constexpr):
+    """out of `heads` = the first `count` splits' partials weighted by 2^lse. Split 0
+    always holds the first visible key, so its lse is finite; empty splits (lse = -inf)
+    weigh 0."""
     row0 = (seq * num_heads + heads) * num_splits
     m = tl.load(part_lse_ptr + row0, mask=gmask, other=0.0,
                 cache_modifier=".cg" if L2_ONLY else "")
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     total = tl.zeros([BLOCK_G], dtype=tl.float32)
-    for split in range(0, num_splits):
+    for split in range(0, count):
         lse = tl.load(part_lse_ptr + row0 + split, mask=gmask, other=float("-inf"),
                       cache_modifier=".cg" if L2_ONLY else "")
         m_new = tl.maximum(m, lse)
@@ -103,7 +104,8 @@ def _decode_kernel(
     counter_ptr,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ot, stride_oh,
-    num_heads, num_kv_heads, num_splits, scale, softcap, window, head_dim, group,
+    num_heads, num_kv_heads, num_splits, min_split_keys, scale, softcap, window, head_dim,
+    group,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, LAST_COMBINES: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
@@ -115,9 +117,16 @@ def _decode_kernel(
     lo = 0
     if WINDOW:
         lo = tl.maximum(seq_len - window, 0)
-    # Split-K: the visible keys [lo, seq_len) are cut into num_splits chunks (whole tiles
-    # each); chunks past the end are empty and report lse = -inf.
-    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    # Split-K: the visible keys [lo, seq_len) are cut into chunks of whole tiles, at least
+    # min_split_keys each, so a short sequence in a launch made for long ones (a CUDA
+    # graph's) uses only the first `live` splits; the rest are empty and report
+    # lse = -inf, or, where the last split combines, take no part at all.
+    span = seq_len - lo
+    chunk = tl.cdiv(tl.maximum(tl.cdiv(span, num_splits), min_split_keys), BLOCK_N) * BLOCK_N
+    live = tl.cdiv(span, chunk)
+    if LAST_COMBINES:  # noqa: SIM102 (a constexpr branch: the runtime test is not compiled in)
+        if split >= live:
+            return
     s_lo = lo + split * chunk
     s_hi = tl.minimum(s_lo + chunk, seq_len)
 
@@ -139,28 +148,43 @@ def _decode_kernel(
         BLOCK_SIZE, BLOCK_N, BLOCK_D, False, SOFTCAP, False, PRECISION,
     )
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out_ptrs = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     if SPLIT:
-        # Partials: o normalised within the split, lse = m + log2(l) (base 2).
-        row = (seq * num_heads + heads) * num_splits + split
-        tl.store(part_o_ptr + row[:, None] * head_dim + dims[None, :], o, mask=qmask)
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-        tl.store(part_lse_ptr + row, lse, mask=g < group)
         if LAST_COMBINES:
-            # The last split of (seq, kv head) to finish combines them, instead of a second
-            # launch. The barrier puts every thread's partial stores before the atomic,
-            # which publishes them (release) and orders the combining reads after it
-            # (acquire); the counter goes back to 0 for the next launch.
-            tl.debug_barrier()
-            counter = counter_ptr + seq * num_kv_heads + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-                _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq, heads, num_heads,
-                                num_splits, head_dim, stride_ot, stride_oh, dims, qmask,
-                                g < group,
-                                BLOCK_G, BLOCK_D, True)
-                tl.atomic_xchg(counter, 0, sem="relaxed")
+            if live == 1:  # the only split with keys: nothing to combine
+                tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=qmask)
+            else:
+                _store_partial(part_o_ptr, part_lse_ptr, o, l_i, m_i, seq, heads, num_heads,
+                               num_splits, split, head_dim, dims, qmask, g < group)
+                # The last live split of (seq, kv head) to finish combines them, instead
+                # of a second launch. The barrier puts every thread's partial stores
+                # before the atomic, which publishes them (release) and orders the
+                # combining reads after it (acquire); the counter goes back to 0 for the
+                # next launch.
+                tl.debug_barrier()
+                counter = counter_ptr + seq * num_kv_heads + kv_head
+                if tl.atomic_add(counter, 1, sem="acq_rel") == live - 1:
+                    _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq, heads,
+                                    num_heads, num_splits, live, head_dim, stride_ot,
+                                    stride_oh, dims, qmask, g < group, BLOCK_G, BLOCK_D,
+                                    True)
+                    tl.atomic_xchg(counter, 0, sem="relaxed")
+        else:
+            _store_partial(part_o_ptr, part_lse_ptr, o, l_i, m_i, seq, heads, num_heads,
+                           num_splits, split, head_dim, dims, qmask, g < group)
     else:
-        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=qmask)
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+@triton.jit
+def _store_partial(part_o_ptr, part_lse_ptr, o, l_i, m_i, seq, heads, num_heads, num_splits,
+                   split, head_dim, dims, qmask, gmask):
+    """A split's partial: o normalised within the split, lse = m + log2(l) (base 2;
+    -inf for a split without keys)."""
+    row = (seq * num_heads + heads) * num_splits + split
+    tl.store(part_o_ptr + row[:, None] * head_dim + dims[None, :], o, mask=qmask)
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+    tl.store(part_lse_ptr + row, lse, mask=gmask)
 
 
 @triton.jit
@@ -174,7 +198,8 @@ def _reduce_kernel(
     dims = tl.arange(0, BLOCK_D)
     qmask = (heads[:, None] >= 0) & (dims[None, :] < head_dim)
     _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq, heads, num_heads, num_splits,
-                    head_dim, stride_ot, stride_oh, dims, qmask, heads >= 0, 1, BLOCK_D, False)
+                    num_splits, head_dim, stride_ot, stride_oh, dims, qmask, heads >= 0, 1,
+                    BLOCK_D, False)
 
 
 # Lengths that change from step to step are not specialised on (Triton would compile
@@ -282,13 +307,16 @@ def _common(q: torch.Tensor, k_cache: torch.Tensor, scale: float,
     )
 
 
+MIN_SPLIT_KEYS = 256
+
+
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
                        device: torch.device) -> int:
     """Split-K factor of a decode launch (the Triton attention backend's policy): enough
-    (seq, kv head, split) programs to fill the GPU about twice, but at least 256 keys per
-    split; a power of 2 so few kernel variants get compiled."""
+    (seq, kv head, split) programs to fill the GPU about twice, but at least
+    MIN_SPLIT_KEYS keys per split; a power of 2 so few kernel variants get compiled."""
     want = triton.cdiv(2 * _sm_count(device), max(num_seqs * num_kv_heads, 1))
-    splits = max(1, min(want, triton.cdiv(max_seq_len, 256), 64))
+    splits = max(1, min(want, triton.cdiv(max_seq_len, MIN_SPLIT_KEYS), 64))
     return triton.next_power_of_2(splits)
 
 
@@ -298,17 +326,20 @@ def paged_decode(
     logit_softcap: float | None = None, num_splits: int = 1,
     out: torch.Tensor | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None,
-    split_counters: torch.Tensor | None = None,
+    split_counters: torch.Tensor | None = None, min_split_keys: int = MIN_SPLIT_KEYS,
 ) -> torch.Tensor:
     """One new query per sequence (`q[i]` is sequence i's token at position seq_lens[i]-1,
     its K/V already stored). Launch shape depends only on `q.shape` and `num_splits`, never
     on sequence lengths. `block_n` (keys per tile), `num_warps` and `num_stages` override
     the tuned launch (benchmarks/decode_attention_tuning.py).
 
-    Split (num_splits > 1), the splits' partials are combined by a second launch, or, given
-    `split_counters` (int32, zeros, at least `num_seqs * kv_heads`; left zero after each
-    launch), by the last split of each (sequence, kv head) to finish: one launch fewer, for
-    CUDA graphs, whose buffers can hold the counters between replays."""
+    Split (num_splits > 1), each split takes at least `min_split_keys` keys (a sequence
+    too short for all of them leaves the last ones empty), and the splits' partials are
+    combined by a second launch, or, given `split_counters` (int32, zeros, at least
+    `num_seqs * kv_heads`; left zero after each launch), by the last split of each
+    (sequence, kv head) to finish: one launch fewer, for CUDA graphs, whose buffers can hold
+    the counters between replays; there empty splits end at once, and a sequence with one
+    live split writes its output without partials."""
     _check(q, k_cache, v_cache, block_tables, seq_lens)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -338,7 +369,7 @@ def paged_decode(
         split_counters if last_combines else seq_lens,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
-        num_heads, num_kv_heads, num_splits, **common,
+        num_heads, num_kv_heads, num_splits, min_split_keys, **common,
         BLOCK_G=max(16, triton.next_power_of_2(common["group"])),
         # Tuned on the H100 for head_dim 128 (benchmarks/decode_attention_tuning.py): 128
         # keys per tile and 4 warps beat 64 and 8 by 5-20 % from batch 1 to 256. Other
