@@ -21,6 +21,7 @@ import multiprocessing.connection
 import os
 import socket
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,9 @@ class Workers:
                  group: TensorParallelGroup, channel: PipeSender | GlooChannel) -> None:
         self.processes, self.group, self.channel = processes, group, channel
         self.failure: str | None = None
+        # Rank 0's runner drops its CUDA graphs here before the world is left (an NCCL
+        # teardown waits for the graphs that captured its collectives: group.leave_world).
+        self.before_leaving: Callable[[], None] | None = None
         self._stopping = False
         if processes:
             threading.Thread(target=self._watch, name="infer-tp-watch", daemon=True).start()
@@ -111,6 +115,8 @@ class Workers:
             return
         self._stopping = True
         atexit.unregister(self.shutdown)
+        if self.failure is None and self.before_leaving is not None:
+            self.before_leaving()  # not after a failure: the device may never finish
         if self.failure is None and self.group.size > 1:
             with contextlib.suppress(Exception):  # a worker already gone: stopped below
                 self.channel.send(("stop",))

@@ -186,6 +186,7 @@ class EngineCore:
         if tp.size > 1:
             # Every call that runs the model goes to the other ranks first (workers).
             self.runner = MirroredRunner(runner, tp, workers)
+            workers.before_leaving = runner.release_graphs
         self.sequences: dict[str, _Sequence] = {}
         # Sequences whose prompt logprobs are not all out yet (`prompt_logprobs.py`).
         self._prompt_lp: dict[str, PromptLogprobsState] = {}
@@ -735,8 +736,6 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if this core started them."""
         if self.workers is not None:
-            if self.workers.failure is None:  # else the device may never finish its work
-                self.runner.release_graphs()
             self.workers.shutdown()
 
     def stats(self) -> dict[str, float]:
