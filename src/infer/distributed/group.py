@@ -107,6 +107,7 @@ def init_group(rank: int, size: int, init_method: str, device: torch.device,
         if custom_all_reduce else None
     return TensorParallelGroup(rank, size, dist.group.WORLD, cpu_group, peer)
 
+
 def leave_world(wait_s: float = 10.0) -> None:
     """Leave the torch.distributed world, after every rank's last collective and after
     the CUDA graphs that captured its collectives are destroyed (NCCL's teardown waits
