@@ -114,6 +114,18 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-peer", action="store_true", help="skip HF transformers")
 
 
+def cli_flags(flags: dict[str, Any]) -> list[str]:
+    """Engine flags as `infer serve` takes them (booleans as --name / --no-name)."""
+    out = []
+    for name, value in flags.items():
+        name = name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(f"--{name}" if value else f"--no-{name}")
+        else:
+            out.append(f"--{name}={value}")
+    return out
+
+
 def merged_flags(defaults: dict[str, Any], user: dict[str, Any]) -> dict[str, Any]:
     """The script's sizing defaults (max_model_len, max_num_seqs, ...) under the user's."""
     return {**defaults, **user}

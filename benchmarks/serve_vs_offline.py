@@ -228,18 +228,6 @@ def _pythonpath(root: str | None):
             os.environ["PYTHONPATH"] = old
 
 
-def _cli(flags: dict) -> list[str]:
-    """Engine flags as `infer serve` takes them (booleans as --name / --no-name)."""
-    out = []
-    for name, value in flags.items():
-        name = name.replace("_", "-")
-        if isinstance(value, bool):
-            out.append(f"--{name}" if value else f"--no-{name}")
-        else:
-            out.append(f"--{name}={value}")
-    return out
-
-
 def run_server(kind: str, path: Path, flags: list[str], specs: list[Spec], clients: int,
                expected: int, old_root: str | None, results_dir: Path) -> dict:
     import serve_bench
@@ -294,7 +282,7 @@ def main() -> None:
     rows = []
     for seqs in args.seqs:
         flags = dict(user) if seqs == "default" else {**user, "max_num_seqs": int(seqs)}
-        cli = _cli(flags)
+        cli = common.cli_flags(flags)
         offline = run_offline(path, flags, specs)
         step_ms = offline["seconds"] / offline["steps"] * 1e3
         rows.append({"max_num_seqs": seqs, "path": "LLM.generate", **offline,
@@ -314,7 +302,7 @@ def main() -> None:
     if args.pressure:
         pspecs = pressure(vocab, scale=0.125 if args.tiny else 1.0,
                           long_len=64 if args.tiny else 2000)
-        cli = _cli(user)
+        cli = common.cli_flags(user)
         r = run_server("core-process", path, cli, pspecs, args.clients, pspecs[0][1],
                        None, results_dir)
         r["itl_p99_over_p50"] = (r["itl_s"]["p99"] or 0) / (r["itl_s"]["p50"] or 1)

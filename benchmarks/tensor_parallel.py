@@ -330,16 +330,17 @@ def profile_decode(llm, prompt_len: int, vocab: int, tp: int, new_tokens: int = 
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0
                and e.device_type == torch.autograd.DeviceType.CUDA]
     kernels.sort(key=lambda e: -e.device_time_total)
-    per_step = 1e3 / new_tokens  # us totals -> us per step (ms: / 1e3)
+
+    def ms_per_step(total_us: float) -> float:
+        return total_us / new_tokens / 1e3
 
     def is_all_reduce(name: str) -> bool:
         return "allreduce" in name.replace("_", "").lower()
 
-    total = sum(e.device_time_total for e in kernels)
-    reduce = sum(e.device_time_total for e in kernels if is_all_reduce(e.key))
     out = dict(new_tokens=new_tokens, wall_ms_per_step=wall * 1e3 / new_tokens,
-               kernel_ms_per_step=total * per_step / 1e6,
-               all_reduce_ms_per_step=reduce * per_step / 1e6,
+               kernel_ms_per_step=ms_per_step(sum(e.device_time_total for e in kernels)),
+               all_reduce_ms_per_step=ms_per_step(sum(e.device_time_total for e in kernels
+                                                      if is_all_reduce(e.key))),
                top=[dict(kernel=e.key[:90], calls_per_step=e.count / new_tokens,
                          us_per_step=e.device_time_total / new_tokens)
                     for e in kernels[:15]])

@@ -196,12 +196,7 @@ def main() -> None:
            str(args.tp), "--max-model-len", str(FORCED_TOKENS + 64)]
     if args.tiny:
         cmd += ["--device", "cpu"]
-    for name, value in flags.items():
-        flag = name.replace("_", "-")
-        if isinstance(value, bool):  # the CLI's booleans: --flag / --no-flag
-            cmd.append(f"--{flag}" if value else f"--no-{flag}")
-        else:
-            cmd += [f"--{flag}", str(value)]
+    cmd += common.cli_flags(flags)
     log_path = common.results_path("tp_kill", args).with_suffix(".log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()

@@ -115,12 +115,22 @@ def leave_world(wait_s: float = 10.0) -> None:
     aborted, not destroyed (no rank waits for another; the global state is cleared as by
     destroy, so that a later engine can form a world again); gloo's is destroyed.
     At most `wait_s` is spent: the teardown runs in a thread of its own, left behind
-    (and logged) if it has not ended by then."""
+    (and logged) if it has not ended by then. After a failure (graphs still alive) that
+    is the expected end of an abort: NCCL flags its in-flight kernels to end at once,
+    then waits for the graphs."""
     if not dist.is_initialized():
         return
     nccl = dist.get_backend() == "nccl"
     leave = dist.distributed_c10d._abort_process_group if nccl else dist.destroy_process_group
-    thread = threading.Thread(target=leave, name="infer-tp-leave", daemon=True)
+
+    def teardown() -> None:
+        try:
+            if dist.is_initialized():  # a second call after the first ended: nothing left
+                leave()
+        except Exception:
+            log.exception("could not leave the tensor-parallel world")
+
+    thread = threading.Thread(target=teardown, name="infer-tp-leave", daemon=True)
     thread.start()
     thread.join(wait_s)
     if thread.is_alive():

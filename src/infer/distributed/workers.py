@@ -24,7 +24,6 @@ import threading
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from infer.distributed.channel import GlooChannel, PipeSender
 from infer.distributed.group import TensorParallelGroup, init_group, leave_world
@@ -150,22 +149,11 @@ class Workers:
             os._exit(1)
 
     def _abort(self) -> None:
-        """An NCCL collective rank 0 waits in (or will) returns with an error. NCCL flags
-        the abort at once but then waits for the CUDA graphs that captured its
-        collectives, which are still alive: that part is left to a thread of its own."""
-        if self.group.device_group is None or not torch.cuda.is_available():
-            return
-        thread = threading.Thread(target=_abort_world, name="infer-tp-abort", daemon=True)
-        thread.start()
-        thread.join(_ABORT_WAIT_S)
-
-
-def _abort_world() -> None:
-    try:
-        if dist.is_initialized():  # a second abort after the first ended: nothing left
-            dist.distributed_c10d._abort_process_group()
-    except Exception:
-        log.exception("could not abort the tensor-parallel group")
+        """An NCCL collective rank 0 waits in (or will) returns with an error; waited for
+        at most _ABORT_WAIT_S (the graphs that captured its collectives are still alive:
+        `leave_world`)."""
+        if self.group.device_group is not None and torch.cuda.is_available():
+            leave_world(_ABORT_WAIT_S)
 
 
 def _exited(rank: int, process: multiprocessing.process.BaseProcess) -> str:
