@@ -377,6 +377,32 @@ def test_a_killed_server_leaves_no_further_api_process_behind():
         _wait_gone(descendants)
 
 
+def test_further_api_processes_told_nothing_exit_when_the_core_goes():
+    """The server's first process may die between its engine's /health turning 200 and
+    telling the others to serve: they must not wait for that word forever."""
+    from infer.cli import build_parser, engine_config
+    from infer.server.api_servers import ApiServers, listening_socket
+
+    args = build_parser().parse_args(
+        ["serve", "--model", str(tiny_model_dir()), "--port", str(_free_port()),
+         *(f"--{k.replace('_', '-')}={v}" for k, v in TINY.items())])
+    engine, sides = AsyncEngine.launch_shared(engine_config(args), 2)
+    sock = listening_socket("127.0.0.1", args.port)
+    others = None
+    try:
+        others = ApiServers(args, sides, sock, on_death=lambda: None)
+        [process] = others.processes
+        assert process.is_alive()
+        engine.shutdown()  # the core stops; nobody calls others.serve()
+        process.join(30)
+        assert process.exitcode == 0
+    finally:
+        engine.shutdown()
+        if others is not None:
+            others.stop()
+        sock.close()
+
+
 def test_further_api_processes_take_the_chat_template_and_cors_flags(tmp_path):
     from infer.loader.tokenizer import Tokenizer
 

@@ -46,7 +46,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
 def run_api_server(args: argparse.Namespace, conn: Connection, sock: socket.socket,
                    ready: EventType, serve: EventType) -> None:
     """A further API process: the same app over its own side of the core. It accepts
-    connections once `serve` is set (every process of the server is ready then)."""
+    connections once `serve` is set (every process of the server is ready then), and
+    exits without serving if the core goes first."""
     from infer.cli import engine_config, serve_app, uvicorn_server
     from infer.engine.setup import freeze_startup_objects
     from infer.server import AsyncEngine, attach_engine
@@ -60,8 +61,11 @@ def run_api_server(args: argparse.Namespace, conn: Connection, sock: socket.sock
     freeze_startup_objects()
     attach_engine(app, engine)
     ready.set()
-    serve.wait()
     try:
+        # The first process may die (and so the core) before it says serve.
+        while not serve.wait(0.1):
+            if not engine.alive:
+                return
         server.run(sockets=[sock])
     finally:
         engine.shutdown()
