@@ -6,6 +6,7 @@ Correctness first: every faster backend is tested against this one.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from infer.attention.graph_metadata import GraphMetadata
 from infer.attention.metadata import AttentionMetadata
@@ -22,8 +23,8 @@ def write_kv(
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, _as(k, k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, _as(v, v_cache.dtype))
 
 
 def write_kv_with_prologue(
@@ -54,7 +55,7 @@ def paged_attention(
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    if meta.num_seqs > 1 and all(n == 1 for n in meta.query_lens_host):
+    if all(n == 1 for n in meta.query_lens_host):
         return _decode_attention(q, k_cache, v_cache, meta, scale, sliding_window,
                                  logit_softcap)
     out = torch.empty_like(q)
@@ -94,30 +95,50 @@ def _decode_attention(
     sliding_window: int | None,
     logit_softcap: float | None,
 ) -> torch.Tensor:
-    """All sequences decode one token: one batched matmul over block tables padded to the
-    longest sequence, padding masked out (instead of a Python loop per sequence)."""
+    """All sequences decode one token: one batched attention over block tables padded to
+    the longest sequence, padding masked out (instead of a Python loop per sequence).
+    Without a softcap, through torch's fused `scaled_dot_product_attention` (a decode
+    step's many small operations add up on a CPU)."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    max_len = max(meta.seq_lens_host)
+    lengths = meta.seq_lens_host
+    max_len = max(lengths)
     num_blocks = (max_len + block_size - 1) // block_size
     blocks = meta.block_tables[:, :num_blocks].long()
     # [seqs, kv_heads, len, head_dim]
-    keys = k_cache[blocks].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
-    values = v_cache[blocks].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
-    queries = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    keys = _float(k_cache[blocks].flatten(1, 2)[:, :max_len].transpose(1, 2))
+    values = _float(v_cache[blocks].flatten(1, 2)[:, :max_len].transpose(1, 2))
+    visible = None  # [seqs, len]; None: every key (one sequence's own, unwindowed)
+    if sliding_window is not None or min(lengths) != max_len:
+        k_pos = torch.arange(max_len, device=q.device).unsqueeze(0)
+        last = meta.seq_lens.long().unsqueeze(1) - 1  # the query's own position
+        visible = k_pos <= last
+        if sliding_window is not None:
+            visible &= last - k_pos < sliding_window
+    if not logit_softcap:
+        out = F.scaled_dot_product_attention(
+            _float(q).unsqueeze(2), keys, values, scale=scale, enable_gqa=True,
+            attn_mask=None if visible is None else visible[:, None, None, :])
+        return _as(out.view(num_seqs, num_heads, head_dim), q.dtype)
+    queries = _float(q).view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.matmul(queries, keys.transpose(2, 3)) * scale  # [seqs, kvh, g, len]
-    if logit_softcap:
-        scores = torch.tanh(scores / logit_softcap) * logit_softcap
-    k_pos = torch.arange(max_len, device=q.device).unsqueeze(0)
-    last = meta.seq_lens.long().unsqueeze(1) - 1  # the query's own position
-    visible = k_pos <= last
-    if sliding_window is not None:
-        visible &= last - k_pos < sliding_window
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    if visible is not None:
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, values)  # [seqs, kvh, g, head_dim]
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def _float(x: torch.Tensor) -> torch.Tensor:
+    return _as(x, torch.float32)
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x.to(dtype)` without the call when it is one already (a decode step's many
+    small operations add up on a CPU)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 class TorchAttentionBackend:

@@ -54,6 +54,10 @@ class RMSNorm(nn.Module):
         # transformers' rounding (LlamaRMSNorm, Gemma3RMSNorm), which the Triton kernel
         # (kernels/rmsnorm.py) matches bit for bit in bf16.
         dtype = x.dtype
+        if dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu":
+            # The same float32 operations in one call (torch's CPU composite), bit-equal.
+            weight = self.weight + self.offset if self.offset else self.weight
+            return torch.rms_norm(x, weight.shape, weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
@@ -123,13 +127,18 @@ class RotaryEmbedding(nn.Module):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     def _gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cos and sin rows of `positions`, `[tokens, 1, head_dim // 2]`."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """`(cos, cos)` and `(-sin, sin)` of `positions`, `[tokens, 1, head_dim]` each."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        return (torch.cat((cos, cos), dim=-1).unsqueeze(1),
+                torch.cat((-sin, sin), dim=-1).unsqueeze(1))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`(x1 cos - x2 sin, x2 cos + x1 sin)` of x's halves, as `x cos + swap(x) signed_sin`
+    (`_gather`'s tables): four operations, the same float32 results (a - b = a + (-b))."""
+    xf = x if x.dtype == torch.float32 else x.float()
+    out = xf * cos + xf.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 # Gated activations with a fused Triton kernel (`act(gate) * up` in one pass).

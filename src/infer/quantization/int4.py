@@ -47,9 +47,12 @@ class Int4GroupLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
               ) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(layer.compute_dtype)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.weight, GROUP,
+        flat = x.dim() == 2  # the models' own layout: no reshapes (a decode step's
+        x2 = x if flat else x.reshape(-1, x.shape[-1])  # small ops add up on a CPU)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(layer.compute_dtype),
+                                                      layer.weight, GROUP,
                                                       layer.weight_scales_and_zeros)
-        y = y.reshape(*shape[:-1], layer.out_features).to(x.dtype)
+        if not flat:
+            y = y.reshape(*x.shape[:-1], layer.out_features)
+        y = y.to(x.dtype)
         return y if bias is None else y + bias
