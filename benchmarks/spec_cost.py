@@ -120,6 +120,9 @@ def main() -> None:
     p.add_argument("--target", default="llama-3.1-8b")
     p.add_argument("--draft", default="llama-3.2-1b")
     p.add_argument("--ks", type=int, nargs="+", default=None, help="default 1..8")
+    p.add_argument("--draft-quantization", default="auto",
+                   help="the draft model's weights (auto, none, int8, fp8, gguf); the "
+                   "end-to-end run's draft (the target itself) stays in the target's format")
     p.add_argument("--k-e2e", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=None, help="default 128 (tiny 16)")
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (tiny 16)")
@@ -149,6 +152,7 @@ def main() -> None:
 
     llm, _ = common.build_llm(target, {**flags, "speculative_method": "draft",
                                        "draft_model": str(draft),
+                                       "draft_quantization": args.draft_quantization,
                                        "num_speculative_tokens": max(ks)})
     core = llm.engine.core
     model_drafter = core.drafter

@@ -25,6 +25,7 @@ from infer.engine.config import (
 CHOICES = {"dtype": DTYPES, "batching_mode": BATCHING_MODES, "kv_cache": KV_CACHES,
            "attention_backend": BACKENDS, "kernel_backend": BACKENDS,
            "mixed_step_graphs": MIXED_STEP_GRAPHS, "quantization": QUANTIZATIONS,
+           "draft_quantization": QUANTIZATIONS,
            "speculative_method": SPECULATIVE_METHODS}
 
 

@@ -22,6 +22,7 @@ from infer import LLM, SamplingParams
 from infer.engine.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
 from infer.loader.default_model import default_model_path
+from infer.models.linear import LinearBase
 from infer.sampling_params import StructuredOutputsParams
 
 LIST = "apple, banana, cherry, date, elderberry, fig, grape"
@@ -48,8 +49,9 @@ METHODS = {
     "ngram": dict(speculative_method="ngram"),
     # 10 of 30 layers accept few drafts: k = 2 keeps the CPU time of the many steps down
     "self": dict(speculative_method="self", self_draft_layers=10, num_speculative_tokens=2),
-    # The model as its own draft: every draft should be accepted (see below).
-    "draft": dict(speculative_method="draft"),
+    # The model as its own draft (in float32 as the model): every draft should be
+    # accepted (see below).
+    "draft": dict(speculative_method="draft", draft_quantization="none"),
 }
 
 
@@ -311,9 +313,36 @@ def test_bad_speculative_settings_are_refused():
         EngineConfig(speculative_method="ngram", draft_model="x")
     with pytest.raises(ValueError, match="self_draft_layers is set"):
         EngineConfig(self_draft_layers=2)
+    with pytest.raises(ValueError, match="draft_quantization='int8' is set but there is no"):
+        EngineConfig(speculative_method="ngram", draft_quantization="int8")
+    with pytest.raises(ValueError, match="draft_quantization must be one of"):
+        EngineConfig(speculative_method="draft", draft_model="x", draft_quantization="q4")
     with pytest.raises(ValueError, match=r"self_draft_layers must be in 1\.\.1"):
         LLMEngine(model=str(tiny_model_dir()), device="cpu", num_blocks=8,
                   speculative_method="self", self_draft_layers=2)
+
+
+def test_a_draft_model_in_int8_drafts_for_the_float_model():
+    """draft_quantization: the draft's layers in INT8 made at load, the output still the
+    float model's own; the drafts are the model's but for INT8's rounding, so most land."""
+    flags = dict(device="cpu", dtype="float32", num_blocks=96, block_size=4,
+                 max_model_len=96)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8, 9] * 6, [5, 6, 5, 6] * 7)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids
+            for o in LLM(str(TINY), **flags).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(TINY), **flags, speculative_method="draft", draft_model=str(TINY),
+              draft_quantization="int8", num_speculative_tokens=3)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    draft = llm.engine.core.drafter.runner.model
+    assert {m.quant_method.format for m in draft.modules() if isinstance(m, LinearBase)} \
+        == {"int8"}
+    target = llm.engine.core.runner.model
+    assert {m.quant_method.format for m in target.modules() if isinstance(m, LinearBase)} \
+        == {"none"}
+    stats = llm.engine.stats()
+    assert stats["spec_accepted_tokens"] >= 0.5 * stats["spec_draft_tokens"] > 0
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused():

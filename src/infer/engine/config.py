@@ -128,6 +128,10 @@ class EngineConfig:
     draft_model: str | None = knob(
         None, "the draft model of speculative_method=draft (which needs one): a model "
         "directory or GGUF file, as for model; default: none")
+    draft_quantization: str = knob(
+        "auto", "the draft model's weights, as quantization says for the model's (auto: its "
+        "checkpoint's own format); a draft's rounding changes which drafts are accepted, "
+        "never the output", QUANTIZATIONS)
     speculative_max_batch: int = knob(16, "no drafts in steps of more running sequences")
     tensor_parallel_size: int = knob(
         1, "N: shard the model over N ranks (one process per GPU, or per CPU rank), each "
@@ -160,6 +164,9 @@ class EngineConfig:
             raise ValueError("draft_model goes with speculative_method='draft' (and that method "
                              f"needs one); got speculative_method={self.speculative_method!r}, "
                              f"draft_model={self.draft_model!r}")
+        if self.draft_quantization != "auto" and self.draft_model is None:
+            raise ValueError(f"draft_quantization={self.draft_quantization!r} is set but there "
+                             "is no draft_model")
         if self.self_draft_layers is not None and self.speculative_method != "self":
             raise ValueError("self_draft_layers is set but speculative_method is "
                              f"{self.speculative_method!r}, not 'self'")

@@ -869,7 +869,8 @@ def _load_core(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     eos_token_ids = tuple(tokenizer.eos_token_ids) or mc.eos_token_ids
     draft = None
     if config.draft_model is not None:
-        draft = load_draft_model(config.draft_model, tokenizer, mc, dtype, device)
+        draft = load_draft_model(config.draft_model, tokenizer, mc, dtype, device,
+                                 config.draft_quantization)
     core = EngineCore(config, model, mc, device, dtype, max_model_len, eos_token_ids,
                       tokenizer, draft, tp, workers)
     return core, tokenizer, model_name, quantization

@@ -3,21 +3,30 @@ speaks the target's vocabulary."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from infer.config import ModelConfig
 from infer.loader.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
+
 
 def load_draft_model(path: str, target_tokenizer: Tokenizer, target_config: ModelConfig,
-                     dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, ModelConfig]:
-    """The draft model at `path` (a directory or GGUF file, dequantized at load); a
-    ValueError when its tokenizer maps any token to another id than the target's."""
-    from infer.engine.setup import load_model_and_tokenizer
+                     dtype: torch.dtype, device: torch.device, quantization: str = "none"
+                     ) -> tuple[nn.Module, ModelConfig]:
+    """The draft model at `path` (a directory or GGUF file) in `quantization`
+    (`EngineConfig.quantization`'s choices); a ValueError when its tokenizer maps any token
+    to another id than the target's."""
+    from infer.engine.setup import gguf_blocks_of, load_model_and_tokenizer
+    from infer.quantization import quantize_model
 
-    model, config, tokenizer, _ = load_model_and_tokenizer(path, dtype, device)
+    model, config, tokenizer, _ = load_model_and_tokenizer(path, dtype, device, quantization)
     check_same_vocabulary(target_tokenizer, tokenizer, path)
+    in_effect = quantize_model(model, quantization, gguf_blocks_of(path, config, quantization))
+    log.info("draft model %s: quantization %s", path, in_effect)
     if config.vocab_size > target_config.vocab_size:
         raise ValueError(f"draft_model {path!r} has {config.vocab_size} logits, more than the "
                          f"model's {target_config.vocab_size}: its drafts could name tokens "
