@@ -54,8 +54,9 @@ def test_rope_rotates_the_two_halves(dtype: torch.dtype) -> None:
         rope.end()
 
 
-def _attention_f64(q, k_cache, v_cache, table, length, scale, window=None):
-    """One decoding query `[heads, head_dim]` over its sequence's cache, in float64."""
+def _attention_f64(q, k_cache, v_cache, table, length, scale, window=None, softcap=None):
+    """A query `[heads, head_dim]` at position `length - 1` over its sequence's cache, in
+    float64."""
     heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     keys = k_cache[table].reshape(-1, kv_heads, head_dim)[:length].double()
@@ -64,10 +65,22 @@ def _attention_f64(q, k_cache, v_cache, table, length, scale, window=None):
     for h in range(heads):
         kv = h // (heads // kv_heads)
         scores = keys[:, kv] @ q[h].double() * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         if window is not None:
             scores[length - 1 - torch.arange(length) >= window] = -math.inf
         out[h] = torch.softmax(scores, 0) @ values[:, kv]
     return out
+
+
+def _scattered_tables(lengths: list[int], block_size: int, num_blocks: int
+                      ) -> list[list[int]]:
+    blocks, tables = torch.randperm(num_blocks).tolist(), []
+    for length in lengths:
+        count = -(-length // block_size)
+        tables.append(blocks[:count])
+        blocks = blocks[count:]
+    return tables
 
 
 @pytest.mark.parametrize(("lengths", "window"), [
@@ -77,12 +90,7 @@ def test_decode_attention_equals_float64(lengths: list[int], window: int | None)
     block_size, heads, kv_heads, head_dim = 8, 9, 3, 64
     k_cache = torch.randn(40, block_size, kv_heads, head_dim)
     v_cache = torch.randn(40, block_size, kv_heads, head_dim)
-    blocks = torch.randperm(40).tolist()  # scattered over the pool
-    tables = []
-    for length in lengths:
-        count = -(-length // block_size)
-        tables.append(blocks[:count])
-        blocks = blocks[count:]
+    tables = _scattered_tables(lengths, block_size, 40)
     meta = AttentionMetadata.build([1] * len(lengths), lengths, tables, block_size)
     q = torch.randn(len(lengths), heads, head_dim)
     out = torch.full_like(q, float("nan"))
@@ -90,3 +98,26 @@ def test_decode_attention_equals_float64(lengths: list[int], window: int | None)
     for i, length in enumerate(lengths):
         expected = _attention_f64(q[i], k_cache, v_cache, tables[i], length, 0.125, window)
         assert (out[i].double() - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (6, None), (None, 30.0),
+                                                 (6, 30.0)])
+def test_prefill_and_chunk_attention_equals_float64(window, softcap) -> None:
+    """A whole prompt (causal from its first key), a chunk after a cached prefix, a
+    one-token row and a long prompt, in one step; each query over the keys up to its own."""
+    torch.manual_seed(7)
+    block_size, heads, kv_heads, head_dim = 8, 6, 2, 32
+    query_lens, lengths = [13, 5, 1, 40], [13, 29, 17, 40]
+    k_cache = torch.randn(64, block_size, kv_heads, head_dim)
+    v_cache = torch.randn(64, block_size, kv_heads, head_dim)
+    tables = _scattered_tables(lengths, block_size, 64)
+    meta = AttentionMetadata.build(query_lens, lengths, tables, block_size)
+    q = torch.randn(sum(query_lens), heads, head_dim)
+    out = paged_attention(q, k_cache, v_cache, meta, 0.2, window, softcap)
+    row = 0
+    for table, q_len, length in zip(tables, query_lens, lengths):
+        for position in range(length - q_len, length):
+            expected = _attention_f64(q[row], k_cache, v_cache, table, position + 1, 0.2,
+                                      window, softcap)
+            assert (out[row].double() - expected).abs().max() < 1e-5, (q_len, length, position)
+            row += 1

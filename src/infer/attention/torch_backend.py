@@ -66,23 +66,28 @@ def paged_attention(
             continue
         num_blocks = (s_len + block_size - 1) // block_size
         blocks = meta.block_tables[i, :num_blocks].long()
-        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:s_len].float()
-        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:s_len].float()
-        queries = q[start:start + q_len].float()
-        # [kv_heads, group, q_len, head_dim] x [kv_heads, head_dim, s_len]
-        queries = queries.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        scores = torch.matmul(queries, keys.permute(1, 2, 0).unsqueeze(1)) * scale
+        # [kv_heads, s_len, head_dim] and [heads, q_len, head_dim]
+        keys = _float(k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:s_len]).transpose(0, 1)
+        values = _float(v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:s_len]).transpose(0, 1)
+        queries = _float(q[start:start + q_len]).transpose(0, 1)
+        visible = None  # [q_len, s_len]; None: causal from the first key (no cached prefix)
+        if q_len != s_len or sliding_window is not None or logit_softcap:
+            q_pos = torch.arange(s_len - q_len, s_len, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(s_len, device=q.device).unsqueeze(0)
+            visible = k_pos <= q_pos
+            if sliding_window is not None:
+                visible &= q_pos - k_pos < sliding_window
         if logit_softcap:
+            queries = queries.view(num_kv_heads, group, q_len, head_dim)
+            scores = torch.matmul(queries, keys.transpose(1, 2).unsqueeze(1)) * scale
             scores = torch.tanh(scores / logit_softcap) * logit_softcap
-        q_pos = torch.arange(s_len - q_len, s_len, device=q.device).unsqueeze(1)
-        k_pos = torch.arange(s_len, device=q.device).unsqueeze(0)
-        visible = k_pos <= q_pos
-        if sliding_window is not None:
-            visible &= q_pos - k_pos < sliding_window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        ctx = torch.matmul(probs, values.permute(1, 0, 2).unsqueeze(1))  # [kvh, g, q_len, d]
-        out[start:start + q_len] = ctx.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+            probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+            ctx = torch.matmul(probs, values.unsqueeze(1)).view(num_heads, q_len, head_dim)
+        else:  # torch's fused kernel: no [heads, q_len, s_len] scores in memory
+            ctx = F.scaled_dot_product_attention(
+                queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=visible,
+                is_causal=visible is None, scale=scale, enable_gqa=True)[0]
+        out[start:start + q_len] = ctx.transpose(0, 1)
         start += q_len
     return out
 
