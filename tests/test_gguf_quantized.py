@@ -31,7 +31,7 @@ from infer.quantization import quantize_model
 from infer.quantization.gguf import keep_gguf_quantized
 from infer.quantization.gguf_blocks import GGUFBlocks, int4_groups
 from infer.quantization.gguf_gpu import GGUFBlocksLinearMethod
-from infer.quantization.int4 import Int4GroupLinearMethod
+from infer.quantization.int4 import DEQUANTIZE_ROWS, Int4GroupLinearMethod
 from infer.quantization.int8 import Int8WeightOnlyLinearMethod
 
 
@@ -62,7 +62,7 @@ def test_4bit_groups_are_the_values_ggml_dequantizes(qtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 33])
+@pytest.mark.parametrize("rows", [1, 5, 33, DEQUANTIZE_ROWS + 7])  # the last dequantizes
 def test_int4_matmul_matches_float64_from_the_groups(dtype, rows):
     torch.manual_seed(rows)
     layer = RowParallelLinear(256, 96, bias=True).to(dtype)
@@ -76,6 +76,28 @@ def test_int4_matmul_matches_float64_from_the_groups(dtype, rows):
     ref = x.to(torch.bfloat16).double() @ _weight(q, a, b).T + layer.bias.double()
     assert y.dtype == dtype and y.shape == (rows, 96)
     assert (y.double() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(96, 256), (960, 576), (3072, 576), (576, 1536),
+                                          (48, 256)])
+def test_int4_weights_read_back_as_packed(rows, cols):
+    """What a step of many rows multiplies by: the packed values and the stored (bfloat16)
+    scales, `(q - 8) * scale + zero`; a shape whose packing `unpack_int4` cannot read (a
+    tile of 16 rows) keeps the kernel."""
+    q, a, b = int4_groups(GGUFBlocks.of("w", Q.Q4_1, (rows, cols), _blocks(Q.Q4_1, rows, cols)))
+    layer = RowParallelLinear(cols, rows)
+    method = Int4GroupLinearMethod()
+    method.load(layer, q, a, b)
+    assert layer.dequantizable == (rows % 32 == 0)
+    if not layer.dequantizable:
+        with pytest.raises(NotImplementedError, match="layout"):
+            method.dequantize(layer)
+        return
+    scale = a.to(torch.bfloat16).double()[..., None]
+    zero = (b + 8 * a).to(torch.bfloat16).double()[..., None]
+    ref = ((q.double().view(rows, -1, 32) - 8) * scale + zero).view(rows, cols)
+    got = method.dequantize(layer)
+    assert got.dtype == torch.float32 and (got.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
 
 
 @pytest.fixture(scope="module")
