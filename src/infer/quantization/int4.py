@@ -8,10 +8,11 @@ SmolLM2's shapes), so a float32 model's activations are rounded to bfloat16 for 
 quantized matmul, as with INT8.
 
 Steps of many rows (long prompts) instead dequantize the layer's weight to float32 and
-use `F.linear`: where the INT4 kernel is slow (2-2.5x on CPUs without AVX-512, from a few
-hundred rows on) that is about twice as fast. Dequantizing reads the packed weight back,
-whose layout is torch's: `unpack_int4` is checked against torch's own packing of the
-layer's shape before any layer takes that path (`unpack_round_trips`).
+use `F.linear`: the kernel is compute-bound there, and on an AVX2 CPU (no AVX-512) the
+float32 GEMM measured about twice as fast from a few hundred rows on (docs/performance.md,
+"Long prompts on the CPU"). Dequantizing reads the packed weight back, whose layout is
+torch's: `unpack_int4` is checked against torch's own packing of the layer's shape before
+any layer takes that path (`unpack_round_trips`).
 """
 
 from __future__ import annotations
