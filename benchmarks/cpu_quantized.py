@@ -4,6 +4,10 @@ file stores it (`auto`, the default) and INT8 made at load (`int8`); greedy,
 `ignore_eos`, batch 1 and 8, each path with its default threads.
 
     python benchmarks/cpu_quantized.py [--peer-python /path/to/venv/bin/python] [--rounds 3]
+        [--prompt-lens 500 2000]
+
+`--prompt-lens` also times the first token of prompts of that many token ids (random ids,
+new ones each round so that no prefix is cached; llama.cpp with a context that fits them).
 
 The peer is llama-cpp-python (a build of llama.cpp), run as its users run it: `Llama(path)`
 with its defaults, tokens from `Llama.generate` at temperature 0, timed over the same
@@ -45,7 +49,16 @@ for _ in range(rounds + 1):  # the first is a warm-up
         if count == n + 1:
             break
     rates.append(n / (time.perf_counter() - start))
-print(json.dumps({"rates": rates[1:], "n_threads": llm.n_threads}))
+ttft = {}
+for n in json.loads(sys.argv[5]):
+    big = Llama(path, verbose=False, n_ctx=n + 64)
+    for r in range(rounds):
+        ids = [(7919 * (i + 1) + 104729 * r) % 40000 + 100 for i in range(n)]
+        big.reset()
+        start = time.perf_counter()
+        big.eval(ids)
+        ttft.setdefault(n, []).append(time.perf_counter() - start)
+print(json.dumps({"rates": rates[1:], "n_threads": llm.n_threads, "ttft": ttft}))
 """
 
 
@@ -61,6 +74,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--peer-python", help="an interpreter with llama-cpp-python installed")
+    p.add_argument("--prompt-lens", type=int, nargs="*", default=[],
+                   help="also time the first token of prompts of these many tokens")
     common.add_common_args(p)
     args = p.parse_args()
     from infer import LLM, SamplingParams
@@ -70,7 +85,8 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     llms = {f: LLM(path, device="cpu", quantization=f) for f in args.formats}
     rates: dict[tuple[str, int], list[float]] = {}
-    for _ in range(args.rounds):
+    ttft: dict[tuple[str, int], list[float]] = {}
+    for round_ in range(args.rounds):
         for fmt, llm in llms.items():
             for batch in args.batches:
                 llm.generate([PROMPT] * batch, SamplingParams(max_tokens=4), use_tqdm=False)
@@ -79,11 +95,20 @@ def main() -> None:
                 tokens = sum(len(o.outputs[0].token_ids) for o in outs)
                 rates.setdefault((fmt, batch), []).append(
                     tokens / (time.perf_counter() - start))
+            for n in args.prompt_lens:
+                ids = [(7919 * (i + 1) + 104729 * round_) % 40000 + 100 for i in range(n)]
+                start = time.perf_counter()
+                llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1),
+                             use_tqdm=False)
+                ttft.setdefault((fmt, n), []).append(time.perf_counter() - start)
         if args.peer_python:
             out = subprocess.run([args.peer_python, "-c", PEER, path, str(args.output_len),
-                                  "1", PROMPT], capture_output=True, text=True, check=True)
+                                  "1", PROMPT, json.dumps(args.prompt_lens)],
+                                 capture_output=True, text=True, check=True)
             peer = json.loads(out.stdout)
             rates.setdefault(("llama.cpp", 1), []).extend(peer["rates"])
+            for n, seconds in peer["ttft"].items():
+                ttft.setdefault(("llama.cpp", int(n)), []).extend(seconds)
     rows = []
     peer_rate = statistics.median(rates[("llama.cpp", 1)]) if args.peer_python else None
     for (fmt, batch), values in rates.items():
@@ -95,13 +120,21 @@ def main() -> None:
             "weight_bytes": None if llm is None else weight_bytes(llm.engine.model),
             "vs_llama_cpp": rate / peer_rate if peer_rate else None,
         })
-    common.write_results("cpu_quantized", args, {"rows": rows, "model": path})
+    prompts = [{"path": fmt, "prompt_tokens": n, "ttft_s": statistics.median(values),
+                "rounds": values} for (fmt, n), values in ttft.items()]
+    common.write_results("cpu_quantized", args, {"rows": rows, "prompts": prompts,
+                                                 "model": path})
     print("| path | batch | tok/s (median) | vs llama.cpp batch 1 | weights MB |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
         mb = "-" if r["weight_bytes"] is None else f"{r['weight_bytes'] / 2**20:.0f}"
         vs = "-" if r["vs_llama_cpp"] is None else f"{r['vs_llama_cpp']:.2f}x"
         print(f"| {r['format']} | {r['batch']} | {r['tok_per_s']:.1f} | {vs} | {mb} |")
+    if prompts:
+        print("\n| path | prompt tokens | time to first token s (median) |")
+        print("|---|---:|---:|")
+        for r in prompts:
+            print(f"| {r['path']} | {r['prompt_tokens']} | {r['ttft_s']:.2f} |")
 
 
 if __name__ == "__main__":
