@@ -65,10 +65,10 @@ def paged_attention(
         if q_len == 0:
             continue
         num_blocks = (s_len + block_size - 1) // block_size
-        blocks = meta.block_tables[i, :num_blocks].long()
+        blocks = meta.block_tables[i, :num_blocks]
         # [kv_heads, s_len, head_dim] and [heads, q_len, head_dim]
-        keys = _float(k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:s_len]).transpose(0, 1)
-        values = _float(v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:s_len]).transpose(0, 1)
+        keys = _float(_gather(k_cache, blocks).flatten(0, 1)[:s_len]).transpose(0, 1)
+        values = _float(_gather(v_cache, blocks).flatten(0, 1)[:s_len]).transpose(0, 1)
         queries = _float(q[start:start + q_len]).transpose(0, 1)
         visible = None  # [q_len, s_len]; None: causal from the first key (no cached prefix)
         if q_len != s_len or sliding_window is not None or logit_softcap:
@@ -110,10 +110,10 @@ def _decode_attention(
     lengths = meta.seq_lens_host
     max_len = max(lengths)
     num_blocks = (max_len + block_size - 1) // block_size
-    blocks = meta.block_tables[:, :num_blocks].long()
+    blocks = meta.block_tables[:, :num_blocks]
     # [seqs, kv_heads, len, head_dim]
-    keys = _float(k_cache[blocks].flatten(1, 2)[:, :max_len].transpose(1, 2))
-    values = _float(v_cache[blocks].flatten(1, 2)[:, :max_len].transpose(1, 2))
+    keys = _float(_gather(k_cache, blocks).flatten(1, 2)[:, :max_len].transpose(1, 2))
+    values = _float(_gather(v_cache, blocks).flatten(1, 2)[:, :max_len].transpose(1, 2))
     visible = None  # [seqs, len]; None: every key (one sequence's own, unwindowed)
     if sliding_window is not None or min(lengths) != max_len:
         k_pos = torch.arange(max_len, device=q.device).unsqueeze(0)
@@ -134,6 +134,12 @@ def _decode_attention(
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, values)  # [seqs, kvh, g, head_dim]
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """`cache[blocks]` (blocks of any shape) through `index_select`, which costs a CPU
+    decode step's layers less than indexing does (~5 against ~13 us a call)."""
+    return cache.index_select(0, blocks.flatten()).view(*blocks.shape, *cache.shape[1:])
 
 
 def _float(x: torch.Tensor) -> torch.Tensor:
