@@ -124,6 +124,36 @@ def test_vllm_constructor_arguments_map_or_are_refused_by_name():
         engine_config("m", {"enforce_eager": True, "cuda_graphs": True})
 
 
+def test_vllm_speculative_config_maps_onto_the_speculative_fields():
+    ngram = engine_config("m", {"speculative_config": {
+        "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 2}})
+    assert (ngram.speculative_method, ngram.num_speculative_tokens, ngram.ngram_min,
+            ngram.ngram_max) == ("ngram", 5, 2, 3)
+    for spec in ({"model": "d.gguf"}, {"method": "draft_model", "model": "d.gguf"}):
+        draft = engine_config("m", {"speculative_config": {**spec, "quantization": "int8"}})
+        assert (draft.speculative_method, draft.draft_model, draft.draft_quantization) == \
+            ("draft", "d.gguf", "int8")
+    assert engine_config("m", {"speculative_config": None}).speculative_method == "none"
+    for spec, message in [
+            ({"method": "eagle", "model": "e"}, "method 'eagle' is not supported"),
+            ({"num_speculative_tokens": 3}, "method None is not supported"),
+            ({"method": "ngram", "model": "d"}, "key 'model' is not supported with method"),
+            ({"model": "d", "prompt_lookup_max": 3}, "key 'prompt_lookup_max' is not"),
+            ({"method": "ngram", "disable_by_batch_size": 4}, "'disable_by_batch_size'"),
+            ("ngram", "must be a dict")]:
+        with pytest.raises(ValueError, match=message):
+            engine_config("m", {"speculative_config": spec})
+    with pytest.raises(ValueError, match="give speculative_config or num_speculative_tokens"):
+        engine_config("m", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
+                            "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="give speculative_config or speculative_method"):
+        engine_config("m", {"speculative_method": "self", "speculative_config": {"model": "d"}})
+    # a field the dict does not set may come beside it
+    assert engine_config("m", {"speculative_config": {"method": "ngram"},
+                               "num_speculative_tokens": 2}).num_speculative_tokens == 2
+
+
 # -- SamplingParams fields -------------------------------------------------------------------
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"prompt_logprobs": 21}, "prompt_logprobs must be in"),

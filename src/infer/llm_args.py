@@ -24,6 +24,14 @@ NO_OP = {
     "swap_space": None,  # preempted sequences are recomputed, never swapped
     "max_seq_len_to_capture": None,
 }
+# vLLM's `speculative_config` keys -> EngineConfig's (its `method` picks speculative_method).
+SPECULATIVE_KEYS = {"num_speculative_tokens": "num_speculative_tokens",
+                    "prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max",
+                    "model": "draft_model", "quantization": "draft_quantization"}
+SPECULATIVE_METHODS = {"ngram": "ngram", "draft_model": "draft"}
+SPECULATIVE_KEYS_OF = {"ngram": ("num_speculative_tokens", "prompt_lookup_min",
+                                 "prompt_lookup_max"),
+                       "draft_model": ("num_speculative_tokens", "model", "quantization")}
 
 
 def engine_config(model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
@@ -36,6 +44,8 @@ def engine_config(model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
             config[name] = value
         elif name in RENAMED:
             config[RENAMED[name]] = value
+        elif name == "speculative_config":
+            config.update(speculative_flags(value))
         elif name == "enforce_eager":
             if not isinstance(value, bool):
                 raise ValueError(f"enforce_eager must be True or False, got {value!r}")
@@ -55,4 +65,31 @@ def engine_config(model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
                              "fields are the arguments; see infer.EngineConfig)")
     if "enforce_eager" in kwargs and "cuda_graphs" in kwargs:
         raise ValueError("give enforce_eager or cuda_graphs, not both")
+    twice = set(speculative_flags(kwargs.get("speculative_config"))) & set(kwargs)
+    if twice:
+        raise ValueError(f"give speculative_config or {', '.join(sorted(twice))}, not both")
     return EngineConfig(model=model, **config)
+
+
+def speculative_flags(spec: dict[str, Any] | None) -> dict[str, Any]:
+    """EngineConfig's speculative fields for vLLM's `speculative_config` dict: the
+    `ngram` and `draft_model` methods (a `model` alone means a draft model)."""
+    if spec is None:
+        return {}
+    if not isinstance(spec, dict):
+        raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+    method = spec.get("method", "draft_model" if "model" in spec else None)
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config method {method!r} is not supported; supported: "
+                         f"{', '.join(SPECULATIVE_METHODS)} (and EngineConfig's "
+                         "speculative_method='self')")
+    flags: dict[str, Any] = {"speculative_method": SPECULATIVE_METHODS[method]}
+    for key, value in spec.items():
+        if key == "method":
+            continue
+        if key not in SPECULATIVE_KEYS_OF[method]:
+            raise ValueError(f"speculative_config key {key!r} is not supported with method "
+                             f"{method!r}; supported: method, "
+                             f"{', '.join(SPECULATIVE_KEYS_OF[method])}")
+        flags[SPECULATIVE_KEYS[key]] = value
+    return flags
