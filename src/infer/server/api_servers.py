@@ -8,8 +8,10 @@ own tokenizer, output processor and event loop over its own pipe to the core. Th
 hands each new connection to one of the processes.
 
 Lifetimes: the core stops when the first process's pipe closes (it exits, or is killed);
-the others then see their pipe end and exit. If a further process dies, the first stops
-the whole server (exit code 1), as when the core dies. `/metrics` and `/stats` count the
+the others then see their pipe end and exit (and each watches its parent: orphaned, it
+stops serving, and exits outright after ORPHAN_EXIT_S if that did not end it). If a
+further process dies, the first stops the whole server (exit code 1), as when the core
+dies. `/metrics` and `/stats` count the
 requests of the process that answers; the engine's gauges are the core's, the same in all.
 """
 
@@ -19,13 +21,16 @@ import argparse
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event as EventType
 
 log = logging.getLogger(__name__)
+ORPHAN_EXIT_S = 5.0  # an orphaned API process's grace to stop by itself
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -54,6 +59,8 @@ def run_api_server(args: argparse.Namespace, conn: Connection, sock: socket.sock
 
     app = serve_app(args)
     server = uvicorn_server(app, args)
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(), server),
+                     name="infer-orphan-watch", daemon=True).start()
     engine = AsyncEngine.attach(engine_config(args), conn)
     engine.on_core_death = lambda: setattr(server, "should_exit", True)
     if not engine.alive:  # the core went before the line above could hear of it
@@ -69,6 +76,18 @@ def run_api_server(args: argparse.Namespace, conn: Connection, sock: socket.sock
         server.run(sockets=[sock])
     finally:
         engine.shutdown()
+
+
+def _exit_when_orphaned(parent: int, server: object) -> None:
+    """A further API process must not outlive the server's first process, however that
+    one ends (a SIGKILL runs none of its cleanup): once its parent is gone, stop serving,
+    and exit outright if that has not ended the process within ORPHAN_EXIT_S."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    log.warning("the server's first process is gone; this API process stops")
+    server.should_exit = True
+    time.sleep(ORPHAN_EXIT_S)
+    os._exit(1)
 
 
 class ApiServers:
