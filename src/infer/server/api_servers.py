@@ -11,8 +11,8 @@ Lifetimes: the core stops when the first process's pipe closes (it exits, or is 
 the others then see their pipe end and exit (and each watches its parent: orphaned, it
 stops serving, and exits outright after ORPHAN_EXIT_S if that did not end it). If a
 further process dies, the first stops the whole server (exit code 1), as when the core
-dies. `/metrics` and `/stats` count the
-requests of the process that answers; the engine's gauges are the core's, the same in all.
+dies. `/metrics` and `/stats` count the requests of the process that answers; the
+engine's gauges are the core's, the same in all.
 """
 
 from __future__ import annotations
