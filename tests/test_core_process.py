@@ -403,6 +403,34 @@ def test_further_api_processes_told_nothing_exit_when_the_core_goes():
         sock.close()
 
 
+def test_an_orphaned_api_process_exits_even_if_its_server_never_stops():
+    """The watch each further API process runs: a process whose parent is killed exits
+    within ORPHAN_EXIT_S (and a poll) even when its server ignores `should_exit`."""
+    from infer.server.api_servers import ORPHAN_EXIT_S
+
+    child = ("import os, sys, threading, time, types; sys.path[:0] = sys.argv[1:2]; "
+             "from infer.server.api_servers import _exit_when_orphaned; "
+             "stuck = types.SimpleNamespace(should_exit=False); "
+             "threading.Thread(target=_exit_when_orphaned, args=(int(sys.argv[2]), stuck), "
+             "daemon=True).start(); print('watching', flush=True); time.sleep(120)")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import os, subprocess, sys, time; "
+         "c = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2], "
+         "str(os.getpid())]); "
+         "print(c.pid, flush=True); time.sleep(120)", child, str(Path("src").resolve())],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        assert parent.stdout.readline() == "watching\n" and _running(pid)
+        parent.kill()
+        parent.wait(10)
+        start = time.monotonic()
+        _wait_gone({pid}, ORPHAN_EXIT_S + 10)
+        assert time.monotonic() - start >= ORPHAN_EXIT_S - 1  # it waited its grace first
+    finally:
+        parent.kill()
+
+
 def test_further_api_processes_take_the_chat_template_and_cors_flags(tmp_path):
     from infer.loader.tokenizer import Tokenizer
 

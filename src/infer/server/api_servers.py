@@ -49,17 +49,18 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def run_api_server(args: argparse.Namespace, conn: Connection, sock: socket.socket,
-                   ready: EventType, serve: EventType) -> None:
-    """A further API process: the same app over its own side of the core. It accepts
-    connections once `serve` is set (every process of the server is ready then), and
-    exits without serving if the core goes first."""
+                   ready: EventType, serve: EventType, parent: int) -> None:
+    """A further API process (`parent`: the pid of the server's first process): the same
+    app over its own side of the core. It accepts connections once `serve` is set (every
+    process of the server is ready then), and exits without serving if the core goes
+    first."""
     from infer.cli import engine_config, serve_app, uvicorn_server
     from infer.engine.setup import freeze_startup_objects
     from infer.server import AsyncEngine, attach_engine
 
     app = serve_app(args)
     server = uvicorn_server(app, args)
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(), server),
+    threading.Thread(target=_exit_when_orphaned, args=(parent, server),
                      name="infer-orphan-watch", daemon=True).start()
     engine = AsyncEngine.attach(engine_config(args), conn)
     engine.on_core_death = lambda: setattr(server, "should_exit", True)
@@ -101,7 +102,8 @@ class ApiServers:
         readies = [ctx.Event() for _ in sides]
         self._serve = ctx.Event()
         self.processes = [ctx.Process(target=run_api_server,
-                                      args=(args, conn, sock, ready, self._serve),
+                                      args=(args, conn, sock, ready, self._serve,
+                                            os.getpid()),
                                       name=f"infer-api-{i + 1}")
                           for i, (conn, ready) in enumerate(zip(sides, readies))]
         for process, conn in zip(self.processes, sides):
