@@ -11,7 +11,8 @@ tensor_parallel_size=N)`; shut down and its memory freed before the next one sta
   `run_infer`): 256 sequences, prompts of U[100, 1024] random token ids (< 10000), output
   lengths U[100, 1024], temperature 0.6, ignore_eos; output tokens / seconds;
 - the correctness check (`--check` runs only it): 64 random 128-token prompts, greedy, 128
-  new tokens, `SamplingParams(logprobs=2)`;
+  new tokens, `SamplingParams(logprobs=20)` (the most a request may ask: random weights give
+  flat distributions, where TP=N's token is often not among TP=1's top two);
 - `--parts profile` (not by default): where rank 0's GPU time goes at batch 1 — one
   sequence of 64 greedy tokens under torch.profiler, after a warm-up: the kernels with the
   most device time, all-reduce kernels summed apart, per decode step, against the wall
@@ -37,15 +38,15 @@ rank >= 75 % of its copy bandwidth.
 
 Correctness: per prompt, the first position where TP=N's token differs from TP=1's; there,
   gap TP1 = TP=1's logprob of its token - its logprob of TP=N's token (logprobs of one
-            softmax differ as the logits do, so this is the logit gap; the top-2 gap when
-            TP=N took TP=1's second choice),
+            softmax differ as the logits do, so this is the logit gap; known when TP=N's
+            token is among TP=1's top 20),
   gap TPN = the same in TP=N's run, the other way round,
   shift   = gap TP1 + gap TPN: how far the two runs moved that margin apart.
 The noise they are judged against is measured in the same run: |top-1 minus top-2 margin
 of TP=1 - that of TP=N| at every position before the first difference (same context in
-both, same top-2 tokens). A difference counts as rounding when TP=N took TP=1's second
-choice and shift <= the largest such noise; its percentile among all of TP=1's top-2 gaps
-shows how close a tie it was.
+both, same top-2 tokens). A difference counts as rounding when each run's token is among
+the other's top 20 and shift <= the largest such noise; the percentile of gap TP1 among all
+of TP=1's top-2 gaps shows how close a tie it was.
 
     # the device run (nvidia-h200-x2): both sizes in one lease, one command; the JSON is
     # rewritten after every row, so a run cut short keeps what it measured
@@ -118,45 +119,48 @@ def rank_metrics(row: dict, weight_bytes: int, kv_token_bytes: int, mean_ctx: fl
 
 
 # -- correctness ------------------------------------------------------------------------
-def greedy_top2(llm, prompts: list[list[int]], new_tokens: int) -> list[dict]:
-    """Per prompt: the greedy tokens and, per token, the two most likely (id, logprob)."""
+def greedy_topk(llm, prompts: list[list[int]], new_tokens: int) -> list[dict]:
+    """Per prompt: the greedy tokens and, per token, the MAX_LOGPROBS most likely
+    (id, logprob), best first."""
     from infer import SamplingParams
+    from infer.sampling_params import MAX_LOGPROBS
 
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True,
+                            logprobs=MAX_LOGPROBS)
     runs = []
     for out in llm.generate(prompts, params, use_tqdm=False):
         c = out.outputs[0]
         assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
-        top2 = [sorted(((t, lp.logprob) for t, lp in entry.items()), key=lambda x: -x[1])[:2]
-                for entry in c.logprobs]
-        runs.append(dict(tokens=list(c.token_ids), top2=top2))
+        top = [sorted(((t, lp.logprob) for t, lp in entry.items()), key=lambda x: -x[1])
+               for entry in c.logprobs]
+        runs.append(dict(tokens=list(c.token_ids), top=top))
     return runs
 
 
-def margin(top2: list[tuple[int, float]]) -> float:
-    return top2[0][1] - top2[1][1]
+def margin(top: list[tuple[int, float]]) -> float:
+    return top[0][1] - top[1][1]
 
 
 def compare(base: list[dict], other: list[dict], tp: int) -> dict:
     """TP=1's run (`base`) against TP=`tp`'s: the module docstring's gaps and noise."""
     noise: list[float] = []
-    base_margins = [margin(t) for run in base for t in run["top2"]]
+    base_margins = [margin(t) for run in base for t in run["top"]]
     diffs = []
     for i, (a, b) in enumerate(zip(base, other)):
         first = next((k for k, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y),
                      None)
         for k in range(len(a["tokens"]) if first is None else first):
-            ta, tb = a["top2"][k], b["top2"][k]
+            ta, tb = a["top"][k][:2], b["top"][k][:2]
             if [t for t, _ in ta] == [t for t, _ in tb]:
                 noise.append(abs(margin(ta) - margin(tb)))
         if first is None:
             continue
         tok_a, tok_b = a["tokens"][first], b["tokens"][first]
-        la, lb = dict(a["top2"][first]), dict(b["top2"][first])
+        la, lb = dict(a["top"][first]), dict(b["top"][first])
         gap_a = la[tok_a] - la[tok_b] if tok_b in la else None
         gap_b = lb[tok_b] - lb[tok_a] if tok_a in lb else None
         diffs.append(dict(prompt=i, position=first, token_tp1=tok_a, token_tpn=tok_b,
-                          gap_tp1=gap_a, gap_tpn=gap_b, top2_gap_tp1=margin(a["top2"][first]),
+                          gap_tp1=gap_a, gap_tpn=gap_b, top2_gap_tp1=margin(a["top"][first]),
                           shift=None if gap_a is None or gap_b is None else gap_a + gap_b))
     noise_max = max(noise, default=0.0)
     for d in diffs:
@@ -307,8 +311,30 @@ def run_tp(tp: int, llm, args, shape: dict, counts: common.ShapeCounts, norms: i
             emit("profile", {"tp": tp, **profile_decode(llm, args.prompt_len, vocab, tp)})
     if "check" in args.parts:
         with phase(f"tp={tp} check"):
-            return greedy_top2(llm, check_prompts, args.check_tokens)
+            return greedy_topk(llm, check_prompts, args.check_tokens)
     return None
+
+
+IDLE_LONG_US = 20.0  # a longer gap between two kernels: the GPU waited for the host
+
+
+def idle_per_step(events: Any, steps: int) -> dict[str, float]:
+    """GPU idle time between consecutive kernels, per step: short gaps (launch latency
+    inside a graph) apart from long ones (between steps: the host's work)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    short = long = 0.0
+    count = 0
+    last_end = spans[0][1] if spans else 0.0
+    for start, end in spans[1:]:
+        gap = start - last_end
+        if gap >= IDLE_LONG_US:
+            long, count = long + gap, count + 1
+        elif gap > 0:
+            short += gap
+        last_end = max(last_end, end)
+    return dict(idle_short_ms_per_step=short / steps / 1e3,
+                idle_long_ms_per_step=long / steps / 1e3, idle_long_per_step=count / steps)
 
 
 def profile_decode(llm, prompt_len: int, vocab: int, tp: int, new_tokens: int = 64
@@ -338,6 +364,7 @@ def profile_decode(llm, prompt_len: int, vocab: int, tp: int, new_tokens: int = 
         return "allreduce" in name.replace("_", "").lower()
 
     out = dict(new_tokens=new_tokens, wall_ms_per_step=wall * 1e3 / new_tokens,
+               **idle_per_step(prof.events(), new_tokens),
                kernel_ms_per_step=ms_per_step(sum(e.device_time_total for e in kernels)),
                all_reduce_ms_per_step=ms_per_step(sum(e.device_time_total for e in kernels
                                                       if is_all_reduce(e.key))),
@@ -346,7 +373,9 @@ def profile_decode(llm, prompt_len: int, vocab: int, tp: int, new_tokens: int = 
                     for e in kernels[:15]])
     print(f"[tp={tp}] profile, batch 1, per step: wall {out['wall_ms_per_step']:.2f} ms, "
           f"kernels {out['kernel_ms_per_step']:.2f} ms, of which all-reduce "
-          f"{out['all_reduce_ms_per_step']:.2f} ms", flush=True)
+          f"{out['all_reduce_ms_per_step']:.2f} ms; GPU idle {out['idle_short_ms_per_step']:.2f}"
+          f" ms in gaps < {IDLE_LONG_US:.0f} us, {out['idle_long_ms_per_step']:.2f} ms in "
+          f"{out['idle_long_per_step']:.1f} longer ones", flush=True)
     for row in out["top"]:
         print(f"    {row['us_per_step']:8.1f} us  x{row['calls_per_step']:5.1f}  "
               f"{row['kernel']}", flush=True)
