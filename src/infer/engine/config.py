@@ -84,6 +84,10 @@ class EngineConfig:
     kernel_backend: str = knob(
         "auto", "norms, RoPE and gated activations: the same choice as attention_backend",
         BACKENDS)
+    triton_gemv: bool = knob(
+        True, "one-row matmuls of 16-bit weights (batch-1 decode: projections without a "
+        "bias, LM head, a gated MLP's activation with its down projection) through infer's "
+        "Triton GEMV (kernels/gemv.py) instead of cuBLAS; with kernel_backend triton only")
     cuda_graphs: bool = knob(True, "replay captured decode steps (CUDA with triton attention "
                              "only; ignored elsewhere)")
     mixed_step_graphs: str = knob(

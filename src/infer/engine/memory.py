@@ -47,7 +47,7 @@ def plan_kv_cache(
     # the prefix cache.
     useful = config.max_num_seqs * needed * (1 if contiguous else 2)
     if device.type == "cuda":
-        free = _cuda_free_after_warmup(config, model, device, dtype)
+        free = _cuda_free_after_warmup(config, model, device, dtype, max_model_len)
     else:
         free = int(_available_host_memory() * _CPU_SHARE / tp_size)
     num_blocks = min(useful, free // per_block)
@@ -83,8 +83,10 @@ def _available_host_memory() -> int:
 
 
 def _cuda_free_after_warmup(config: EngineConfig, model: nn.Module, device: torch.device,
-                            dtype: torch.dtype) -> int:
-    """Memory left for the pool: the budget minus the peak of a full-budget forward."""
+                            dtype: torch.dtype, max_model_len: int) -> int:
+    """Memory left for the pool: the budget minus the peak of a full-budget forward (its
+    positions kept below `max_model_len`: a step's budget may pass the model's context,
+    and RoPE tables end there)."""
     from infer.attention import AttentionMetadata, allocate_kv_cache
 
     torch.cuda.empty_cache()
@@ -94,7 +96,7 @@ def _cuda_free_after_warmup(config: EngineConfig, model: nn.Module, device: torc
     meta = AttentionMetadata.build([n], [n], [[0]], n, device)
     with torch.inference_mode():
         hidden = model(torch.zeros(n, dtype=torch.long, device=device),
-                       torch.arange(n, device=device), meta)
+                       torch.arange(n, device=device) % max_model_len, meta)
         model.compute_logits(hidden[-config.max_num_seqs:])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)

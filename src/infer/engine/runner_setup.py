@@ -21,6 +21,7 @@ from infer.engine.memory import plan_kv_cache
 from infer.engine.model_runner import ModelRunner
 from infer.engine.setup import pick_backend
 from infer.models.layers import set_kernel_backend
+from infer.models.linear import set_triton_gemv
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
     # Bound before sizing the pool, so the warm-up forward measures the backends in use.
     set_attention_backend(model, attention_backend)
     set_kernel_backend(model, kernel_backend)
+    set_triton_gemv(model, config.triton_gemv and kernel_backend == "triton")
     block_size, num_blocks = plan_kv_cache(config, model_config, max_model_len, model, device,
                                            dtype, draft_config, tp.size)
     # Rank 0's scheduler hands out block ids for every rank's pool: all the same size.

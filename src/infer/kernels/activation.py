@@ -16,6 +16,18 @@ def _tanh(z):
 
 
 @triton.jit
+def gated(gate, up, ACT: tl.constexpr):
+    """`act(gate) * up` in float32; ACT: "silu" or "gelu_tanh" (the tanh approximation)."""
+    gate = gate.to(tl.float32)
+    if ACT == "silu":
+        act = gate / (1.0 + tl.exp(-gate))
+    else:
+        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = 0.5 * gate * (1.0 + _tanh(z))
+    return act * up.to(tl.float32)
+
+
+@triton.jit
 def _gated_act_kernel(
     gu_ptr, out_ptr, stride_gu, stride_out, inter,
     ACT: tl.constexpr, BLOCK: tl.constexpr,
@@ -23,14 +35,9 @@ def _gated_act_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
-    gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    if ACT == "silu":
-        act = gate / (1.0 + tl.exp(-gate))
-    else:  # gelu, tanh approximation
-        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        act = 0.5 * gate * (1.0 + _tanh(z))
-    tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty),
+    gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
+    up = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + cols, gated(gate, up, ACT).to(out_ptr.dtype.element_ty),
              mask=mask)
 
 

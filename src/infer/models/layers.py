@@ -143,6 +143,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 # Gated activations with a fused Triton kernel (`act(gate) * up` in one pass).
 _TRITON_GATED = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu_tanh", "gelu_new": "geglu_tanh"}
+_GEMV_ACT = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -175,6 +176,9 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.use_triton and self.act_name in _TRITON_GATED:
+            y = self.down_proj.forward_gated(gate_up, _GEMV_ACT[self.act_name])
+            if y is not None:  # one row, activation and matmul in one launch
+                return y
             from infer.kernels import activation as kernels
 
             fused = getattr(kernels, _TRITON_GATED[self.act_name])

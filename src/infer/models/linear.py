@@ -59,7 +59,11 @@ class LinearMethod:
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """A plain `weight [out, in]` in the model's dtype; `F.linear`."""
+    """A plain `weight [out, in]` in the model's dtype; `F.linear`, or for one row infer's
+    GEMV kernel when `triton_gemv` is set (`set_triton_gemv`)."""
+
+    def __init__(self) -> None:
+        self.triton_gemv = False
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_sizes: list[int],
@@ -69,10 +73,30 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", with_loader(weight, weight_loader, 0, 1))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return matmul(x, layer.weight, bias, self.triton_gemv)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight.float()
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           triton_gemv: bool) -> torch.Tensor:
+    """`x W^T + b`; with `triton_gemv`, one row without a bias through kernels/gemv.py."""
+    if triton_gemv and bias is None and x.numel() == x.shape[-1] and x.dtype == weight.dtype:
+        from infer.kernels import gemv
+
+        return gemv.gemv(x.reshape(1, -1), weight).view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+def set_triton_gemv(model: nn.Module, on: bool) -> None:
+    """One-row matmuls of `model`'s plain 16-bit weights (projections, LM head) through
+    infer's Triton GEMV (`on`) or cuBLAS."""
+    for m in model.modules():
+        if isinstance(m, LinearBase) and isinstance(m.quant_method, UnquantizedLinearMethod):
+            m.quant_method.triton_gemv = on
+        elif isinstance(m, ParallelLMHead):
+            m.triton_gemv = on
 
 
 # What a linear layer built without a `quant_method` gets (`linear_method_default`).
@@ -269,6 +293,21 @@ class RowParallelLinear(LinearBase):
         y = self.tp.all_reduce(self.quant_method.apply(self, x, None))
         return y if self.bias is None else y + self.bias
 
+    def forward_gated(self, gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
+        """`forward(act(gate) * up)` for one row `gate_up [1, 2 * input]` in one launch of
+        infer's GEMV (kernels/gemv.py, `act` one of its activations), where this layer's
+        one-row matmuls go there (`set_triton_gemv`); None where they do not."""
+        method = self.quant_method
+        if not (isinstance(method, UnquantizedLinearMethod) and method.triton_gemv
+                and self.bias is None and gate_up.numel() == gate_up.shape[-1]
+                and gate_up.dtype == self.weight.dtype):
+            return None
+        from infer.kernels import gemv
+
+        y = gemv.gemv(gate_up.reshape(1, -1), self.weight, act=act)
+        y = y.view(*gate_up.shape[:-1], self.weight.shape[0])
+        return y if self.tp_size == 1 else self.tp.all_reduce(y)
+
 
 class VocabParallelEmbedding(nn.Module):
     """Token embedding table `[vocab, dim]`; rank `tp_rank` holds rows
@@ -328,18 +367,20 @@ class ParallelLMHead(VocabParallelEmbedding):
     ) -> None:
         if tied is None:
             super().__init__(num_embeddings, embedding_dim, tp)
+            self.triton_gemv = False
             return
         nn.Module.__init__(self)
         self.tp, self.tp_rank, self.tp_size = tied.tp, tied.tp_rank, tied.tp_size
         self.num_embeddings, self.vocab_start = tied.num_embeddings, tied.vocab_start
         self.weight = tied.weight
         self.quant_method = None
+        self.triton_gemv = False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             logits = self.quant_method.apply(self, hidden, None)
         else:
-            logits = F.linear(hidden, self.weight)
+            logits = matmul(hidden, self.weight, None, self.triton_gemv)
         if self.tp_size == 1:
             return logits
         return self.tp.all_gather(logits)[..., :self.num_embeddings]

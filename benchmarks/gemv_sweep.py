@@ -1,0 +1,120 @@
+"""infer's one-row GEMV (`kernels/gemv.py`) against cuBLAS on the projections of batch-1
+decode: the Llama-3.2-1B and Llama-3.1-8B shapes, and one rank of the 8B at TP=2 (half
+of every split matrix). For each shape: cuBLAS (`F.linear`), the kernel's default launch,
+and the fastest of a sweep of launches (rows per program, K step, K split, warps), in µs
+per call and as a share of the copy bandwidth measured in the same run.
+
+Each case is captured in a CUDA graph (quantized_gemv.py's timer) whose calls cycle
+through enough copies of the weight to exceed the L2 cache three times over, as a decode
+step's layers do; every launch's result is checked against cuBLAS's first.
+
+    python benchmarks/gemv_sweep.py [--shapes 1b 8b 8b-tp2] [--quick | --defaults-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+from quantized_gemv import L2_BYTES, cycling, graph_time_us
+
+# (name, N, K) of each projection; qkv and gate_up fused as the models hold them.
+SHAPES = {
+    "1b": [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048),
+           ("down", 2048, 8192), ("lm_head", 128256, 2048)],
+    "8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+           ("down", 4096, 14336), ("lm_head", 128256, 4096)],
+    "8b-tp2": [("qkv", 3072, 4096), ("o", 4096, 2048), ("gate_up", 14336, 4096),
+               ("down", 4096, 7168), ("lm_head", 64128, 4096)],
+}
+
+
+def launches(quick: bool) -> list:
+    from infer.kernels.gemv import Launch
+
+    out = [Launch(bn, bk, split, warps) for bn, bk, split, warps in itertools.product(
+        (4, 8, 16), (256, 512, 1024), (1, 2, 4, 8), (4, 8))]
+    return out[::3] if quick else out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_args(parser)
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--quick", action="store_true", help="every third launch")
+    parser.add_argument("--defaults-only", action="store_true",
+                        help="time the kernel's default launch only")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gemv_sweep.py times CUDA kernels: no GPU here")
+    from infer.kernels.gemv import default_launch, gemv
+
+    ceil = common.ceilings()
+    copy_gbs = ceil["copy_GBps"]
+    rows, sweep = [], []
+    for model in args.shapes:
+        for shape, n, k in SHAPES[model]:
+            copies = max(1, -(-3 * L2_BYTES // (2 * n * k)))
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                       for _ in range(copies)]
+            expected = F.linear(x, weights[0]).float()
+            moved = 2 * n * k + 2 * k + 2 * n
+
+            def frac(us: float, moved: int = moved) -> float:
+                return moved / us / 1e3 / copy_gbs
+
+            def timed(launch, x=x, weights=weights, expected=expected) -> float:
+                got = gemv(x, weights[0], launch).float()
+                err = (got - expected).abs().max().item() / expected.abs().max().item()
+                assert err < 2e-2, (launch, err)
+                return graph_time_us(cycling([partial(gemv, x, w, launch) for w in weights]),
+                                     replays=10)
+
+            cublas_us = graph_time_us(cycling([partial(F.linear, x, w) for w in weights]),
+                                      replays=10)
+            default = default_launch(n, k)
+            default_us = timed(default)
+            best, best_us = default, default_us
+            for launch in ([] if args.defaults_only else launches(args.quick)):
+                try:
+                    us = timed(launch)
+                except Exception as exc:  # a launch that does not compile: skip it
+                    print(f"  {model} {shape} {launch}: {exc!r}"[:200])
+                    continue
+                sweep.append(dict(model=model, shape=shape, n=n, k=k, **launch._asdict(),
+                                  us=us))
+                if us < best_us:
+                    best, best_us = launch, us
+            row = dict(model=model, shape=shape, n=n, k=k, MB=moved / 1e6,
+                       cublas_us=cublas_us, cublas_frac=frac(cublas_us),
+                       default_us=default_us, default_frac=frac(default_us),
+                       best_us=best_us, best_frac=frac(best_us), best=tuple(best),
+                       best_vs_cublas=cublas_us / best_us)
+            rows.append(row)
+            print(f"[gemv] {row}", flush=True)
+            del weights
+            torch.cuda.empty_cache()
+            common.write_results("gemv_sweep", args, {"ceilings": ceil, "rows": rows,
+                                                      "sweep": sweep})
+    common.print_table(
+        "one-row GEMV, bf16 (us per call in a CUDA graph, weights cycled past L2; "
+        "launch = rows per program, K step, K split, warps)", rows,
+        [("model", "model", ""), ("shape", "shape", ""), ("MB", "MB", ".1f"),
+         ("cuBLAS us", "cublas_us", ".1f"), ("%copy", "cublas_frac", ".0%"),
+         ("default us", "default_us", ".1f"), ("%copy", "default_frac", ".0%"),
+         ("best us", "best_us", ".1f"), ("%copy", "best_frac", ".0%"),
+         ("cuBLAS/best", "best_vs_cublas", ".2f"), ("best launch", "best", "")])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The one-row GEMV Triton kernel (in the interpreter on the CPU; on the GPU with
+INFER_TEST_DEVICE=cuda) against float64, and the linear layers that use it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from infer.kernels import triton_available
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+TOLERANCE = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def launches():
+    from infer.kernels.gemv import Launch
+
+    # (n, k, launch): rows past N in the last block, K not a multiple of the step, K split
+    # unevenly (the last share shorter), more shares than steps, one row block.
+    return [(40, 300, Launch(8, 64, 1, 4)), (37, 256, Launch(8, 64, 1, 2)),
+            (70, 1000, Launch(16, 128, 3, 4)), (64, 512, Launch(4, 128, 4, 4)),
+            (9, 96, Launch(16, 32, 8, 1)), (130, 2048, None)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", range(6))
+def test_gemv_matches_float64(dtype, case):
+    from infer.kernels.gemv import _counts, gemv
+
+    n, k, launch = launches()[case]
+    gen = torch.Generator().manual_seed(case)
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    for _ in range(2):  # the second launch finds its counts set back to zero
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        y = gemv(x.to(DEVICE), w.to(DEVICE), launch).cpu()
+        ref = x.double() @ w.double().T
+        assert y.dtype == dtype and y.shape == (1, n)
+        error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+        assert error < TOLERANCE[dtype], error
+    counts = _counts(torch.device(DEVICE))
+    assert counts.count_nonzero().item() == 0
+
+
+def test_a_split_sums_its_parts_in_one_order_whichever_program_ends_last():
+    from infer.kernels.gemv import Launch, gemv
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 1024, generator=gen).to(DEVICE)
+    w = torch.randn(48, 1024, generator=gen).to(DEVICE)
+    runs = [gemv(x, w, Launch(8, 128, 4, 4)) for _ in range(3)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_one_row_linear_layers_take_the_gemv(rows, monkeypatch):
+    import infer.kernels.gemv as kernel
+    from infer.models.linear import ColumnParallelLinear, set_triton_gemv
+
+    calls = []
+    real = kernel.gemv
+    monkeypatch.setattr(kernel, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(rows)
+    layer = ColumnParallelLinear(96, 40, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(40, 96, generator=gen))
+    layer = layer.to(DEVICE)
+    set_triton_gemv(layer, True)
+    x = torch.randn(rows, 96, generator=gen).to(DEVICE)
+    y = layer(x).cpu().double()
+    ref = x.cpu().double() @ layer.weight.cpu().double().T
+    assert y.shape == (rows, 40)
+    assert (y - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+    assert len(calls) == (1 if rows == 1 else 0)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [200, 256])  # steps of 64: the last one partial, or none
+def test_the_gated_row_is_the_activation_kernels_then_the_gemv(act, dtype, k):
+    from infer.kernels import activation
+    from infer.kernels.gemv import Launch, gemv
+
+    gen = torch.Generator().manual_seed(len(act) + k)
+    gate_up = (torch.randn(1, 2 * k, generator=gen) * 3).to(dtype).to(DEVICE)
+    w = torch.randn(24, k, generator=gen).to(dtype).to(DEVICE)
+    row = {"silu": activation.swiglu, "gelu_tanh": activation.geglu_tanh}[act](gate_up)
+    launch = Launch(8, 64, 1, 4)
+    assert torch.equal(gemv(gate_up, w, launch, act=act), gemv(row, w, launch))
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    ref = {"silu": torch.nn.functional.silu(gate),
+           "gelu_tanh": torch.nn.functional.gelu(gate, approximate="tanh")}[act] * up @ w.double().T
+    got = gemv(gate_up, w, act=act).double()
+    assert (got - ref).abs().max().item() < 2 * TOLERANCE[dtype] * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_gated_mlp_row_takes_one_launch_and_matches_torch(rows, monkeypatch):
+    import infer.kernels.activation as activation
+    from infer.models.layers import GatedMLP, set_kernel_backend
+    from infer.models.linear import set_triton_gemv
+
+    gen = torch.Generator().manual_seed(7)
+    mlp = GatedMLP(64, 96, "silu")
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    mlp = mlp.to(DEVICE)
+    x = torch.randn(rows, 64, generator=gen).to(DEVICE)
+    ref = mlp(x)  # torch
+    set_kernel_backend(mlp, "triton")
+    set_triton_gemv(mlp, True)
+    calls = []
+    real = activation.swiglu
+    monkeypatch.setattr(activation, "swiglu", lambda *a: calls.append(1) or real(*a))
+    got = mlp(x)
+    assert len(calls) == (0 if rows == 1 else 1)
+    assert (got - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
