@@ -135,3 +135,25 @@ def test_serve_help_groups_the_engine_flags(capsys):
     assert "capped at 8192" in out  # --max-model-len's None
     assert "{auto,float32,bfloat16,float16}" in out
     assert "SmolLM2-135M-Instruct" in out
+
+
+def test_vllm_speculative_config_flag_maps_onto_the_engine_flags(capsys):
+    parse = build_parser().parse_args
+    config = engine_config(parse(["serve", "--speculative-config",
+                                  '{"method": "ngram", "num_speculative_tokens": 3, '
+                                  '"prompt_lookup_max": 5}']))
+    assert (config.speculative_method, config.num_speculative_tokens, config.ngram_max) == (
+        "ngram", 3, 5)
+    config = engine_config(parse(["generate", "hi", "--speculative-config",
+                                  '{"model": "draft-dir", "quantization": "int8"}']))
+    assert (config.speculative_method, config.draft_model, config.draft_quantization) == (
+        "draft", "draft-dir", "int8")
+    with pytest.raises(ValueError, match="give --speculative-config or --num-speculative-tokens"):
+        engine_config(parse(["serve", "--num-speculative-tokens", "2", "--speculative-config",
+                             '{"method": "ngram", "num_speculative_tokens": 3}']))
+    with pytest.raises(ValueError, match="method 'eagle' is not supported"):
+        engine_config(parse(["serve", "--speculative-config", '{"method": "eagle"}']))
+    for bad in ("{method: ngram}", "[1]"):
+        with pytest.raises(SystemExit):
+            parse(["serve", "--speculative-config", bad])
+        assert "--speculative-config" in capsys.readouterr().err

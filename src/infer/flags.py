@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import typing
 
 from infer.engine.config import DEVICES, EngineConfig, is_device
@@ -36,6 +37,23 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         else:
             group.add_argument(flag, dest=f.name, type=kind, default=f.default, help=text,
                                choices=f.metadata["choices"])
+    vllm = parser.add_argument_group("vLLM's spellings", "mapped onto the engine flags")
+    vllm.add_argument("--speculative-config", dest="speculative_config", type=_json_object,
+                      default=None, metavar="JSON",
+                      help="vLLM's speculative_config as JSON, e.g. '{\"method\": \"ngram\", "
+                      "\"num_speculative_tokens\": 4}' or '{\"model\": DRAFT, "
+                      "\"num_speculative_tokens\": 4}' (methods ngram and draft_model; keys "
+                      "num_speculative_tokens, prompt_lookup_min/max, model, quantization)")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
 
 
 def _device(text: str) -> str:
@@ -59,6 +77,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             raise ValueError(f"two models given: {positional!r} (positional) and "
                              f"--model {values['model']!r}; give one")
         values["model"] = positional
+    spec = getattr(args, "speculative_config", None)
+    if spec is not None:
+        from infer.llm_args import speculative_flags
+
+        flags = speculative_flags(spec)
+        defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+        given = sorted("--" + n.replace("_", "-") for n in flags if values[n] != defaults[n])
+        if given:
+            raise ValueError(f"give --speculative-config or {', '.join(given)}, not both")
+        values.update(flags)
     return EngineConfig(**values)
 
 

@@ -24,14 +24,14 @@ NO_OP = {
     "swap_space": None,  # preempted sequences are recomputed, never swapped
     "max_seq_len_to_capture": None,
 }
-# vLLM's `speculative_config` keys -> EngineConfig's (its `method` picks speculative_method).
-SPECULATIVE_KEYS = {"num_speculative_tokens": "num_speculative_tokens",
-                    "prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max",
-                    "model": "draft_model", "quantization": "draft_quantization"}
-SPECULATIVE_METHODS = {"ngram": "ngram", "draft_model": "draft"}
-SPECULATIVE_KEYS_OF = {"ngram": ("num_speculative_tokens", "prompt_lookup_min",
-                                 "prompt_lookup_max"),
-                       "draft_model": ("num_speculative_tokens", "model", "quantization")}
+# vLLM's `speculative_config`: each `method` it takes here -> EngineConfig's
+# speculative_method, and that method's keys -> EngineConfig's fields.
+VLLM_SPECULATIVE = {
+    "ngram": ("ngram", {"num_speculative_tokens": "num_speculative_tokens",
+                        "prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max"}),
+    "draft_model": ("draft", {"num_speculative_tokens": "num_speculative_tokens",
+                              "model": "draft_model", "quantization": "draft_quantization"}),
+}
 
 
 def engine_config(model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
@@ -45,7 +45,12 @@ def engine_config(model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
         elif name in RENAMED:
             config[RENAMED[name]] = value
         elif name == "speculative_config":
-            config.update(speculative_flags(value))
+            speculative = speculative_flags(value)
+            twice = set(speculative) & set(kwargs)
+            if twice:
+                raise ValueError(f"give speculative_config or {', '.join(sorted(twice))}, "
+                                 "not both")
+            config.update(speculative)
         elif name == "enforce_eager":
             if not isinstance(value, bool):
                 raise ValueError(f"enforce_eager must be True or False, got {value!r}")
@@ -65,9 +70,6 @@ def engine_config(model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
                              "fields are the arguments; see infer.EngineConfig)")
     if "enforce_eager" in kwargs and "cuda_graphs" in kwargs:
         raise ValueError("give enforce_eager or cuda_graphs, not both")
-    twice = set(speculative_flags(kwargs.get("speculative_config"))) & set(kwargs)
-    if twice:
-        raise ValueError(f"give speculative_config or {', '.join(sorted(twice))}, not both")
     return EngineConfig(model=model, **config)
 
 
@@ -79,17 +81,17 @@ def speculative_flags(spec: dict[str, Any] | None) -> dict[str, Any]:
     if not isinstance(spec, dict):
         raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
     method = spec.get("method", "draft_model" if "model" in spec else None)
-    if method not in SPECULATIVE_METHODS:
+    if method not in VLLM_SPECULATIVE:
         raise ValueError(f"speculative_config method {method!r} is not supported; supported: "
-                         f"{', '.join(SPECULATIVE_METHODS)} (and EngineConfig's "
+                         f"{', '.join(VLLM_SPECULATIVE)} (and EngineConfig's "
                          "speculative_method='self')")
-    flags: dict[str, Any] = {"speculative_method": SPECULATIVE_METHODS[method]}
+    ours, fields = VLLM_SPECULATIVE[method]
+    flags: dict[str, Any] = {"speculative_method": ours}
     for key, value in spec.items():
         if key == "method":
             continue
-        if key not in SPECULATIVE_KEYS_OF[method]:
+        if key not in fields:
             raise ValueError(f"speculative_config key {key!r} is not supported with method "
-                             f"{method!r}; supported: method, "
-                             f"{', '.join(SPECULATIVE_KEYS_OF[method])}")
-        flags[SPECULATIVE_KEYS[key]] = value
+                             f"{method!r}; supported: method, {', '.join(fields)}")
+        flags[fields[key]] = value
     return flags
