@@ -445,3 +445,26 @@ def test_the_property_test_exercised_drafts_and_preemption(tiny):
     # a draft is accepted only after every draft before it
     assert all(a >= b for a, b in itertools.pairwise(accepted))
     assert all(a <= d for a, d in zip(accepted, drafts))
+
+
+def test_a_draft_model_takes_the_gemv_with_triton_kernels(monkeypatch):
+    """With Triton kernels (the interpreter here) the draft model's one-row matmuls go to
+    infer's GEMV as the model's do; the tokens stay the model's own."""
+    import infer.kernels.gemv as gemv
+
+    flags = dict(device="cpu", dtype="float32", num_blocks=48, block_size=4,
+                 max_model_len=64, attention_backend="triton", kernel_backend="triton")
+    prompt = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 4}]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = LLM(str(TINY), **flags).generate(prompt, params, use_tqdm=False)
+    llm = LLM(str(TINY), **flags, speculative_method="draft", draft_model=str(TINY),
+              num_speculative_tokens=2)
+    draft = llm.engine.core.drafter.runner.model
+    weights = {m.weight.data_ptr() for m in draft.modules() if isinstance(m, LinearBase)}
+    seen = []
+    real = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda x, w, *a, **kw: seen.append(w.data_ptr()) or
+                        real(x, w, *a, **kw))
+    got = llm.generate(prompt, params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert weights & set(seen)

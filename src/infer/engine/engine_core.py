@@ -53,6 +53,7 @@ from infer.engine.setup import (
 )
 from infer.engine.structured_output import CompileThread, GrammarMatcher, StructuredOutputs
 from infer.loader.tokenizer import Tokenizer
+from infer.models.linear import set_triton_gemv
 from infer.quantization import quantize_model
 from infer.sampling_params import SamplingParams
 from infer.spec.draft_model import load_draft_model
@@ -226,6 +227,7 @@ class EngineCore:
         else:
             if draft is None:
                 raise ValueError("speculative_method='draft' needs the draft model loaded")
+            set_triton_gemv(draft[0], config.triton_gemv and self.kernel_backend == "triton")
             runner = ModelRunner(draft[0], draft[1], num_blocks, self.block_size, self.device,
                                  self.dtype, self.attention_backend, self.kernel_backend)
             # It runs every step the model runs (its cache follows), at any batch size.
