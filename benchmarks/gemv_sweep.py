@@ -1,7 +1,7 @@
 """infer's one-row GEMV (`kernels/gemv.py`) against cuBLAS on the projections of batch-1
 decode: the Llama-3.2-1B and Llama-3.1-8B shapes, and one rank of the 8B at TP=2 (half
 of every split matrix). For each shape: cuBLAS (`F.linear`), the kernel's default launch,
-and the fastest of a sweep of launches (rows per program, K step, K split, warps), in µs
+and the fastest of a sweep of launches (rows per program, K step, warps), in µs
 per call and as a share of the copy bandwidth measured in the same run.
 
 Each case is captured in a CUDA graph (quantized_gemv.py's timer) whose calls cycle
@@ -40,8 +40,8 @@ SHAPES = {
 def launches(quick: bool) -> list:
     from infer.kernels.gemv import Launch
 
-    out = [Launch(bn, bk, split, warps) for bn, bk, split, warps in itertools.product(
-        (4, 8, 16), (256, 512, 1024), (1, 2, 4, 8), (4, 8))]
+    out = [Launch(bn, bk, warps) for bn, bk, warps in itertools.product(
+        (4, 8, 16), (256, 512, 1024), (4, 8))]
     return out[::3] if quick else out
 
 
@@ -108,7 +108,7 @@ def main() -> None:
                                                       "sweep": sweep})
     common.print_table(
         "one-row GEMV, bf16 (us per call in a CUDA graph, weights cycled past L2; "
-        "launch = rows per program, K step, K split, warps)", rows,
+        "launch = rows per program, K step, warps)", rows,
         [("model", "model", ""), ("shape", "shape", ""), ("MB", "MB", ".1f"),
          ("cuBLAS us", "cublas_us", ".1f"), ("%copy", "cublas_frac", ".0%"),
          ("default us", "default_us", ".1f"), ("%copy", "default_frac", ".0%"),

@@ -2,19 +2,14 @@
 
 Batch-1 decode multiplies one row by every projection; the weight's bytes bound the time,
 and on small projections cuBLAS splits K over programs and then adds the parts in a
-second kernel. Here each program owns BLOCK_N output channels and walks its share of K —
-all of it, or one of `split` equal shares — multiplying in registers and reducing once at
-the end. With `split` > 1 each program stores its float32 sums in `part [split, N]` and
-counts itself in `counts[row block]`; the last of a row block adds the parts in split order
-(the same bits whichever program comes last) and writes `y`, so one launch does it all.
+second kernel. Here each program owns BLOCK_N output channels and walks all of K,
+multiplying in registers and reducing once at the end: one launch. (Splitting K over
+programs, the last of a row block adding the parts, was tried: `benchmarks/gemv_sweep.py`
+found it the fastest launch for none of the 1B, 8B and 8B-at-TP=2 projections.)
 
 With `act` ("silu" / "gelu_tanh") the row is a gated MLP's `gate_up [1, 2K]`: the kernel
 multiplies by `act(gate) * up`, rounded to x's dtype as the activation kernel stores it,
 so the product is the one `gemv(swiglu(gate_up), w)` computes, without its launch.
-
-Invariant: `counts` (one int32 per row block, per device: `_counts`) is all zeros between
-launches: the last program of a row block sets its count back to 0. Kernels on one device
-run in stream order, so no two launches share it at once.
 """
 
 from __future__ import annotations
@@ -27,33 +22,24 @@ import triton.language as tl
 
 from infer.kernels.activation import gated
 
-MAX_ROW_BLOCKS = 1 << 16  # the counts kept per device: N / BLOCK_N of a split launch
-_COUNTS: dict[torch.device, torch.Tensor] = {}
-
 
 class Launch(NamedTuple):
     block_n: int
     block_k: int
-    split: int
     num_warps: int
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, y_ptr, part_ptr, counts_ptr, N, K, stride_wn, steps_per_split,
-    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    ACT: tl.constexpr,
+    x_ptr, w_ptr, y_ptr, N, K, stride_wn,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     # Rows past N read row N - 1 (no mask on the weight's loads) and are not stored.
     w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    k_begin = pid_s * steps_per_split * BLOCK_K
-    k_end = tl.minimum(k_begin + steps_per_split * BLOCK_K, K)
-    for k0 in range(k_begin, k_end, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
         if EVEN_K:
             w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
@@ -67,38 +53,17 @@ def _gemv_kernel(
             if ACT != "":
                 x = gated(x, tl.load(x_ptr + K + kk, mask=kk < K, other=0.0), ACT).to(x.dtype)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)
-    if SPLIT == 1:
-        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
-    else:
-        tl.store(part_ptr + pid_s * N + rn, y, mask=rn < N)
-        tl.debug_barrier()  # every thread's part stored before the count releases them
-        if tl.atomic_add(counts_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1:
-            y = tl.load(part_ptr + rn, mask=rn < N, other=0.0, cache_modifier=".cg")
-            for s in range(1, SPLIT):
-                y += tl.load(part_ptr + s * N + rn, mask=rn < N, other=0.0,
-                             cache_modifier=".cg")
-            tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
-            tl.store(counts_ptr + pid_n, 0)
-
-
-def _counts(device: torch.device) -> torch.Tensor:
-    counts = _COUNTS.get(device)
-    if counts is None:  # made at a warm-up call, before any graph is captured
-        counts = _COUNTS[device] = torch.zeros(MAX_ROW_BLOCKS, dtype=torch.int32,
-                                               device=device)
-    return counts
+    tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
 def default_launch(n: int, k: int) -> Launch:
     """The launch for an `[n, k]` weight: from `benchmarks/gemv_sweep.py` on an H200
     (`gemv_sweep_h200.json`), the best single rule over the 1B, 8B and 8B-at-TP=2
     projections: within 1.14x of each shape's fastest launch, 1.7 % slower than those over
-    all fifteen (cuBLAS: 8.5 %). K split over programs was never the fastest, so a program
-    walks all of K."""
+    all fifteen (cuBLAS: 8.5 %)."""
     if n * k <= 1 << 24:  # up to 32 MB: longer steps, more warps in flight per row block
-        return Launch(block_n=8, block_k=1024, split=1, num_warps=8)
-    return Launch(block_n=8, block_k=512, split=1, num_warps=4)
+        return Launch(block_n=8, block_k=1024, num_warps=8)
+    return Launch(block_n=8, block_k=512, num_warps=4)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None,
@@ -112,23 +77,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None,
     assert weight.shape[1] * (2 if act else 1) == x.shape[1], (weight.shape, x.shape)
     assert weight.dtype == x.dtype, (weight.dtype, x.dtype)
     n, k = weight.shape
-    block_n, block_k, split, num_warps = launch or default_launch(n, k)
+    block_n, block_k, num_warps = launch or default_launch(n, k)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if n == 0 or k == 0:
         return y.zero_()
-    steps = triton.cdiv(k, block_k)
-    per_split = triton.cdiv(steps, max(1, min(split, steps)))
-    split = triton.cdiv(steps, per_split)
-    row_blocks = triton.cdiv(n, block_n)
-    if split > 1:
-        assert row_blocks <= MAX_ROW_BLOCKS, (n, block_n)
-        part = torch.empty((split, n), dtype=torch.float32, device=x.device)
-        counts = _counts(x.device)
-    else:
-        part = counts = y
-    _gemv_kernel[(row_blocks, split)](
-        x, weight, y, part, counts, n, k, weight.stride(0), per_split, SPLIT=split,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, ACT=act,
-        num_warps=num_warps,
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, ACT=act, num_warps=num_warps,
     )
     return y
