@@ -4,8 +4,8 @@ Batch-1 decode multiplies one row by every projection; the weight's bytes bound 
 and on small projections cuBLAS splits K over programs and then adds the parts in a
 second kernel. Here each program owns BLOCK_N output channels and walks all of K,
 multiplying in registers and reducing once at the end: one launch. (Splitting K over
-programs, the last of a row block adding the parts, was tried: `benchmarks/gemv_sweep.py`
-found it the fastest launch for none of the 1B, 8B and 8B-at-TP=2 projections.)
+programs, the last of a row block adding the parts, was tried: on an H200 it was the
+fastest launch for none of the 1B, 8B and 8B-at-TP=2 projections, `gemv_sweep_h200.json`.)
 
 With `act` ("silu" / "gelu_tanh") the row is a gated MLP's `gate_up [1, 2K]`: the kernel
 multiplies by `act(gate) * up`, rounded to x's dtype as the activation kernel stores it,
