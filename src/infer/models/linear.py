@@ -82,11 +82,23 @@ class UnquantizedLinearMethod(LinearMethod):
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            triton_gemv: bool) -> torch.Tensor:
     """`x W^T + b`; with `triton_gemv`, one row without a bias through kernels/gemv.py."""
-    if triton_gemv and bias is None and x.numel() == x.shape[-1] and x.dtype == weight.dtype:
-        from infer.kernels import gemv
-
-        return gemv.gemv(x.reshape(1, -1), weight).view(*x.shape[:-1], weight.shape[0])
+    if _gemv_takes(x, weight, bias, triton_gemv):
+        return _gemv(x, weight)
     return F.linear(x, weight, bias)
+
+
+def _gemv_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                triton_gemv: bool) -> bool:
+    """Whether `x` (one row, the weight's dtype, no bias) goes to infer's GEMV."""
+    return (triton_gemv and bias is None and x.numel() == x.shape[-1]
+            and x.dtype == weight.dtype)
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, act: str = "") -> torch.Tensor:
+    """kernels/gemv.py on the one row `x` (any leading shape), the result shaped alike."""
+    from infer.kernels import gemv
+
+    return gemv.gemv(x.reshape(1, -1), weight, act=act).view(*x.shape[:-1], weight.shape[0])
 
 
 def set_triton_gemv(model: nn.Module, on: bool) -> None:
@@ -298,14 +310,10 @@ class RowParallelLinear(LinearBase):
         infer's GEMV (kernels/gemv.py, `act` one of its activations), where this layer's
         one-row matmuls go there (`set_triton_gemv`); None where they do not."""
         method = self.quant_method
-        if not (isinstance(method, UnquantizedLinearMethod) and method.triton_gemv
-                and self.bias is None and gate_up.numel() == gate_up.shape[-1]
-                and gate_up.dtype == self.weight.dtype):
+        if not (isinstance(method, UnquantizedLinearMethod)
+                and _gemv_takes(gate_up, self.weight, self.bias, method.triton_gemv)):
             return None
-        from infer.kernels import gemv
-
-        y = gemv.gemv(gate_up.reshape(1, -1), self.weight, act=act)
-        y = y.view(*gate_up.shape[:-1], self.weight.shape[0])
+        y = _gemv(gate_up, self.weight, act)
         return y if self.tp_size == 1 else self.tp.all_reduce(y)
 
 
