@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
-from quantized_gemv import L2_BYTES, cycling, graph_time_us
+from quantized_gemv import L2_BYTES, time_cycled
 
 # (name, N, K) of each projection; qkv and gate_up fused as the models hold them.
 SHAPES = {
@@ -77,11 +76,9 @@ def main() -> None:
                 got = gemv(x, weights[0], launch).float()
                 err = (got - expected).abs().max().item() / expected.abs().max().item()
                 assert err < 2e-2, (launch, err)
-                return graph_time_us(cycling([partial(gemv, x, w, launch) for w in weights]),
-                                     replays=10)
+                return time_cycled(gemv, x, weights, launch, replays=10)
 
-            cublas_us = graph_time_us(cycling([partial(F.linear, x, w) for w in weights]),
-                                      replays=10)
+            cublas_us = time_cycled(F.linear, x, weights, replays=10)
             default = default_launch(n, k)
             default_us = timed(default)
             best, best_us = default, default_us

@@ -52,6 +52,13 @@ def cycling(fns: list[Callable[[], torch.Tensor]]) -> Callable[[], torch.Tensor]
     return call
 
 
+def time_cycled(launch: Callable, x: torch.Tensor, weights: list[torch.Tensor],
+                *extra: object, replays: int = 5) -> float:
+    """Microseconds per `launch(x, weight, *extra)`, the weights taken in turn."""
+    return graph_time_us(cycling([partial(launch, x, w, *extra) for w in weights]),
+                         replays=replays)
+
+
 def graph_time_us(fn: Callable[[], torch.Tensor], replays: int = 20) -> float:
     """Median microseconds per call of `fn`, replayed in a CUDA graph of CALLS_PER_GRAPH."""
     stream = torch.cuda.Stream()

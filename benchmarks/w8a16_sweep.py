@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -23,14 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
-from quantized_gemv import L2_BYTES, SHAPES, cycling, graph_time_us
-
-
-def time_cycled(launch: Callable, x: torch.Tensor, weights: list[torch.Tensor],
-                *extra: object, replays: int = 5) -> float:
-    """Microseconds per `launch(x, weight, *extra)`, the weights taken in turn."""
-    return graph_time_us(cycling([partial(launch, x, w, *extra) for w in weights]),
-                         replays=replays)
+from quantized_gemv import L2_BYTES, SHAPES, time_cycled
 
 
 def configs(rows: int, quick: bool) -> list[dict]:
