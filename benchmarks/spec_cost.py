@@ -15,12 +15,16 @@ Random weights accept almost no drafts, so the costs are measured apart and comb
 - Predicted speed-up at acceptance a (each draft accepted with probability a, given the
   ones before): tokens per round E = (1 - a^(k+1)) / (1 - a); speed-up =
   E x T_1 / (T_verify(k) + T_round(k)).
+- With `--profile-round`: where a draft round's time goes (k = --k-e2e): the GPU's busy
+  time inside the rounds (kernels that ran between a round's start and its read-back)
+  against their wall time, and the kernels that took most of it.
 - End to end, the target as its own draft model: drafts accepted as often as bf16 lets
   one- and multi-token forwards agree; the measured speed-up against the plain engine in
   the same run, beside what the formula predicts from this run's own T_verify, T_round
   and acceptance.
 
     python benchmarks/spec_cost.py [--ks 1 2 3 4 5 6 7 8] [--new-tokens 128]
+    python benchmarks/spec_cost.py --ks 4 --draft-quantization none int8 --profile-round
     python benchmarks/spec_cost.py --tiny     # CPU check, tiny shapes
 
 Prints the tables and writes benchmarks/results/spec_cost_<device>.json.
@@ -34,10 +38,13 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
 ACCEPTANCE = (0.6, 0.7, 0.8, 0.9)
+ROUND = "draft_round"  # the profiler's name of a proposal round
 
 
 class FixedDrafter:
@@ -66,7 +73,8 @@ class TimedDrafter:
     def propose(self, requests):
         common.sync()
         start = time.perf_counter()
-        drafts = self.inner.propose(requests)  # ends reading the drafts on the host
+        with torch.profiler.record_function(ROUND):
+            drafts = self.inner.propose(requests)  # ends reading the drafts on the host
         self.seconds += time.perf_counter() - start
         self.rounds += 1
         return drafts
@@ -82,6 +90,39 @@ def warm(llm, timed: TimedDrafter) -> None:
     llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=12, ignore_eos=True),
                  use_tqdm=False)
     timed.seconds, timed.rounds = 0.0, 0
+
+
+def round_profile(llm, timed: TimedDrafter, rng, vocab: int, prompt_len: int,
+                  new_tokens: int) -> dict:
+    """GPU kernel time inside the draft rounds of one decode run, per round, and the
+    kernels that took most of it. A round starts after a device sync and ends reading
+    the drafts, so every kernel that ran inside its wall-clock span is the round's."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    warm(llm, timed)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        decode_run(llm, rng, vocab, prompt_len, new_tokens)
+    events = prof.events()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == ROUND)
+    busy_us, kernels = 0.0, {}
+    for e in events:
+        if e.device_type != DeviceType.CUDA:
+            continue
+        start, end = e.time_range.start, e.time_range.end
+        if not any(a <= start and end <= b for a, b in spans):
+            continue
+        busy_us += end - start
+        count, total = kernels.get(e.name, (0, 0.0))
+        kernels[e.name] = (count + 1, total + end - start)
+    rounds = max(len(spans), 1)
+    wall_us = sum(b - a for a, b in spans)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:12]
+    return dict(rounds=len(spans), wall_ms=wall_us / rounds / 1e3,
+                gpu_busy_ms=busy_us / rounds / 1e3,
+                kernels_per_round=sum(c for c, _ in kernels.values()) / rounds,
+                top=[dict(name=name[:90], per_round=c / rounds, ms_per_round=t / rounds / 1e3)
+                     for name, (c, t) in top])
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -120,10 +161,15 @@ def main() -> None:
     p.add_argument("--target", default="llama-3.1-8b")
     p.add_argument("--draft", default="llama-3.2-1b")
     p.add_argument("--ks", type=int, nargs="+", default=None, help="default 1..8")
-    p.add_argument("--draft-quantization", default="auto",
-                   help="the draft model's weights (auto, none, int8, fp8, gguf); the "
-                   "end-to-end run's draft (the target itself) stays in the target's format")
+    p.add_argument("--draft-quantization", nargs="+", default=["auto"],
+                   help="the draft model's weights (auto, none, int8, fp8, gguf), each in "
+                   "turn; the end-to-end run's draft (the target itself) stays in the "
+                   "target's format")
+    p.add_argument("--profile-round", action="store_true",
+                   help="also profile the draft rounds at k = --k-e2e (torch.profiler)")
     p.add_argument("--k-e2e", type=int, default=4)
+    p.add_argument("--skip-own-draft", action="store_true",
+                   help="skip the end-to-end run with the target as its own draft")
     p.add_argument("--prompt-len", type=int, default=None, help="default 128 (tiny 16)")
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (tiny 16)")
     common.add_common_args(p)
@@ -150,71 +196,92 @@ def main() -> None:
     print(f"[plain] target decode {t1:.3f} ms/step", flush=True)
     del llm
 
-    llm, _ = common.build_llm(target, {**flags, "speculative_method": "draft",
-                                       "draft_model": str(draft),
-                                       "draft_quantization": args.draft_quantization,
-                                       "num_speculative_tokens": max(ks)})
-    core = llm.engine.core
-    model_drafter = core.drafter
-    rows = []
-    for k in ks:
-        core.drafter = FixedDrafter(k)
-        verify = decode_run(llm, rng, vocab, prompt_len, new_tokens)
-        model_drafter.k = k
-        core.drafter = timed = TimedDrafter(model_drafter)
-        warm(llm, timed)
-        drafted = decode_run(llm, rng, vocab, prompt_len, new_tokens)
-        round_ms = timed.seconds / timed.rounds * 1e3
-        row = dict(k=k, verify_ms=verify["step_ms"], verify_x=verify["step_ms"] / t1,
-                   round_ms=round_ms, round_x=round_ms / t1,
-                   draft_forward_ms=round_ms / k,
-                   spec_step_ms=drafted["step_ms"])
-        cost = verify["step_ms"] + round_ms
-        for a in ACCEPTANCE:
-            row[f"pred_{a}"] = expected_tokens(a, k) * t1 / cost
-        rows.append(row)
-        print(f"[k={k}] {row}", flush=True)
-        result["costs"] = rows
-        common.write_results("spec_cost", args, result)
-    del llm, core, model_drafter
+    rows, profiles = [], {}
+    for quantization in args.draft_quantization:
+        llm, _ = common.build_llm(target, {**flags, "speculative_method": "draft",
+                                           "draft_model": str(draft),
+                                           "draft_quantization": quantization,
+                                           "num_speculative_tokens": max(ks)})
+        core = llm.engine.core
+        model_drafter = core.drafter
+        for k in ks:
+            core.drafter = FixedDrafter(k)
+            verify = decode_run(llm, rng, vocab, prompt_len, new_tokens)
+            model_drafter.k = k
+            core.drafter = timed = TimedDrafter(model_drafter)
+            warm(llm, timed)
+            drafted = decode_run(llm, rng, vocab, prompt_len, new_tokens)
+            round_ms = timed.seconds / timed.rounds * 1e3
+            row = dict(draft_quantization=quantization, k=k, verify_ms=verify["step_ms"],
+                       verify_x=verify["step_ms"] / t1, round_ms=round_ms,
+                       round_x=round_ms / t1, draft_forward_ms=round_ms / k,
+                       spec_step_ms=drafted["step_ms"])
+            cost = verify["step_ms"] + round_ms
+            for a in ACCEPTANCE:
+                row[f"pred_{a}"] = expected_tokens(a, k) * t1 / cost
+            rows.append(row)
+            print(f"[{quantization} k={k}] {row}", flush=True)
+            result["costs"] = rows
+            common.write_results("spec_cost", args, result)
+        if args.profile_round:
+            model_drafter.k = args.k_e2e
+            core.drafter = timed = TimedDrafter(model_drafter)
+            profiles[quantization] = round_profile(llm, timed, rng, vocab, prompt_len,
+                                                   new_tokens)
+            print(f"[{quantization} k={args.k_e2e} round profile] {profiles[quantization]}",
+                  flush=True)
+            result["round_profiles"] = profiles
+            common.write_results("spec_cost", args, result)
+        del llm, core, model_drafter
 
     k = args.k_e2e
-    llm, _ = common.build_llm(target, {**flags, "speculative_method": "draft",
-                                       "draft_model": str(target),
-                                       "num_speculative_tokens": k})
-    core = llm.engine.core
-    verify_ms = next((r["verify_ms"] for r in rows if r["k"] == k), None)
-    core.drafter = timed = TimedDrafter(core.drafter)
-    warm(llm, timed)
-    before = core.num_draft_tokens, core.num_accepted_tokens
-    own = decode_run(llm, rng, vocab, prompt_len, new_tokens)
-    drafts = core.num_draft_tokens - before[0]
-    accepted = core.num_accepted_tokens - before[1]
-    # per-position acceptance, as the formula's a: E = tokens per verify row
-    tokens_per_round = own["tokens"] / own["steps"]
-    round_ms = timed.seconds / timed.rounds * 1e3
-    e2e = dict(k=k, acceptance=accepted / max(drafts, 1), tokens_per_round=tokens_per_round,
-               ms_per_token=own["ms_per_token"], plain_ms_per_token=t1,
-               measured_x=t1 / own["ms_per_token"], round_ms=round_ms, verify_ms=verify_ms)
-    if verify_ms is not None:
-        e2e["predicted_x"] = tokens_per_round * t1 / (verify_ms + round_ms)
-    result["own_draft"] = e2e
-    common.write_results("spec_cost", args, result)
+    e2e = None
+    if not args.skip_own_draft:
+        llm, _ = common.build_llm(target, {**flags, "speculative_method": "draft",
+                                           "draft_model": str(target),
+                                           "num_speculative_tokens": k})
+        core = llm.engine.core
+        verify_ms = next((r["verify_ms"] for r in rows if r["k"] == k), None)
+        core.drafter = timed = TimedDrafter(core.drafter)
+        warm(llm, timed)
+        before = core.num_draft_tokens, core.num_accepted_tokens
+        own = decode_run(llm, rng, vocab, prompt_len, new_tokens)
+        drafts = core.num_draft_tokens - before[0]
+        accepted = core.num_accepted_tokens - before[1]
+        # per-position acceptance, as the formula's a: E = tokens per verify row
+        tokens_per_round = own["tokens"] / own["steps"]
+        round_ms = timed.seconds / timed.rounds * 1e3
+        e2e = dict(k=k, acceptance=accepted / max(drafts, 1), tokens_per_round=tokens_per_round,
+                   ms_per_token=own["ms_per_token"], plain_ms_per_token=t1,
+                   measured_x=t1 / own["ms_per_token"], round_ms=round_ms, verify_ms=verify_ms)
+        if verify_ms is not None:
+            e2e["predicted_x"] = tokens_per_round * t1 / (verify_ms + round_ms)
+        result["own_draft"] = e2e
+        common.write_results("spec_cost", args, result)
 
     common.print_table(f"speculative decoding cost, batch 1: {args.target} target, "
                        f"{args.draft} draft (T_1 = {t1:.3f} ms)", rows, [
-                           ("k", "k", "d"), ("verify ms", "verify_ms", ".3f"),
+                           ("draft", "draft_quantization", "s"), ("k", "k", "d"),
+                           ("verify ms", "verify_ms", ".3f"),
                            ("x T_1", "verify_x", ".2f"), ("draft round ms", "round_ms", ".3f"),
                            ("x T_1", "round_x", ".2f"),
                            ("per draft ms", "draft_forward_ms", ".3f"),
                            *[(f"pred a={a}", f"pred_{a}", ".2f") for a in ACCEPTANCE]])
-    common.print_table(f"end to end, {args.target} as its own draft (k = {k}, batch 1)",
-                       [e2e], [("acceptance", "acceptance", ".1%"),
-                               ("tok/round", "tokens_per_round", ".2f"),
-                               ("ms/token", "ms_per_token", ".3f"),
-                               ("plain ms", "plain_ms_per_token", ".3f"),
-                               ("measured x", "measured_x", ".2f"),
-                               ("predicted x", "predicted_x", ".2f")])
+    if e2e is not None:
+        common.print_table(f"end to end, {args.target} as its own draft (k = {k}, batch 1)",
+                           [e2e], [("acceptance", "acceptance", ".1%"),
+                                   ("tok/round", "tokens_per_round", ".2f"),
+                                   ("ms/token", "ms_per_token", ".3f"),
+                                   ("plain ms", "plain_ms_per_token", ".3f"),
+                                   ("measured x", "measured_x", ".2f"),
+                                   ("predicted x", "predicted_x", ".2f")])
+    for quantization, prof in profiles.items():
+        common.print_table(
+            f"draft round ({quantization}, k = {args.k_e2e}): {prof['wall_ms']:.3f} ms wall, "
+            f"{prof['gpu_busy_ms']:.3f} ms of kernels, {prof['kernels_per_round']:.0f} "
+            "kernels a round", prof["top"], [("kernel", "name", "s"),
+                                             ("per round", "per_round", ".1f"),
+                                             ("ms/round", "ms_per_round", ".3f")])
 
 
 if __name__ == "__main__":

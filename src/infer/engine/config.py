@@ -88,6 +88,11 @@ class EngineConfig:
         True, "one-row matmuls of 16-bit weights (batch-1 decode: projections without a "
         "bias, LM head, a gated MLP's activation with its down projection) through infer's "
         "Triton GEMV (kernels/gemv.py) instead of cuBLAS; with kernel_backend triton only")
+    dependent_launch: bool = knob(
+        True, "launch infer's decode kernels (GEMV, norms, RoPE + KV store, attention, "
+        "W8A16) with programmatic dependent launch, so that each one's launch and first "
+        "weight reads overlap the kernel before it (CUDA, compute capability 9+; with "
+        "kernel_backend triton only)")
     cuda_graphs: bool = knob(True, "replay captured decode steps (CUDA with triton attention "
                              "only; ignored elsewhere)")
     mixed_step_graphs: str = knob(

@@ -38,12 +38,29 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
     set_attention_backend(model, attention_backend)
     set_kernel_backend(model, kernel_backend)
     set_triton_gemv(model, config.triton_gemv and kernel_backend == "triton")
+    set_dependent_launch(config.dependent_launch and kernel_backend == "triton", device)
     block_size, num_blocks = plan_kv_cache(config, model_config, max_model_len, model, device,
                                            dtype, draft_config, tp.size)
     # Rank 0's scheduler hands out block ids for every rank's pool: all the same size.
     num_blocks = tp.min(num_blocks)
     return ModelRunner(model, model_config, num_blocks, block_size, device, dtype,
                        attention_backend, kernel_backend)
+
+
+def set_dependent_launch(on: bool, device: torch.device) -> None:
+    """Programmatic dependent launch for infer's decode kernels, where the device has it
+    (kernels/dependent_launch.py); off in every other case, so that an engine built after
+    another in one process does not inherit the setting."""
+    from infer.kernels import triton_available
+
+    if not triton_available():
+        return
+    from infer.kernels import dependent_launch
+
+    on = on and dependent_launch.supported(device)
+    dependent_launch.set_enabled(on)
+    if on:
+        log.info("programmatic dependent launch on for infer's decode kernels")
 
 
 def uses_graphs(config: EngineConfig, device: torch.device, attention_backend: str) -> bool:

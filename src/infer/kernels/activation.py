@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from infer.kernels import dependent_launch
+
 
 @triton.jit
 def _tanh(z):
@@ -30,8 +32,10 @@ def gated(gate, up, ACT: tl.constexpr):
 @triton.jit
 def _gated_act_kernel(
     gu_ptr, out_ptr, stride_gu, stride_out, inter,
-    ACT: tl.constexpr, BLOCK: tl.constexpr,
+    ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    dependent_launch.wait(PDL)
+    dependent_launch.release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -52,7 +56,8 @@ def _gated(gate_up: torch.Tensor, act: str) -> torch.Tensor:
         block = min(triton.next_power_of_2(inter), 1024)
         grid = (tokens, triton.cdiv(inter, block))
         _gated_act_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter,
-                                ACT=act, BLOCK=block, num_warps=4)
+                                ACT=act, BLOCK=block, num_warps=4,
+                                **dependent_launch.launch_options())
     return out
 
 

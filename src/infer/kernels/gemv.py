@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from infer.kernels import dependent_launch
 from infer.kernels.activation import gated
 
 
@@ -30,29 +31,47 @@ class Launch(NamedTuple):
 
 
 @triton.jit
+def _weights(w_rows, kk, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
+    return tl.load(w_rows + kk[None, :], mask=kk[None, :] < K, other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
+def _row(x_ptr, kk, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
+    """x's columns kk (or act(gate) * up there, rounded to x's dtype)."""
+    if EVEN_K:
+        x = tl.load(x_ptr + kk)
+        if ACT != "":
+            x = gated(x, tl.load(x_ptr + K + kk), ACT).to(x.dtype)
+    else:
+        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
+        if ACT != "":
+            x = gated(x, tl.load(x_ptr + K + kk, mask=kk < K, other=0.0), ACT).to(x.dtype)
+    return x
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, N, K, stride_wn,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     # Rows past N read row N - 1 (no mask on the weight's loads) and are not stored.
     w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # The first weight tile is read before the kernel before this one has finished
+    # (dependent_launch.py); x only after.
+    w = _weights(w_rows, rk, K, EVEN_K)
+    dependent_launch.wait(PDL)
+    dependent_launch.release(PDL)
+    acc = w.to(tl.float32) * _row(x_ptr, rk, K, EVEN_K, ACT).to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + rk
-        if EVEN_K:
-            w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
-            x = tl.load(x_ptr + kk)
-            if ACT != "":
-                x = gated(x, tl.load(x_ptr + K + kk), ACT).to(x.dtype)
-        else:
-            w = tl.load(w_rows + kk[None, :], mask=kk[None, :] < K, other=0.0,
-                        eviction_policy="evict_first")
-            x = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
-            if ACT != "":
-                x = gated(x, tl.load(x_ptr + K + kk, mask=kk < K, other=0.0), ACT).to(x.dtype)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc += (_weights(w_rows, kk, K, EVEN_K).to(tl.float32)
+                * _row(x_ptr, kk, K, EVEN_K, ACT).to(tl.float32)[None, :])
     tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
@@ -84,5 +103,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None,
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, ACT=act, num_warps=num_warps,
+        **dependent_launch.launch_options(),
     )
     return y

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from infer.kernels import dependent_launch
 from infer.kernels.activation import _tanh
 
 
@@ -109,7 +110,10 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, LAST_COMBINES: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    dependent_launch.wait(PDL)
+    dependent_launch.release(PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -190,8 +194,10 @@ def _store_partial(part_o_ptr, part_lse_ptr, o, l_i, m_i, seq, heads, num_heads,
 @triton.jit
 def _reduce_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_heads, num_splits,
-    head_dim, BLOCK_D: tl.constexpr,
+    head_dim, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    dependent_launch.wait(PDL)
+    dependent_launch.release(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     heads = head + tl.arange(0, 1)
@@ -378,11 +384,12 @@ def paged_decode(
         BLOCK_D=block_d, SPLIT=split, LAST_COMBINES=last_combines,
         num_warps=num_warps or (4 if head_dim == 128 else 8),
         **({} if num_stages is None else {"num_stages": num_stages}),
+        **dependent_launch.launch_options(),
     )
     if split and not last_combines:
         _reduce_kernel[(num_seqs, num_heads)](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
-            head_dim, BLOCK_D=block_d, num_warps=4,
+            head_dim, BLOCK_D=block_d, num_warps=4, **dependent_launch.launch_options(),
         )
     return out
 

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from infer.kernels import dependent_launch
+
 
 @triton.jit
 def _rmsnorm_kernel(
@@ -19,10 +21,14 @@ def _rmsnorm_kernel(
     stride_x, stride_res, stride_out,
     n_cols, eps,
     OFFSET: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dependent_launch.wait(PDL)
+    dependent_launch.release(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -32,7 +38,6 @@ def _rmsnorm_kernel(
         tl.store(res_ptr + row * stride_res + cols, s, mask=mask)
         x = s.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if OFFSET == 0.0:
         y = (x * inv_rms).to(out_ptr.dtype.element_ty).to(tl.float32) * w
     else:
@@ -50,6 +55,7 @@ def _launch(x2d: torch.Tensor, res2d: torch.Tensor | None, weight: torch.Tensor,
         x2d.stride(0), res2d.stride(0) if res2d is not None else 0, out2d.stride(0),
         n, eps,
         OFFSET=offset, HAS_RESIDUAL=res2d is not None, BLOCK=block, num_warps=num_warps,
+        **dependent_launch.launch_options(),
     )
 
 

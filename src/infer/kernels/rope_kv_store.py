@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from infer.kernels import dependent_launch
+
 
 @triton.jit
 def _norm_rope(x1, x2, w_ptr, dims, dmask, cos, sin, half, eps,
@@ -47,7 +49,10 @@ def _rope_kv_store_kernel(
     n_q_heads, n_kv_heads, half, eps,
     NORM: tl.constexpr, OFFSET: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    dependent_launch.wait(PDL)
+    dependent_launch.release(PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
@@ -129,5 +134,6 @@ def rope_store_kv(
             BLOCK_HQ=triton.next_power_of_2(n_q_heads),
             BLOCK_HK=triton.next_power_of_2(n_kv_heads),
             BLOCK_D=triton.next_power_of_2(half), num_warps=4,
+            **dependent_launch.launch_options(),
         )
     return q

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from infer.kernels import dependent_launch
+
 
 @triton.jit
 def _to_float(w):
@@ -36,8 +38,10 @@ def _w8a16_kernel(
     M, N, K, stride_xm, stride_wn, stride_ys, stride_ym, stride_sn, steps_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-    TILE_SCALE: tl.constexpr, SCALE_IN_X: tl.constexpr,
+    TILE_SCALE: tl.constexpr, SCALE_IN_X: tl.constexpr, PDL: tl.constexpr,
 ):
+    dependent_launch.wait(PDL)
+    dependent_launch.release(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -151,6 +155,6 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             scale.stride(0), per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             IEEE=x.dtype == torch.float32, SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols,
             TILE_SCALE=tile_scale, SCALE_IN_X=scale_in_x, num_warps=num_warps,
-            num_stages=num_stages,
+            num_stages=num_stages, **dependent_launch.launch_options(),
         )
     return y if split == 1 else y.sum(0).to(x.dtype)
