@@ -1,12 +1,14 @@
-"""The W8A16 kernel's launch configurations on the Llama-3.1-8B projection shapes, at one
-row and at 32, INT8 and FP8 weights: the fastest per shape, against bf16 cuBLAS and
-against the copy bandwidth, to choose `w8a16_matmul`'s defaults.
+"""The W8A16 kernel's launch configurations on the Llama-3.1-8B projection shapes (or
+gemv_sweep.py's other shape sets), at one row and at 32, INT8 and FP8 weights: the fastest
+per shape, against bf16 cuBLAS and against the copy bandwidth, to choose `w8a16_matmul`'s
+defaults.
 
 Each case is captured in a CUDA graph (quantized_gemv.py's timer) whose calls cycle
 through enough copies of the weight to exceed the L2 cache three times over, as the
 layers of a decode step do (one weight called 20 times would be read from L2).
 
-    python benchmarks/w8a16_sweep.py [--rows 1 32] [--quick | --defaults-only]
+    python benchmarks/w8a16_sweep.py [--rows 1 32] [--shapes 8b 1b] [--one-row-kernel-only]
+                                     [--quick | --defaults-only]
 """
 
 from __future__ import annotations
@@ -22,16 +24,19 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
-from quantized_gemv import L2_BYTES, SHAPES, time_cycled
+import gemv_sweep
+from quantized_gemv import L2_BYTES, time_cycled
 
 
-def configs(rows: int, quick: bool) -> list[dict]:
+def configs(rows: int, quick: bool, one_row_kernel_only: bool = False) -> list[dict]:
     out = []
     if rows == 1:
         for bn, bk, warps, stages in itertools.product(
-                (4, 8, 16), (256, 512, 1024), (4, 8), (2, 3)):
+                (4, 8, 16), (512, 1024, 2048), (4, 8), (2, 3)):
             out.append(dict(block_n=bn, block_k=bk, split=1, one_row_gemv=True,
                             num_warps=warps, num_stages=stages))
+        if one_row_kernel_only:
+            return out[::4] if quick else out
     for bn, bk, warps, stages, split in itertools.product(
             (16, 32, 64), (128, 256, 512), (4,) if rows == 1 else (4, 8), (3, 4), (1, 2)):
         out.append(dict(block_n=bn, block_k=bk, split=split, one_row_gemv=False,
@@ -46,6 +51,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--quick", action="store_true", help="every fourth configuration")
     parser.add_argument("--dtypes", nargs="+", default=["int8", "float8_e4m3fn"])
+    parser.add_argument("--shapes", nargs="+", choices=list(gemv_sweep.SHAPES),
+                        default=["8b"])
+    parser.add_argument("--one-row-kernel-only", action="store_true",
+                        help="at one row, sweep the dot-free kernel's launches only")
     parser.add_argument("--defaults-only", action="store_true",
                         help="time w8a16_matmul's own launch only")
     args = parser.parse_args()
@@ -56,7 +65,9 @@ def main() -> None:
     ceil = common.ceilings()
     copy_gbs = ceil["copy_GBps"]
     results, best_rows = [], []
-    for (shape, n, k), rows in itertools.product(SHAPES, args.rows):
+    shapes = [(f"{model} {name}", n, k) for model in args.shapes
+              for name, n, k in gemv_sweep.SHAPES[model]]
+    for (shape, n, k), rows in itertools.product(shapes, args.rows):
         copies = max(1, -(-3 * L2_BYTES // (n * k)))
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -70,8 +81,8 @@ def main() -> None:
             moved = n * k + 4 * n + x.nbytes + rows * n * 2
             default_us = time_cycled(w8a16_matmul, x, weights, scale, replays=20)
             best = None
-            swept = shape != "lm_head" and not args.defaults_only
-            for cfg in (configs(rows, args.quick) if swept else []):
+            swept = not shape.endswith("lm_head") and not args.defaults_only
+            for cfg in (configs(rows, args.quick, args.one_row_kernel_only) if swept else []):
                 try:
                     us = time_cycled(partial(_matmul, **cfg), x, weights, scale, None)
                 except Exception as exc:  # a configuration that does not compile: skip it
@@ -95,7 +106,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     common.write_results("w8a16_sweep", args, {"ceilings": ceil, "best": best_rows,
                                                "sweep": results})
-    common.print_table("W8A16 launches, Llama-3.1-8B shapes (us per call, CUDA graph, "
+    common.print_table("W8A16 launches (us per call, CUDA graph, "
                        "weights cycled past L2)", best_rows,
                        [("shape", "shape", ""), ("rows", "rows", ""), ("dtype", "dtype", ""),
                         ("bf16 us", "bf16_us", ".1f"), ("default us", "default_us", ".1f"),

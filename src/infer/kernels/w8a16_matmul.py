@@ -33,6 +33,29 @@ def _to_float(w):
 
 
 @triton.jit
+def _weight_tile(w_ptr, rn, kk, N, K, stride_wn):
+    return tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + kk[None, :],
+                   mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _one_row_step(acc2, w, x_ptr, s_ptr, pid_m, pid_n, rn, kk, N, K, stride_xm, stride_sn,
+                  BLOCK_N: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
+                  SCALE_IN_X: tl.constexpr):
+    """acc2 plus one K step's products of the weight tile `w` and x's columns kk."""
+    wf = _to_float(w)
+    if SCALE_COLS > 0 and not SCALE_IN_X:  # a scale per weight
+        wf *= tl.load(s_ptr + (rn[:, None] // SCALE_ROWS) * stride_sn + kk[None, :] // SCALE_COLS,
+                      mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+    x = tl.load(x_ptr + pid_m.to(tl.int64) * stride_xm + kk, mask=kk < K,
+                other=0.0).to(tl.float32)
+    if SCALE_IN_X:  # the program's rows share their scales along K: x takes them
+        x *= tl.load(s_ptr + (pid_n * BLOCK_N // SCALE_ROWS) * stride_sn
+                     + kk // SCALE_COLS, mask=kk < K, other=0.0)
+    return acc2 + wf * x[None, :]
+
+
+@triton.jit
 def _w8a16_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr,
     M, N, K, stride_xm, stride_wn, stride_ys, stride_ym, stride_sn, steps_per_split,
@@ -40,51 +63,51 @@ def _w8a16_kernel(
     IEEE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
     TILE_SCALE: tl.constexpr, SCALE_IN_X: tl.constexpr, PDL: tl.constexpr,
 ):
-    dependent_launch.wait(PDL)
-    dependent_launch.release(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    if BLOCK_M == 1:  # products summed in registers, reduced once
-        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_begin = pid_s * steps_per_split * BLOCK_K
+    k_begin = pid_s * steps_per_split * BLOCK_K  # < K: every split has a step
     k_end = tl.minimum(k_begin + steps_per_split * BLOCK_K, K)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        kk = k0 + rk
-        w_mask = (rn[:, None] < N) & (kk[None, :] < K)
-        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                    mask=w_mask, other=0.0)
-        if SCALE_COLS > 0 and not TILE_SCALE and not SCALE_IN_X:  # a scale per weight
-            s = tl.load(s_ptr + (rn[:, None] // SCALE_ROWS) * stride_sn + kk[None, :] // SCALE_COLS,
-                        mask=w_mask, other=0.0)
-            w = _to_float(w) * s
-        if TILE_SCALE:  # this program's tile lies in one scale tile: scale its sum
-            tile_scale = tl.load(s_ptr + (pid_n * BLOCK_N // SCALE_ROWS) * stride_sn
-                                 + k0 // SCALE_COLS)
-        if BLOCK_M == 1:
-            x = tl.load(x_ptr + pid_m.to(tl.int64) * stride_xm + kk, mask=kk < K,
-                        other=0.0).to(tl.float32)
-            if SCALE_IN_X:  # the program's rows share their scales along K: x takes them
-                x *= tl.load(s_ptr + (pid_n * BLOCK_N // SCALE_ROWS) * stride_sn
-                             + kk // SCALE_COLS, mask=kk < K, other=0.0)
-            acc2 += _to_float(w) * x[None, :]
-        else:
+    if BLOCK_M == 1:  # products summed in registers, reduced once
+        # The first weight tile is read before the kernel before this one has finished
+        # (dependent_launch.py); x and the scales only after.
+        w = _weight_tile(w_ptr, rn, k_begin + rk, N, K, stride_wn)
+        dependent_launch.wait(PDL)
+        dependent_launch.release(PDL)
+        acc2 = _one_row_step(tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32), w, x_ptr, s_ptr,
+                             pid_m, pid_n, rn, k_begin + rk, N, K, stride_xm, stride_sn,
+                             BLOCK_N, SCALE_ROWS, SCALE_COLS, SCALE_IN_X)
+        for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
+            kk = k0 + rk
+            acc2 = _one_row_step(acc2, _weight_tile(w_ptr, rn, kk, N, K, stride_wn), x_ptr,
+                                 s_ptr, pid_m, pid_n, rn, kk, N, K, stride_xm, stride_sn,
+                                 BLOCK_N, SCALE_ROWS, SCALE_COLS, SCALE_IN_X)
+        acc = tl.sum(acc2, axis=1)[None, :]
+    else:
+        dependent_launch.wait(PDL)
+        dependent_launch.release(PDL)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            kk = k0 + rk
+            w = _weight_tile(w_ptr, rn, kk, N, K, stride_wn)
+            if SCALE_COLS > 0 and not TILE_SCALE:  # a scale per weight
+                s = tl.load(s_ptr + (rn[:, None] // SCALE_ROWS) * stride_sn
+                            + kk[None, :] // SCALE_COLS,
+                            mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+                w = _to_float(w) * s
             x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + kk[None, :],
                         mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
             if IEEE:  # float32 inputs: no TF32 rounding
                 part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee")
             else:
                 part = tl.dot(x, tl.trans(w.to(x.dtype)))
-            if TILE_SCALE:
-                part *= tile_scale
+            if TILE_SCALE:  # this program's tile lies in one scale tile: scale its sum
+                part *= tl.load(s_ptr + (pid_n * BLOCK_N // SCALE_ROWS) * stride_sn
+                                + k0 // SCALE_COLS)
             acc += part
-    if BLOCK_M == 1:
-        acc = tl.sum(acc2, axis=1)[None, :]
     if SCALE_COLS == 0:
         acc *= tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + pid_s * stride_ys + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
