@@ -46,6 +46,9 @@ class InstantCore:
     def has_unfinished(self) -> bool:
         return bool(self.sequences)
 
+    def unfinished_ids(self) -> list[str]:
+        return list(self.sequences)
+
     def step(self) -> list:
         from infer.engine.engine_core import SequenceOutput
 
@@ -140,7 +143,7 @@ def main() -> None:
         serve_vs_offline.drive(url, specs[:4], 1)  # clients and server warm
         before = _thread_cpu(threads)
         cpu = time.process_time()
-        records = serve_vs_offline.drive(url, specs, args.clients)
+        records, _ = serve_vs_offline.drive(url, specs, args.clients)  # no core counters
         result["cpu_s"] = time.process_time() - cpu
         after = _thread_cpu(threads)
         result["threads_s"] = {name: after[name] - before[name] for name in threads}
