@@ -14,6 +14,8 @@ rows go through `tl.dot`. The scale is applied once, to the accumulated sum. Lar
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -22,14 +24,39 @@ from infer.kernels import dependent_launch
 
 
 @triton.jit
-def _to_float(w):
+def _to_float(w, PTX: tl.constexpr):
     """8-bit weights as float32. int8 without the quarter-rate integer convert: `w + 128`
     in the low byte of the float 2^23 (bit pattern 0x4B000000) is 2^23 + 128 + w exactly
-    (faster for one row on the H100; slower feeding `tl.dot`, which converts to 16 bits)."""
+    (faster for one row on the H100; slower feeding `tl.dot`, which converts to 16 bits).
+    With PTX (a GPU; the interpreter has no inline assembly) four weights a register."""
     if w.dtype == tl.int8:
+        if PTX:
+            return _int8_to_float_ptx(w)
         bits = (w.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x80) | 0x4B000000
         return bits.to(tl.float32, bitcast=True) - 8388736.0
     return w.to(tl.float32)
+
+
+@triton.jit
+def _int8_to_float_ptx(w):
+    """`_to_float`'s int8 path on the four int8 weights of each 32-bit register: one xor
+    adds 128 to all four (as bytes), one prmt per weight puts its byte under the exponent
+    of 2^23 (0x4B0000nn), one subtraction takes 2^23 + 128 away."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, m;
+        xor.b32 t, $4, 0x80808080;
+        mov.b32 m, 0x4B000000;
+        prmt.b32 $0, t, m, 0x7540;
+        prmt.b32 $1, t, m, 0x7541;
+        prmt.b32 $2, t, m, 0x7542;
+        prmt.b32 $3, t, m, 0x7543;
+        sub.f32 $0, $0, 0f4B000080;
+        sub.f32 $1, $1, 0f4B000080;
+        sub.f32 $2, $2, 0f4B000080;
+        sub.f32 $3, $3, 0f4B000080;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[w], dtype=tl.float32, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -41,9 +68,9 @@ def _weight_tile(w_ptr, rn, kk, N, K, stride_wn):
 @triton.jit
 def _one_row_step(acc2, w, x_ptr, s_ptr, pid_m, pid_n, rn, kk, N, K, stride_xm, stride_sn,
                   BLOCK_N: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-                  SCALE_IN_X: tl.constexpr):
+                  SCALE_IN_X: tl.constexpr, PTX: tl.constexpr):
     """acc2 plus one K step's products of the weight tile `w` and x's columns kk."""
-    wf = _to_float(w)
+    wf = _to_float(w, PTX)
     if SCALE_COLS > 0 and not SCALE_IN_X:  # a scale per weight
         wf *= tl.load(s_ptr + (rn[:, None] // SCALE_ROWS) * stride_sn + kk[None, :] // SCALE_COLS,
                       mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
@@ -61,7 +88,8 @@ def _w8a16_kernel(
     M, N, K, stride_xm, stride_wn, stride_ys, stride_ym, stride_sn, steps_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-    TILE_SCALE: tl.constexpr, SCALE_IN_X: tl.constexpr, PDL: tl.constexpr,
+    TILE_SCALE: tl.constexpr, SCALE_IN_X: tl.constexpr, PTX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -79,12 +107,12 @@ def _w8a16_kernel(
         dependent_launch.release(PDL)
         acc2 = _one_row_step(tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32), w, x_ptr, s_ptr,
                              pid_m, pid_n, rn, k_begin + rk, N, K, stride_xm, stride_sn,
-                             BLOCK_N, SCALE_ROWS, SCALE_COLS, SCALE_IN_X)
+                             BLOCK_N, SCALE_ROWS, SCALE_COLS, SCALE_IN_X, PTX)
         for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
             kk = k0 + rk
             acc2 = _one_row_step(acc2, _weight_tile(w_ptr, rn, kk, N, K, stride_wn), x_ptr,
                                  s_ptr, pid_m, pid_n, rn, kk, N, K, stride_xm, stride_sn,
-                                 BLOCK_N, SCALE_ROWS, SCALE_COLS, SCALE_IN_X)
+                                 BLOCK_N, SCALE_ROWS, SCALE_COLS, SCALE_IN_X, PTX)
         acc = tl.sum(acc2, axis=1)[None, :]
     else:
         dependent_launch.wait(PDL)
@@ -97,7 +125,7 @@ def _w8a16_kernel(
                 s = tl.load(s_ptr + (rn[:, None] // SCALE_ROWS) * stride_sn
                             + kk[None, :] // SCALE_COLS,
                             mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-                w = _to_float(w) * s
+                w = _to_float(w, PTX) * s
             x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + kk[None, :],
                         mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
             if IEEE:  # float32 inputs: no TF32 rounding
@@ -177,7 +205,8 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             x, weight, scale, y, m, n, k, x.stride(0), weight.stride(0), m * n, n,
             scale.stride(0), per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             IEEE=x.dtype == torch.float32, SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols,
-            TILE_SCALE=tile_scale, SCALE_IN_X=scale_in_x, num_warps=num_warps,
-            num_stages=num_stages, **dependent_launch.launch_options(),
+            TILE_SCALE=tile_scale, SCALE_IN_X=scale_in_x,
+            PTX=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
+            num_warps=num_warps, num_stages=num_stages, **dependent_launch.launch_options(),
         )
     return y if split == 1 else y.sum(0).to(x.dtype)
