@@ -23,14 +23,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
+import quantized_gemv
 from quantized_gemv import L2_BYTES, time_cycled
 
 # (name, N, K) of each projection; qkv and gate_up fused as the models hold them.
 SHAPES = {
     "1b": [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048),
            ("down", 2048, 8192), ("lm_head", 128256, 2048)],
-    "8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
-           ("down", 4096, 14336), ("lm_head", 128256, 4096)],
+    "8b": quantized_gemv.SHAPES,
     "8b-tp2": [("qkv", 3072, 4096), ("o", 4096, 2048), ("gate_up", 14336, 4096),
                ("down", 4096, 7168), ("lm_head", 64128, 4096)],
 }

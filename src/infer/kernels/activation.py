@@ -45,7 +45,9 @@ def _gated_act_kernel(
              mask=mask)
 
 
-def _gated(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+def gated_rows(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """`act(gate) * up` of each row `[gate | up]` of `gate_up [T, 2*I]`, computed in
+    float32; `act`: the kernels' name ("silu" or "gelu_tanh"), as `gated` takes it."""
     assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, gate_up.shape
     # Rows are addressed as base + row * stride(0) + col: columns must be unit-stride.
     assert gate_up.stride(1) == 1, "gate_up must have unit stride in its last dim"
@@ -63,9 +65,9 @@ def _gated(gate_up: torch.Tensor, act: str) -> torch.Tensor:
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up`, computed in float32."""
-    return _gated(gate_up, "silu")
+    return gated_rows(gate_up, "silu")
 
 
 def geglu_tanh(gate_up: torch.Tensor) -> torch.Tensor:
     """`gelu_tanh(gate) * up` (Gemma's `gelu_pytorch_tanh`), computed in float32."""
-    return _gated(gate_up, "gelu_tanh")
+    return gated_rows(gate_up, "gelu_tanh")

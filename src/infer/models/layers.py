@@ -141,9 +141,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
-# Gated activations with a fused Triton kernel (`act(gate) * up` in one pass).
-_TRITON_GATED = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu_tanh", "gelu_new": "geglu_tanh"}
-_GEMV_ACT = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+# Gated activations the Triton kernels compute (`act(gate) * up` in one pass: the
+# activation kernel's, or the down projection's GEMV's), by the kernels' name for each.
+_TRITON_ACT = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -175,14 +175,15 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.use_triton and self.act_name in _TRITON_GATED:
-            y = self.down_proj.forward_gated(gate_up, _GEMV_ACT[self.act_name])
+        if self.use_triton and self.act_name in _TRITON_ACT:
+            act = _TRITON_ACT[self.act_name]
+            y = self.down_proj.forward_gated(gate_up, act)
             if y is not None:  # one row, activation and matmul in one launch
                 return y
             from infer.kernels import activation as kernels
 
-            fused = getattr(kernels, _TRITON_GATED[self.act_name])
-            return self.down_proj(fused(gate_up.reshape(-1, gate_up.shape[-1])))
+            return self.down_proj(kernels.gated_rows(gate_up.reshape(-1, gate_up.shape[-1]),
+                                                     act))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
