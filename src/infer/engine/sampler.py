@@ -20,6 +20,9 @@ Per row (all rows at once, per-row parameters held in [B, 1] tensors; no loop ov
    Tokens tied with the last kept one are kept too, so the kept set never depends on how a
    sort orders ties. top_p is measured after top_k; min_p compares with the top token,
    which every filter keeps, so its place in the order does not matter.
+   The draw is the exponential race (`_race`); on CUDA one kernel does it, greedy rows of a
+   sampled batch included (`_fused_race`), straight from the model's logits when a batch
+   has nothing but temperatures.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ class SamplingBatch:
     # Host side: each non-greedy seeded row's (row, seed, index of the token it generates).
     seeded_rows: list[tuple[int, int, int]]
     any_unseeded_random: bool
+    greedy_rows: list[int]  # host side: the greedy rows of a batch that also samples
     num_logprobs: int  # K: max over rows of SamplingParams.logprobs (0: no top-K)
     want_logprobs: bool  # some row set SamplingParams.logprobs (0 included)
 
@@ -190,6 +194,7 @@ class SamplingBatch:
             logit_bias=bias,
             seeded_rows=seeded,
             any_unseeded_random=any(p.seed is None for p in random_params),
+            greedy_rows=[i for i, g in enumerate(greedy) if g] if random_params else [],
             num_logprobs=min(max((p.logprobs or 0 for p in params), default=0), v),
             want_logprobs=any(p.logprobs is not None for p in params),
         )
@@ -349,6 +354,7 @@ def _race(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     own logits and its own noise. Seeded rows draw their noise from a generator seeded by
     (seed, position), so they give the same token whatever else is in the batch and
     wherever the row sits. Computed in log space (x_i - log E_i): no softmax, no underflow.
+    Greedy rows of the batch are left to the caller.
     """
     noise = torch.empty_like(x).exponential_() if batch.any_unseeded_random else torch.ones_like(x)
     if batch.seeded_rows:
@@ -357,6 +363,28 @@ def _race(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     # E = 0 would make log E = -inf and lift a -inf (filtered) token to NaN.
     noise = noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return (x - noise.log()).argmax(dim=-1)
+
+
+def _fused_race(x: torch.Tensor, batch: SamplingBatch,
+                temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """`_race` on CUDA in one pass over x (`kernels/race_sample.py`), greedy rows included:
+    a seeded row's noise is `fill_seeded`'s, an unseeded row's comes from a key drawn from
+    torch's generator each step. `temperature`: x is not divided by it yet."""
+    from infer.kernels.race_sample import GREEDY, SEEDED, UNSEEDED, race_sample
+
+    step_key = int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64))
+    modes = None
+    if batch.seeded_rows or batch.greedy_rows:
+        n = len(x)
+        mode, seed, position = [UNSEEDED.value] * n, [step_key] * n, list(range(n))
+        for row in batch.greedy_rows:
+            mode[row] = GREEDY.value
+        for row, row_seed, row_position in batch.seeded_rows:
+            # a seed as the int64 whose bits are the seed's low 64 (two's complement)
+            mode[row], seed[row] = SEEDED.value, (row_seed + 2**63) % 2**64 - 2**63
+            position[row] = row_position
+        modes = to_device(torch.tensor([mode, seed, position], dtype=torch.int64), x.device)
+    return race_sample(x, step_key, temperature, modes)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -379,11 +407,21 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if (batch.all_greedy and not batch.want_logprobs and batch.banned is None
             and batch.logit_bias is None and batch.output_counts is None):
         return SamplerOutput(argmax(logits), None)  # the model's dtype ranks as float32
+    fused = logits.is_cuda and triton_available()
+    if (fused and not batch.all_greedy and batch.banned is None and batch.logit_bias is None
+            and batch.output_counts is None and batch.top_k is None and batch.top_p is None
+            and batch.min_p is None):  # temperature only: read the logits once
+        tokens = _fused_race(logits, batch, batch.temperature)
+        if not batch.want_logprobs:
+            return SamplerOutput(tokens, None)
+        return SamplerOutput(tokens, *raw_logprobs(logits.float(), tokens, batch.num_logprobs))
     logits = logits.float()
     x = logits
     x = apply_penalties(apply_bans_and_bias(x, batch), batch)
     if batch.all_greedy:
         tokens = argmax(x)
+    elif fused:
+        tokens = _fused_race(filter_logits(x, batch), batch)
     else:
         tokens = _race(filter_logits(x, batch), batch)
         if batch.greedy is not None:

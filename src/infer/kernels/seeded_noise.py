@@ -21,20 +21,15 @@ BLOCK = 1024
 
 
 @triton.jit
-def _seeded_noise_kernel(out_ptr, rows_ptr, seeds_ptr, positions_ptr, stride_out, n_cols,
-                         STREAM: tl.constexpr, EXPONENTIAL: tl.constexpr,
-                         BLOCK: tl.constexpr):
-    i = tl.program_id(0)
-    row = tl.load(rows_ptr + i).to(tl.int64)
-    seed = tl.load(seeds_ptr + i)
-    position = tl.load(positions_ptr + i)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    zero = tl.zeros([BLOCK], dtype=tl.uint32)
+def philox_uniform(seed, position, cols, stream):
+    """u in (0, 1) of the first word of Philox4x32-10 keyed by the 64-bit `seed` at counter
+    (cols, position, stream, 0), for a block of columns `cols` (int32)."""
+    zero = tl.zeros(cols.shape, dtype=tl.uint32)
     k0 = zero + (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = zero + ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     c0 = cols.to(tl.uint32)
     c1 = zero + (position & 0xFFFFFFFF).to(tl.uint32)
-    c2 = zero + STREAM
+    c2 = zero + stream
     c3 = zero
     m0 = zero + 0xD2511F53  # Random123's constants (reference.PHILOX_*)
     m1 = zero + 0xCD9E8D57
@@ -46,7 +41,19 @@ def _seeded_noise_kernel(out_ptr, rows_ptr, seeds_ptr, positions_ptr, stride_out
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
         k0 = k0 + 0x9E3779B9
         k1 = k1 + 0xBB67AE85
-    u = ((c0 >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    return ((c0 >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+
+
+@triton.jit
+def _seeded_noise_kernel(out_ptr, rows_ptr, seeds_ptr, positions_ptr, stride_out, n_cols,
+                         STREAM: tl.constexpr, EXPONENTIAL: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    seed = tl.load(seeds_ptr + i)
+    position = tl.load(positions_ptr + i)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    u = philox_uniform(seed, position, cols, STREAM)
     if EXPONENTIAL:
         u = -tl.log(u)
     tl.store(out_ptr + row * stride_out + cols, u, mask=cols < n_cols)

@@ -1,0 +1,90 @@
+"""One sampled token per row by the exponential race, fused: temperature, noise and argmax
+in one pass over the logits (then one short launch that picks each row's best part).
+
+The sampler's torch path (`engine.sampler._race`) makes the noise tensor, clamps it, takes
+its log, subtracts and reduces: five passes over a float32 `[rows, vocab]` and as many
+launches. Here each program reads one part of one row's logits, divides by the row's
+temperature (if given), draws its Exp(1) noise E from Philox (`seeded_noise.philox_uniform`)
+and keeps the best x - log E of its part, as `argmax.py`'s parts do.
+
+A row's mode picks its noise: 0 none (a greedy row: its argmax), 1 a seeded request's
+stream, key = its seed, counter = (column, output position, 0, 0) -- the very draws of
+`seeded_noise` stream 0 --, 2 an unseeded row's, key = this step's key, counter = (column,
+row, 2, 0). Without per-row modes every row is unseeded.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from infer.kernels.argmax import _pick_kernel
+from infer.kernels.seeded_noise import philox_uniform
+
+BLOCK = 4096
+# A row's mode (the kernel's constants; `.value` on the host)
+GREEDY, SEEDED, UNSEEDED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+@triton.jit(do_not_specialize=["step_key"])
+def _race_part_kernel(x_ptr, stride_x, n_cols, n_parts, temperature_ptr, modes_ptr, n_rows,
+                      step_key, val_ptr, idx_ptr, HAS_TEMPERATURE: tl.constexpr,
+                      HAS_MODES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    cols = part * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < n_cols,
+                other=float("-inf")).to(tl.float32)
+    if HAS_TEMPERATURE:
+        x = x / tl.load(temperature_ptr + row)
+    if HAS_MODES:
+        mode = tl.load(modes_ptr + row)
+        seed = tl.load(modes_ptr + n_rows + row)
+        position = tl.load(modes_ptr + 2 * n_rows + row)
+    else:
+        mode = UNSEEDED
+        seed = step_key.to(tl.int64)  # typed i32 where the value fits
+        position = row
+    stream = tl.where(mode == UNSEEDED, 2, 0).to(tl.uint32)
+    u = philox_uniform(seed, position, cols, stream)
+    score = x - tl.log(-tl.log(u))  # u in (0, 1): E = -log u is finite and > 0
+    score = tl.where(mode == GREEDY, x, score)
+    score = tl.where(score != score, float("inf"), score)
+    best, at = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(val_ptr + row * n_parts + part, best)
+    tl.store(idx_ptr + row * n_parts + part, part * BLOCK + at)
+
+
+def race_sample(x: torch.Tensor, step_key: int, temperature: torch.Tensor | None = None,
+                modes: torch.Tensor | None = None, block: int = BLOCK) -> torch.Tensor:
+    """int64 `[rows]`: each row's token, argmax over columns of x / temperature - log E.
+
+    `x` [rows, vocab] float, unit column stride; `temperature` [rows] or [rows, 1] float32
+    (none: x is already divided); `modes` [3, rows] int64 (mode, seed, position per row,
+    see the module's doc; none: every row unseeded); `step_key` a 64-bit key for the
+    unseeded rows (two's complement int), new each step; `block`: columns per program (a
+    power of two)."""
+    assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
+    rows, n_cols = x.shape
+    if temperature is not None:
+        assert temperature.dtype == torch.float32 and temperature.numel() == rows
+        assert temperature.is_contiguous() and temperature.device == x.device
+    if modes is not None:
+        assert modes.shape == (3, rows) and modes.dtype == torch.int64, modes.shape
+        assert modes.is_contiguous() and modes.device == x.device
+    assert -(2**63) <= step_key < 2**63, step_key
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if rows == 0:
+        return out
+    n_parts = triton.cdiv(n_cols, block)
+    vals = torch.empty(rows, n_parts, dtype=torch.float32, device=x.device)
+    idx = torch.empty(rows, n_parts, dtype=torch.int32, device=x.device)
+    _race_part_kernel[(rows, n_parts)](
+        x, x.stride(0), n_cols, n_parts, temperature if temperature is not None else x,
+        modes if modes is not None else out, rows, step_key, vals, idx,
+        HAS_TEMPERATURE=temperature is not None, HAS_MODES=modes is not None, BLOCK=block,
+        num_warps=8)
+    _pick_kernel[(rows,)](vals, idx, out, n_parts,
+                          BLOCK_P=max(16, triton.next_power_of_2(n_parts)), num_warps=1)
+    return out

@@ -1,0 +1,142 @@
+"""The fused race sampler (in the Triton interpreter on the CPU, on the GPU with
+INFER_TEST_DEVICE=cuda) against the sampler's arithmetic in torch with the Philox reference:
+a seeded row races the very noise `seeded_noise` draws for it, an unseeded row the stream
+of (step key, row), a greedy row takes its argmax; and the tokens of unseeded rows follow
+softmax(x / temperature)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from test_sampler import assert_samples_from
+
+from infer.kernels import triton_available
+from infer.kernels.reference import philox4x32_ref, seeded_noise_ref
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETED else os.environ.get("INFER_TEST_DEVICE", "cpu")
+
+if not triton_available():
+    pytest.skip("triton is not installed", allow_module_level=True)
+if DEVICE == "cpu" and not INTERPRETED:
+    pytest.skip("Triton kernels run on a GPU or in the interpreter", allow_module_level=True)
+
+from infer.kernels.race_sample import GREEDY, SEEDED, UNSEEDED, race_sample  # noqa: E402
+
+U32 = 0xFFFFFFFF
+
+
+def _unseeded_noise(step_key: int, row: int, n_cols: int) -> torch.Tensor:
+    """Exp(1) draws of an unseeded row: key = the step's, counter = (column, row, 2, 0)."""
+    cols = torch.arange(n_cols, dtype=torch.int64)
+    word, _, _, _ = philox4x32_ref(
+        (cols, torch.full_like(cols, row), torch.full_like(cols, 2), torch.zeros_like(cols)),
+        (torch.full_like(cols, step_key & U32), torch.full_like(cols, (step_key >> 32) & U32)))
+    return -(((word >> 9).float() + 0.5) * (1.0 / 8388608.0)).log()
+
+
+def _expected(x: torch.Tensor, modes: list[tuple[int, int, int]], step_key: int
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's token by the torch arithmetic, and its margin over the runner-up."""
+    n_cols = x.shape[1]
+    scores = x.clone()
+    for row, (mode, seed, position) in enumerate(modes):
+        if mode == SEEDED.value:
+            noise = torch.zeros(1, n_cols)
+            seeded_noise_ref(noise, torch.tensor([0]), torch.tensor([seed]),
+                             torch.tensor([position]))
+            scores[row] = x[row] - noise[0].log()
+        elif mode == UNSEEDED.value:
+            scores[row] = x[row] - _unseeded_noise(step_key, row, n_cols).log()
+    top = scores.topk(2, dim=-1)
+    return top.indices[:, 0].numpy(), (top.values[:, 0] - top.values[:, 1]).numpy()
+
+
+@pytest.mark.parametrize("in_kernel_temperature", [False, True])
+def test_each_row_races_its_own_noise(in_kernel_temperature):
+    gen = torch.Generator().manual_seed(0)
+    n_cols = 9000  # three of the kernel's parts, the last one short
+    logits = torch.randn(6, n_cols, generator=gen) * 3
+    temperature = torch.tensor([0.7, 1.0, 1.3, 0.5, 1.0, 2.0])
+    step_key = -(2**62) + 12345
+    modes = [(SEEDED.value, 7, 3), (GREEDY.value, 0, 0), (UNSEEDED.value, step_key, 2),
+             (SEEDED.value, -(2**63), 2**31 + 9), (UNSEEDED.value, step_key, 4),
+             (SEEDED.value, 2**63 - 1, 0)]
+    x = logits / temperature[:, None]
+    want, margin = _expected(x, modes, step_key)
+    table = torch.tensor([list(c) for c in zip(*modes)], dtype=torch.int64, device=DEVICE)
+    if in_kernel_temperature:
+        got = race_sample(logits.to(DEVICE), step_key, temperature.to(DEVICE), table)
+    else:
+        got = race_sample(x.to(DEVICE), step_key, None, table)
+    got = got.cpu().numpy()
+    assert got[1] == logits[1].argmax().item()  # the greedy row
+    clear = margin > 1e-4  # float32 logs may round apart where two scores nearly tie
+    assert clear.sum() >= 5
+    assert (got[clear] == want[clear]).all(), (got, want, margin)
+
+
+def test_without_modes_every_row_is_unseeded_and_the_key_decides():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 300, generator=gen)
+    key = 987654321987
+    want, margin = _expected(x, [(UNSEEDED.value, key, row) for row in range(4)], key)
+    got = race_sample(x.to(DEVICE), key).cpu().numpy()
+    assert (got[margin > 1e-4] == want[margin > 1e-4]).all()
+    assert torch.equal(race_sample(x.to(DEVICE), key).cpu(), torch.from_numpy(got))
+    others = [race_sample(x.to(DEVICE), key + k).cpu().numpy() for k in range(1, 6)]
+    assert any((o != got).any() for o in others)  # another step, other draws
+
+
+def test_unseeded_tokens_follow_softmax_of_the_tempered_logits():
+    """The unseeded rows' stream, raced in torch over many rows, follows softmax(x / t);
+    the kernel draws those very tokens (checked on the first rows: the interpreter runs a
+    program at a time)."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, 1.5])
+    t, n, key = 0.5, 4000, 42
+    rows = torch.arange(n, dtype=torch.int64)[:, None].expand(n, 6)
+    cols = torch.arange(6, dtype=torch.int64).expand(n, 6)
+    word, _, _, _ = philox4x32_ref(
+        (cols, rows, torch.full_like(cols, 2), torch.zeros_like(cols)),
+        (torch.full_like(cols, key & U32), torch.full_like(cols, (key >> 32) & U32)))
+    noise = -(((word >> 9).float() + 0.5) * (1.0 / 8388608.0)).log()
+    scores = logits / t - noise.log()
+    top = scores.topk(2, dim=-1).values
+    clear = (top[:, 0] - top[:, 1] > 1e-4)[:64]
+    want = scores.argmax(dim=-1)
+    probs = torch.softmax(logits / t, dim=-1).numpy()
+    assert_samples_from(np.bincount(want.numpy(), minlength=6), probs,
+                        [torch.softmax(logits, dim=-1).numpy()])
+    x = logits.expand(64, -1).contiguous().to(DEVICE)
+    got = race_sample(x, key, torch.full((64,), t, device=DEVICE), block=16).cpu()
+    assert clear.sum() >= 60 and torch.equal(got[clear], want[:64][clear])
+
+
+def test_filtered_tokens_are_never_drawn():
+    x = torch.full((64, 50), float("-inf"))
+    x[:, [3, 17, 40]] = torch.tensor([0.5, 0.1, -0.2])
+    tokens = race_sample(x.to(DEVICE), 5).cpu()
+    assert set(tokens.tolist()) <= {3, 17, 40} and len(set(tokens.tolist())) == 3
+
+
+def test_the_samplers_fused_draw_keys_each_row_as_the_batch_says():
+    """`_fused_race` (the sampler's CUDA path, here on the interpreter's CPU tensors): a
+    seeded row's key is its seed's low 64 bits and its output position, a greedy row of a
+    sampled batch takes its argmax."""
+    from infer.engine.sampler import SamplingBatch, _fused_race
+    from infer.sampling_params import SamplingParams as P
+
+    v = 5000
+    x = torch.randn(4, v, generator=torch.Generator().manual_seed(3)) * 2
+    params = [P(temperature=1.0, seed=2**64 - 5), P(temperature=0.0),
+              P(temperature=1.0), P(temperature=1.0, seed=77)]
+    batch = SamplingBatch.build(params, [[]] * 4, [[1, 2], [], [], [9] * 6], v, "cpu")
+    got = _fused_race(x.to(DEVICE), batch).cpu().numpy()
+    want, margin = _expected(x, [(SEEDED.value, -5, 2), (GREEDY.value, 0, 0),
+                                 (UNSEEDED.value, 0, 2), (SEEDED.value, 77, 6)], 0)
+    assert got[1] == x[1].argmax().item()
+    for row in (0, 3):
+        assert margin[row] < 1e-4 or got[row] == want[row], (row, got, want)
