@@ -30,7 +30,7 @@ def _part_kernel(x_ptr, stride_x, n_cols, n_parts, val_ptr, idx_ptr, BLOCK: tl.c
 
 
 @triton.jit
-def _pick_kernel(val_ptr, idx_ptr, out_ptr, n_parts, BLOCK_P: tl.constexpr):
+def pick_part_kernel(val_ptr, idx_ptr, out_ptr, n_parts, BLOCK_P: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     parts = tl.arange(0, BLOCK_P)
     vals = tl.load(val_ptr + row * n_parts + parts, mask=parts < n_parts,
@@ -51,6 +51,6 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     idx = torch.empty(rows, n_parts, dtype=torch.int32, device=x.device)
     _part_kernel[(rows, n_parts)](x, x.stride(0), n_cols, n_parts, vals, idx, BLOCK=BLOCK,
                                   num_warps=8)
-    _pick_kernel[(rows,)](vals, idx, out, n_parts,
+    pick_part_kernel[(rows,)](vals, idx, out, n_parts,
                           BLOCK_P=max(16, triton.next_power_of_2(n_parts)), num_warps=1)
     return out

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels.argmax import _pick_kernel
+from infer.kernels.argmax import pick_part_kernel
 from infer.kernels.seeded_noise import philox_uniform
 
 BLOCK = 4096
@@ -85,6 +85,6 @@ def race_sample(x: torch.Tensor, step_key: int, temperature: torch.Tensor | None
         modes if modes is not None else out, rows, step_key, vals, idx,
         HAS_TEMPERATURE=temperature is not None, HAS_MODES=modes is not None, BLOCK=block,
         num_warps=8)
-    _pick_kernel[(rows,)](vals, idx, out, n_parts,
+    pick_part_kernel[(rows,)](vals, idx, out, n_parts,
                           BLOCK_P=max(16, triton.next_power_of_2(n_parts)), num_warps=1)
     return out
