@@ -135,7 +135,11 @@ def _timed_run(engine, prompts: list, params: list, decode_steps: int) -> dict:
 
     def step() -> None:
         nonlocal tokens
-        tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        finished = [o for o in engine.step() if o.finished]
+        tokens += sum(len(o.outputs[0].token_ids) for o in finished)
+        for o in finished:  # a failed request would leave the loop below waiting forever
+            if o.outputs[0].finish_reason in ("error", "abort"):
+                raise RuntimeError(f"request {o.request_id} failed: {o.error}")
 
     while not (len(engine.scheduler.running) == len(ids)
                and all(r.output_token_ids for r in engine.scheduler.running)):
