@@ -52,5 +52,5 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     _part_kernel[(rows, n_parts)](x, x.stride(0), n_cols, n_parts, vals, idx, BLOCK=BLOCK,
                                   num_warps=8)
     pick_part_kernel[(rows,)](vals, idx, out, n_parts,
-                          BLOCK_P=max(16, triton.next_power_of_2(n_parts)), num_warps=1)
+                              BLOCK_P=max(16, triton.next_power_of_2(n_parts)), num_warps=1)
     return out

@@ -86,5 +86,5 @@ def race_sample(x: torch.Tensor, step_key: int, temperature: torch.Tensor | None
         HAS_TEMPERATURE=temperature is not None, HAS_MODES=modes is not None, BLOCK=block,
         num_warps=8)
     pick_part_kernel[(rows,)](vals, idx, out, n_parts,
-                          BLOCK_P=max(16, triton.next_power_of_2(n_parts)), num_warps=1)
+                              BLOCK_P=max(16, triton.next_power_of_2(n_parts)), num_warps=1)
     return out
