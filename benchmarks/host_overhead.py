@@ -4,6 +4,7 @@ stop checks, outputs). It is the same Python on a CPU as next to a GPU, where it
 the GPU idles, so it is measured here on a tiny model whose forward is timed apart.
 
     python benchmarks/host_overhead.py --batch 256 --output-len 512 [--output-kind delta]
+        [--temperature 0.6 [--seeded]]
 
 Prints the split per phase and writes benchmarks/results/host_overhead_<device>.json.
 """
@@ -29,6 +30,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--output-kind", choices=["final", "delta", "cumulative"], default="final",
                    help="final: LLM.generate's; delta: the server's; cumulative: LLM.stream's")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--seeded", action="store_true", help="a seed per request")
     p.add_argument("--ckpt-root")
     p.add_argument("--suffix", default="")
     p.add_argument("--results-dir", default=str(common.RESULTS))
@@ -70,9 +73,10 @@ def main() -> None:
     vocab = engine.model_config.vocab_size
     kind = {"final": RequestOutputKind.FINAL_ONLY, "delta": RequestOutputKind.DELTA,
             "cumulative": RequestOutputKind.CUMULATIVE}[args.output_kind]
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
-                            output_kind=kind)
     for i in range(args.batch):
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
+                                ignore_eos=True, output_kind=kind,
+                                seed=i if args.seeded else None)
         engine.add_request(f"r{i}", [(11 * i + j) % vocab for j in range(args.prompt_len)],
                            params)
     while any(not s.request.output_token_ids for s in engine.core.sequences.values()):
@@ -89,7 +93,8 @@ def main() -> None:
             for label, seconds in phases.most_common()]
     common.write_results("host_overhead", args, {
         "batch": args.batch, "prompt_len": args.prompt_len, "output_len": args.output_len,
-        "output_kind": args.output_kind, "steps": steps,
+        "output_kind": args.output_kind, "temperature": args.temperature,
+        "seeded": args.seeded, "steps": steps,
         "host_us_per_seq_step": per_seq,
         "phases_ms_per_step": {label: ms for label, ms, _ in rows}})
     print(f"\nbatch {args.batch}, {steps} decode steps, {args.output_kind} outputs: host "

@@ -194,6 +194,8 @@ class EngineCore:
         self._compiling: dict[str, _Compiling] = {}  # waiting for their grammars
         self.compile_thread = CompileThread()
         self._in_flight: _StepInFlight | None = None
+        # The last sampling batch that only its rows' params decide, and those rows
+        self._last_batch: tuple[list[_Sequence], SamplingBatch] | None = None
         self.num_steps = 0
         self.num_steps_launched_ahead = 0
         self.num_discarded_tokens = 0  # sampled for a sequence that stopped or was aborted
@@ -728,11 +730,17 @@ class EngineCore:
                 banned.append(list(self.eos_token_ids) + list(seq.params.stop_token_ids))
             else:
                 banned.append([])
-        return SamplingBatch.build(
+        last = self._last_batch
+        if (last is not None and not drafted and not any(banned) and len(last[0]) == len(seqs)
+                and all(a is b for a, b in zip(last[0], seqs))):
+            return last[1].at_positions(positions)  # the same rows as the step before
+        batch = SamplingBatch.build(
             [s.params for s in seqs], [s.request.prompt_token_ids for s in seqs], outputs,
             vocab_size=self.model_config.vocab_size, device=self.device, banned=banned,
             positions=positions,
         )
+        self._last_batch = (seqs, batch) if batch.reusable and not drafted else None
+        return batch
 
     # -- counters --------------------------------------------------------------------
     def shutdown(self) -> None:

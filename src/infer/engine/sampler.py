@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -85,6 +85,18 @@ class SamplingBatch:
     greedy_rows: list[int]  # host side: the greedy rows of a batch that also samples
     num_logprobs: int  # K: max over rows of SamplingParams.logprobs (0: no top-K)
     want_logprobs: bool  # some row set SamplingParams.logprobs (0 included)
+    # Nothing in it depends on the rows' outputs (no bans, no penalties): the same rows'
+    # next step may take it again, with their new positions (`at_positions`).
+    reusable: bool = False
+
+    def at_positions(self, positions: list[int]) -> SamplingBatch:
+        """This batch for the same rows generating the tokens at `positions` (a reusable
+        batch: only its seeded rows' positions change)."""
+        assert self.reusable
+        if not self.seeded_rows:
+            return self
+        return replace(self, seeded_rows=[(row, seed, positions[row])
+                                          for row, seed, _ in self.seeded_rows])
 
     @classmethod
     def build(
@@ -197,6 +209,7 @@ class SamplingBatch:
             greedy_rows=[i for i, g in enumerate(greedy) if g] if random_params else [],
             num_logprobs=min(max((p.logprobs or 0 for p in params), default=0), v),
             want_logprobs=any(p.logprobs is not None for p in params),
+            reusable=banned_mask is None and not pen_rows,
         )
 
 
