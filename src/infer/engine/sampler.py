@@ -21,7 +21,7 @@ Per row (all rows at once, per-row parameters held in [B, 1] tensors; no loop ov
    sort orders ties. top_p is measured after top_k; min_p compares with the top token,
    which every filter keeps, so its place in the order does not matter.
    The draw is the exponential race (`_race`); on CUDA one kernel does it, greedy rows of a
-   sampled batch included (`_fused_race`), straight from the model's logits when a batch
+   sampled batch included (`_fused_race`), straight from the logits as given when a batch
    has nothing but temperatures.
 """
 
