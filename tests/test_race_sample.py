@@ -29,11 +29,13 @@ from infer.kernels.race_sample import GREEDY, SEEDED, UNSEEDED, race_sample  # n
 U32 = 0xFFFFFFFF
 
 
-def _unseeded_noise(step_key: int, row: int, n_cols: int) -> torch.Tensor:
-    """Exp(1) draws of an unseeded row: key = the step's, counter = (column, row, 2, 0)."""
-    cols = torch.arange(n_cols, dtype=torch.int64)
+def _unseeded_noise(step_key: int, rows: list[int], n_cols: int) -> torch.Tensor:
+    """[len(rows), n_cols] Exp(1) draws of unseeded rows: key = the step's, counter =
+    (column, row, 2, 0)."""
+    cols = torch.arange(n_cols, dtype=torch.int64).expand(len(rows), n_cols)
+    at = torch.tensor(rows, dtype=torch.int64)[:, None].expand(len(rows), n_cols)
     word, _, _, _ = philox4x32_ref(
-        (cols, torch.full_like(cols, row), torch.full_like(cols, 2), torch.zeros_like(cols)),
+        (cols, at, torch.full_like(cols, 2), torch.zeros_like(cols)),
         (torch.full_like(cols, step_key & U32), torch.full_like(cols, (step_key >> 32) & U32)))
     return -(((word >> 9).float() + 0.5) * (1.0 / 8388608.0)).log()
 
@@ -50,7 +52,7 @@ def _expected(x: torch.Tensor, modes: list[tuple[int, int, int]], step_key: int
                              torch.tensor([position]))
             scores[row] = x[row] - noise[0].log()
         elif mode == UNSEEDED.value:
-            scores[row] = x[row] - _unseeded_noise(step_key, row, n_cols).log()
+            scores[row] = x[row] - _unseeded_noise(step_key, [row], n_cols)[0].log()
     top = scores.topk(2, dim=-1)
     return top.indices[:, 0].numpy(), (top.values[:, 0] - top.values[:, 1]).numpy()
 
@@ -97,13 +99,7 @@ def test_unseeded_tokens_follow_softmax_of_the_tempered_logits():
     program at a time)."""
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, 1.5])
     t, n, key = 0.5, 4000, 42
-    rows = torch.arange(n, dtype=torch.int64)[:, None].expand(n, 6)
-    cols = torch.arange(6, dtype=torch.int64).expand(n, 6)
-    word, _, _, _ = philox4x32_ref(
-        (cols, rows, torch.full_like(cols, 2), torch.zeros_like(cols)),
-        (torch.full_like(cols, key & U32), torch.full_like(cols, (key >> 32) & U32)))
-    noise = -(((word >> 9).float() + 0.5) * (1.0 / 8388608.0)).log()
-    scores = logits / t - noise.log()
+    scores = logits / t - _unseeded_noise(key, list(range(n)), 6).log()
     top = scores.topk(2, dim=-1).values
     clear = (top[:, 0] - top[:, 1] > 1e-4)[:64]
     want = scores.argmax(dim=-1)

@@ -339,6 +339,12 @@ def seeded_draws(seed: int, position: int, shape: tuple[int, ...], device: torch
         generator=gen)
 
 
+def _seed_word(seed: int) -> int:
+    """A seed as the int64 whose bits are the seed's low 64 (two's complement): the Philox
+    kernels' key."""
+    return (seed + 2**63) % 2**64 - 2**63
+
+
 def fill_seeded(out: torch.Tensor, rows: list[int], seeds: list[int], positions: list[int],
                 kind: str = "exponential") -> None:
     """out[rows[i]] := the draws of seeded request seeds[i] at output position
@@ -350,8 +356,7 @@ def fill_seeded(out: torch.Tensor, rows: list[int], seeds: list[int], positions:
     if out.is_cuda and triton_available():
         from infer.kernels.seeded_noise import seeded_noise
 
-        # A seed as the int64 whose bits are the seed's low 64 (two's complement).
-        words = [[(seed + 2**63) % 2**64 - 2**63 for seed in seeds], positions, rows]
+        words = [[_seed_word(seed) for seed in seeds], positions, rows]
         meta = to_device(torch.tensor(words, dtype=torch.int64), out.device)
         seeded_noise(out, meta[2], meta[0], meta[1], exponential=kind == "exponential",
                      stream=int(kind == "uniform"))
@@ -393,8 +398,7 @@ def _fused_race(x: torch.Tensor, batch: SamplingBatch,
         for row in batch.greedy_rows:
             mode[row] = GREEDY.value
         for row, row_seed, row_position in batch.seeded_rows:
-            # a seed as the int64 whose bits are the seed's low 64 (two's complement)
-            mode[row], seed[row] = SEEDED.value, (row_seed + 2**63) % 2**64 - 2**63
+            mode[row], seed[row] = SEEDED.value, _seed_word(row_seed)
             position[row] = row_position
         modes = to_device(torch.tensor([mode, seed, position], dtype=torch.int64), x.device)
     return race_sample(x, step_key, temperature, modes)

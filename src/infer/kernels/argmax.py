@@ -9,6 +9,8 @@ row holding both).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -30,7 +32,7 @@ def _part_kernel(x_ptr, stride_x, n_cols, n_parts, val_ptr, idx_ptr, BLOCK: tl.c
 
 
 @triton.jit
-def pick_part_kernel(val_ptr, idx_ptr, out_ptr, n_parts, BLOCK_P: tl.constexpr):
+def _pick_kernel(val_ptr, idx_ptr, out_ptr, n_parts, BLOCK_P: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     parts = tl.arange(0, BLOCK_P)
     vals = tl.load(val_ptr + row * n_parts + parts, mask=parts < n_parts,
@@ -39,18 +41,30 @@ def pick_part_kernel(val_ptr, idx_ptr, out_ptr, n_parts, BLOCK_P: tl.constexpr):
     tl.store(out_ptr + row, tl.load(idx_ptr + row * n_parts + at).to(tl.int64))
 
 
+def best_of_parts(rows: int, n_parts: int, device: torch.device,
+                  parts: Callable[[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+    """int64 `[rows]`: each row's best column, where `parts(vals, idx)` launches a kernel
+    that writes every row's best value `vals [rows, n_parts]` (float32) in each part and
+    its column `idx` (int32); one program per row then picks the best part."""
+    out = torch.empty(rows, dtype=torch.int64, device=device)
+    if rows == 0:
+        return out
+    vals = torch.empty(rows, n_parts, dtype=torch.float32, device=device)
+    idx = torch.empty(rows, n_parts, dtype=torch.int32, device=device)
+    parts(vals, idx)
+    _pick_kernel[(rows,)](vals, idx, out, n_parts,
+                          BLOCK_P=max(16, triton.next_power_of_2(n_parts)), num_warps=1)
+    return out
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """int64 `[rows]`: the column of each row's largest value (`x.argmax(dim=-1)`)."""
     assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
     rows, n_cols = x.shape
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
-    if rows == 0:
-        return out
     n_parts = triton.cdiv(n_cols, BLOCK)
-    vals = torch.empty(rows, n_parts, dtype=torch.float32, device=x.device)
-    idx = torch.empty(rows, n_parts, dtype=torch.int32, device=x.device)
-    _part_kernel[(rows, n_parts)](x, x.stride(0), n_cols, n_parts, vals, idx, BLOCK=BLOCK,
-                                  num_warps=8)
-    pick_part_kernel[(rows,)](vals, idx, out, n_parts,
-                              BLOCK_P=max(16, triton.next_power_of_2(n_parts)), num_warps=1)
-    return out
+
+    def parts(vals: torch.Tensor, idx: torch.Tensor) -> None:
+        _part_kernel[(rows, n_parts)](x, x.stride(0), n_cols, n_parts, vals, idx,
+                                      BLOCK=BLOCK, num_warps=8)
+
+    return best_of_parts(rows, n_parts, x.device, parts)

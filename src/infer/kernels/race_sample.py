@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels.argmax import pick_part_kernel
+from infer.kernels.argmax import best_of_parts
 from infer.kernels.seeded_noise import philox_uniform
 
 BLOCK = 4096
@@ -74,17 +74,13 @@ def race_sample(x: torch.Tensor, step_key: int, temperature: torch.Tensor | None
         assert modes.shape == (3, rows) and modes.dtype == torch.int64, modes.shape
         assert modes.is_contiguous() and modes.device == x.device
     assert -(2**63) <= step_key < 2**63, step_key
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
-    if rows == 0:
-        return out
     n_parts = triton.cdiv(n_cols, block)
-    vals = torch.empty(rows, n_parts, dtype=torch.float32, device=x.device)
-    idx = torch.empty(rows, n_parts, dtype=torch.int32, device=x.device)
-    _race_part_kernel[(rows, n_parts)](
-        x, x.stride(0), n_cols, n_parts, temperature if temperature is not None else x,
-        modes if modes is not None else out, rows, step_key, vals, idx,
-        HAS_TEMPERATURE=temperature is not None, HAS_MODES=modes is not None, BLOCK=block,
-        num_warps=8)
-    pick_part_kernel[(rows,)](vals, idx, out, n_parts,
-                              BLOCK_P=max(16, triton.next_power_of_2(n_parts)), num_warps=1)
-    return out
+
+    def parts(vals: torch.Tensor, idx: torch.Tensor) -> None:
+        _race_part_kernel[(rows, n_parts)](
+            x, x.stride(0), n_cols, n_parts, temperature if temperature is not None else x,
+            modes if modes is not None else vals, rows, step_key, vals, idx,
+            HAS_TEMPERATURE=temperature is not None, HAS_MODES=modes is not None,
+            BLOCK=block, num_warps=8)
+
+    return best_of_parts(rows, n_parts, x.device, parts)
