@@ -12,7 +12,7 @@ burst at once makes a server look slow). `steps` are
 the engine steps the server's core ran for the workload (its /stats).
 
     python benchmarks/serve_vs_offline.py --model-shape llama-3.2-1b --seqs 64 256 \\
-        --servers core-process core-thread [--old-root .ab/pre11] [--pressure]
+        --servers core-process core-thread [--old-root .ab/pre11] [--pressure] [--rounds 3]
     python benchmarks/serve_vs_offline.py --tiny --engine device=cpu --num-requests 16 ...
 
 Prints one table and writes benchmarks/results/serve_vs_offline_<device>.json.
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -266,6 +267,9 @@ def main() -> None:
     p.add_argument("--pressure", action="store_true",
                    help="also the prefill-pressure workload (core-process, the server's "
                    "defaults plus --engine flags)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="offline then the servers, this many times per --seqs setting; the "
+                   "ratios' medians are printed last")
     p.add_argument("--clients", type=int, default=8, help="client processes")
     p.add_argument("--client-cpus", type=int, default=0,
                    help="run the clients on the last K CPUs and the rest on the others "
@@ -280,22 +284,23 @@ def main() -> None:
     specs = burst(args.num_requests, args.prompt_len, args.output_len, vocab)
     results_dir = Path(args.results_dir)
     rows = []
-    for seqs in args.seqs:
+    for seqs, rnd in itertools.product(args.seqs, range(1, args.rounds + 1)):
         flags = dict(user) if seqs == "default" else {**user, "max_num_seqs": int(seqs)}
         cli = common.cli_flags(flags)
         offline = run_offline(path, flags, specs)
         step_ms = offline["seconds"] / offline["steps"] * 1e3
-        rows.append({"max_num_seqs": seqs, "path": "LLM.generate", **offline,
+        rows.append({"max_num_seqs": seqs, "round": rnd, "path": "LLM.generate", **offline,
                      "step_ms": step_ms})
-        print(f"[offline] seqs {seqs}: {offline['out_tok_per_s']:.0f} tok/s, "
+        print(f"[offline] seqs {seqs}, round {rnd}: {offline['out_tok_per_s']:.0f} tok/s, "
               f"{step_ms:.2f} ms/step", flush=True)
         for kind in args.servers:
             r = run_server(kind, path, cli, specs, args.clients, args.output_len,
                            args.old_root, results_dir)
             r["vs_offline"] = r["out_tok_per_s"] / offline["out_tok_per_s"]
             r["itl_p50_vs_step"] = (r["itl_s"]["p50"] or 0) * 1e3 / step_ms
-            rows.append({"max_num_seqs": seqs, "path": f"infer serve ({kind})", **r})
-            print(f"[serve {kind}] seqs {seqs}: {r['out_tok_per_s']:.0f} tok/s "
+            rows.append({"max_num_seqs": seqs, "round": rnd, "path": f"infer serve ({kind})",
+                         **r})
+            print(f"[serve {kind}] seqs {seqs}, round {rnd}: {r['out_tok_per_s']:.0f} tok/s "
                   f"({r['vs_offline']:.0%} of offline), errors {r['errors']}; the core's "
                   "loop per step (ms): " + ", ".join(
                       f"{k} {v:.2f}" for k, v in r["core_ms_per_step"].items()), flush=True)
@@ -308,10 +313,27 @@ def main() -> None:
         r["itl_p99_over_p50"] = (r["itl_s"]["p99"] or 0) / (r["itl_s"]["p50"] or 1)
         rows.append({"max_num_seqs": "default", "path": "prefill pressure (serve)", **r})
     print(_table(rows))
-    common.write_results("serve_vs_offline", args, {"rows": rows, "num_requests":
+    medians = _medians(rows)
+    for m in medians:
+        print(f"median over {m['rounds']} rounds, seqs {m['max_num_seqs']}, {m['path']}: "
+              f"{m['vs_offline']:.0%} of offline (rounds: "
+              + ", ".join(f"{x:.0%}" for x in m["each"]) + ")")
+    common.write_results("serve_vs_offline", args, {"rows": rows, "medians": medians,
+                                                    "num_requests":
                                                     args.num_requests, "prompt_len":
                                                     args.prompt_len, "output_len":
                                                     args.output_len})
+
+
+def _medians(rows: list[dict]) -> list[dict]:
+    """Per max_num_seqs and server: the median of the rounds' ratios to the offline run
+    just before each (the host's speed drifts between runs: a ratio of neighbours)."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        if "vs_offline" in r:
+            groups.setdefault((r["max_num_seqs"], r["path"]), []).append(r["vs_offline"])
+    return [{"max_num_seqs": seqs, "path": path, "rounds": len(each), "each": each,
+             "vs_offline": statistics.median(each)} for (seqs, path), each in groups.items()]
 
 
 def _pct(row: dict) -> str:
@@ -324,13 +346,14 @@ def _table(rows: list[dict]) -> str:
     def ms(x):
         return "-" if x is None else f"{x * 1e3:.1f}"
 
-    out = ["| max_num_seqs | path | out tok/s | vs offline | steps | ms/step | ITL p50 / p99 ms "
-           "| TTFT p50 / p99 ms | tokens/chunk | errors | latest send ms |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["| max_num_seqs | round | path | out tok/s | vs offline | steps | ms/step "
+           "| ITL p50 / p99 ms | TTFT p50 / p99 ms | tokens/chunk | errors | latest send ms |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         itl, ttft = r.get("itl_s", {}), r.get("ttft_s", {})
         out.append(
-            f"| {r['max_num_seqs']} | {r['path']} | {r['out_tok_per_s']:,.0f} "
+            f"| {r['max_num_seqs']} | {r.get('round', '-')} | {r['path']} "
+            f"| {r['out_tok_per_s']:,.0f} "
             f"| {_pct(r)} | {r['steps']} | {r['step_ms']:.2f} "
             f"| {ms(itl.get('p50'))} / {ms(itl.get('p99'))} "
             f"| {ms(ttft.get('p50'))} / {ms(ttft.get('p99'))} "
