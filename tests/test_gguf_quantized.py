@@ -27,7 +27,7 @@ from infer.models.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from infer.quantization import quantize_model
+from infer.quantization import int4, quantize_model
 from infer.quantization.gguf import keep_gguf_quantized
 from infer.quantization.gguf_blocks import GGUFBlocks, int4_groups
 from infer.quantization.gguf_gpu import GGUFBlocksLinearMethod
@@ -79,25 +79,43 @@ def test_int4_matmul_matches_float64_from_the_groups(dtype, rows):
 
 
 @pytest.mark.parametrize(("rows", "cols"), [(96, 256), (960, 576), (3072, 576), (576, 1536),
-                                          (48, 256)])
+                                          (48, 256), (16, 64)])
 def test_int4_weights_read_back_as_packed(rows, cols):
     """What a step of many rows multiplies by: the packed values and the stored (bfloat16)
-    scales, `(q - 8) * scale + zero`; a shape whose packing `unpack_int4` cannot read (a
-    tile of 16 rows) keeps the kernel."""
+    scales, `(q - 8) * scale + zero`, whatever tiles this CPU's packing uses (32 rows with
+    AVX2, 64 with AVX-512, others for the rows left over)."""
     q, a, b = int4_groups(GGUFBlocks.of("w", Q.Q4_1, (rows, cols), _blocks(Q.Q4_1, rows, cols)))
     layer = RowParallelLinear(cols, rows)
     method = Int4GroupLinearMethod()
     method.load(layer, q, a, b)
-    assert layer.dequantizable == (rows % 32 == 0)
-    if not layer.dequantizable:
-        with pytest.raises(NotImplementedError, match="layout"):
-            method.dequantize(layer)
-        return
+    assert method.dequantizable(layer)
     scale = a.to(torch.bfloat16).double()[..., None]
     zero = (b + 8 * a).to(torch.bfloat16).double()[..., None]
     ref = ((q.double().view(rows, -1, 32) - 8) * scale + zero).view(rows, cols)
     got = method.dequantize(layer)
     assert got.dtype == torch.float32 and (got.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+
+
+def test_a_packing_that_is_no_reordering_keeps_the_kernel(monkeypatch):
+    """Where torch's packing could not be read back (here: a stand-in that loses values),
+    the layer is not dequantized: long steps keep torch's kernel, which reads its own
+    packing."""
+    q, a, b = int4_groups(GGUFBlocks.of("w", Q.Q4_1, (32, 64), _blocks(Q.Q4_1, 32, 64)))
+    layer = RowParallelLinear(64, 32)
+    method = Int4GroupLinearMethod()
+    method.load(layer, q, a, b)
+    real_pack = int4._pack
+    monkeypatch.setattr(int4, "_pack", lambda values: real_pack(values & 0x7))
+    int4.unpack_order.cache_clear()
+    try:
+        assert not method.dequantizable(layer)
+        with pytest.raises(NotImplementedError, match="layout"):
+            method.dequantize(layer)
+        x = torch.randn(DEQUANTIZE_ROWS, 64)
+        want = x.to(torch.bfloat16).double() @ _weight(q, a, b).T
+        assert (layer(x).double() - want).abs().max() < 2e-2 * want.abs().max()
+    finally:
+        int4.unpack_order.cache_clear()
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,10 @@ Steps of many rows (long prompts) instead dequantize the layer's weight to float
 use `F.linear`: the kernel is compute-bound there, and on an AVX2 CPU (no AVX-512) the
 float32 GEMM measured about twice as fast from a few hundred rows on (docs/performance.md,
 "Long prompts on the CPU"). Dequantizing reads the packed weight back, whose layout is
-torch's: `unpack_int4` is checked against torch's own packing of the layer's shape before
-any layer takes that path (`unpack_round_trips`).
+torch's and differs by CPU (tiles of 32 rows with AVX2, of 64 with AVX-512, other tiles
+for the rows left over): `unpack_order` learns where each value's nibble lies from torch's
+own packing of the layer's shape, and checks it on random values, before any layer takes
+that path.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ from infer.models.linear import LinearMethod
 from infer.quantization.gguf_blocks import GROUP
 
 INNER_K_TILES = 2  # the packing's inner tiling (2, 4 or 8; the kernel reads any)
-# Steps of at least this many rows dequantize and use F.linear (see above).
-DEQUANTIZE_ROWS = 128
+# Steps of at least this many rows dequantize and use F.linear (see above): where the
+# float32 GEMM overtakes torch's INT4 kernel, on SmolLM2's shapes with one thread. With
+# AVX-512 the kernel is faster (2.2x the GEMM at 128 rows, even at 512) and the GEMM wins
+# from about 640 rows; with AVX2 it wins from about 128.
+DEQUANTIZE_ROWS = 640 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 128
 
 
 def int4_packable(rows: int, cols: int) -> bool:
@@ -46,8 +51,7 @@ class Int4GroupLinearMethod(LinearMethod):
         weight = layer.weight
         if weight.device.type != "cpu":
             raise ValueError("INT4 group weights run on the CPU only (no GPU kernel yet)")
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32),
-                                                                    INNER_K_TILES)
+        packed = _pack(q.to(torch.int32))
         scales_and_zeros = torch.stack([a, b + 8 * a], dim=-1).transpose(0, 1).contiguous()
         layer.compute_dtype = torch.bfloat16
         layer.out_features = q.shape[0]
@@ -55,16 +59,21 @@ class Int4GroupLinearMethod(LinearMethod):
         layer.register_parameter("weight", nn.Parameter(packed, requires_grad=False))
         layer.register_parameter("weight_scales_and_zeros", nn.Parameter(
             scales_and_zeros.to(torch.bfloat16), requires_grad=False))
-        layer.dequantizable = unpack_round_trips(*q.shape)
         layer.quant_method = self
+
+    def dequantizable(self, layer: nn.Module) -> bool:
+        """Whether the layer's packed weight can be read back (learned at the first step
+        that wants it, once per shape: a large layer's takes seconds)."""
+        return unpack_order(layer.out_features, layer.weight.shape[1] * 2) is not None
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         """What the kernel computes with: `(q - 8) * scale + zero` per group, in float32."""
         rows, cols = layer.out_features, layer.weight.shape[1] * 2
-        if not layer.dequantizable:
+        if not self.dequantizable(layer):
             raise NotImplementedError(f"torch's INT4 packing of a [{rows}, {cols}] weight "
-                                      "is not the layout unpack_int4 reads")
-        q = unpack_int4(layer.weight, rows, cols).view(rows, cols // GROUP, GROUP)
+                                      "is not a layout unpack_order can learn")
+        q = unpack_int4(layer.weight, unpack_order(rows, cols), rows, cols)
+        q = q.view(rows, cols // GROUP, GROUP)
         scale, zero = layer.weight_scales_and_zeros.float().permute(2, 1, 0).unsqueeze(-1)
         return ((q.float() - 8) * scale + zero).view(rows, cols)
 
@@ -75,7 +84,7 @@ class Int4GroupLinearMethod(LinearMethod):
         flat = x.dim() == 2
         x2 = x if flat else x.reshape(-1, x.shape[-1])
         x2 = x2.to(layer.compute_dtype)  # the same rounding on both paths
-        if len(x2) >= DEQUANTIZE_ROWS and layer.dequantizable:
+        if len(x2) >= DEQUANTIZE_ROWS and self.dequantizable(layer):
             y = F.linear(x2.float(), self.dequantize(layer))
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.weight, GROUP,
@@ -86,25 +95,46 @@ class Int4GroupLinearMethod(LinearMethod):
         return y if bias is None else y + bias
 
 
-def unpack_int4(packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+def unpack_int4(packed: torch.Tensor, order: torch.Tensor, rows: int, cols: int
+                ) -> torch.Tensor:
     """The uint8 `[rows, cols]` values 0..15 that `_convert_weight_to_int4pack_for_cpu`
-    packed (inner k-tiles 2, rows a multiple of 32), as observed of torch 2.13: tiles of 32
-    rows, each `[cols / 2, 32]` bytes; byte `[c // 2, r % 16 + 16 (c % 2)]` of row tile
-    `r // 32` holds row `r`'s value at column `c`, in its low nibble for `r % 32 < 16`."""
-    tiles = packed.view(rows // 32, cols // 2, 32)
-    nibbles = torch.stack([tiles & 0xF, tiles >> 4], dim=1)  # [tile, r%32 // 16, c//2, 32]
-    nibbles = nibbles.view(rows // 32, 2, cols // 2, 2, 16)  # ..., c % 2, r % 16
-    return nibbles.permute(0, 1, 4, 2, 3).reshape(rows, cols)
+    packed into `packed`, `order` being `unpack_order(rows, cols)`."""
+    return _nibbles(packed)[order].view(rows, cols)
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 `[2 * bytes]`: each byte's low nibble, then its high one."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).view(-1)
+
+
+def _pack(values: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, INNER_K_TILES)
 
 
 @cache
-def unpack_round_trips(rows: int, cols: int) -> bool:
-    """Whether `unpack_int4` reads back what this torch packs for a `[rows, cols]` weight
-    (checked once per shape on random values)."""
-    if rows % 32 or cols % GROUP:
-        return False
+def unpack_order(rows: int, cols: int) -> torch.Tensor | None:
+    """For each value of a `[rows, cols]` weight (row-major), the place of its nibble in
+    this torch's packing (byte * 2, + 1 for the high nibble): the packing of each value's
+    own index, four bits at a time, says where it went. None where the packing is not a
+    reordering of nibbles (checked on random values too)."""
+    n = rows * cols
+    if not int4_packable(rows, cols) or n >= 2**31:
+        return None
+    index = torch.arange(n, dtype=torch.int32)
+    source = torch.zeros(n, dtype=torch.int32)  # per nibble place, the value it holds
+    for shift in range(0, max(n - 1, 1).bit_length(), 4):
+        packed = _pack(((index >> shift) & 0xF).view(rows, cols))
+        if packed.numel() * 2 != n:
+            return None
+        source |= _nibbles(packed).to(torch.int32) << shift
+    if int(source.max()) >= n:
+        return None
+    order = torch.full((n,), -1, dtype=torch.int32)  # int32: half the memory, kept per shape
+    order[source.long()] = index
+    if bool((order < 0).any()):  # two places held the same value: not a reordering
+        return None
     values = torch.randint(0, 16, (rows, cols), generator=torch.Generator().manual_seed(0),
                            dtype=torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, INNER_K_TILES)
-    return packed.shape == (rows, cols // 2) and torch.equal(
-        unpack_int4(packed, rows, cols).to(torch.int32), values)
+    if not torch.equal(unpack_int4(_pack(values), order, rows, cols).to(torch.int32), values):
+        return None
+    return order
