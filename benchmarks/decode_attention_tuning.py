@@ -20,36 +20,45 @@ from kernels import copy_bandwidth, paged_setup
 
 from infer.kernels.paged_attention import default_num_splits, paged_decode
 
-CASES = [  # name, batch, context, heads, kv_heads, head_dim
+CASES = [  # name, batch, context (or a (low, high) range to draw from), heads, kv_heads, head_dim
     ("qwen3-0.6b b256 ctx 600", 256, 600, 16, 8, 128),
+    # issue 15's protocol mid-run: prompts U[100, 1024] plus a few hundred tokens out
+    ("qwen3-0.6b b256 ctx U[100,2000]", 256, (100, 2000), 16, 8, 128),
     ("llama-3.1-8b b1 ctx 256", 1, 256, 32, 8, 128),
     ("llama-3.1-8b b32 ctx 2048", 32, 2048, 32, 8, 128),
 ]
 SETTINGS = [(None, 8, None), *itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4))]
+SPLITS = (1, 2, 4, 8)  # tried at the default launch besides the policy's own
 
 
 def main() -> None:
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
     rows = []
+    gen = torch.Generator().manual_seed(0)
     for name, batch, ctx, heads, kvh, d in CASES:
-        meta, kc, vc = paged_setup([1] * batch, [ctx] * batch, kvh, d)
+        lens = (torch.randint(ctx[0], ctx[1] + 1, (batch,), generator=gen).tolist()
+                if isinstance(ctx, tuple) else [ctx] * batch)
+        meta, kc, vc = paged_setup([1] * batch, lens, kvh, d)
         q = torch.randn(batch, heads, d, device="cuda", dtype=torch.bfloat16)
-        splits = default_num_splits(batch, kvh, ctx, q.device)
+        splits = default_num_splits(batch, kvh, max(lens), q.device)
         ref = paged_decode(q, kc, vc, meta.seq_lens, meta.block_tables, d ** -0.5,
                            num_splits=splits)
-        nbytes = batch * ctx * kvh * d * 2 * 2
+        nbytes = sum(lens) * kvh * d * 2 * 2
         args = (q, kc, vc, meta.seq_lens, meta.block_tables, d ** -0.5)
-        for block_n, warps, stages in SETTINGS:
-            def run(a=args, n=splits, b=block_n, w=warps, s=stages):
+        launches = [(splits, *setting) for setting in SETTINGS]
+        launches += [(n, *SETTINGS[0]) for n in SPLITS if n != splits]
+        for n_splits, block_n, warps, stages in launches:
+            def run(a=args, n=n_splits, b=block_n, w=warps, s=stages):
                 return paged_decode(*a, num_splits=n, block_n=b, num_warps=w, num_stages=s)
             try:
                 err = (run().float() - ref.float()).abs().max().item()
                 ms = do_bench(run, warmup=20, rep=100, return_mode="median")
             except Exception as e:  # out of resources etc.
-                print(f"{name} {block_n} {warps} {stages}: {str(e).splitlines()[0][:80]}")
+                print(f"{name} {n_splits} {block_n} {warps} {stages}: "
+                      f"{str(e).splitlines()[0][:80]}")
                 continue
-            rows.append(dict(case=name, splits=splits, block_n=block_n, num_warps=warps,
+            rows.append(dict(case=name, splits=n_splits, block_n=block_n, num_warps=warps,
                              num_stages=stages, us=ms * 1e3, GBps=nbytes / ms / 1e6,
                              frac_copy=nbytes / ms / 1e6 / copy_gbs, max_err=err))
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else (

@@ -35,6 +35,7 @@ FLOPs / matmul rate) with FLOPs = 2 x step-weight params x tokens + attention, i
 Neither counts sampling, the host, or activation traffic.
 
     PYTHONPATH=src python benchmarks/throughput.py [--num-seqs 64] [--engine k=v ...]
+        [--step-timeline]   # infer's steps bucketed by sequences served: where time goes
     python benchmarks/throughput.py --tiny
 """
 
@@ -106,6 +107,50 @@ def roofline(prompt_lens: list[int], out_lens: list[int], max_seqs: int, budget:
         running = [it for it in running if it[2] < out_lens[it[0]]]
     return dict(steps=int(steps), bytes_GB=total_bytes / 1e9, roofline_bytes_s=t_bytes,
                 roofline_max_s=t_max)
+
+
+def record_steps(llm) -> list[list[tuple[float, int]]]:
+    """Per `generate` call, each core step's wall time and how many sequences got tokens
+    in it (their outputs), filled in as the engine steps."""
+    core, calls = llm.engine.core, []
+    step, generate = core.step, llm.generate
+
+    def timed_step():
+        t = time.perf_counter()
+        outputs = step()
+        calls[-1].append((time.perf_counter() - t, len(outputs)))
+        return outputs
+
+    def timed_generate(*args, **kwargs):
+        calls.append([])
+        return generate(*args, **kwargs)
+
+    core.step, llm.generate = timed_step, timed_generate
+    return calls
+
+
+BUCKETS = [(0, 0), (1, 8), (9, 32), (33, 64), (65, 128), (129, 192), (193, 256),
+           (257, 1 << 30)]  # sequences that got tokens in a step, inclusive
+TIMELINE_COLUMNS = [("sequences", "sequences", ""), ("steps", "steps", "d"),
+                    ("seconds", "seconds", ".2f"), ("ms/step", "ms_per_step", ".2f"),
+                    ("tokens", "tokens", "d"), ("share of time", "share", ".1%")]
+
+
+def timeline(calls: list[list[tuple[float, int]]]) -> list[dict]:
+    """The timed call's steps in buckets of how many sequences got a token."""
+    steps = [s for call in calls for s in call]
+    total = sum(dt for dt, _ in steps) or 1.0
+    rows = []
+    for lo, hi in BUCKETS:
+        inside = [(dt, n) for dt, n in steps if lo <= n <= hi]
+        if inside:
+            seconds = sum(dt for dt, _ in inside)
+            label = str(lo) if lo == hi else f"{lo}-{hi}" if hi < BUCKETS[-1][1] else f">= {lo}"
+            rows.append(dict(sequences=label,
+                             steps=len(inside), seconds=seconds,
+                             ms_per_step=seconds / len(inside) * 1e3,
+                             tokens=sum(n for _, n in inside), share=seconds / total))
+    return rows
 
 
 def run_infer(llm, prompts, outs, temperature) -> dict:
@@ -185,6 +230,9 @@ def main() -> None:
                         help="models the HF peer runs on (default: all of --models)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--step-timeline", action="store_true",
+                        help="time each engine step of infer's run and print them bucketed "
+                        "by how many sequences got a token (where a run's time goes)")
     parser.add_argument("--llm-defaults", action="store_true",
                         help="LLM(model) as it comes (no sizing flags of this script's; "
                         "--engine flags still apply)")
@@ -238,8 +286,14 @@ def main() -> None:
                         info.max_num_batched_tokens, counts, common.dtype_bytes(dtype), ceil)
         base = dict(model=name, num_seqs=args.num_seqs, prompt_tokens=sum(map(len, prompts)),
                     dtype=str(dtype).replace("torch.", ""), **roof)
+        steps = record_steps(llm) if args.step_timeline else None
         mine = finish({**run_infer(llm, prompts, outs, args.temperature),
                        "engine_build_s": build_s, "engine_info": common.engine_info(llm)}, base)
+        if steps is not None:
+            mine["step_timeline"] = timeline(steps[1:])  # [0]: the warm-up's
+            save()
+            common.print_table(f"{name}: engine steps by sequences that got tokens",
+                               mine["step_timeline"], TIMELINE_COLUMNS)
         done[name] = (path, dtype, prompts, outs, base, mine)
         del llm
         common.free_memory()
