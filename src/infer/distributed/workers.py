@@ -95,9 +95,15 @@ class Workers:
         (called after a failed call: a send to a dying worker can fail before the watcher,
         or the worker's own exit, has happened)."""
         if self.failure is None and self.processes:
-            multiprocessing.connection.wait([p.sentinel for p in self.processes], grace_s)
+            ended = multiprocessing.connection.wait([p.sentinel for p in self.processes],
+                                                    grace_s)
             for rank, process in enumerate(self.processes, 1):
-                if not process.is_alive():
+                # A ready sentinel is an exit under way: the kernel closes a dying
+                # process's files (its sockets too: what rank 0 saw fail) before the
+                # process can be reaped, and a loaded host can take a while between.
+                if process.sentinel in ended:
+                    process.join(grace_s)
+                if process.sentinel in ended or not process.is_alive():
                     return _exited(rank, process)
         return self.failure
 
