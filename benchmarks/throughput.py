@@ -36,6 +36,7 @@ Neither counts sampling, the host, or activation traffic.
 
     PYTHONPATH=src python benchmarks/throughput.py [--num-seqs 64] [--engine k=v ...]
         [--step-timeline]   # infer's steps bucketed by sequences served: where time goes
+        [--gpu-busy]        # the run again, kernels traced: GPU busy vs waiting for the host
     python benchmarks/throughput.py --tiny
 """
 
@@ -153,6 +154,29 @@ def timeline(calls: list[list[tuple[float, int]]]) -> list[dict]:
     return rows
 
 
+def gpu_busy(llm, prompts, outs, temperature) -> dict:
+    """The same `generate` once more, its kernels traced (CUPTI, no host-side op
+    recording): how long the GPU ran any kernel (the union of their spans) against the
+    call's wall time; the rest it waited for the host."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        seconds = run_infer(llm, prompts, outs, temperature)["seconds"]
+    spans = sorted((e.start_ns(), e.start_ns() + e.duration_ns())
+                   for e in prof.profiler.kineto_results.events()
+                   if e.device_type() == DeviceType.CUDA and e.duration_ns() > 0)
+    busy_ns, end = 0, None
+    for lo, hi in spans:
+        if end is None or lo > end:
+            busy_ns, end = busy_ns + hi - lo, hi
+        elif hi > end:
+            busy_ns, end = busy_ns + hi - end, hi
+    first, last = (spans[0][0], max(hi for _, hi in spans)) if spans else (0, 0)
+    return {"wall_s": seconds, "gpu_busy_s": busy_ns / 1e9,
+            "gpu_span_s": (last - first) / 1e9, "kernels": float(len(spans))}
+
+
 def run_infer(llm, prompts, outs, temperature) -> dict:
     from infer.bench.offline import time_generate
 
@@ -233,6 +257,9 @@ def main() -> None:
     parser.add_argument("--step-timeline", action="store_true",
                         help="time each engine step of infer's run and print them bucketed "
                         "by how many sequences got a token (where a run's time goes)")
+    parser.add_argument("--gpu-busy", action="store_true",
+                        help="then run infer's workload again with its kernels traced: how "
+                        "much of the run the GPU was busy (the rest it waited for the host)")
     parser.add_argument("--llm-defaults", action="store_true",
                         help="LLM(model) as it comes (no sizing flags of this script's; "
                         "--engine flags still apply)")
@@ -294,6 +321,17 @@ def main() -> None:
             save()
             common.print_table(f"{name}: engine steps by sequences that got tokens",
                                mine["step_timeline"], TIMELINE_COLUMNS)
+        if args.gpu_busy and torch.cuda.is_available():
+            # other token ids, the same lengths: no prefix of the first run's is cached
+            fresh = [[(t + 1) % shape["vocab_size"] for t in p] for p in prompts]
+            mine["gpu_busy"] = gpu_busy(llm, fresh, outs, args.temperature)
+            print(f"[infer] {name}, again with other prompt ids, its kernels traced: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in mine["gpu_busy"].items()), flush=True)
+            if steps is not None:
+                mine["gpu_busy_step_timeline"] = timeline(steps[3:])  # [2]: its warm-up's
+                common.print_table(f"{name}: that run's steps", mine["gpu_busy_step_timeline"],
+                                   TIMELINE_COLUMNS)
+            save()
         done[name] = (path, dtype, prompts, outs, base, mine)
         del llm
         common.free_memory()

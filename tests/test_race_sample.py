@@ -136,3 +136,34 @@ def test_the_samplers_fused_draw_keys_each_row_as_the_batch_says():
     assert got[1] == x[1].argmax().item()
     for row in (0, 3):
         assert margin[row] < 1e-4 or got[row] == want[row], (row, got, want)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="kernels compile on a GPU only")
+def test_sampling_compiles_no_kernel_after_the_warm_up(monkeypatch):
+    """The engine warms the sampler at start (`warm_up_sampler`): a step's sampling, of any
+    kind and any number of rows, then compiles nothing (a compile on a machine without
+    Triton's disk cache held the first such step 0.4-0.6 s)."""
+    from triton.runtime.jit import JITFunction
+
+    from infer.engine.sampler import SamplingBatch, SamplingParams, sample, warm_up_sampler
+
+    if not hasattr(JITFunction, "_do_compile"):
+        pytest.skip("this Triton compiles elsewhere")
+    vocab, rows = 1000, 32
+    warm_up_sampler(vocab, torch.device(DEVICE))
+    compiled = []
+    real = JITFunction._do_compile
+
+    def spy(self, *args, **kwargs):
+        compiled.append(self.fn.__name__)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", spy)
+    logits = torch.randn(rows, vocab, device=DEVICE)
+    hot, cold = SamplingParams(temperature=0.6), SamplingParams(temperature=0.0)
+    seeded, top_p = SamplingParams(temperature=0.9, seed=7), SamplingParams(top_p=0.8)
+    for kinds in ([hot], [cold], [cold, hot], [top_p], [seeded, top_p], [seeded, hot]):
+        params = [kinds[i % len(kinds)] for i in range(rows)]
+        batch = SamplingBatch.build(params, [[0]] * rows, [[]] * rows, vocab, DEVICE)
+        assert sample(logits, batch).token_ids.cpu().shape == (rows,)
+    assert compiled == []

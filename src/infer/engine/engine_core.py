@@ -43,7 +43,7 @@ from infer.engine.prompt_logprobs import (
 )
 from infer.engine.request import Request
 from infer.engine.runner_setup import build_runner, capture_graphs, uses_graphs
-from infer.engine.sampler import SamplingBatch, sample
+from infer.engine.sampler import SamplingBatch, sample, warm_up_sampler
 from infer.engine.scheduler import Scheduler, SchedulerOutput
 from infer.engine.setup import (
     gguf_blocks_of,
@@ -184,6 +184,7 @@ class EngineCore:
         if self.graphs_on:
             self.graph_capture_seconds += capture_graphs(runner, config, max_model_len,
                                                          verify=self.drafter is not None)
+        warm_up_sampler(model_config.vocab_size, device)
         if tp.size > 1:
             # Every call that runs the model goes to the other ranks first (workers).
             self.runner = MirroredRunner(runner, tp, workers)

@@ -27,7 +27,7 @@ BLOCK = 4096
 GREEDY, SEEDED, UNSEEDED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
-@triton.jit(do_not_specialize=["step_key"])
+@triton.jit(do_not_specialize=["step_key", "n_rows"])  # one variant for every batch size
 def _race_part_kernel(x_ptr, stride_x, n_cols, n_parts, temperature_ptr, modes_ptr, n_rows,
                       step_key, val_ptr, idx_ptr, HAS_TEMPERATURE: tl.constexpr,
                       HAS_MODES: tl.constexpr, BLOCK: tl.constexpr):
