@@ -24,7 +24,6 @@ CASES = [
     ("invalid utf-8", CMPL, b'{"model": "\xff\xfe", "prompt": "hi"}', 400, None),
     ("body not an object", CMPL, [1, 2], 400, None),
     ("missing prompt", CMPL, {"model": MODEL}, 400, "prompt"),
-    ("missing model", CMPL, {"prompt": "hi"}, 400, "model"),
     ("unknown model", CMPL, _c(model="gpt-9"), 404, "model"),
     ("prompt wrong type", CMPL, _c(prompt=5), 400, None),
     ("empty prompt", CMPL, _c(prompt=""), 400, "prompt"),
@@ -106,6 +105,18 @@ def test_malformed_request(server, name, path, body, status, param):
     if param is not None:
         assert error["param"] is not None and error["param"].startswith(param), error
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    (CMPL, {"prompt": "hi", "max_tokens": 2}), (CHAT, {"messages": OK_CHAT, "max_tokens": 2}),
+    (CMPL, {"model": None, "prompt": "hi", "max_tokens": 2})])
+def test_a_request_without_a_model_gets_the_servers(server, path, body):
+    """No `model` (or null): the first served model answers, and says so (vLLM's rule;
+    OpenAI's API requires the field, so its clients always send one)."""
+    r = httpx.post(server.url + path, json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == MODEL
+    assert r.json()["usage"]["completion_tokens"] == 2
 
 
 def test_oversized_body_and_unknown_route(server):

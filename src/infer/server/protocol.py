@@ -117,7 +117,7 @@ Penalty = Annotated[float, Field(ge=-2, le=2)]
 
 
 class _SamplingRequest(_Request):
-    model: str
+    model: str | None = None  # absent: the server's first model (vLLM's; OpenAI requires it)
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None

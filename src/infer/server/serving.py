@@ -74,7 +74,11 @@ class ServingContext:
     # would stall every stream and /health for as long as it takes.
     executor: ThreadPoolExecutor = field(default_factory=_tokenizer_pool)
 
-    def check_model(self, name: str) -> str:
+    def check_model(self, name: str | None) -> str:
+        """The served model a request names; without a name, the first (as vLLM takes it:
+        a one-model server need not be told which)."""
+        if name is None:
+            return self.model_names[0]
         if name not in self.model_names:
             raise RequestError(f"The model `{name}` does not exist.", "model", 404,
                                "model_not_found", "NotFoundError")
@@ -348,8 +352,7 @@ def _call_delta(delta: ToolCallDelta) -> dict[str, Any]:
 async def serve_tokenize(body: TokenizeRequest, ctx: ServingContext,
                          request: Request) -> Response:
     """Token ids of a prompt or a chat; the ids and their JSON are made off the loop."""
-    if body.model is not None:
-        ctx.check_model(body.model)
+    ctx.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise RequestError("give exactly one of prompt and messages", "prompt")
     tok = ctx.engine.tokenizer
@@ -375,8 +378,7 @@ async def serve_tokenize(body: TokenizeRequest, ctx: ServingContext,
 
 async def serve_detokenize(body: DetokenizeRequest, ctx: ServingContext,
                            request: Request) -> Response:
-    if body.model is not None:
-        ctx.check_model(body.model)
+    ctx.check_model(body.model)
     vocab = ctx.engine.input_processor.vocab_size
 
     def work() -> bytes:
