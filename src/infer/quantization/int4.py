@@ -69,11 +69,11 @@ class Int4GroupLinearMethod(LinearMethod):
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         """What the kernel computes with: `(q - 8) * scale + zero` per group, in float32."""
         rows, cols = layer.out_features, layer.weight.shape[1] * 2
-        if not self.dequantizable(layer):
+        order = unpack_order(rows, cols)
+        if order is None:
             raise NotImplementedError(f"torch's INT4 packing of a [{rows}, {cols}] weight "
                                       "is not a layout unpack_order can learn")
-        q = unpack_int4(layer.weight, unpack_order(rows, cols), rows, cols)
-        q = q.view(rows, cols // GROUP, GROUP)
+        q = unpack_int4(layer.weight, order, rows, cols).view(rows, cols // GROUP, GROUP)
         scale, zero = layer.weight_scales_and_zeros.float().permute(2, 1, 0).unsqueeze(-1)
         return ((q.float() - 8) * scale + zero).view(rows, cols)
 
