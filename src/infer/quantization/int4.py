@@ -30,9 +30,9 @@ from infer.quantization.gguf_blocks import GROUP
 
 INNER_K_TILES = 2  # the packing's inner tiling (2, 4 or 8; the kernel reads any)
 # Steps of at least this many rows dequantize and use F.linear (see above): where the
-# float32 GEMM overtakes torch's INT4 kernel, on SmolLM2's shapes with one thread. With
-# AVX-512 the kernel is faster (2.2x the GEMM at 128 rows, even at 512) and the GEMM wins
-# from about 640 rows; with AVX2 it wins from about 128.
+# float32 GEMM overtakes torch's INT4 kernel, on SmolLM2's shapes with one thread
+# (benchmarks/int4_rows.py). With AVX-512 the kernel is 1.4-2.2x faster at 128 rows, about
+# even at 512, and the GEMM wins from 640; with AVX2 it wins from about 128.
 DEQUANTIZE_ROWS = 640 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 128
 
 
