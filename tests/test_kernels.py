@@ -64,28 +64,6 @@ def test_fused_add_rmsnorm(offset: float) -> None:
     assert_close(out, expected_out)
 
 
-@pytest.fixture
-def bf16_rounds_to_nearest(monkeypatch):
-    """The interpreter (triton 3.9, `interpreter.cast_impl`) converts float32 to bfloat16
-    by truncation; GPUs (`cvt.rn.bf16.f32`) and torch round to nearest even. Emulate the
-    GPU so that bf16 results can be compared bit for bit on the CPU."""
-    if not INTERPRETED:
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    truncating = interpreter._convert_float
-
-    def convert(data, src, dst, rounding_mode):
-        if not (src == tl.float32 and dst == tl.bfloat16):
-            return truncating(data, src, dst, rounding_mode)
-        bits = np.ascontiguousarray(data).view(np.uint32)
-        rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
-        return np.where(np.isnan(bits.view(np.float32)), np.uint16(0x7FC0), rounded)
-
-    monkeypatch.setattr(interpreter, "_convert_float", convert)
-
-
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 def test_rmsnorm_bf16_bit_exact(bf16_rounds_to_nearest, offset: float) -> None:
     """Kernel, fused kernel, torch path and reference all round as transformers does."""

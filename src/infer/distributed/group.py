@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from infer.distributed.peer_add_rmsnorm import PeerAddRMSNorm
 from infer.distributed.peer_all_reduce import PeerAllReduce
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class TensorParallelGroup:
     device_group: Any = None  # torch.distributed ProcessGroup (None: size 1)
     cpu_group: Any = None
     peer: PeerAllReduce | None = None  # the custom all-reduce, where it is on
+    add_rmsnorm: PeerAddRMSNorm | None = None  # the fused one, where it is on
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x` (in place; returned)."""
@@ -87,11 +89,12 @@ SINGLE = TensorParallelGroup()
 
 
 def init_group(rank: int, size: int, init_method: str, device: torch.device,
-               custom_all_reduce: bool = False, timeout_s: float = 600.0
-               ) -> TensorParallelGroup:
+               custom_all_reduce: bool = False, fuse_all_reduce_norm: bool = False,
+               timeout_s: float = 600.0) -> TensorParallelGroup:
     """Join the `size`-rank world at `init_method` (tcp://host:port, env://, file://) as
     `rank`: NCCL for tensors on a GPU, gloo on a CPU, gloo for objects either way; with
-    `custom_all_reduce`, small all-reduces over peer memory where every rank can."""
+    `custom_all_reduce`, small all-reduces over peer memory where every rank can; with
+    `fuse_all_reduce_norm`, the all-reduces before an add + RMSNorm fused with it there."""
     from datetime import timedelta
 
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -105,7 +108,15 @@ def init_group(rank: int, size: int, init_method: str, device: torch.device,
         else dist.group.WORLD
     peer = PeerAllReduce.create(dist.group.WORLD, cpu_group, device) \
         if custom_all_reduce else None
-    return TensorParallelGroup(rank, size, dist.group.WORLD, cpu_group, peer)
+    add_rmsnorm = PeerAddRMSNorm.create(dist.group.WORLD, cpu_group, device) \
+        if fuse_all_reduce_norm else None
+    return TensorParallelGroup(rank, size, dist.group.WORLD, cpu_group, peer, add_rmsnorm)
+
+
+def peer_options(config: Any) -> dict[str, bool]:
+    """`init_group`'s peer-memory switches, from an `EngineConfig`."""
+    return {"custom_all_reduce": config.custom_all_reduce,
+            "fuse_all_reduce_norm": config.fuse_all_reduce_norm}
 
 
 def leave_world(wait_s: float = 10.0) -> None:

@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from infer.distributed.channel import GlooChannel, PipeReceiver
-from infer.distributed.group import TensorParallelGroup, init_group, leave_world
+from infer.distributed.group import TensorParallelGroup, init_group, leave_world, peer_options
 from infer.engine.config import EngineConfig
 from infer.engine.model_runner import ModelRunner
 
@@ -56,7 +56,7 @@ def worker_main(config: EngineConfig, rank: int, size: int, init_method: str,
         torch.cuda.set_device(device)
     else:
         set_cpu_threads(config.threads)
-    group = init_group(rank, size, init_method, device, config.custom_all_reduce)
+    group = init_group(rank, size, init_method, device, **peer_options(config))
     model, model_config, *_ = load_model_shard(config, dtype, device, group)
     config, max_model_len = group.broadcast_object()  # as rank 0 settled them
     runner = build_runner(config, model, model_config, device, dtype, max_model_len,

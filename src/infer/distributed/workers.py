@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from infer.distributed.channel import GlooChannel, PipeSender
-from infer.distributed.group import TensorParallelGroup, init_group, leave_world
+from infer.distributed.group import TensorParallelGroup, init_group, leave_world, peer_options
 from infer.distributed.torchrun import torchrun_rank
 from infer.distributed.worker import worker_main
 from infer.engine.config import EngineConfig
@@ -61,7 +61,7 @@ class Workers:
             if int(os.environ["WORLD_SIZE"]) != size:
                 raise ValueError(f"tensor_parallel_size={size} but torchrun started "
                                  f"WORLD_SIZE={os.environ['WORLD_SIZE']} ranks")
-            group = init_group(0, size, "env://", device, config.custom_all_reduce)
+            group = init_group(0, size, "env://", device, **peer_options(config))
             return cls([], group, GlooChannel(group))
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = multiprocessing.get_context("spawn")
@@ -80,7 +80,7 @@ class Workers:
         for receiver in receivers:  # the worker's now: a dead worker breaks our sends
             receiver.close()
         try:
-            group = _join(processes, size, init_method, device, config.custom_all_reduce)
+            group = _join(processes, size, init_method, device, peer_options(config))
         except BaseException:
             _stop(processes)
             raise
@@ -146,10 +146,10 @@ class Workers:
         log.error("%s: stopping the other ranks", self.failure)
         _stop(self.processes)
         self._abort()
-        if self.group.peer is not None:
-            # A custom all-reduce waits for its peers in a kernel, which no abort ends:
-            # this GPU may never finish its stream again, so this process cannot go on.
-            log.error("custom all-reduce: rank 0's GPU may wait for the dead rank for "
+        if self.group.peer is not None or self.group.add_rmsnorm is not None:
+            # A peer-memory all-reduce waits for its peers in a kernel, which no abort
+            # ends: this GPU may never finish its stream again, so this process cannot go on.
+            log.error("peer-memory all-reduce: rank 0's GPU may wait for the dead rank for "
                       "good; exiting")
             logging.shutdown()
             os._exit(1)
@@ -168,14 +168,14 @@ def _exited(rank: int, process: multiprocessing.process.BaseProcess) -> str:
 
 
 def _join(processes: list[multiprocessing.process.BaseProcess], size: int, init_method: str,
-          device: torch.device, custom_all_reduce: bool) -> TensorParallelGroup:
+          device: torch.device, options: dict[str, bool]) -> TensorParallelGroup:
     """Form the group in a thread, so that a worker that dies before it joins ends the
     wait at once (the rendezvous itself would wait for its timeout)."""
     result: list = []
 
     def rendezvous() -> None:
         try:
-            result.append(init_group(0, size, init_method, device, custom_all_reduce))
+            result.append(init_group(0, size, init_method, device, **options))
         except BaseException as exc:
             result.append(exc)
 

@@ -286,6 +286,9 @@ class RowParallelLinear(LinearBase):
         tp = tp or current_group()
         super().__init__(_divide(input_size, tp.size), [output_size], bias, (), quant_method,
                          tp)
+        # False: forward returns this rank's partial sum, which the module after it
+        # all-reduces (`layers.reduce_in_norm`).
+        self.reduce_output = True
 
     def rank_part(self, shard_id: ShardId = None) -> RankPart:
         return RankPart(1, self.tp_rank, self.tp_size, self.input_size)
@@ -302,6 +305,8 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return self.quant_method.apply(self, x, self.bias)
+        if not self.reduce_output:
+            return self.quant_method.apply(self, x, None)
         y = self.tp.all_reduce(self.quant_method.apply(self, x, None))
         return y if self.bias is None else y + self.bias
 
@@ -314,7 +319,7 @@ class RowParallelLinear(LinearBase):
                 and _gemv_takes(gate_up, self.weight, self.bias, method.triton_gemv)):
             return None
         y = _gemv(gate_up, self.weight, act)
-        return y if self.tp_size == 1 else self.tp.all_reduce(y)
+        return y if self.tp_size == 1 or not self.reduce_output else self.tp.all_reduce(y)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -17,7 +17,7 @@ from torch import nn
 from infer.attention import AttentionMetadata
 from infer.config import ModelConfig, hf_decoder_config
 from infer.models.causal_lm import CausalLM, DecoderModel
-from infer.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from infer.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, reduce_in_norm
 from infer.models.registry import ArchitectureEntry, GGUFTensorMap
 from infer.models.self_attention import SelfAttention
 
@@ -53,6 +53,12 @@ class LlamaForCausalLM(CausalLM):
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         layers = [LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers)]
         norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        # Every norm called with a residual follows a row-parallel output; the final norm
+        # also follows any layer when a self-draft runs only the first few.
+        next_norms = [layer.input_layernorm for layer in layers[1:]] + [norm]
+        reduce_in_norm(
+            [(layer.self_attn.o_proj, layer.post_attention_layernorm) for layer in layers]
+            + [(layer.mlp.down_proj, after) for layer, after in zip(layers, next_norms)])
         super().__init__(cfg, DecoderModel(cfg, layers, norm, rotary))
 
 

@@ -1,0 +1,89 @@
+"""The buffers of the fused all-reduce + residual add + RMSNorm (`kernels/all_reduce_norm.py`,
+`EngineConfig.fuse_all_reduce_norm`): a staging buffer and a flag array per rank in torch
+symmetric memory, so that every rank's kernel reads and signals the others directly.
+
+Invariants: every rank takes or declines a call by its shapes and dtype alone (`takes`),
+the same on every rank, since a rank that waits for a peer's flag the peer never raises
+waits for good; the flags start at zero on every rank before any rank's first call.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from infer.distributed.peer_all_reduce import why_not
+
+log = logging.getLogger(__name__)
+
+HALF_BYTES = 1 << 20  # per half of the staging buffer: decode steps' rows, not prefills'
+MAX_ROWS = 256
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class PeerAddRMSNorm:
+    """`(x, residual) -> (rmsnorm(residual + all-reduce(x)), residual + all-reduce(x))`
+    in one kernel, for tensors of up to `MAX_ROWS` rows that fit `HALF_BYTES`."""
+
+    def __init__(self, buffers: torch.Tensor, flags: torch.Tensor, rank: int,
+                 keep: tuple[Any, ...] = ()) -> None:
+        self.buffers = buffers  # int64 addresses of every rank's staging buffer
+        self.flags = flags  # int64 addresses of every rank's flag array
+        self.epochs = torch.zeros(MAX_ROWS, dtype=torch.int64, device=buffers.device)
+        self.rank = rank
+        self._keep = keep  # the symmetric tensors the addresses point into
+
+    @classmethod
+    def create(cls, device_group: Any, cpu_group: Any, device: torch.device
+               ) -> PeerAddRMSNorm | None:
+        """Set up on every rank together (a collective), or None on every rank, with the
+        reason logged, where some rank cannot."""
+        world = dist.get_world_size(device_group)
+        reason = why_not(device, world)
+        failed = torch.tensor([reason is not None], dtype=torch.int32)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=cpu_group)
+        if failed.item():
+            log.info("fused all-reduce + RMSNorm off: %s", reason or "another rank cannot")
+            return None
+        import torch.distributed._symmetric_memory as symm_mem
+
+        staging = symm_mem.empty(2 * HALF_BYTES, dtype=torch.uint8, device=device)
+        staged = symm_mem.rendezvous(staging, device_group.group_name)
+        flags = symm_mem.empty(MAX_ROWS * world, dtype=torch.int64, device=device)
+        flags.zero_()
+        signalled = symm_mem.rendezvous(flags, device_group.group_name)
+        torch.cuda.synchronize(device)
+        dist.barrier(group=cpu_group)  # every rank's flags zeroed before any rank's call
+
+        rank = dist.get_rank(device_group)
+
+        def addresses(tensor: torch.Tensor, handle: Any) -> torch.Tensor:
+            # The tensor may lie at an offset into its allocation: the same on every rank.
+            offset = tensor.data_ptr() - handle.buffer_ptrs[rank]
+            return torch.tensor([base + offset for base in handle.buffer_ptrs],
+                                dtype=torch.int64, device=device)
+
+        log.info("fused all-reduce + residual add + RMSNorm over peer memory, up to %d "
+                 "rows of %d KiB", MAX_ROWS, HALF_BYTES >> 10)
+        return cls(addresses(staging, staged), addresses(flags, signalled), rank,
+                   (staging, flags, staged, signalled))
+
+    def takes(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether this call goes this way; by shapes, dtypes and layout only."""
+        n = x.shape[-1]
+        rows = x.numel() // n if n else 0
+        return (x.dtype in _DTYPES and residual.dtype == x.dtype
+                and residual.shape == x.shape and 0 < rows <= MAX_ROWS
+                and x.numel() * x.element_size() <= HALF_BYTES
+                and x.is_contiguous() and residual.is_contiguous())
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float, offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+        from infer.kernels.all_reduce_norm import all_reduce_add_rmsnorm
+
+        return all_reduce_add_rmsnorm(x, residual, weight, eps, offset, self.buffers,
+                                      self.flags, self.epochs, self.rank,
+                                      HALF_BYTES // x.element_size())
