@@ -96,8 +96,9 @@ def test_takes_decode_rows_only_by_shape_and_dtype():
         x = torch.zeros(rows, 4096, dtype=dtype)
         return fused.takes(x, torch.zeros(rows, 4096, dtype=residual_dtype or dtype))
 
-    assert takes(1) and takes(MAX_ROWS if MAX_ROWS * row_bytes <= HALF_BYTES else 128)
-    assert not takes(HALF_BYTES // row_bytes + 1)  # a prefill chunk: NCCL, then the norm
+    assert MAX_ROWS * row_bytes <= HALF_BYTES
+    assert takes(1) and takes(MAX_ROWS)
+    assert not takes(MAX_ROWS + 1)  # larger batches and prefills: NCCL, then the norm
     assert not takes(0)
     assert not takes(1, torch.float64)
     assert not takes(1, torch.bfloat16, torch.float32)
