@@ -1,13 +1,13 @@
 """The fused all-reduce + residual add + RMSNorm (kernels/all_reduce_norm.py) in the Triton
-interpreter, as one rank of a world whose other ranks have already staged their partials
+interpreter, as one rank of a world whose other ranks have already written their partials
 and raised their flags (in one process a rank cannot wait for a peer still to come).
 
 Against the unfused path: the partials summed in rank order and rounded once (NCCL's sum
 of two), then the model's own add + RMSNorm, bit for bit in bf16 (float32: the residual
-bit for bit, the norm to rounding). Also what the peers rely
-on: this rank's partial staged in the half its call count picks, its flag raised on every
-peer, its counts advanced per row. On GPUs the kernel meets real peers in
-benchmarks/tensor_parallel.py (`--engine fuse_all_reduce_norm=true`).
+bit for bit, the norm to rounding). Also what the peers rely on: this rank's partial
+written into every rank's buffer, in the half its call count picks, its flag raised on
+every peer, its counts advanced per row. On GPUs the kernel meets real peers in
+benchmarks/all_reduce_norm.py and benchmarks/tensor_parallel.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from infer.distributed.peer_add_rmsnorm import HALF_BYTES, MAX_ROWS, PeerAddRMSN
 from infer.kernels.all_reduce_norm import all_reduce_add_rmsnorm
 from infer.models.layers import RMSNorm
 
-HIDDEN, SLOTS, HALF = 72, 4, 4 * 72  # HALF: elements per half of a staging buffer
+HIDDEN, SLOTS, HALF = 72, 4, 4 * 3 * 72  # HALF: elements per half of a staging buffer
 
 
 class World:
@@ -37,8 +37,11 @@ class World:
         self.buffers = torch.tensor([b.data_ptr() for b in self.staging])
         self.flag_ptrs = torch.tensor([f.data_ptr() for f in self.flags])
 
-    def rows(self, half: int, rank: int, row: int) -> torch.Tensor:
-        return self.staging[rank][half, row * HIDDEN:(row + 1) * HIDDEN]
+    def part(self, half: int, source: int, row: int, reader: int) -> torch.Tensor:
+        """Where `reader` finds `source`'s partial of `row`: in its own buffer, at the
+        source's place."""
+        start = (row * self.size + source) * HIDDEN
+        return self.staging[reader][half, start:start + HIDDEN]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -58,9 +61,9 @@ def test_one_rank_of_a_world_equals_the_unfused_path(bf16_rounds_to_nearest, dty
             epoch = counts[row] + 1
             for peer in range(size):
                 if peer != rank:
-                    world.rows(epoch % 2, peer, row).copy_(partials[peer][row])
+                    world.part(epoch % 2, peer, row, rank).copy_(partials[peer][row])
                     # The other half: what a peer staged for another call (never read).
-                    world.rows(1 - epoch % 2, peer, row).fill_(1e4)
+                    world.part(1 - epoch % 2, peer, row, rank).fill_(1e4)
                     # A peer may already have raised the next call's flag.
                     world.flags[rank][row, peer] = epoch + (call % 2) * (peer % 2)
         total = partials[0].float()
@@ -80,17 +83,18 @@ def test_one_rank_of_a_world_equals_the_unfused_path(bf16_rounds_to_nearest, dty
             torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-6)
         for row in range(rows):
             counts[row] += 1
-            assert torch.equal(world.rows(counts[row] % 2, rank, row), partials[rank][row])
             for peer in range(size):
+                staged = world.part(counts[row] % 2, rank, row, peer)
+                assert torch.equal(staged, partials[rank][row])
                 if peer != rank:
                     assert world.flags[peer][row, rank] == counts[row]
         assert epochs.tolist() == counts
 
 
 def test_takes_decode_rows_only_by_shape_and_dtype():
-    fused = PeerAddRMSNorm(torch.zeros(2, dtype=torch.int64),
+    fused = PeerAddRMSNorm(torch.zeros(2, dtype=torch.int64),  # two ranks
                            torch.zeros(2, dtype=torch.int64), rank=0)
-    row_bytes = 4096 * 2
+    row_bytes = 4096 * 2 * 2  # pushed to both ranks' places
 
     def takes(rows: int, dtype=torch.bfloat16, residual_dtype=None) -> bool:
         x = torch.zeros(rows, 4096, dtype=dtype)
