@@ -67,7 +67,7 @@ VARIANTS = {
     "preempting": dict(num_blocks=10, block_size=4, prefix_caching=False),
     # No peer memory between CPU ranks: every rank must decline it alike and use gloo.
     "custom-all-reduce": dict(num_blocks=64, custom_all_reduce=True),
-    "fused-all-reduce-norm": dict(num_blocks=64, fuse_all_reduce_norm=True),
+    "unfused-all-reduce-norm": dict(num_blocks=64, fuse_all_reduce_norm=False),
 }
 
 

@@ -13,10 +13,9 @@ at 16: `benchmarks/all_reduce_norm.py`.)
 
 Invariants:
 - program p uses row p of the staging buffers (a place per source rank) and flag slot p
-  only. Its call count on this
-  rank (`epochs[p]`, plus one) is the flag value it raises and waits for, and the count's
-  parity picks the half of the buffer it stages into. Every rank makes the same calls with
-  the same row counts, so the counts agree between ranks.
+  only. Its call count on this rank (`epochs[p]`, plus one) is the flag value it raises
+  and waits for, and the count's parity picks the half of the buffers it writes into.
+  Every rank makes the same calls with the same row counts, so the counts agree.
 - a half is overwritten two calls of program p after it was written; in between, the
   writer waited for every peer's flag of the call in between, which a peer raises only
   after its kernel that read the half has ended (kernels of a stream end in order).
@@ -57,7 +56,7 @@ def _all_reduce_add_rmsnorm_kernel(
     for r in tl.static_range(WORLD):
         dst = tl.load(buffers_ptr + r).to(tl.pointer_type(dtype))
         tl.store(dst + slot + rank * n_cols + cols, x, mask=mask)
-    tl.debug_barrier()  # every thread's part staged before the flags say so
+    tl.debug_barrier()  # every thread's part written before the flags say so
     for r in tl.static_range(WORLD):
         if r != rank:
             peer_flags = tl.load(flags_ptr + r).to(tl.pointer_type(tl.int64))
