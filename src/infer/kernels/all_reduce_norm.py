@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels import dependent_launch
+from infer.kernels.rmsnorm import normalised
 
 
 @triton.jit
@@ -75,14 +76,8 @@ def _all_reduce_add_rmsnorm_kernel(
     res = tl.load(res_ptr + row.to(tl.int64) * stride_res + cols, mask=mask, other=0.0)
     s = (total.to(dtype).to(tl.float32) + res.to(tl.float32)).to(res.dtype)
     tl.store(res_ptr + row.to(tl.int64) * stride_res + cols, s, mask=mask)
-    s = s.to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / n_cols + eps)
-    if OFFSET == 0.0:
-        y = (s * inv_rms).to(out_ptr.dtype.element_ty).to(tl.float32) * w
-    else:
-        y = s * inv_rms * (w + OFFSET)
-    tl.store(out_ptr + row.to(tl.int64) * stride_out + cols,
-             y.to(out_ptr.dtype.element_ty), mask=mask)
+    y = normalised(s.to(tl.float32), w, n_cols, eps, OFFSET, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row.to(tl.int64) * stride_out + cols, y, mask=mask)
     tl.store(epochs_ptr + row, epoch)
 
 

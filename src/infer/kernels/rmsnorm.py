@@ -37,12 +37,18 @@ def _rmsnorm_kernel(
         s = (x + r.to(tl.float32)).to(r.dtype)
         tl.store(res_ptr + row * stride_res + cols, s, mask=mask)
         x = s.to(tl.float32)
+    y = normalised(x, w, n_cols, eps, OFFSET, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
+
+
+@triton.jit
+def normalised(x, w, n_cols, eps, OFFSET: tl.constexpr, dtype: tl.constexpr):
+    """One row's RMSNorm (`x`, `w` float32), rounded to `dtype` as the module docstring
+    says."""
     inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     if OFFSET == 0.0:
-        y = (x * inv_rms).to(out_ptr.dtype.element_ty).to(tl.float32) * w
-    else:
-        y = x * inv_rms * (w + OFFSET)
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+        return ((x * inv_rms).to(dtype).to(tl.float32) * w).to(dtype)
+    return (x * inv_rms * (w + OFFSET)).to(dtype)
 
 
 def _launch(x2d: torch.Tensor, res2d: torch.Tensor | None, weight: torch.Tensor,
