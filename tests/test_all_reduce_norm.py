@@ -3,7 +3,7 @@ interpreter, as one rank of a world whose other ranks have already written their
 and raised their flags (in one process a rank cannot wait for a peer still to come).
 
 Against the unfused path: the partials summed in rank order and rounded once (NCCL's sum
-of two), then the model's own add + RMSNorm, bit for bit in bf16 (float32: the residual
+of two), then the model's own (add +) RMSNorm, bit for bit in bf16 (float32: the residual
 bit for bit, the norm to rounding). Also what the peers rely on: this rank's partial
 written into every rank's buffer, in the half its call count picks, its flag raised on
 every peer, its counts advanced per row. On GPUs the kernel meets real peers in
@@ -46,9 +46,10 @@ class World:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("size, rank", [(2, 0), (2, 1), (3, 1)])
-@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("offset, with_residual", [(0.0, True), (1.0, True), (1.0, False)])
 def test_one_rank_of_a_world_equals_the_unfused_path(bf16_rounds_to_nearest, dtype, size,
-                                                     rank, offset):
+                                                     rank, offset, with_residual):
+    """With a residual as Llama's norms take it; without, as Gemma 3's sandwich norms."""
     world = World(size, dtype)
     epochs = torch.zeros(SLOTS, dtype=torch.int64)
     counts = [0] * SLOTS  # what epochs must hold
@@ -69,14 +70,18 @@ def test_one_rank_of_a_world_equals_the_unfused_path(bf16_rounds_to_nearest, dty
         total = partials[0].float()
         for p in partials[1:]:
             total = total + p.float()
-        want_out, want_res = norm(total.to(dtype), residual.clone())
-
-        out, res = all_reduce_add_rmsnorm(
-            partials[rank].clone(), residual, norm.weight, norm.eps, offset,
-            world.buffers, world.flag_ptrs, epochs, rank, HALF)
-
-        assert res.data_ptr() == residual.data_ptr(), "the residual is updated in place"
-        assert torch.equal(res, want_res)
+        if with_residual:
+            want_out, want_res = norm(total.to(dtype), residual.clone())
+            out, res = all_reduce_add_rmsnorm(
+                partials[rank].clone(), residual, norm.weight, norm.eps, offset,
+                world.buffers, world.flag_ptrs, epochs, rank, HALF)
+            assert res.data_ptr() == residual.data_ptr(), "the residual is updated in place"
+            assert torch.equal(res, want_res)
+        else:
+            want_out = norm(total.to(dtype))
+            out = all_reduce_add_rmsnorm(
+                partials[rank].clone(), None, norm.weight, norm.eps, offset,
+                world.buffers, world.flag_ptrs, epochs, rank, HALF)
         if dtype == torch.bfloat16:
             assert torch.equal(out, want_out)
         else:  # torch's float32 norm sums the squares in another order
@@ -106,5 +111,6 @@ def test_takes_decode_rows_only_by_shape_and_dtype():
     assert not takes(0)
     assert not takes(1, torch.float64)
     assert not takes(1, torch.bfloat16, torch.float32)
+    assert fused.takes(torch.zeros(1, 4096, dtype=torch.bfloat16), None)  # Gemma's norms
     x = torch.zeros(2, 8192, dtype=torch.bfloat16)[:, :4096]  # a view with gaps
     assert not fused.takes(x, torch.zeros(2, 4096, dtype=torch.bfloat16))

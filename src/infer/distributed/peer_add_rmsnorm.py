@@ -29,8 +29,9 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class PeerAddRMSNorm:
-    """`(x, residual) -> (rmsnorm(residual + all-reduce(x)), residual + all-reduce(x))`
-    in one kernel, for tensors of up to `MAX_ROWS` rows that fit `HALF_BYTES`."""
+    """`(x, residual) -> (rmsnorm(residual + all-reduce(x)), residual + all-reduce(x))`,
+    or without a residual `rmsnorm(all-reduce(x))`, in one kernel, for tensors of up to
+    `MAX_ROWS` rows that fit `HALF_BYTES`."""
 
     def __init__(self, buffers: torch.Tensor, flags: torch.Tensor, rank: int,
                  keep: tuple[Any, ...] = ()) -> None:
@@ -75,17 +76,19 @@ class PeerAddRMSNorm:
         return cls(addresses(staging, staged), addresses(flags, signalled), rank,
                    (staging, flags, staged, signalled))
 
-    def takes(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+    def takes(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
         """Whether this call goes this way; by shapes, dtypes and layout only."""
         n = x.shape[-1]
         rows = x.numel() // n if n else 0
-        return (x.dtype in _DTYPES and residual.dtype == x.dtype
-                and residual.shape == x.shape and 0 < rows <= MAX_ROWS
+        return (x.dtype in _DTYPES and 0 < rows <= MAX_ROWS
                 and x.numel() * x.element_size() * self.buffers.numel() <= HALF_BYTES
-                and x.is_contiguous() and residual.is_contiguous())
+                and x.is_contiguous()
+                and (residual is None or (residual.dtype == x.dtype
+                                          and residual.shape == x.shape
+                                          and residual.is_contiguous())))
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float, offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float, offset: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         from infer.kernels.all_reduce_norm import all_reduce_add_rmsnorm
 
         return all_reduce_add_rmsnorm(x, residual, weight, eps, offset, self.buffers,

@@ -2,14 +2,14 @@
 parallelism on one host's GPUs, `EngineConfig.fuse_all_reduce_norm`).
 
 A row-parallel projection leaves each rank a partial sum; in a Llama-family layer the sum
-is then added to the residual stream and normalised. Unfused that is an all-reduce kernel
-and an add + RMSNorm kernel, each a launch and a wait in a batch-1 decode step. Here one
-program per row writes this rank's partial into every rank's staging buffer (torch
-symmetric memory: peers' memory is addressable over NVLink), raises its flag on every
-peer, waits for theirs, sums the partials now in its own buffer in rank order and goes on
-as `rmsnorm.fused_add_rmsnorm` does. (Pushing the partials, where each rank first read its
-peers' buffers, took 6.4 against 7.9 µs a call at one row on two H200s, 7.6 against 10.3
-at 16: `benchmarks/all_reduce_norm.py`.)
+is then added to the residual stream and normalised (in Gemma 3's, normalised alone).
+Unfused that is an all-reduce kernel and an (add +) RMSNorm kernel, each a launch and a
+wait in a batch-1 decode step. Here one program per row writes this rank's partial into
+every rank's staging buffer (torch symmetric memory: peers' memory is addressable over
+NVLink), raises its flag on every peer, waits for theirs, sums the partials now in its own
+buffer in rank order and goes on as `rmsnorm.fused_add_rmsnorm` does. (Pushing the
+partials, where each rank first read its peers' buffers, took 6.4 against 7.9 µs a call at
+one row on two H200s, 7.6 against 10.3 at 16: `benchmarks/all_reduce_norm.py`.)
 
 Invariants:
 - program p uses row p of the staging buffers (a place per source rank) and flag slot p
@@ -40,7 +40,8 @@ def _all_reduce_add_rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr,
     buffers_ptr, flags_ptr, epochs_ptr,
     rank, half_elems, stride_x, stride_res, stride_out, n_cols, eps,
-    WORLD: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    WORLD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -73,27 +74,30 @@ def _all_reduce_add_rmsnorm_kernel(
     for r in tl.static_range(WORLD):
         total += tl.load(mine + slot + r * n_cols + cols, mask=mask, other=0.0,
                          volatile=True).to(tl.float32)
-    res = tl.load(res_ptr + row.to(tl.int64) * stride_res + cols, mask=mask, other=0.0)
-    s = (total.to(dtype).to(tl.float32) + res.to(tl.float32)).to(res.dtype)
-    tl.store(res_ptr + row.to(tl.int64) * stride_res + cols, s, mask=mask)
+    s = total.to(dtype)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + row.to(tl.int64) * stride_res + cols, mask=mask, other=0.0)
+        s = (s.to(tl.float32) + res.to(tl.float32)).to(res.dtype)
+        tl.store(res_ptr + row.to(tl.int64) * stride_res + cols, s, mask=mask)
     y = normalised(s.to(tl.float32), w, n_cols, eps, OFFSET, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row.to(tl.int64) * stride_out + cols, y, mask=mask)
     tl.store(epochs_ptr + row, epoch)
 
 
 def all_reduce_add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
     offset: float, buffers: torch.Tensor, flags: torch.Tensor, epochs: torch.Tensor,
     rank: int, half_elems: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`residual += sum over ranks of x` (in place); returns `(rmsnorm(residual),
-    residual)`. `buffers` and `flags` hold every rank's staging buffer and flag array
-    addresses (int64, on x's device, in rank order); `epochs` this rank's call count per
-    row (int64, zeros at first). The caller checks sizes (every rank's rows of `x` fit a
-    half of `half_elems` elements, rows <= len(epochs)); every rank must call with the same
-    shapes in the same order."""
+    residual)`, or with no residual `rmsnorm(sum over ranks of x)`. `buffers` and `flags`
+    hold every rank's staging buffer and flag array addresses (int64, on x's device, in
+    rank order); `epochs` this rank's call count per row (int64, zeros at first). The
+    caller checks sizes (every rank's rows of `x` fit a half of `half_elems` elements,
+    rows <= len(epochs)); every rank must call with the same shapes in the same order."""
     assert offset in (0.0, 1.0), "offset is 0 (x * w) or 1 (Gemma's x * (1 + w))"
-    assert x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape
+    assert x.is_contiguous()
+    assert residual is None or (residual.is_contiguous() and residual.shape == x.shape)
     n = x.shape[-1]
     rows = x.numel() // n
     world = buffers.numel()
@@ -102,9 +106,9 @@ def all_reduce_add_rmsnorm(
     if rows:
         block = triton.next_power_of_2(n)
         _all_reduce_add_rmsnorm_kernel[(rows,)](
-            x, residual, weight, out, buffers, flags, epochs,
+            x, x if residual is None else residual, weight, out, buffers, flags, epochs,
             rank, half_elems, n, n, n, n, eps,
-            WORLD=world, OFFSET=offset, BLOCK=block,
+            WORLD=world, HAS_RESIDUAL=residual is not None, OFFSET=offset, BLOCK=block,
             num_warps=min(max(block // 256, 1), 16), **dependent_launch.launch_options(),
         )
-    return out, residual
+    return out if residual is None else (out, residual)

@@ -21,7 +21,7 @@ from torch import nn
 from infer.attention import AttentionMetadata
 from infer.config import ConfigError, ModelConfig, RopeConfig, hf_decoder_config
 from infer.models.causal_lm import CausalLM, DecoderModel
-from infer.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from infer.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, reduce_in_norm
 from infer.models.llama import GGUF_DECODER_LAYER, GGUF_DECODER_TOP
 from infer.models.registry import ArchitectureEntry, GGUFTensorMap
 from infer.models.self_attention import SelfAttention
@@ -68,6 +68,10 @@ class Gemma3ForCausalLM(CausalLM):
         })
         layers = [Gemma3DecoderLayer(cfg, i, rotary[kind])
                   for i, kind in enumerate(cfg.layer_types)]
+        # The sandwich norms take the row-parallel outputs, with no residual.
+        reduce_in_norm(
+            [(layer.self_attn.o_proj, layer.post_attention_layernorm) for layer in layers]
+            + [(layer.mlp.down_proj, layer.post_feedforward_layernorm) for layer in layers])
         model = DecoderModel(cfg, layers, _norm(cfg, cfg.hidden_size), rotary,
                              scale_embeddings=True)
         super().__init__(cfg, model)

@@ -28,9 +28,9 @@ class RMSNorm(nn.Module):
     Called as `norm(x, residual)` it first adds `x` to the residual stream and returns
     `(norm(x + residual), x + residual)` (the sum rounded to x's dtype first), which the
     Triton kernel does in one pass; the caller must not reuse `residual` afterwards.
-    With `reduce_input` (a tensor-parallel group, set by `reduce_in_norm`) such an `x` is
-    each rank's partial sum, all-reduced first: in the same kernel where the group has
-    the fused one (`kernels/all_reduce_norm.py`).
+    With `reduce_input` (a tensor-parallel group, set by `reduce_in_norm`) `x` is each
+    rank's partial sum, all-reduced first: in the same kernel where the group has the
+    fused one (`kernels/all_reduce_norm.py`).
     """
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
@@ -44,7 +44,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None and self.reduce_input is not None:
+        if self.reduce_input is not None:
             fused = self.reduce_input.add_rmsnorm
             if self.use_triton and fused is not None and fused.takes(x, residual):
                 return fused(x, residual, self.weight, self.eps, self.offset)
@@ -77,10 +77,10 @@ class RMSNorm(nn.Module):
 
 def reduce_in_norm(pairs: list[tuple[RowParallelLinear, RMSNorm]]) -> None:
     """Under tensor parallelism, each linear of `pairs` hands its partial sum on unreduced
-    and the add + RMSNorm it feeds all-reduces it (one kernel where the group fuses
-    them). Each norm must be called with a residual, and only ever on its linear's output
-    (or on a partial sum alike: every pair of a model is wired or none is). Pairs with a
-    bias (added after the sum) are left as they are."""
+    and the (add +) RMSNorm it feeds all-reduces it (one kernel where the group fuses
+    them). Each norm must only ever be called on its linear's output (or on a partial sum
+    alike: every pair of a model is wired or none is). If any linear has a bias (added
+    after the sum), none is wired."""
     if any(linear.bias is not None for linear, _ in pairs):
         return
     for linear, norm in pairs:
