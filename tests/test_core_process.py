@@ -444,7 +444,9 @@ def test_further_api_processes_take_the_chat_template_and_cors_flags(tmp_path):
                 "--allowed-origins", origin, spawned=2) as (proc, url, _):
         os.kill(proc.pid, signal.SIGSTOP)  # only the further process can answer now
         try:
-            r = httpx.post(url + "/tokenize", json={"messages": chat}, timeout=30)
+            # /health answered from the first process: the further one may still be
+            # starting (seconds on a loaded 2-core machine); it accepts once it serves.
+            r = httpx.post(url + "/tokenize", json={"messages": chat}, timeout=90)
             assert r.status_code == 200 and r.json()["tokens"] == expected
             allowed = httpx.options(url + "/v1/completions", timeout=30,
                                     headers={**preflight, "Origin": origin})
