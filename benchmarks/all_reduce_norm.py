@@ -16,6 +16,8 @@ shows in the final residual. On every rank, for every row count:
   replay, as in the engine);
 - latency per call: both chains captured in graphs, median replay over `--reps` / `--ops`.
 Dependent launch as the engine sets it (on for compute capability >= 9; `--no-pdl`).
+`--gemma`: Gemma 3's form (a norm of the sum alone, `x * (1 + w)`); the residual then
+passes through, so only each call's output is checked.
 
     python benchmarks/all_reduce_norm.py [--ranks 2] [--suffix _x2]
 
@@ -68,13 +70,17 @@ def run_chain(step: Callable, partials: list[torch.Tensor], residual: torch.Tens
 
 
 def measure(fused, rows: int, args, rank: int) -> dict[str, Any]:
-    from infer.kernels.rmsnorm import fused_add_rmsnorm
+    from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 
     def unfused(x, residual, weight):
         dist.all_reduce(x)
+        if args.gemma:  # the residual passes through untouched
+            return rmsnorm(x, weight, EPS, 1.0), residual
         return fused_add_rmsnorm(x, residual, weight, EPS)
 
     def fused_step(x, residual, weight):  # also where the engine would decline the rows
+        if args.gemma:
+            return fused(x, None, weight, EPS, 1.0), residual
         return fused(x, residual, weight, EPS, 0.0)
 
     partials, residual0, weight = chain_inputs(rows, args, rank)
@@ -165,6 +171,8 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--no-pdl", action="store_true")
+    parser.add_argument("--gemma", action="store_true",
+                        help="Gemma 3's sandwich norms: no residual add, x * (1 + w)")
     parser.add_argument("--suffix", default="")
     parser.add_argument("--results-dir", default=str(common.RESULTS))
     parser.set_defaults(tiny=False)  # common.results_path reads it
@@ -185,7 +193,8 @@ def main() -> None:
         if "error" in r:
             print(f"rows {r.get('rows')}: {r['error']}")
     common.print_table(
-        f"all-reduce + add + RMSNorm over {args.ranks} ranks on {common.device_name()}, "
+        f"all-reduce + {'' if args.gemma else 'add + '}RMSNorm over {args.ranks} ranks on "
+        f"{common.device_name()}, "
         f"rows of {args.hidden} bf16, {args.ops} calls a graph, per call; dependent launch "
         f"{'on' if result['pdl'] else 'off'}",
         [r for r in result["rows"] if "error" not in r],
