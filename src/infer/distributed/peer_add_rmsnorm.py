@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from infer.distributed.peer_all_reduce import why_not
+from infer.distributed.peer_all_reduce import why_not_any
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +46,11 @@ class PeerAddRMSNorm:
                ) -> PeerAddRMSNorm | None:
         """Set up on every rank together (a collective), or None on every rank, with the
         reason logged, where some rank cannot."""
-        world = dist.get_world_size(device_group)
-        reason = why_not(device, world)
-        failed = torch.tensor([reason is not None], dtype=torch.int32)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=cpu_group)
-        if failed.item():
-            log.info("fused all-reduce + RMSNorm off: %s", reason or "another rank cannot")
+        reason = why_not_any(device_group, cpu_group, device)
+        if reason is not None:
+            log.info("fused all-reduce + RMSNorm off: %s", reason)
             return None
+        world = dist.get_world_size(device_group)
         import torch.distributed._symmetric_memory as symm_mem
 
         staging = symm_mem.empty(2 * HALF_BYTES, dtype=torch.uint8, device=device)

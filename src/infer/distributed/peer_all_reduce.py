@@ -46,12 +46,9 @@ class PeerAllReduce:
         """Set up on every rank together (a collective), or None on every rank, with the
         reason logged, where some rank cannot (no CUDA, no peer access, no symmetric
         memory in this torch)."""
-        reason = why_not(device, dist.get_world_size(device_group))
-        failed = torch.tensor([reason is not None], dtype=torch.int32)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=cpu_group)
-        if failed.item():
-            log.info("custom all-reduce off, NCCL for all: %s",
-                     reason or "another rank cannot use it")
+        reason = why_not_any(device_group, cpu_group, device)
+        if reason is not None:
+            log.info("custom all-reduce off, NCCL for all: %s", reason)
             return None
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -84,6 +81,15 @@ class PeerAllReduce:
         torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, out)
         x.copy_(out.view(x.shape))
         return True
+
+
+def why_not_any(device_group: Any, cpu_group: Any, device: torch.device) -> str | None:
+    """Why some rank cannot take part in peer memory (None: every rank can); a collective,
+    so that every rank decides alike."""
+    reason = why_not(device, dist.get_world_size(device_group))
+    failed = torch.tensor([reason is not None], dtype=torch.int32)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=cpu_group)
+    return (reason or "another rank cannot use it") if failed.item() else None
 
 
 def why_not(device: torch.device, world_size: int) -> str | None:
