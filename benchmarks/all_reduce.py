@@ -240,6 +240,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_ranks(rank_main: Callable, args: argparse.Namespace) -> Any:
+    """`rank_main(rank, world, port, args, queue)` in `args.ranks` spawned processes, NVLink
+    multicast off (this host keeps it off); returns what rank 0 puts on the queue."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(rank_main, args=(args.ranks, free_port(), args, queue),
+                       nprocs=args.ranks, start_method="spawn")
+    return queue.get()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -259,13 +270,7 @@ def main() -> None:
         args.hidden, args.rows, args.reps, args.methods = 64, [1, 8], 5, ["nccl", "peer"]
     elif torch.cuda.device_count() < args.ranks:
         raise SystemExit(f"{torch.cuda.device_count()} GPU(s) visible, --ranks {args.ranks}")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(rank_main, args=(args.ranks, free_port(), args, queue),
-                       nprocs=args.ranks, start_method="spawn")
-    rows = queue.get()
+    rows = run_ranks(rank_main, args)
     out = common.write_results("all_reduce", args, dict(ranks=args.ranks, hidden=args.hidden,
                                                          rows=rows))
     print(f"wrote {out}")

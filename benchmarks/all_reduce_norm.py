@@ -27,7 +27,6 @@ Writes benchmarks/results/all_reduce_norm_<device>.json; rank 0 prints the table
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -36,10 +35,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import all_reduce  # agree, timed_ms, free_port
+import all_reduce  # agree, timed_ms, run_ranks
 import common
 
 EPS = 1e-5
@@ -179,13 +177,7 @@ def main() -> None:
     args = parser.parse_args()
     if torch.cuda.device_count() < args.ranks:
         raise SystemExit(f"{torch.cuda.device_count()} GPU(s) visible, --ranks {args.ranks}")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(rank_main, args=(args.ranks, all_reduce.free_port(), args, queue),
-                       nprocs=args.ranks, start_method="spawn")
-    result = queue.get()
+    result = all_reduce.run_ranks(rank_main, args)
     out = common.write_results("all_reduce_norm", args, dict(ranks=args.ranks,
                                                              hidden=args.hidden, **result))
     print(f"wrote {out}")
