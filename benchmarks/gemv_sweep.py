@@ -1,8 +1,10 @@
 """infer's one-row GEMV (`kernels/gemv.py`) against cuBLAS on the projections of batch-1
 decode: the Llama-3.2-1B and Llama-3.1-8B shapes, and one rank of the 8B at TP=2 (half
 of every split matrix). For each shape: cuBLAS (`F.linear`), the kernel's default launch,
-and the fastest of a sweep of launches (rows per program, K step, warps), in µs
-per call and as a share of the copy bandwidth measured in the same run.
+the default launch again with programmatic dependent launch (each call launched
+while the one before runs, as in a decode step), and the fastest of a sweep of launches
+(rows per program, K step, warps), in µs per call and as a share of the copy bandwidth
+measured in the same run.
 
 Each case is captured in a CUDA graph (quantized_gemv.py's timer) whose calls cycle
 through enough copies of the weight to exceed the L2 cache three times over, as a decode
@@ -55,6 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gemv_sweep.py times CUDA kernels: no GPU here")
+    from infer.kernels import dependent_launch
     from infer.kernels.gemv import default_launch, gemv
 
     ceil = common.ceilings()
@@ -81,6 +84,9 @@ def main() -> None:
             cublas_us = time_cycled(F.linear, x, weights, replays=10)
             default = default_launch(n, k)
             default_us = timed(default)
+            dependent_launch.set_enabled(True)  # each call's launch under the one before
+            pdl_us = timed(default)
+            dependent_launch.set_enabled(False)
             best, best_us = default, default_us
             for launch in ([] if args.defaults_only else launches(args.quick)):
                 try:
@@ -95,6 +101,7 @@ def main() -> None:
             row = dict(model=model, shape=shape, n=n, k=k, MB=moved / 1e6,
                        cublas_us=cublas_us, cublas_frac=frac(cublas_us),
                        default_us=default_us, default_frac=frac(default_us),
+                       pdl_us=pdl_us, pdl_frac=frac(pdl_us),
                        best_us=best_us, best_frac=frac(best_us), best=tuple(best),
                        best_vs_cublas=cublas_us / best_us)
             rows.append(row)
@@ -109,6 +116,7 @@ def main() -> None:
         [("model", "model", ""), ("shape", "shape", ""), ("MB", "MB", ".1f"),
          ("cuBLAS us", "cublas_us", ".1f"), ("%copy", "cublas_frac", ".0%"),
          ("default us", "default_us", ".1f"), ("%copy", "default_frac", ".0%"),
+         ("dependent us", "pdl_us", ".1f"), ("%copy", "pdl_frac", ".0%"),
          ("best us", "best_us", ".1f"), ("%copy", "best_frac", ".0%"),
          ("cuBLAS/best", "best_vs_cublas", ".2f"), ("best launch", "best", "")])
 

@@ -24,7 +24,7 @@ SLOTS = 256  # rows the buffers hold (flag slots, call counts)
 # Rows the engine sends this way (decode steps): measured in an 8B TP=2 step on two H200s
 # up to 16 (benchmarks/all_reduce_norm.py: 1.45x NCCL + the norm kernel at 1 row, 1.33x at
 # 16, 1.38x at 32).
-MAX_ROWS = 16
+MAX_ROWS = 32
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
