@@ -153,7 +153,7 @@ class EngineConfig:
         "then ends rank 0's process too (its GPU may wait in that kernel for good)")
     fuse_all_reduce_norm: bool = knob(
         True, "tensor parallelism on one host's GPUs, Llama-family and Gemma 3 models: each "
-        "all-reduce of a decode step of up to 16 sequences that feeds a (residual add +) "
+        "all-reduce of a decode step of up to 32 sequences that feeds a (residual add +) "
         "RMSNorm runs in the same kernel as them, over peer memory "
         "(kernels/all_reduce_norm.py), one launch where there were two; NCCL and the "
         "unfused kernels where the GPUs cannot read each other's memory. A rank that dies "
