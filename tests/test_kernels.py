@@ -260,6 +260,26 @@ def test_paged_decode(heads, kv_heads, head_dim, window, softcap, num_splits,
             assert not split_counters.any(), "the counters must be back at zero"
 
 
+def test_decode_splits_take_a_tile_only_where_the_gpu_is_underfilled() -> None:
+    from infer.kernels.paged_attention import (
+        MIN_SPLIT_KEYS,
+        SMALL_GRID_SPLIT_KEYS,
+        _sm_count,
+        default_num_splits,
+        split_keys,
+    )
+
+    cpu = torch.device("cpu")
+    sms = _sm_count(cpu)
+    assert split_keys(1, sms - 1, cpu) == SMALL_GRID_SPLIT_KEYS < MIN_SPLIT_KEYS
+    assert split_keys(1, sms, cpu) == MIN_SPLIT_KEYS
+    # One sequence of 300 keys, one kv head, 4 "SMs" on a CPU: min(2 x 4 programs to fill
+    # them twice, 300 / 64 -> 5 splits of a tile) -> 5, rounded up to a power of 2.
+    assert sms == 4
+    assert default_num_splits(1, 1, 300, cpu) == 8
+    assert default_num_splits(sms, 1, 300, cpu) == 2  # a full GPU: 256 keys a split
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window", "softcap"), ATTN_CASES)
 def test_paged_prefill_with_cached_prefix(heads, kv_heads, head_dim, window, softcap) -> None:
     # A fresh prompt (several query tiles when the group is > 1), a decode token, a chunk

@@ -314,15 +314,29 @@ def _common(q: torch.Tensor, k_cache: torch.Tensor, scale: float,
 
 
 MIN_SPLIT_KEYS = 256
+SMALL_GRID_SPLIT_KEYS = 64
+
+
+def split_keys(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Keys a decode split takes at least. Where the (sequence, kv head) programs are
+    fewer than the GPU's SMs (batch 1 to ~16), each one's walk over the keys is the
+    kernel's latency, so splits of a tile or so; otherwise 256, so that a full GPU adds no
+    partials to combine. Measured on an H200 (docs/performance.md): 64 against 256 keys
+    took the Llama-3.2-1B batch-1 step 0.90 -> 0.87 ms and Gemma 3 4B's 3.23 -> 2.96 ms,
+    and the 8B's batch-32 step 5.11 -> 5.22 ms, hence 256 on full GPUs."""
+    if num_seqs * num_kv_heads < _sm_count(device):
+        return SMALL_GRID_SPLIT_KEYS
+    return MIN_SPLIT_KEYS
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
                        device: torch.device) -> int:
     """Split-K factor of a decode launch (the Triton attention backend's policy): enough
-    (seq, kv head, split) programs to fill the GPU about twice, but at least
-    MIN_SPLIT_KEYS keys per split; a power of 2 so few kernel variants get compiled."""
+    (seq, kv head, split) programs to fill the GPU about twice, but at least `split_keys`
+    keys per split; a power of 2 so few kernel variants get compiled."""
     want = triton.cdiv(2 * _sm_count(device), max(num_seqs * num_kv_heads, 1))
-    splits = max(1, min(want, triton.cdiv(max_seq_len, MIN_SPLIT_KEYS), 64))
+    keys = split_keys(num_seqs, num_kv_heads, device)
+    splits = max(1, min(want, triton.cdiv(max_seq_len, keys), 64))
     return triton.next_power_of_2(splits)
 
 
@@ -332,20 +346,20 @@ def paged_decode(
     logit_softcap: float | None = None, num_splits: int = 1,
     out: torch.Tensor | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None,
-    split_counters: torch.Tensor | None = None, min_split_keys: int = MIN_SPLIT_KEYS,
+    split_counters: torch.Tensor | None = None, min_split_keys: int | None = None,
 ) -> torch.Tensor:
     """One new query per sequence (`q[i]` is sequence i's token at position seq_lens[i]-1,
     its K/V already stored). Launch shape depends only on `q.shape` and `num_splits`, never
     on sequence lengths. `block_n` (keys per tile), `num_warps` and `num_stages` override
     the tuned launch (benchmarks/decode_attention_tuning.py).
 
-    Split (num_splits > 1), each split takes at least `min_split_keys` keys (a sequence
-    too short for all of them leaves the last ones empty), and the splits' partials are
-    combined by a second launch, or, given `split_counters` (int32, zeros, at least
-    `num_seqs * kv_heads`; left zero after each launch), by the last split of each
-    (sequence, kv head) to finish: one launch fewer, for CUDA graphs, whose buffers can hold
-    the counters between replays; there empty splits end at once, and a sequence with one
-    live split writes its output without partials."""
+    Split (num_splits > 1), each split takes at least `min_split_keys` keys (default:
+    `split_keys`; a sequence too short for all of them leaves the last ones empty), and
+    the splits' partials are combined by a second launch, or, given `split_counters`
+    (int32, zeros, at least `num_seqs * kv_heads`; left zero after each launch), by the
+    last split of each (sequence, kv head) to finish: one launch fewer, for CUDA graphs,
+    whose buffers can hold the counters between replays; there empty splits end at once,
+    and a sequence with one live split writes its output without partials."""
     _check(q, k_cache, v_cache, block_tables, seq_lens)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -359,6 +373,8 @@ def paged_decode(
     common = _common(q, k_cache, scale, sliding_window, logit_softcap)
     block_d = max(16, triton.next_power_of_2(head_dim))
     split = num_splits > 1
+    if min_split_keys is None:
+        min_split_keys = split_keys(num_seqs, num_kv_heads, q.device)
     if split:
         part_o = torch.empty(num_seqs, num_heads, num_splits, head_dim,
                              dtype=torch.float32, device=q.device)
