@@ -246,6 +246,21 @@ def _serve(*flags: str, spawned: int = 1, poll_s: float = 0.2
         proc.wait(10)
 
 
+def _wait_for_line(proc: subprocess.Popen, text: str, timeout: float) -> None:
+    """Read the server's output (from its pipe's descriptor, unbuffered) until it holds
+    `text`."""
+    import select
+
+    deadline = time.monotonic() + timeout
+    fd, seen = proc.stdout.fileno(), b""
+    while text.encode() not in seen:
+        left = deadline - time.monotonic()
+        assert left > 0 and select.select([fd], [], [], left)[0], seen
+        chunk = os.read(fd, 1 << 16)
+        assert chunk, seen  # the output ended
+        seen += chunk
+
+
 def test_a_dead_core_fails_its_requests_and_stops_the_server():
     with _serve() as (proc, url, core):
         events, started = [], threading.Event()
@@ -442,10 +457,13 @@ def test_further_api_processes_take_the_chat_template_and_cors_flags(tmp_path):
     preflight = {"Access-Control-Request-Method": "POST"}
     with _serve("--api-server-count", "2", "--chat-template", str(tmp_path / "t.jinja"),
                 "--allowed-origins", origin, spawned=2) as (proc, url, _):
+        # The first process answers /health just before it lets the further one serve
+        # (it prints "serving on" then): stopped in between, it never would.
+        _wait_for_line(proc, "infer: serving on", 60)
         os.kill(proc.pid, signal.SIGSTOP)  # only the further process can answer now
         try:
-            # /health answered from the first process: the further one may still be
-            # starting (seconds on a loaded 2-core machine); it accepts once it serves.
+            # The further process may still be starting its server (seconds on a loaded
+            # 2-core machine); it accepts the waiting connection once it serves.
             r = httpx.post(url + "/tokenize", json={"messages": chat}, timeout=90)
             assert r.status_code == 200 and r.json()["tokens"] == expected
             allowed = httpx.options(url + "/v1/completions", timeout=30,
