@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -249,8 +250,6 @@ def _serve(*flags: str, spawned: int = 1, poll_s: float = 0.2
 def _wait_for_line(proc: subprocess.Popen, text: str, timeout: float) -> None:
     """Read the server's output (from its pipe's descriptor, unbuffered) until it holds
     `text`."""
-    import select
-
     deadline = time.monotonic() + timeout
     fd, seen = proc.stdout.fileno(), b""
     while text.encode() not in seen:
