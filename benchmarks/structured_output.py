@@ -144,6 +144,9 @@ def _timed_run(engine, prompts: list, params: list, decode_steps: int) -> dict:
     while not (len(engine.scheduler.running) == len(ids)
                and all(r.output_token_ids for r in engine.scheduler.running)):
         step()
+        if tokens:  # one finished before the last was admitted: no step has them all
+            raise RuntimeError(f"a request finished before all {len(ids)} were decoding "
+                               "(their grammars' matchers came slower than a whole answer)")
     common.sync()
     decode_start = time.perf_counter()
     for _ in range(decode_steps):

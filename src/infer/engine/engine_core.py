@@ -34,6 +34,7 @@ from infer.distributed.workers import TensorParallelError, Workers
 from infer.engine.batch_defaults import fit_batch_to_device
 from infer.engine.config import EngineConfig
 from infer.engine.cpu_threads import set_cpu_threads
+from infer.engine.grammar_process import GrammarProcess, GrammarWorkerError, RemoteMatcher
 from infer.engine.model_runner import ModelRunner, StepInputs
 from infer.engine.prompt_logprobs import (
     PromptLogprobs,
@@ -99,7 +100,8 @@ class SequenceOutput(NamedTuple):
 class _Sequence:
     request: Request
     params: SamplingParams
-    grammar: GrammarMatcher | None = None  # structured output: where it stands
+    # structured output: where it stands (in the grammar worker: `grammar_process`)
+    grammar: GrammarMatcher | RemoteMatcher | None = None
 
 
 @dataclass
@@ -112,6 +114,8 @@ class _Compiling:
     started: float | None = None  # time.monotonic() when its compile began
 
 
+# Rows of the grammar worker's masks where the engine was built without max_num_seqs.
+MAX_GRAMMAR_ROWS = 1024
 # With nothing to step but grammars compiling, a step waits this long for one.
 GRAMMAR_WAIT_S = 0.005
 
@@ -129,8 +133,10 @@ class _StepInFlight:
     results: HostCopy | None  # token ids, logprobs, top logprobs on their way to the host
     # (row, matcher) of the rows sampled under a grammar mask, whose tokens their matchers
     # take (a sequence finished since only leaves its matcher unread)
-    masked: list[tuple[int, GrammarMatcher]] = field(default_factory=list)
+    masked: list[tuple[int, GrammarMatcher | RemoteMatcher]] = field(default_factory=list)
     grammars_advanced: bool = False  # its tokens were fed to the sequences' grammars
+    grammar_step: int = 0  # its number in the grammar worker, when that masked it
+    grammar_failure: str | None = None  # the worker failed it: its masked rows are void
     # Sequences whose drafts the step judged, and their verdicts on the way to the host
     # (token ids [S, K + 1], how many of each row count [S]).
     spec_ids: list[str] = field(default_factory=list)
@@ -140,7 +146,8 @@ class _StepInFlight:
     prompt_job: PromptLogprobsJob | None = None  # prompt logprobs it computed
 
 
-def _constrained(seqs: list[_Sequence]) -> list[tuple[int, GrammarMatcher]]:
+def _constrained(seqs: list[_Sequence]
+                 ) -> list[tuple[int, GrammarMatcher | RemoteMatcher]]:
     """(row, matcher) of the sequences whose grammar still allows tokens (a finished
     grammar's row is left unmasked: its token is discarded with the sequence)."""
     return [(row, seq.grammar) for row, seq in enumerate(seqs)
@@ -160,6 +167,7 @@ class EngineCore:
         self.tokenizer = tokenizer  # for structured output's grammars only; never decodes
         self._structured: StructuredOutputs | None = None
         self._structured_lock = threading.Lock()
+        self._grammar_process: GrammarProcess | None = None  # made with _structured
         self.model_config = mc = model_config
         self.device, self.dtype = device, dtype
         self.max_model_len = max_model_len
@@ -181,6 +189,7 @@ class EngineCore:
         self.graph_capture_seconds = 0.0
         self.graphs_on = uses_graphs(config, device, self.attention_backend)
         self.drafter = self._make_drafter(draft, num_blocks)
+        self.uses_grammar_process = config.grammar_process
         if self.graphs_on:
             self.graph_capture_seconds += capture_graphs(runner, config, max_model_len,
                                                          verify=self.drafter is not None)
@@ -274,7 +283,10 @@ class EngineCore:
         def compile() -> GrammarMatcher:
             waiting.started = time.monotonic()
             structured = self.structured_outputs()
-            return structured.matcher(structured.compile(waiting.params.structured_outputs))
+            grammar = structured.compile(waiting.params.structured_outputs)
+            if self._grammar_process is not None:
+                return self._grammar_process.matcher(grammar)
+            return structured.matcher(grammar)
 
         waiting.job = self.compile_thread.submit(compile)
 
@@ -315,8 +327,13 @@ class EngineCore:
                 if self.tokenizer is None:
                     raise ValueError("structured_outputs needs the engine's tokenizer, which "
                                      "this core was built without")
-                self._structured = StructuredOutputs(self.tokenizer,
-                                                     self.model_config.vocab_size)
+                vocab_size = self.model_config.vocab_size
+                if self.uses_grammar_process:
+                    # a step samples at most one row per sequence (no drafts here)
+                    rows = self.scheduler.max_num_seqs or MAX_GRAMMAR_ROWS
+                    self._grammar_process = GrammarProcess(self.tokenizer, vocab_size,
+                                                           rows, self.device)
+                self._structured = StructuredOutputs(self.tokenizer, vocab_size)
         return self._structured
 
     def warm_structured_outputs(self) -> threading.Thread | None:
@@ -347,7 +364,17 @@ class EngineCore:
         self._prompt_lp.pop(seq_id, None)
         if seq is not None:
             self.scheduler.finish(seq.request, reason, stop_reason)
-        self._compiling.pop(seq_id, None)  # its grammar, if still compiling, goes unread
+            self._drop_matchers([seq.grammar])
+        waiting = self._compiling.pop(seq_id, None)  # its grammar, if compiling, goes unread
+        if waiting is not None and waiting.job.done() and waiting.job.exception() is None:
+            self._drop_matchers([waiting.job.result()])
+
+    def _drop_matchers(self, matchers: list[GrammarMatcher | RemoteMatcher | None]) -> None:
+        """Matchers in the grammar worker whose sequences ended are forgotten there."""
+        remote = [m for m in matchers if isinstance(m, RemoteMatcher)]
+        if remote and self._grammar_process is not None:
+            with contextlib.suppress(GrammarWorkerError):
+                self._grammar_process.drop(remote)
 
     def has_unfinished(self) -> bool:
         return bool(self.sequences or self._compiling)
@@ -463,17 +490,28 @@ class EngineCore:
             return _StepInFlight(out, requests, [], None, None)
         if any(count > 1 for count in inputs.sample_counts):
             return self._launch_verify(out, requests, inputs, logits)
-        masked = []
+        masked, grammar_step, failure = [], 0, None
         if any(seq.grammar is not None for seq in seqs):
-            if prev is not None:
-                self._advance_grammars(prev)
-            masked = self._mask(logits, seqs)
+            if self._grammar_process is None:
+                if prev is not None:
+                    self._advance_grammars(prev)
+                masked = self._mask(logits, seqs)
+            elif masked := _constrained(seqs):
+                try:
+                    grammar_step = self._grammar_process.mask(logits, masked)
+                except GrammarWorkerError as exc:  # the rows go unmasked, and fail
+                    failure = str(exc)
         pending = {item.request_id for item in out.scheduled if item.token_ids is None}
         result = sample(logits, self._sampling_batch(seqs, pending))
+        if grammar_step:
+            try:
+                self._grammar_process.publish(grammar_step, result.token_ids, masked)
+            except GrammarWorkerError as exc:
+                failure = str(exc)
         results = HostCopy(result.token_ids, result.logprobs, result.ranks,
                            result.top_logprob_ids, result.top_logprobs)
         return _StepInFlight(out, requests, inputs.sample_request_ids, result.token_ids, results,
-                             masked)
+                             masked, grammar_step=grammar_step, grammar_failure=failure)
 
     def _launch_verify(self, out: SchedulerOutput, requests: dict[str, Request],
                        inputs: StepInputs, logits: torch.Tensor) -> _StepInFlight:
@@ -582,9 +620,9 @@ class EngineCore:
 
     def _finish(self, step: _StepInFlight) -> list[SequenceOutput]:
         """Wait for the step's tokens and account them."""
+        outputs = self._advance_grammars(step)  # errors of sequences the grammar worker failed
         live = {rid for rid, request in step.requests.items()
                 if rid in self.sequences and self.sequences[rid].request is request}
-        self._advance_grammars(step)
         if step.prompt_job is not None:
             step.prompt_job.deliver({rid: state for rid, state in self._prompt_lp.items()
                                      if rid in live})
@@ -624,7 +662,6 @@ class EngineCore:
                     spec_lp[seq_id] = (chosen[i][:count], s_ranks[i][:count], [
                         (s_ids[i][j][:k], s_lps[i][j][:k]) if k else None
                         for j in range(count)])
-        outputs = []
         out = step.out
         if len(live) < len(out.scheduled):
             out = SchedulerOutput(tuple(i for i in out.scheduled if i.request_id in live))
@@ -660,6 +697,7 @@ class EngineCore:
             if update.finish_reason is not None:
                 del self.sequences[rid]
                 self._prompt_lp.pop(rid, None)
+                self._drop_matchers([seq.grammar])
         if self.drafter is not None:
             self._propose(sampled)
         return outputs
@@ -687,20 +725,42 @@ class EngineCore:
                 drafts = drafts[:seq.grammar.allowed_prefix(drafts)]
             seq.request.spec_token_ids = drafts
 
-    def _advance_grammars(self, step: _StepInFlight) -> None:
-        """Feed the step's sampled tokens to their sequences' grammars, once."""
+    def _advance_grammars(self, step: _StepInFlight) -> list[SequenceOutput]:
+        """Feed the step's sampled tokens to their sequences' grammars, once (the grammar
+        worker has fed them: its verdicts are read). Should the worker fail, every
+        constrained sequence ends with an error output (returned); the others go on."""
         if step.grammars_advanced or not step.masked:
-            return
+            return []
         step.grammars_advanced = True
         token_ids = step.results.wait()[0].tolist()
-        for row, matcher in step.masked:
-            # Masked sampling only picks allowed tokens; a refusal would be a bug here.
-            if not matcher.accept(token_ids[row]):
-                raise RuntimeError(f"sequence {step.seq_ids[row]}: sampled token "
-                                   f"{token_ids[row]} is not allowed by its grammar")
+        if self._grammar_process is None:
+            refused = [row for row, matcher in step.masked if not matcher.accept(token_ids[row])]
+        else:
+            try:
+                if step.grammar_failure is not None:
+                    raise GrammarWorkerError(step.grammar_failure)
+                refused = self._grammar_process.verdicts(step.grammar_step, step.masked)
+            except GrammarWorkerError as exc:
+                return self._fail_constrained(f"{type(exc).__name__}: {exc}")
+        if refused:  # masked sampling only picks allowed tokens: a refusal is a bug
+            row = refused[0]
+            raise RuntimeError(f"sequence {step.seq_ids[row]}: sampled token "
+                               f"{token_ids[row]} is not allowed by its grammar")
+        return []
+
+    def _fail_constrained(self, error: str) -> list[SequenceOutput]:
+        """End every sequence whose matcher the grammar worker holds (it failed)."""
+        log.error("structured output's grammar worker failed (%s): ending its sequences",
+                  error)
+        failed = [rid for rid, seq in self.sequences.items()
+                  if isinstance(seq.grammar, RemoteMatcher)]
+        for seq_id in failed:
+            self.finish(seq_id, "error")
+        return [SequenceOutput(seq_id, [], finish_reason="error", error=error)
+                for seq_id in failed]
 
     def _mask(self, logits: torch.Tensor, seqs: list[_Sequence]
-              ) -> list[tuple[int, GrammarMatcher]]:
+              ) -> list[tuple[int, GrammarMatcher | RemoteMatcher]]:
         """Disallowed tokens -> -inf on the rows of constrained sequences (`_constrained`);
         the (row, matcher) pairs masked."""
         masked = _constrained(seqs)
@@ -745,9 +805,13 @@ class EngineCore:
 
     # -- counters --------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks, if this core started them."""
+        """Stop the other tensor-parallel ranks, if this core started them, and the grammar
+        worker."""
         if self.workers is not None:
             self.workers.shutdown()
+        if self._grammar_process is not None:
+            self._grammar_process.close()
+            self._grammar_process = None
 
     def stats(self) -> dict[str, float]:
         pool = self.kv.pool

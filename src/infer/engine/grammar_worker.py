@@ -1,0 +1,181 @@
+"""The grammar worker: a process that holds every constrained sequence's grammar matcher,
+feeds them the tokens each step samples and fills the next step's token bitmasks, so that
+none of that work (nor its GIL) sits on the engine's step loop (`grammar_process.py` is
+the loop's side; docs/architecture.md, "Structured output", says why a process).
+
+They share one block of memory (`SharedLayout`), registered with CUDA by the loop's side:
+
+- counters: `masks_ready` (the last step whose masks are filled), `tokens_stamp` (the last
+  step whose sampled ids are in `tokens`; the device writes it after the ids), `fed` (the
+  last step whose ids the matchers have taken; `verdicts` then holds its rows) and
+  `gave_up` (the device waited too long for a step's masks: nothing is trusted after);
+- `tokens` [rows] int64, `verdicts` [2, rows] uint8 (by step parity), `masks` [rows, words]
+  int32 in the grammar library's layout.
+
+Messages (one pipe per direction of use, in order): on `steps`, ("fill", step, ids, rows),
+("feed", step, ids, rows) and ("drop", ids) from the loop; on `control`, ("make", id,
+grammar) answered by (id, error or None), from the thread that compiles grammars.
+
+Each area has one writer at a time: the worker fills the masks of step s only after it took
+step s-1's ids, which the device publishes after copying step s-1's masks; and it takes
+step s's ids only after the device published them, which it does after waiting for step
+s's masks. So one slot of each is enough (two of the verdicts: the loop reads step s's
+while the worker may be at step s+1's).
+"""
+
+from __future__ import annotations
+
+import mmap
+import time
+from multiprocessing import shared_memory
+from multiprocessing.connection import Connection, wait
+
+import numpy as np
+
+# verdicts
+TAKEN, STOPPED, REFUSED = 0, 1, 2
+# int64 slots of the counters, each on a cache line of its own; GAVE_UP: set (for good) by
+# the device when it stopped waiting for a step's masks
+MASKS_READY, TOKENS_STAMP, FED, GAVE_UP = 0, 8, 16, 24
+HEADER_WORDS = 32
+# How long the worker waits for a step's ids to be published before giving up on it.
+TOKENS_WAIT_S = 30.0
+
+
+class SharedLayout:
+    """Views of the shared block for `rows` rows of `words` mask words each."""
+
+    def __init__(self, buf: memoryview, rows: int, words: int) -> None:
+        self.rows, self.words = rows, words
+        at = 0
+
+        def take(dtype: type, shape: tuple[int, ...]) -> np.ndarray:
+            nonlocal at
+            count = int(np.prod(shape))
+            view = np.frombuffer(buf, dtype=dtype, count=count, offset=at).reshape(shape)
+            at += (count * np.dtype(dtype).itemsize + 63) // 64 * 64
+            return view
+
+        self.header = take(np.int64, (HEADER_WORDS,))
+        self.tokens = take(np.int64, (rows,))
+        self.verdicts = take(np.uint8, (2, rows))
+        self.masks = take(np.int32, (rows, words))
+
+    @staticmethod
+    def size(rows: int, words: int) -> int:
+        def line(n: int) -> int:
+            return (n + 63) // 64 * 64
+        return line(8 * HEADER_WORDS) + line(8 * rows) + line(2 * rows) + line(4 * rows * words)
+
+    def offset_of(self, view: np.ndarray) -> int:
+        """Where `view` starts in the block, in bytes."""
+        return view.__array_interface__["data"][0] - self.header.__array_interface__["data"][0]
+
+
+def map_shared(name: str, size: int = 0, unlink: bool = False) -> mmap.mmap:
+    """A mapping of the shared block `name` (made, of `size` bytes, unless it exists)
+    that no SharedMemory object holds: that one refuses to close while views of it exist.
+    `unlink`: the name goes (both sides have mapped it; it lives on until unmapped)."""
+    shm = shared_memory.SharedMemory(name=name, create=size > 0, size=size)
+    block = mmap.mmap(shm._fd, shm.size)  # type: ignore[attr-defined]
+    shm.close()
+    if unlink:
+        shm.unlink()
+    return block
+
+
+def serve(shm_name: str, rows: int, words: int, tokenizer_json: str, vocab_size: int,
+          eos_token_ids: list[int], control: Connection, steps: Connection) -> None:
+    """The worker process's main: until `steps` closes."""
+    import llguidance
+
+    layout = SharedLayout(memoryview(map_shared(shm_name, unlink=True)), rows, words)
+    tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                       eos_token=eos_token_ids)
+    Worker(layout, tokenizer, llguidance.LLExecutor(), control, steps).run()
+
+
+class Worker:
+    def __init__(self, layout: SharedLayout, tokenizer: object, executor: object,
+                 control: Connection, steps: Connection) -> None:
+        self.layout, self.tokenizer, self.executor = layout, tokenizer, executor
+        self.control, self.steps = control, steps
+        self.matchers: dict[int, object] = {}
+
+    def run(self) -> None:
+        """A step message and a new matcher (0.2-1.3 ms each, more for a large grammar) in
+        turn, in one thread: a second thread would wait for the GIL behind the spin on a
+        step's ids (up to the interpreter's 5 ms switch interval a turn), and steps first
+        would starve the matchers while sequences decode."""
+        while True:
+            ready = wait([self.steps, self.control])
+            try:
+                if self.steps in ready:
+                    self._step(self.steps.recv())
+                if self.control in ready:
+                    self._make(*self.control.recv()[1:])
+            except EOFError:
+                return
+
+    def _step(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "fill":
+            self.fill(*message[1:])
+        elif kind == "feed":
+            self.feed(*message[1:])
+        elif kind == "drop":
+            for matcher_id in message[1]:
+                self.matchers.pop(matcher_id, None)
+
+    def _make(self, matcher_id: int, grammar: str) -> None:
+        import llguidance
+
+        error = None
+        try:
+            matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            if matcher.is_error():
+                error = matcher.get_error()
+            else:
+                self.matchers[matcher_id] = matcher
+        except Exception as exc:
+            error = str(exc) or repr(exc)
+        self.control.send((matcher_id, error))
+
+    def fill(self, step: int, ids: list[int], rows: list[int]) -> None:
+        """Masks of `step`'s rows; a finished (or refused) matcher's row allows anything:
+        its token is discarded with its sequence."""
+        layout = self.layout
+        pairs = []
+        for matcher_id, row in zip(ids, rows):
+            matcher = self.matchers.get(matcher_id)
+            if matcher is None or matcher.is_stopped() or matcher.is_error():
+                layout.masks[row] = -1
+            else:
+                pairs.append((matcher, row))
+        if pairs:
+            self.executor.unsafe_compute_mask_ptr(
+                pairs, layout.masks.__array_interface__["data"][0], 4 * layout.words,
+                layout.rows)
+        layout.header[MASKS_READY] = step
+
+    def feed(self, step: int, ids: list[int], rows: list[int]) -> None:
+        """Each row's sampled id to its matcher, once the device has published them."""
+        layout = self.layout
+        deadline = time.monotonic() + TOKENS_WAIT_S
+        while layout.header[TOKENS_STAMP] < step:
+            if time.monotonic() > deadline:
+                return  # the loop sees `fed` behind and refuses the step's rows
+            time.sleep(0)
+        tokens = layout.tokens
+        verdicts = layout.verdicts[step % 2]
+        for matcher_id, row in zip(ids, rows):
+            matcher = self.matchers.get(matcher_id)
+            if matcher is None:
+                verdicts[row] = TAKEN
+            elif matcher.is_stopped():  # finished a step before: its row was not masked
+                verdicts[row] = STOPPED
+            elif not matcher.consume_token(int(tokens[row])):
+                verdicts[row] = REFUSED
+            else:
+                verdicts[row] = STOPPED if matcher.is_stopped() else TAKEN
+        layout.header[FED] = step
