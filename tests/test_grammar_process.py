@@ -1,15 +1,14 @@
 """Grammar matchers in a process of their own (`EngineConfig.grammar_process`): the engine
 gives the same tokens as with matchers on its step loop, the worker's masks are the
 library's own, its verdicts say when a grammar finished or refused a token, and a worker
-that dies ends only the constrained sequences. The device's side of the handshake (a
-kernel waiting on host memory, ids published to it) against hand-made counters, in the
-Triton interpreter (`INFER_TEST_DEVICE=cuda`: on the GPU, over registered host memory)."""
+that dies ends only the constrained sequences. On a GPU, the stream memory operations the
+device's side of the handshake uses, on pinned host words."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
+import time
 
 import numpy as np
 import pytest
@@ -20,8 +19,6 @@ from infer.sampling_params import SamplingParams, StructuredOutputsParams
 
 pytest.importorskip("llguidance")
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRETED else os.environ.get("INFER_TEST_DEVICE", "cpu")
 PROMPT = "Reply in JSON. A person:"
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 8},
@@ -112,8 +109,9 @@ def worker():
 
 
 def test_the_workers_masks_and_verdicts_are_the_librarys(worker):
-    """Row masks equal the in-process library's for matchers fed the same tokens; a
-    grammar that has taken its whole text is finished, a token outside it refused."""
+    """Row masks equal the in-process library's for matchers fed the same tokens, rows
+    without a matcher allow everything; a grammar that has taken its whole text is
+    finished, a token outside it refused, a grammar the library will not start failed."""
     process, library = worker
     grammars = [library.compile(StructuredOutputsParams(regex=r"ab|cd")),
                 library.compile(StructuredOutputsParams(json=SCHEMA))]
@@ -126,64 +124,52 @@ def test_the_workers_masks_and_verdicts_are_the_librarys(worker):
     for i in range(max(map(len, plans))):
         rows = [(row, m) for row, m in zip((0, 2), remote) if i < len(plans[row // 2])]
         logits = torch.zeros(3, vocab)
-        step = process.mask(logits, rows)
+        step = process.mask(logits, 3, rows)
         expected = library.allocate_masks(3)
         library.fill_masks([local[row // 2] for row, _ in rows], expected,
                            [row for row, _ in rows])
-        for row, _ in rows:
-            assert np.array_equal(process.layout.masks[row], expected[row].numpy())
-            allowed = torch.isfinite(logits[row])
-            assert allowed.sum() > 0 and allowed.sum() < vocab
+        for row in range(3):
+            if row in [r for r, _ in rows]:
+                assert np.array_equal(process.layout.masks[row], expected[row].numpy())
+                assert 0 < torch.isfinite(logits[row]).sum() < vocab
+            else:
+                assert torch.isfinite(logits[row]).all()
         ids = torch.tensor([plans[row // 2][i] if row != 1 and i < len(plans[row // 2])
                             else 0 for row in range(3)])
         process.publish(step, ids, rows)
-        assert process.verdicts(step, rows) == []
+        verdicts = process.verdicts(step, rows)
+        assert verdicts.refused == [] and verdicts.failed == []
         for row, _ in rows:
             assert local[row // 2].accept(int(ids[row]))
     assert remote[0].terminated and remote[1].terminated
     assert local[0].terminated and local[1].terminated
     fresh = process.matcher(grammars[0])
-    step = process.mask(torch.zeros(1, vocab), [(0, fresh)])
+    broken = process.matcher('{"grammars": [{"lark_grammar": "start: nonsense_rule"}]}')
+    masked = [(0, fresh), (1, broken)]
+    step = process.mask(torch.zeros(2, vocab), 2, masked)
     bad = tokenizer.encode("zz", add_special_tokens=False)[0]
-    process.publish(step, torch.tensor([bad]), [(0, fresh)])
-    assert process.verdicts(step, [(0, fresh)]) == [0]
-    process.drop([fresh, *remote])
+    process.publish(step, torch.tensor([bad, bad]), masked)
+    verdicts = process.verdicts(step, masked)
+    assert verdicts.refused == [0] and verdicts.failed == [1]
+    process.drop([fresh, broken, *remote])
 
 
-def test_a_grammar_the_worker_cannot_take_is_a_value_error(worker):
-    process, _ = worker
-    with pytest.raises(ValueError, match="structured_outputs"):
-        process.matcher('{"grammars": [{"lark_grammar": "start: nonsense_rule"}]}')
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA stream memory operations")
+def test_the_stream_waits_for_a_host_word_and_writes_one():
+    from infer.engine.grammar_process import StreamMemoryOps
 
-
-def _host_words(n: int) -> torch.Tensor:
-    """Host memory the device reads and writes: registered (pinned) on CUDA."""
-    words = torch.zeros(n, dtype=torch.int64)
-    return words.pin_memory() if DEVICE != "cpu" else words
-
-
-def test_the_device_waits_for_a_host_counter_and_says_when_it_gave_up():
-    from infer.kernels.host_signal import wait_for_host
-
-    counter, gave_up = _host_words(1), _host_words(1)
-    counter[0] = 7
-    wait_for_host(counter, gave_up, 7)
-    wait_for_host(counter, gave_up, 3)
-    torch.cuda.synchronize() if DEVICE != "cpu" else None
-    assert gave_up[0] == 0
-    wait_for_host(counter, gave_up, 8, max_polls=100)
-    torch.cuda.synchronize() if DEVICE != "cpu" else None
-    assert gave_up[0] == 8
-
-
-@pytest.mark.parametrize("n", [1, 300, 1500])
-def test_ids_are_published_to_the_host_with_their_stamp(n):
-    from infer.kernels.host_signal import publish_to_host
-
-    ids = torch.randint(0, 2**31 - 1, (n,), dtype=torch.int32, device=DEVICE)
-    out, stamp = _host_words(n + 1), _host_words(1)
-    out[n] = -5  # past the ids: untouched
-    publish_to_host(ids, out, stamp, 42)
-    torch.cuda.synchronize() if DEVICE != "cpu" else None
-    assert stamp[0] == 42
-    assert torch.equal(out[:n], ids.cpu().to(torch.int64)) and out[n] == -5
+    ops = StreamMemoryOps()
+    word = torch.zeros(2, dtype=torch.int64).pin_memory()
+    address = ops.device_pointer(word.data_ptr())
+    word[0] = 5
+    ops.wait_at_least(address, 5)
+    ops.write(address + 8, 7)
+    torch.cuda.synchronize()
+    assert word[1] == 7
+    ops.wait_at_least(address, 6)  # passes once the host writes 6
+    ops.write(address + 8, 9)
+    time.sleep(0.2)
+    assert word[1] == 7  # still waiting
+    word[0] = 6
+    torch.cuda.synchronize()
+    assert word[1] == 9

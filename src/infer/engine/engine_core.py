@@ -498,7 +498,7 @@ class EngineCore:
                 masked = self._mask(logits, seqs)
             elif masked := _constrained(seqs):
                 try:
-                    grammar_step = self._grammar_process.mask(logits, masked)
+                    grammar_step = self._grammar_process.mask(logits, len(seqs), masked)
                 except GrammarWorkerError as exc:  # the rows go unmasked, and fail
                     failure = str(exc)
         pending = {item.request_id for item in out.scheduled if item.token_ids is None}
@@ -733,20 +733,28 @@ class EngineCore:
             return []
         step.grammars_advanced = True
         token_ids = step.results.wait()[0].tolist()
+        failed = []
         if self._grammar_process is None:
             refused = [row for row, matcher in step.masked if not matcher.accept(token_ids[row])]
         else:
             try:
                 if step.grammar_failure is not None:
                     raise GrammarWorkerError(step.grammar_failure)
-                refused = self._grammar_process.verdicts(step.grammar_step, step.masked)
+                verdicts = self._grammar_process.verdicts(step.grammar_step, step.masked)
             except GrammarWorkerError as exc:
                 return self._fail_constrained(f"{type(exc).__name__}: {exc}")
+            refused, failed = verdicts.refused, verdicts.failed
         if refused:  # masked sampling only picks allowed tokens: a refusal is a bug
             row = refused[0]
             raise RuntimeError(f"sequence {step.seq_ids[row]}: sampled token "
                                f"{token_ids[row]} is not allowed by its grammar")
-        return []
+        error = "ValueError: structured_outputs: the grammar library could not start on it"
+        ended = [rid for rid in (step.seq_ids[row] for row in failed)
+                 if rid in self.sequences and self.sequences[rid].request is step.requests[rid]]
+        for seq_id in ended:
+            self.finish(seq_id, "error")
+        return [SequenceOutput(seq_id, [], finish_reason="error", error=error)
+                for seq_id in ended]
 
     def _fail_constrained(self, error: str) -> list[SequenceOutput]:
         """End every sequence whose matcher the grammar worker holds (it failed)."""

@@ -2,17 +2,22 @@
 matchers live in that process, and a constrained step costs the loop two messages and a
 few queued device operations instead of the grammar work itself.
 
-A step s with constrained rows, on CUDA: `mask` sends ("fill", s) and queues a wait for
-the worker's `masks_ready >= s` (a one-program kernel polling host memory), the masks'
-copy from the shared block and the bitmask kernel; after the sampling, `publish` queues
-the sampled ids' write into the shared block (then its stamp) and sends ("feed", s). The
-loop reads the worker's verdicts on s (a grammar finished, or a token refused) when it
-accounts s. On the CPU the loop waits for the masks itself and writes the ids.
+A step s with constrained rows, on CUDA: `mask` sends ("fill", s) and queues a stream wait
+for the worker's `masks_ready >= s` (a CUDA stream memory operation on the shared block),
+the masks' copy from the block and the bitmask kernel; after the sampling, `publish`
+queues the sampled ids' copy into the block and a stream write of the stamp s, and sends
+("feed", s). The loop reads the worker's verdicts on s (a grammar finished, a token
+refused, a matcher the library would not make) when it accounts s. On the CPU the loop
+waits for the masks itself and writes the ids.
+
+A stream wait has no time limit, so a watchdog thread ends a worker that has exited or
+left a step's masks unfilled for WORKER_WAIT_S, and then releases the device's waits.
 """
 
 from __future__ import annotations
 
 import copy
+import ctypes
 import itertools
 import multiprocessing
 import os
@@ -24,8 +29,8 @@ import torch
 
 from infer.engine import grammar_worker
 from infer.engine.grammar_worker import (
+    FAILED,
     FED,
-    GAVE_UP,
     MASKS_READY,
     REFUSED,
     STOPPED,
@@ -35,12 +40,13 @@ from infer.engine.grammar_worker import (
 )
 from infer.kernels.reference import apply_token_bitmask_ref
 from infer.loader.tokenizer import Tokenizer
-from infer.transfer import to_device
 
-# How long the loop waits for the worker (masks on the CPU, verdicts, a new matcher)
-# before it takes the worker for broken.
+# How long the loop waits for the worker (masks on the CPU, verdicts, a step's masks on
+# the device) before it takes the worker for broken.
 WORKER_WAIT_S = 10.0
 SPIN_S = 50e-6
+# Past any step number: written to `masks_ready` to release the device's waits.
+RELEASED = 2**62
 
 
 class GrammarWorkerError(RuntimeError):
@@ -53,6 +59,14 @@ class RemoteMatcher:
 
     id: int
     terminated: bool = False  # the worker said its grammar is finished
+
+
+@dataclass
+class Verdicts:
+    """The worker's word on a step's masked rows."""
+
+    refused: list[int]  # rows whose token the grammar did not allow (a bug if any)
+    failed: list[int]  # rows whose matcher the library would not make
 
 
 class GrammarProcess:
@@ -70,69 +84,52 @@ class GrammarProcess:
         self.layout.header[:] = 0
         self._on_cuda = device.type == "cuda"
         if self._on_cuda:
+            self._stream_ops = StreamMemoryOps()
             self._register()
         backend = copy.copy(tokenizer.backend)  # the library reads its JSON, unpadded
         backend.no_padding()
         backend.no_truncation()
         ctx = multiprocessing.get_context("spawn")
-        self._control, worker_control = ctx.Pipe()
-        self._steps, worker_steps = ctx.Pipe(duplex=False)[::-1]
+        reader, self._steps = ctx.Pipe(duplex=False)
         self.process = ctx.Process(
             target=grammar_worker.serve, name="infer-grammar", daemon=True,
             args=(name, rows, words, backend.to_str(), vocab_size,
-                  list(tokenizer.eos_token_ids), worker_control, worker_steps))
+                  list(tokenizer.eos_token_ids), reader))
         self.process.start()
-        worker_control.close()
-        worker_steps.close()
-        self._control_lock = threading.Lock()
+        reader.close()
+        self._send_lock = threading.Lock()  # the loop and the compile thread both send
         self._ids = itertools.count(1)
         self._step = 0
         self.failure: str | None = None  # why the worker is taken for broken
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch, name="infer-grammar-watch", daemon=True).start()
 
     def _register(self) -> None:
         """Pin the shared block for the device, and views of it it can use."""
         address = self.layout.header.__array_interface__["data"][0]
-        cudart = torch.cuda.cudart()
-        code = cudart.cudaHostRegister(address, len(self._block), 0)
+        code = torch.cuda.cudart().cudaHostRegister(address, len(self._block), 0)
         if int(code) != 0:
             raise RuntimeError(f"cudaHostRegister of the grammar worker's block: {code}")
         self._registered = address
-        from infer.kernels.host_signal import HostWords
-
-        def words(slot: int) -> HostWords:
-            return HostWords(address + 8 * slot)
-
-        self._masks_ready, self._gave_up = words(MASKS_READY), words(GAVE_UP)
-        self._tokens_stamp = words(TOKENS_STAMP)
-        self._tokens = HostWords(address + self.layout.offset_of(self.layout.tokens))
+        device_address = self._stream_ops.device_pointer(address)
+        self._masks_ready = device_address + 8 * MASKS_READY
+        self._tokens_stamp = device_address + 8 * TOKENS_STAMP
         self._host_masks = torch.from_numpy(self.layout.masks)
-        if not self._host_masks.is_pinned():
+        self._host_tokens = torch.from_numpy(self.layout.tokens)
+        if not (self._host_masks.is_pinned() and self._host_tokens.is_pinned()):
             raise RuntimeError("the grammar worker's block is not pinned after registering")
         self._device_masks = torch.empty(self._host_masks.shape, dtype=torch.int32,
                                          device=self.device)
 
-    # -- matchers (called from the thread that compiles grammars) ---------------------------
+    # -- matchers (from the thread that compiles grammars) ----------------------------
     def matcher(self, grammar: str) -> RemoteMatcher:
-        """A new matcher for a compiled grammar, made in the worker; ValueError if the
-        library refuses it."""
+        """A matcher for a checked grammar, made in the worker before any step of it (the
+        messages keep their order); should the library refuse it there, the sequence's
+        first step says so (`Verdicts.failed`)."""
         self._check_usable()
-        self._check_alive()
-        matcher_id = next(self._ids)
-        with self._control_lock:
-            self._control.send(("make", matcher_id, grammar))
-            deadline = time.monotonic() + WORKER_WAIT_S
-            while True:  # answers to callers that gave up before are skipped
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._control.poll(left):
-                    self._check_alive()
-                    raise GrammarWorkerError(
-                        f"the grammar worker made no matcher in {WORKER_WAIT_S:g} s")
-                answer_id, error = self._control.recv()
-                if answer_id == matcher_id:
-                    break
-        if error is not None:
-            raise ValueError(f"structured_outputs: {error}")
-        return RemoteMatcher(matcher_id)
+        matcher = RemoteMatcher(next(self._ids))
+        self._send(("make", matcher.id, grammar))
+        return matcher
 
     def drop(self, matchers: list[RemoteMatcher]) -> None:
         """The worker forgets these matchers (their sequences ended)."""
@@ -140,104 +137,168 @@ class GrammarProcess:
             self._send(("drop", [m.id for m in matchers]))
 
     # -- a step ------------------------------------------------------------------------
-    def mask(self, logits: torch.Tensor, masked: list[tuple[int, RemoteMatcher]]) -> int:
-        """Disallowed tokens -> -inf on the `masked` (row, matcher) rows once the worker has
-        filled them; the step's number, for `publish` and `verdicts`."""
+    def mask(self, logits: torch.Tensor, rows: int,
+             masked: list[tuple[int, RemoteMatcher]]) -> int:
+        """Disallowed tokens -> -inf on the `masked` (row, matcher) rows of the first `rows`
+        rows of `logits` once the worker has filled them; the step's number, for `publish`
+        and `verdicts`."""
         self._check_usable()
         self._step += 1
         step = self._step
-        rows = [row for row, _ in masked]
-        self._send(("fill", step, [m.id for _, m in masked], rows))
-        n = max(rows) + 1
-        index = torch.tensor(rows, dtype=torch.int64)
+        self._send(("fill", step, rows, [m.id for _, m in masked], [row for row, _ in masked]))
         with torch.inference_mode():  # the logits are inference tensors
             if self._on_cuda:
-                from infer.kernels.host_signal import wait_for_host
                 from infer.kernels.token_bitmask import apply_token_bitmask
 
-                wait_for_host(self._masks_ready, self._gave_up, step)
-                self._device_masks[:n].copy_(self._host_masks[:n], non_blocking=True)
-                apply_token_bitmask(logits, self._device_masks[:n],
-                                    to_device(index, self.device))
+                self._stream_ops.wait_at_least(self._masks_ready, step)
+                masks = self._device_masks[:rows]
+                masks.copy_(self._host_masks[:rows], non_blocking=True)
+                apply_token_bitmask(logits, masks)
             else:
                 self._wait_for(MASKS_READY, step, "masks")
-                apply_token_bitmask_ref(logits, torch.from_numpy(self.layout.masks[:n]).clone(),
-                                        index)
+                apply_token_bitmask_ref(logits, torch.from_numpy(self.layout.masks[:rows]))
         return step
 
     def publish(self, step: int, token_ids: torch.Tensor,
                 masked: list[tuple[int, RemoteMatcher]]) -> None:
         """Hand the worker the step's sampled ids (`token_ids`, one per row) to feed the
         `masked` rows' matchers."""
+        n = len(token_ids)
         if self._on_cuda:
-            from infer.kernels.host_signal import publish_to_host
-
-            publish_to_host(token_ids, self._tokens, self._tokens_stamp, step)
+            self._host_tokens[:n].copy_(token_ids, non_blocking=True)
+            self._stream_ops.write(self._tokens_stamp, step)
         else:
-            self.layout.tokens[:len(token_ids)] = token_ids.numpy()
+            self.layout.tokens[:n] = token_ids.numpy()
             self.layout.header[TOKENS_STAMP] = step
         self._send(("feed", step, [m.id for _, m in masked], [row for row, _ in masked]))
 
-    def verdicts(self, step: int, masked: list[tuple[int, RemoteMatcher]]) -> list[int]:
-        """Once the step's ids are on the host: the worker's word on each masked row;
-        a finished grammar's matcher is marked `terminated`. Returns the rows whose token
-        the grammar refused. GrammarWorkerError if the worker failed the step."""
+    def verdicts(self, step: int, masked: list[tuple[int, RemoteMatcher]]) -> Verdicts:
+        """Once the step's ids are on the host: the worker's word on each masked row; a
+        finished grammar's matcher is marked `terminated`. GrammarWorkerError if the worker
+        failed the step."""
         self._check_usable()
-        if self.layout.header[GAVE_UP] != 0:
-            self._fail("the device waited too long for the grammar worker's masks")
         self._wait_for(FED, step, "verdicts")
+        self._check_usable()  # the watchdog may have released the step's wait
         verdicts = self.layout.verdicts[step % 2]
-        refused = []
+        out = Verdicts([], [])
         for row, matcher in masked:
             verdict = verdicts[row]
             if verdict == REFUSED:
-                refused.append(row)
+                out.refused.append(row)
+            elif verdict == FAILED:
+                out.failed.append(row)
             elif verdict == STOPPED:
                 matcher.terminated = True
-        return refused
+        return out
 
     # -- upkeep ------------------------------------------------------------------------
     def _wait_for(self, slot: int, step: int, what: str) -> None:
         header = self.layout.header
-        if header[slot] >= step:
-            return
         start = time.monotonic()
         while header[slot] < step:
             waited = time.monotonic() - start
-            if waited > WORKER_WAIT_S or not self.process.is_alive():
-                self._check_alive()
-                self._fail(f"the grammar worker sent no {what} in {WORKER_WAIT_S:g} s")
+            if self.failure is not None or waited > WORKER_WAIT_S or not self.process.is_alive():
+                self._fail(self.failure or f"the grammar worker sent no {what} in "
+                           f"{WORKER_WAIT_S:g} s (exit code {self.process.exitcode})")
             # Spinning on sleep(0) keeps the GIL from this process's other threads (the
             # grammar compiles) for up to a switch interval: past a short spin, sleep.
             time.sleep(0 if waited < SPIN_S else SPIN_S)
 
+    def _watch(self) -> None:
+        """End a worker that exited or left the device waiting on a step's masks for
+        WORKER_WAIT_S, and release the device's waits."""
+        header, behind_since = self.layout.header, None
+        while not self._closed.wait(0.1):
+            if self.failure is not None:
+                return
+            if not self.process.is_alive():
+                self._give_up(f"the grammar worker exited (code {self.process.exitcode})")
+                return
+            if header[MASKS_READY] >= self._step:
+                behind_since = None
+            elif behind_since is None:
+                behind_since = time.monotonic()
+            elif time.monotonic() - behind_since > WORKER_WAIT_S:
+                self._give_up(f"the grammar worker filled no masks in {WORKER_WAIT_S:g} s")
+                return
+
+    def _give_up(self, why: str) -> None:
+        if self.failure is None:
+            self.failure = why
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.layout.header[MASKS_READY] = RELEASED  # the device's waits pass; rows void
+
     def _send(self, message: tuple) -> None:
         try:
-            self._steps.send(message)
+            with self._send_lock:
+                self._steps.send(message)
         except OSError as exc:
-            self._fail(f"the grammar worker is gone ({exc!r})")
-
-    def _check_alive(self) -> None:
-        if not self.process.is_alive():
-            self._fail(f"the grammar worker exited (code {self.process.exitcode})")
+            self.process.join(timeout=1)
+            self._fail(f"the grammar worker exited (code {self.process.exitcode}; {exc!r})")
 
     def _check_usable(self) -> None:
         if self.failure is not None:
             raise GrammarWorkerError(self.failure)
 
     def _fail(self, why: str) -> None:
-        if self.failure is None:
-            self.failure = why
+        self._give_up(why)
         raise GrammarWorkerError(self.failure)
 
     def close(self) -> None:
-        """Stop the worker and free the block."""
+        """Stop the worker (and release the block's registration)."""
+        self._closed.set()
         self._steps.close()
-        self._control.close()
         self.process.join(timeout=5)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
         if self._on_cuda:
-            torch.cuda.synchronize(self.device)  # nothing queued reads the block any more
+            torch.cuda.synchronize(self.device)  # nothing queued uses the block any more
             torch.cuda.cudart().cudaHostUnregister(self._registered)
+
+
+class StreamMemoryOps:
+    """CUDA's stream memory operations (driver API, the V2 entry points every platform
+    has) on the current stream: wait until a 64-bit word is at least a value, write one.
+    Addresses are of registered host memory (with unified addressing, the device's too)."""
+
+    WAIT_GEQ = 0x0
+    WRITE_DEFAULT = 0x0  # ordered after the stream's earlier work, with a memory barrier
+
+    def __init__(self) -> None:
+        self._driver = driver = ctypes.CDLL("libcuda.so.1")
+        self._wait = self._entry(driver, "cuStreamWaitValue64")
+        self._write = self._entry(driver, "cuStreamWriteValue64")
+
+    def device_pointer(self, host_address: int) -> int:
+        """The device's address of registered host memory."""
+        fn = self._driver.cuMemHostGetDevicePointer_v2
+        fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        pointer = ctypes.c_uint64()
+        self._check(fn(ctypes.byref(pointer), host_address, 0), "address")
+        return pointer.value
+
+    @staticmethod
+    def _entry(driver: ctypes.CDLL, name: str) -> ctypes._CFuncPtr:
+        fn = getattr(driver, name + "_v2", None) or getattr(driver, name)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        return fn
+
+    def wait_at_least(self, address: int, value: int) -> None:
+        self._check(self._wait(self._stream(), address, value, self.WAIT_GEQ), "wait")
+
+    def write(self, address: int, value: int) -> None:
+        self._check(self._write(self._stream(), address, value, self.WRITE_DEFAULT), "write")
+
+    @staticmethod
+    def _stream() -> int:
+        return torch.cuda.current_stream().cuda_stream
+
+    @staticmethod
+    def _check(code: int, what: str) -> None:
+        if code != 0:
+            raise RuntimeError(f"CUDA stream memory {what} failed (CUresult {code})")

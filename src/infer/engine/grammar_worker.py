@@ -5,16 +5,17 @@ the loop's side; docs/architecture.md, "Structured output", says why a process).
 
 They share one block of memory (`SharedLayout`), registered with CUDA by the loop's side:
 
-- counters: `masks_ready` (the last step whose masks are filled), `tokens_stamp` (the last
-  step whose sampled ids are in `tokens`; the device writes it after the ids), `fed` (the
-  last step whose ids the matchers have taken; `verdicts` then holds its rows) and
-  `gave_up` (the device waited too long for a step's masks: nothing is trusted after);
+- counters: `masks_ready` (the last step whose masks are filled; the device waits on it),
+  `tokens_stamp` (the last step whose sampled ids are in `tokens`; the device writes it
+  after the ids) and `fed` (the last step whose ids the matchers have taken; `verdicts`
+  then holds its rows);
 - `tokens` [rows] int64, `verdicts` [2, rows] uint8 (by step parity), `masks` [rows, words]
   int32 in the grammar library's layout.
 
-Messages (one pipe per direction of use, in order): on `steps`, ("fill", step, ids, rows),
-("feed", step, ids, rows) and ("drop", ids) from the loop; on `control`, ("make", id,
-grammar) answered by (id, error or None), from the thread that compiles grammars.
+Messages, on one pipe and in order: ("make", id, grammar) from the thread that compiles
+grammars (no answer: a matcher the library refuses gets the verdict FAILED), ("fill",
+step, rows, ids, masked rows), ("feed", step, ids, rows) and ("drop", ids) from the loop.
+A step's rows that are not masked allow every token.
 
 Each area has one writer at a time: the worker fills the masks of step s only after it took
 step s-1's ids, which the device publishes after copying step s-1's masks; and it takes
@@ -28,16 +29,16 @@ from __future__ import annotations
 import mmap
 import time
 from multiprocessing import shared_memory
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 
 import numpy as np
 
-# verdicts
-TAKEN, STOPPED, REFUSED = 0, 1, 2
-# int64 slots of the counters, each on a cache line of its own; GAVE_UP: set (for good) by
-# the device when it stopped waiting for a step's masks
-MASKS_READY, TOKENS_STAMP, FED, GAVE_UP = 0, 8, 16, 24
-HEADER_WORDS = 32
+# verdicts: took the token / took it and finished / refused it / has no matcher (the
+# library refused its grammar)
+TAKEN, STOPPED, REFUSED, FAILED = 0, 1, 2, 3
+# int64 slots of the counters, each on a cache line of its own
+MASKS_READY, TOKENS_STAMP, FED = 0, 8, 16
+HEADER_WORDS = 24
 # How long the worker waits for a step's ids to be published before giving up on it.
 TOKENS_WAIT_S = 30.0
 
@@ -85,73 +86,70 @@ def map_shared(name: str, size: int = 0, unlink: bool = False) -> mmap.mmap:
 
 
 def serve(shm_name: str, rows: int, words: int, tokenizer_json: str, vocab_size: int,
-          eos_token_ids: list[int], control: Connection, steps: Connection) -> None:
+          eos_token_ids: list[int], steps: Connection) -> None:
     """The worker process's main: until `steps` closes."""
     import llguidance
 
     layout = SharedLayout(memoryview(map_shared(shm_name, unlink=True)), rows, words)
     tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                        eos_token=eos_token_ids)
-    Worker(layout, tokenizer, llguidance.LLExecutor(), control, steps).run()
+    Worker(layout, tokenizer, llguidance.LLExecutor(), steps).run()
 
 
 class Worker:
     def __init__(self, layout: SharedLayout, tokenizer: object, executor: object,
-                 control: Connection, steps: Connection) -> None:
+                 steps: Connection) -> None:
         self.layout, self.tokenizer, self.executor = layout, tokenizer, executor
-        self.control, self.steps = control, steps
+        self.steps = steps
         self.matchers: dict[int, object] = {}
+        self.failed: set[int] = set()  # matchers the library refused to make
 
     def run(self) -> None:
-        """A step message and a new matcher (0.2-1.3 ms each, more for a large grammar) in
-        turn, in one thread: a second thread would wait for the GIL behind the spin on a
-        step's ids (up to the interpreter's 5 ms switch interval a turn), and steps first
-        would starve the matchers while sequences decode."""
+        """One thread: a second would wait for the GIL behind the spin on a step's ids (up
+        to the interpreter's 5 ms switch interval a turn)."""
         while True:
-            ready = wait([self.steps, self.control])
             try:
-                if self.steps in ready:
-                    self._step(self.steps.recv())
-                if self.control in ready:
-                    self._make(*self.control.recv()[1:])
+                message = self.steps.recv()
             except EOFError:
                 return
+            kind = message[0]
+            if kind == "make":
+                self.make(*message[1:])
+            elif kind == "fill":
+                self.fill(*message[1:])
+            elif kind == "feed":
+                self.feed(*message[1:])
+            elif kind == "drop":
+                for matcher_id in message[1]:
+                    self.matchers.pop(matcher_id, None)
+                    self.failed.discard(matcher_id)
 
-    def _step(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "fill":
-            self.fill(*message[1:])
-        elif kind == "feed":
-            self.feed(*message[1:])
-        elif kind == "drop":
-            for matcher_id in message[1]:
-                self.matchers.pop(matcher_id, None)
-
-    def _make(self, matcher_id: int, grammar: str) -> None:
+    def make(self, matcher_id: int, grammar: str) -> None:
+        """A matcher (0.2-1.3 ms, more for a large grammar) for a checked grammar."""
         import llguidance
 
-        error = None
         try:
             matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-            if matcher.is_error():
-                error = matcher.get_error()
-            else:
-                self.matchers[matcher_id] = matcher
-        except Exception as exc:
-            error = str(exc) or repr(exc)
-        self.control.send((matcher_id, error))
+        except Exception:
+            matcher = None
+        if matcher is None or matcher.is_error():
+            self.failed.add(matcher_id)
+        else:
+            self.matchers[matcher_id] = matcher
 
-    def fill(self, step: int, ids: list[int], rows: list[int]) -> None:
-        """Masks of `step`'s rows; a finished (or refused) matcher's row allows anything:
-        its token is discarded with its sequence."""
+    def fill(self, step: int, rows: int, ids: list[int], masked: list[int]) -> None:
+        """Masks of `step`'s first `rows` rows: the `masked` ones by their matchers, the
+        others (and a finished or failed matcher's, whose token is discarded with its
+        sequence) allowing every token."""
         layout = self.layout
         pairs = []
-        for matcher_id, row in zip(ids, rows):
+        for matcher_id, row in zip(ids, masked):
             matcher = self.matchers.get(matcher_id)
-            if matcher is None or matcher.is_stopped() or matcher.is_error():
-                layout.masks[row] = -1
-            else:
+            if matcher is not None and not matcher.is_stopped() and not matcher.is_error():
                 pairs.append((matcher, row))
+        free = np.ones(rows, dtype=bool)
+        free[[row for _, row in pairs]] = False
+        layout.masks[:rows][free] = -1
         if pairs:
             self.executor.unsafe_compute_mask_ptr(
                 pairs, layout.masks.__array_interface__["data"][0], 4 * layout.words,
@@ -171,7 +169,7 @@ class Worker:
         for matcher_id, row in zip(ids, rows):
             matcher = self.matchers.get(matcher_id)
             if matcher is None:
-                verdicts[row] = TAKEN
+                verdicts[row] = FAILED if matcher_id in self.failed else TAKEN
             elif matcher.is_stopped():  # finished a step before: its row was not masked
                 verdicts[row] = STOPPED
             elif not matcher.consume_token(int(tokens[row])):
