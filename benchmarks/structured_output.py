@@ -13,6 +13,10 @@ from the first request added to the last finished, admission and prefill include
 its steps.
 
     python benchmarks/structured_output.py --tokenizer DIR [--batches 1 32 256] [--rounds 5]
+        [--engine grammar_process=true]
+
+With the grammar worker on, the loop's own time in its calls (queueing a step's masks,
+handing over its ids, reading the verdicts) is printed as well.
 
 Prints one table and writes benchmarks/results/structured_output_<device>.json.
 """
@@ -66,6 +70,7 @@ def main() -> None:
                                  tokenizer_dir=Path(args.tokenizer))
     flags = {"max_num_seqs": max(args.batches), **common.parse_engine_flags(args.engine)}
     llm, _ = common.build_llm(path, flags)
+    worker_calls = _time_worker_calls() if flags.get("grammar_process") else None
     person = [SamplingParams(max_tokens=64, temperature=0.8, seed=i,
                              structured_outputs=StructuredOutputsParams(json=PERSON))
               for i in range(64)]
@@ -117,8 +122,10 @@ def main() -> None:
     print("| first token of one request | ms (median of 5) |\n|---|---:|")
     for name, ms in ttft.items():
         print(f"| {name} | {ms:.2f} |")
+    calls = _worker_call_table(worker_calls, args.batches) if worker_calls else []
     common.write_results("structured_output", args, {
-        "json_stopped": len(stopped), "json_valid": valid, "rows": rows, "ttft_ms": ttft})
+        "json_stopped": len(stopped), "json_valid": valid, "rows": rows, "ttft_ms": ttft,
+        "grammar_worker_calls": calls})
 
 
 def _timed_run(engine, prompts: list, params: list, decode_steps: int) -> dict:
@@ -160,6 +167,43 @@ def _timed_run(engine, prompts: list, params: list, decode_steps: int) -> dict:
     steps = engine.stats()["num_steps"] - steps_before
     return {"decode_ms": decode / decode_steps * 1e3, "whole_ms": seconds / steps * 1e3,
             "tok_per_s": tokens / seconds, "tokens": tokens}
+
+
+def _time_worker_calls() -> list[tuple[str, int, float]]:
+    """With `grammar_process` on: (call, masked rows, host ms) of each of the grammar
+    worker's calls on the step loop (the loop's own cost of a constrained step)."""
+    from infer.engine.grammar_process import GrammarProcess
+
+    calls: list[tuple[str, int, float]] = []
+
+    def timed(name: str, fn):
+        def call(self, *args):
+            masked = args[-1]
+            t = time.perf_counter()
+            out = fn(self, *args)
+            calls.append((name, len(masked), (time.perf_counter() - t) * 1e3))
+            return out
+        return call
+
+    for name in ("mask", "publish", "verdicts"):
+        setattr(GrammarProcess, name, timed(name, getattr(GrammarProcess, name)))
+    return calls
+
+
+def _worker_call_table(calls: list[tuple[str, int, float]], batches: list[int]) -> list:
+    """Median host ms of each call at each batch size (calls with 90-100 % of the batch's
+    rows masked), printed and returned."""
+    out = []
+    print("| batch | grammar worker's calls on the loop | host ms (median) | calls |\n"
+          "|---:|---|---:|---:|")
+    for batch in batches:
+        for name in ("mask", "publish", "verdicts"):
+            ms = sorted(t for n, rows, t in calls if n == name and 0.9 * batch <= rows <= batch)
+            if ms:
+                out.append({"batch": batch, "call": name, "ms": ms[len(ms) // 2],
+                            "calls": len(ms)})
+                print(f"| {batch} | {name} | {ms[len(ms) // 2]:.3f} | {len(ms)} |")
+    return out
 
 
 def _first_token_times(llm, SamplingParams, StructuredOutputsParams) -> dict[str, float]:
