@@ -68,10 +68,6 @@ class SharedLayout:
             return (n + 63) // 64 * 64
         return line(8 * HEADER_WORDS) + line(8 * rows) + line(2 * rows) + line(4 * rows * words)
 
-    def offset_of(self, view: np.ndarray) -> int:
-        """Where `view` starts in the block, in bytes."""
-        return view.__array_interface__["data"][0] - self.header.__array_interface__["data"][0]
-
 
 def map_shared(name: str, size: int = 0, unlink: bool = False) -> mmap.mmap:
     """A mapping of the shared block `name` (made, of `size` bytes, unless it exists)
@@ -162,7 +158,7 @@ class Worker:
         deadline = time.monotonic() + TOKENS_WAIT_S
         while layout.header[TOKENS_STAMP] < step:
             if time.monotonic() > deadline:
-                return  # the loop sees `fed` behind and refuses the step's rows
+                return  # `fed` stays behind: the loop gives up on this worker
             time.sleep(0)
         tokens = layout.tokens
         verdicts = layout.verdicts[step % 2]
