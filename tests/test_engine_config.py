@@ -32,6 +32,8 @@ def test_defaults_are_valid():
         (dict(gpu_memory_utilization=1.5), ["gpu_memory_utilization"]),
         (dict(attention_backend="cudnn"), ["attention_backend"]),
         (dict(mixed_step_graphs="yes"), ["mixed_step_graphs", "piecewise"]),
+        (dict(grammar_process=True, speculative_method="ngram"),
+         ["grammar_process=True", "speculative_method='ngram'"]),
     ],
 )
 def test_invalid_fields_fail_with_their_names(fields, needles):
