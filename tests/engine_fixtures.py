@@ -11,6 +11,7 @@ import torch
 from real_models import gemma3_gguf, smollm2_gguf
 
 from infer.engine import engine_core
+from infer.engine.llm_engine import LLMEngine
 from infer.engine.setup import load_model_and_tokenizer
 from infer.llm import LLM
 
@@ -62,3 +63,12 @@ def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int) -> list[in
 
 
 __all__ = ["gemma3_gguf", "hf_greedy", "make_llm", "smollm2_gguf"]
+
+
+def drain(engine: LLMEngine) -> dict:
+    """Step until every request has finished: each request's last output, by id."""
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    return outputs

@@ -5,6 +5,7 @@ caused it (the rest of the step goes on), whatever the random per-request inputs
 from __future__ import annotations
 
 import pytest
+from engine_fixtures import drain
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from server_fixtures import tiny_model_dir
@@ -23,14 +24,6 @@ def _engine(**config) -> LLMEngine:
     return LLMEngine(model=str(tiny_model_dir()), device="cpu", **config)
 
 
-def _drain(engine: LLMEngine) -> dict:
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs[out.request_id] = out
-    return outputs
-
-
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
     return _engine()
@@ -42,7 +35,7 @@ def alone(engine) -> dict[str, list[int]]:
     result = {}
     for rid, prompt in HEALTHY.items():
         engine.add_request(rid, prompt, GREEDY)
-        result[rid] = _drain(engine)[rid].outputs[0].token_ids
+        result[rid] = drain(engine)[rid].outputs[0].token_ids
     return result
 
 
@@ -50,7 +43,7 @@ def test_a_duplicate_request_id_is_refused_and_the_first_runs_on(engine):
     engine.add_request("dup", [5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
     with pytest.raises(ValueError, match="duplicate request id 'dup'"):
         engine.add_request("dup", [7, 8], SamplingParams(max_tokens=3))
-    out = _drain(engine)["dup"]
+    out = drain(engine)["dup"]
     assert out.prompt_token_ids == [5, 6] and len(out.outputs[0].token_ids) == 3
     assert engine.stats()["kv_blocks_used"] == 0
 
@@ -66,7 +59,7 @@ def test_out_of_vocabulary_stop_token_ids_are_refused_by_name(engine):
     assert not engine.has_unfinished_requests()
     engine.add_request("edge", [5, 6], SamplingParams(max_tokens=2, min_tokens=1,
                                                       stop_token_ids=[vocab - 1]))
-    assert _drain(engine)["edge"].finished
+    assert drain(engine)["edge"].finished
 
 
 def _inject(monkeypatch, part: object, method: str, culprit: str, calls: list) -> None:
@@ -100,7 +93,7 @@ def test_a_failure_is_charged_to_its_request_alone(monkeypatch, alone, part, met
     engine.add_request("culprit", [7, 8, 9], GREEDY)
     _inject(monkeypatch, getattr(engine, part), method, "culprit", calls)
     engine.add_request("h2", HEALTHY["h2"], GREEDY)
-    outputs = _drain(engine)
+    outputs = drain(engine)
     assert calls
     failed = outputs["culprit"]
     assert failed.finished and method in failed.error
@@ -189,7 +182,7 @@ def _random_requests_beside_healthy_ones(engine, alone, requests) -> None:
     event(f"admitted {len(admitted)} of {len(requests)}")
     for rid, prompt in HEALTHY.items():
         engine.add_request(rid, prompt, GREEDY)
-    outputs = _drain(engine)  # a step that raised would fail the test here
+    outputs = drain(engine)  # a step that raised would fail the test here
     for rid in HEALTHY:
         assert outputs[rid].error is None
         assert outputs[rid].outputs[0].token_ids == alone[rid]
@@ -207,6 +200,6 @@ def test_a_reused_request_id_gets_nothing_of_the_step_in_flight_for_the_old_one(
     assert engine.core._in_flight is not None  # launched ahead, holds a row of the old h1
     engine.abort_request("h1")
     engine.add_request("h1", HEALTHY["h1"], GREEDY)  # the id again, another prompt
-    outputs = _drain(engine)
+    outputs = drain(engine)
     assert outputs["h1"].outputs[0].token_ids == alone["h1"]
     assert engine.kv.pool.num_used == 0

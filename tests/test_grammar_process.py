@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from engine_fixtures import drain, make_llm
 from reference_tokenizers import ours
 
 from infer.sampling_params import SamplingParams, StructuredOutputsParams
@@ -27,7 +28,6 @@ SCHEMA = {"type": "object", "properties": {
 
 
 def _llm(grammar_process: bool, **config):
-    from engine_fixtures import make_llm
 
     return make_llm(num_blocks=256, grammar_process=grammar_process, **config)
 
@@ -80,10 +80,7 @@ def test_a_dead_worker_ends_the_constrained_sequences_only():
     engine = llm.engine
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", prompt, p)
-    last = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            last[out.request_id] = out
+    last = drain(engine)
     for i, p in enumerate(params):
         out = last[f"r{i}"]
         if p.structured_outputs is None:  # untouched, token for token

@@ -189,7 +189,6 @@ class EngineCore:
         self.graph_capture_seconds = 0.0
         self.graphs_on = uses_graphs(config, device, self.attention_backend)
         self.drafter = self._make_drafter(draft, num_blocks)
-        self.uses_grammar_process = config.grammar_process
         if self.graphs_on:
             self.graph_capture_seconds += capture_graphs(runner, config, max_model_len,
                                                          verify=self.drafter is not None)
@@ -328,7 +327,7 @@ class EngineCore:
                     raise ValueError("structured_outputs needs the engine's tokenizer, which "
                                      "this core was built without")
                 vocab_size = self.model_config.vocab_size
-                if self.uses_grammar_process:
+                if self.config.grammar_process:
                     # a step samples at most one row per sequence (no drafts here)
                     rows = self.scheduler.max_num_seqs or MAX_GRAMMAR_ROWS
                     self._grammar_process = GrammarProcess(self.tokenizer, vocab_size,

@@ -16,7 +16,6 @@ left a step's masks unfilled for WORKER_WAIT_S, and then releases the device's w
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import itertools
 import multiprocessing
@@ -38,6 +37,7 @@ from infer.engine.grammar_worker import (
     SharedLayout,
     map_shared,
 )
+from infer.engine.structured_output import library_tokenizer_json
 from infer.kernels.reference import apply_token_bitmask_ref
 from infer.loader.tokenizer import Tokenizer
 
@@ -86,14 +86,11 @@ class GrammarProcess:
         if self._on_cuda:
             self._stream_ops = StreamMemoryOps()
             self._register()
-        backend = copy.copy(tokenizer.backend)  # the library reads its JSON, unpadded
-        backend.no_padding()
-        backend.no_truncation()
         ctx = multiprocessing.get_context("spawn")
         reader, self._steps = ctx.Pipe(duplex=False)
         self.process = ctx.Process(
             target=grammar_worker.serve, name="infer-grammar", daemon=True,
-            args=(name, rows, words, backend.to_str(), vocab_size,
+            args=(name, rows, words, library_tokenizer_json(tokenizer), vocab_size,
                   list(tokenizer.eos_token_ids), reader))
         self.process.start()
         reader.close()

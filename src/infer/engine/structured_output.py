@@ -118,10 +118,8 @@ class StructuredOutputs:
         import llguidance.torch
 
         self._llg, self._llg_torch = llguidance, llguidance.torch
-        backend = copy.copy(tokenizer.backend)  # the library reads its JSON, unpadded
-        backend.no_padding()
-        backend.no_truncation()
-        self._tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size,
+        self._tokenizer = llguidance.LLTokenizer(library_tokenizer_json(tokenizer),
+                                                 n_vocab=vocab_size,
                                                  eos_token=list(tokenizer.eos_token_ids))
         self._executor = llguidance.LLExecutor()
         self.vocab_size = vocab_size
@@ -244,6 +242,15 @@ class StructuredOutputs:
             apply_token_bitmask(logits, words, index)
         else:
             apply_token_bitmask_ref(logits, words, index)
+
+
+def library_tokenizer_json(tokenizer: Tokenizer) -> str:
+    """The tokenizer as the grammar library reads it: its JSON, without padding or
+    truncation."""
+    backend = copy.copy(tokenizer.backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
 
 
 def _cache_key(params: StructuredOutputsParams) -> tuple[str, ...]:
