@@ -44,29 +44,35 @@ TOKENS_WAIT_S = 30.0
 
 
 class SharedLayout:
-    """Views of the shared block for `rows` rows of `words` mask words each."""
+    """Views of the shared block for `rows` rows of `words` mask words each, every area
+    starting on a cache line."""
+
+    header: np.ndarray  # [HEADER_WORDS] int64: the counters
+    tokens: np.ndarray  # [rows] int64
+    verdicts: np.ndarray  # [2, rows] uint8
+    masks: np.ndarray  # [rows, words] int32
 
     def __init__(self, buf: memoryview, rows: int, words: int) -> None:
         self.rows, self.words = rows, words
-        at = 0
-
-        def take(dtype: type, shape: tuple[int, ...]) -> np.ndarray:
-            nonlocal at
-            count = int(np.prod(shape))
-            view = np.frombuffer(buf, dtype=dtype, count=count, offset=at).reshape(shape)
-            at += (count * np.dtype(dtype).itemsize + 63) // 64 * 64
-            return view
-
-        self.header = take(np.int64, (HEADER_WORDS,))
-        self.tokens = take(np.int64, (rows,))
-        self.verdicts = take(np.uint8, (2, rows))
-        self.masks = take(np.int32, (rows, words))
+        for name, dtype, shape, offset in self._areas(rows, words)[0]:
+            view = np.frombuffer(buf, dtype=dtype, count=int(np.prod(shape)), offset=offset)
+            setattr(self, name, view.reshape(shape))
 
     @staticmethod
     def size(rows: int, words: int) -> int:
-        def line(n: int) -> int:
-            return (n + 63) // 64 * 64
-        return line(8 * HEADER_WORDS) + line(8 * rows) + line(2 * rows) + line(4 * rows * words)
+        return SharedLayout._areas(rows, words)[1]
+
+    @staticmethod
+    def _areas(rows: int, words: int) -> tuple[list[tuple[str, type, tuple[int, ...], int]], int]:
+        """(name, dtype, shape, byte offset) of each area, and the block's size."""
+        areas, at = [], 0
+        for name, dtype, shape in (("header", np.int64, (HEADER_WORDS,)),
+                                   ("tokens", np.int64, (rows,)),
+                                   ("verdicts", np.uint8, (2, rows)),
+                                   ("masks", np.int32, (rows, words))):
+            areas.append((name, dtype, shape, at))
+            at += (int(np.prod(shape)) * np.dtype(dtype).itemsize + 63) // 64 * 64
+        return areas, at
 
 
 def map_shared(name: str, size: int = 0, unlink: bool = False) -> mmap.mmap:
