@@ -436,11 +436,14 @@ class EngineCore:
             raise exc
         log.warning("step preparation failed (%r); failing %d sequence(s): %s", exc,
                     len(culprits), ", ".join(culprits))
-        error = f"{type(exc).__name__}: {exc}"
-        for seq_id in culprits:
+        return self._end_with_error(culprits, f"{type(exc).__name__}: {exc}")
+
+    def _end_with_error(self, seq_ids: list[str], error: str) -> list[SequenceOutput]:
+        """Finish these sequences (their blocks freed); an `error` output for each."""
+        for seq_id in seq_ids:
             self.finish(seq_id, "error")
         return [SequenceOutput(seq_id, [], finish_reason="error", error=error)
-                for seq_id in culprits]
+                for seq_id in seq_ids]
 
     def _culprits(self, out: SchedulerOutput) -> list[str]:
         """The sequences whose host-side step preparation fails when run on its own."""
@@ -750,10 +753,7 @@ class EngineCore:
         error = "ValueError: structured_outputs: the grammar library could not start on it"
         ended = [rid for rid in (step.seq_ids[row] for row in failed)
                  if rid in self.sequences and self.sequences[rid].request is step.requests[rid]]
-        for seq_id in ended:
-            self.finish(seq_id, "error")
-        return [SequenceOutput(seq_id, [], finish_reason="error", error=error)
-                for seq_id in ended]
+        return self._end_with_error(ended, error)
 
     def _fail_constrained(self, error: str) -> list[SequenceOutput]:
         """End every sequence whose matcher the grammar worker holds (it failed)."""
@@ -761,10 +761,7 @@ class EngineCore:
                   error)
         failed = [rid for rid, seq in self.sequences.items()
                   if isinstance(seq.grammar, RemoteMatcher)]
-        for seq_id in failed:
-            self.finish(seq_id, "error")
-        return [SequenceOutput(seq_id, [], finish_reason="error", error=error)
-                for seq_id in failed]
+        return self._end_with_error(failed, error)
 
     def _mask(self, logits: torch.Tensor, seqs: list[_Sequence]
               ) -> list[tuple[int, GrammarMatcher | RemoteMatcher]]:
