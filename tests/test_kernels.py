@@ -17,6 +17,8 @@ if not triton_available():
     pytest.skip("triton is not installed (pip install triton; Linux x86-64 only)",
                 allow_module_level=True)
 
+from token_masks import allowed_by, random_token_masks
+
 from infer.attention import torch_backend
 from infer.attention.metadata import AttentionMetadata
 from infer.attention.triton_backend import paged_attention_kernels
@@ -197,6 +199,23 @@ def test_argmax_rows(dtype: torch.dtype) -> None:
             x[1, BLOCK + 5] = x[1, 2 * BLOCK + 1] = x[1].max() + 1
             x[2] = float("-inf")
         assert torch.equal(argmax_rows(x), x.float().argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_among_the_tokens_masks_allow(dtype: torch.dtype) -> None:
+    rows, cols = 5, 2 * BLOCK + 7
+    x = (randn(rows, cols) * 4).to(dtype)
+    masks = random_token_masks(rows, cols)
+    x[2, 5] = float("nan")  # a NaN counts as the largest value where it is allowed
+    masks[2, 0] |= 1 << 5
+    x[3, 9] = float("nan")
+    masks[3, 0] &= ~(1 << 9)  # and not where the mask refuses it
+    want = x.float().cpu().masked_fill(~allowed_by(masks, cols), float("-inf"))
+    want[2, 5] = float("inf")
+    want[3, 9] = float("-inf")
+    got = argmax_rows(x.to(DEVICE), masks.to(DEVICE)).cpu()
+    assert torch.equal(got, want.argmax(dim=-1))
+    assert got[1] == 40
 
 
 def _paged_case(query_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int,

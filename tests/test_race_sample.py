@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from test_sampler import assert_samples_from
+from token_masks import allowed_by, random_token_masks
 
 from infer.kernels import triton_available
 from infer.kernels.reference import philox4x32_ref, seeded_noise_ref
@@ -118,6 +119,28 @@ def test_filtered_tokens_are_never_drawn():
     assert set(tokens.tolist()) <= {3, 17, 40} and len(set(tokens.tolist())) == 3
 
 
+def test_masked_tokens_are_out_of_the_race_and_the_rest_race_their_own_noise():
+    """With grammar masks, each row races exactly as it would over logits where the
+    tokens its mask refuses are -inf (a row allowing one token always takes it)."""
+    gen = torch.Generator().manual_seed(4)
+    n_cols = 9000
+    logits = torch.randn(5, n_cols, generator=gen) * 3
+    temperature = torch.tensor([0.7, 1.0, 1.3, 0.5, 1.0])
+    step_key = 2**40 + 7
+    modes = [(UNSEEDED.value, step_key, 0), (SEEDED.value, 11, 5), (GREEDY.value, 0, 0),
+             (SEEDED.value, 3, 1), (UNSEEDED.value, step_key, 4)]
+    masks = random_token_masks(5, n_cols, seed=5)
+    x = logits.masked_fill(~allowed_by(masks, n_cols), float("-inf")) / temperature[:, None]
+    want, margin = _expected(x, modes, step_key)
+    table = torch.tensor([list(c) for c in zip(*modes)], dtype=torch.int64, device=DEVICE)
+    got = race_sample(logits.to(DEVICE), step_key, temperature.to(DEVICE), table,
+                      masks=masks.to(DEVICE)).cpu().numpy()
+    assert got[1] == 40 and got[2] == x[2].argmax().item()
+    assert allowed_by(masks, n_cols)[torch.arange(5), torch.from_numpy(got)].all()
+    clear = margin > 1e-4
+    assert clear.sum() >= 4 and (got[clear] == want[clear]).all(), (got, want, margin)
+
+
 def test_the_samplers_fused_draw_keys_each_row_as_the_batch_says():
     """`_fused_race` (the sampler's CUDA path, here on the interpreter's CPU tensors): a
     seeded row's key is its seed's low 64 bits and its output position, a greedy row of a
@@ -141,8 +164,8 @@ def test_the_samplers_fused_draw_keys_each_row_as_the_batch_says():
 @pytest.mark.skipif(DEVICE != "cuda", reason="kernels compile on a GPU only")
 def test_sampling_compiles_no_kernel_after_the_warm_up(monkeypatch):
     """The engine warms the sampler at start (`warm_up_sampler`): a step's sampling, of any
-    kind and any number of rows, then compiles nothing (a compile on a machine without
-    Triton's disk cache held the first such step 0.4-0.6 s)."""
+    kind and any number of rows, with grammar masks or without, then compiles nothing (a
+    compile on a machine without Triton's disk cache held the first such step 0.4-0.6 s)."""
     from triton.runtime.jit import JITFunction
 
     from infer.engine.sampler import SamplingBatch, SamplingParams, sample, warm_up_sampler
@@ -160,10 +183,12 @@ def test_sampling_compiles_no_kernel_after_the_warm_up(monkeypatch):
 
     monkeypatch.setattr(JITFunction, "_do_compile", spy)
     logits = torch.randn(rows, vocab, device=DEVICE)
+    masks = random_token_masks(rows, vocab).to(DEVICE)
     hot, cold = SamplingParams(temperature=0.6), SamplingParams(temperature=0.0)
     seeded, top_p = SamplingParams(temperature=0.9, seed=7), SamplingParams(top_p=0.8)
     for kinds in ([hot], [cold], [cold, hot], [top_p], [seeded, top_p], [seeded, hot]):
         params = [kinds[i % len(kinds)] for i in range(rows)]
         batch = SamplingBatch.build(params, [[0]] * rows, [[]] * rows, vocab, DEVICE)
         assert sample(logits, batch).token_ids.cpu().shape == (rows,)
+        assert sample(logits.clone(), batch, masks).token_ids.cpu().shape == (rows,)
     assert compiled == []

@@ -115,6 +115,24 @@ def test_temperature_distribution(t):
     assert_samples_from(draw(row, P(temperature=t)), expected, wrong=[softmax64(row)])
 
 
+def test_grammar_masks_restrict_the_draw_and_the_logprobs_to_what_they_allow():
+    """Mask bits 0, 3, 5 set (tokens 0, 3, 5 allowed; the most likely, 1, refused): sampled
+    rows draw from the distribution renormalised over them, greedy rows take the best of
+    them, and logprobs are those of the masked logits."""
+    allowed = {0, 3, 5}
+    masks = torch.tensor([[sum(1 << t for t in allowed)]], dtype=torch.int32)
+    logits = torch.tensor(LOGITS).repeat(N, 1)
+    tokens = sample(logits, build([P(temperature=1.0)] * N, 6), masks.repeat(N, 1)).token_ids
+    assert_samples_from(np.bincount(tokens.numpy(), minlength=6), restricted(PROBS, allowed),
+                        wrong=[PROBS])
+    rows = torch.tensor([LOGITS, LOGITS])
+    out = sample(rows, build([P(temperature=0), P(temperature=0, logprobs=1)], 6),
+                 masks.repeat(2, 1))
+    assert out.token_ids.tolist() == [0, 0]
+    want = np.log(restricted(PROBS, allowed))
+    np.testing.assert_allclose(out.logprobs.numpy(), [want[0]] * 2, atol=1e-6)
+
+
 # -- top_k / top_p / min_p -----------------------------------------------------------------
 def test_top_k_support_and_distribution():
     row = [0.5, 2.0, -1.0, 1.0, 0.0, -3.0]

@@ -384,10 +384,12 @@ def _race(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def _fused_race(x: torch.Tensor, batch: SamplingBatch,
-                temperature: torch.Tensor | None = None) -> torch.Tensor:
+                temperature: torch.Tensor | None = None,
+                masks: torch.Tensor | None = None) -> torch.Tensor:
     """`_race` on CUDA in one pass over x (`kernels/race_sample.py`), greedy rows included:
     a seeded row's noise is `fill_seeded`'s, an unseeded row's comes from a key drawn from
-    torch's generator each step. `temperature`: x is not divided by it yet."""
+    torch's generator each step. `temperature`: x is not divided by it yet; `masks`: the
+    grammars' token bitmasks, applied in the same pass."""
     from infer.kernels.race_sample import GREEDY, SEEDED, UNSEEDED, race_sample
 
     step_key = int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64))
@@ -401,34 +403,47 @@ def _fused_race(x: torch.Tensor, batch: SamplingBatch,
             mode[row], seed[row] = SEEDED.value, _seed_word(row_seed)
             position[row] = row_position
         modes = to_device(torch.tensor([mode, seed, position], dtype=torch.int64), x.device)
-    return race_sample(x, step_key, temperature, modes)
+    return race_sample(x, step_key, temperature, modes, masks=masks)
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
+def argmax(x: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
     """Row-wise argmax of `[B, V]`: on CUDA two short launches (`kernels/argmax.py`)
-    instead of torch's one thread block per row."""
+    instead of torch's one thread block per row; `masks` only on CUDA (see `sample`)."""
     if x.is_cuda and triton_available():
         from infer.kernels.argmax import argmax_rows
 
-        return argmax_rows(x)
+        return argmax_rows(x, masks)
+    assert masks is None, "token bitmasks are fused on CUDA only"
     return x.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """Sample one token per row of `logits` [B, V]; never modifies `logits`.
+def sample(logits: torch.Tensor, batch: SamplingBatch,
+           masks: torch.Tensor | None = None) -> SamplerOutput:
+    """Sample one token per row of `logits` [B, V]; never modifies `logits`, unless
+    `masks` is given and the step needs more than one pass over them.
+
+    `masks` [B, words] int32 on the logits' device: the grammars' token bitmasks
+    (`kernels/token_bitmask.py`'s layout; an unconstrained row allows every token). A
+    token they do not allow is never sampled. Where one kernel reads the logits (greedy or
+    temperature-only rows, no logprobs, on CUDA) it applies them in the same pass; else
+    they are applied to `logits` in place first, and logprobs see them.
 
     Reads nothing back to the host: the caller syncs once, on `token_ids`.
     """
     if logits.dim() != 2 or logits.shape[1] != batch.vocab_size:
         raise ValueError(f"logits shape {tuple(logits.shape)}, want [B, {batch.vocab_size}]")
-    if (batch.all_greedy and not batch.want_logprobs and batch.banned is None
-            and batch.logit_bias is None and batch.output_counts is None):
-        return SamplerOutput(argmax(logits), None)  # the model's dtype ranks as float32
     fused = logits.is_cuda and triton_available()
-    if (fused and not batch.all_greedy and batch.banned is None and batch.logit_bias is None
-            and batch.output_counts is None and batch.top_k is None and batch.top_p is None
-            and batch.min_p is None):  # temperature only: read the logits once
-        tokens = _fused_race(logits, batch, batch.temperature)
+    plain = batch.banned is None and batch.logit_bias is None and batch.output_counts is None
+    temperature_only = (not batch.all_greedy and batch.top_k is None and batch.top_p is None
+                        and batch.min_p is None)
+    if masks is not None and not (fused and plain and not batch.want_logprobs
+                                  and (batch.all_greedy or temperature_only)):
+        _apply_masks(logits, masks)
+        masks = None
+    if batch.all_greedy and not batch.want_logprobs and plain:
+        return SamplerOutput(argmax(logits, masks), None)  # the model's dtype ranks as float32
+    if fused and plain and temperature_only:  # read the logits once
+        tokens = _fused_race(logits, batch, batch.temperature, masks)
         if not batch.want_logprobs:
             return SamplerOutput(tokens, None)
         return SamplerOutput(tokens, *raw_logprobs(logits.float(), tokens, batch.num_logprobs))
@@ -448,20 +463,35 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     return SamplerOutput(tokens, *raw_logprobs(logits, tokens, batch.num_logprobs))
 
 
+def _apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> None:
+    with torch.inference_mode():  # the logits are inference tensors
+        if logits.is_cuda and triton_available():
+            from infer.kernels.token_bitmask import apply_token_bitmask
+
+            apply_token_bitmask(logits, masks)
+        else:
+            from infer.kernels.reference import apply_token_bitmask_ref
+
+            apply_token_bitmask_ref(logits, masks)
+
+
 def warm_up_sampler(vocab_size: int, device: torch.device) -> None:
     """Compile the sampler's Triton kernels before a request waits for them (on CUDA: on a
     machine without Triton's disk cache, each variant took 0.4-0.6 s inside the first
     step that needed it): argmax, the fused race with and without temperatures and
-    per-row modes (greedy and seeded rows beside unseeded ones)."""
+    per-row modes (greedy and seeded rows beside unseeded ones), each with and without
+    grammar masks, and the masks' own kernel."""
     if device.type != "cuda" or not triton_available():
         return
     logits = torch.zeros(2, vocab_size, device=device)
+    masks = torch.full((2, (vocab_size + 31) // 32), -1, dtype=torch.int32, device=device)
     hot, cold = SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)
     seeded, top_p = SamplingParams(temperature=0.7, seed=1), SamplingParams(top_p=0.9)
     state = torch.get_rng_state()  # the unseeded rows' step keys come from it
     for params in ([cold, cold], [hot, hot], [cold, hot], [top_p, top_p], [seeded, top_p]):
         batch = SamplingBatch.build(params, [[0], [0]], [[], []], vocab_size, device)
         sample(logits, batch).token_ids.cpu()
+        sample(logits, batch, masks).token_ids.cpu()
     torch.set_rng_state(state)
 
 

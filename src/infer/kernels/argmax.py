@@ -5,6 +5,10 @@ an H100); here every row is cut into parts of `BLOCK` columns, each part reduced
 own program, then one program per row picks the best part. Ties go to the lowest index,
 as torch's; a NaN counts as +inf (torch ranks it above +inf: the two differ only on a
 row holding both).
+
+Optional `masks`, a grammar's token bitmask per row in `token_bitmask.py`'s layout, take
+part in the same pass: a token they do not allow counts as -inf (`masked_out`, shared with
+`race_sample.py`).
 """
 
 from __future__ import annotations
@@ -19,13 +23,27 @@ BLOCK = 4096
 
 
 @triton.jit
-def _part_kernel(x_ptr, stride_x, n_cols, n_parts, val_ptr, idx_ptr, BLOCK: tl.constexpr):
+def masked_out(row_masks_ptr, cols, n_words):
+    """True where a row's bitmask (bit j of word i: token 32 i + j allowed) does not allow
+    the column; columns past its words are never allowed."""
+    words = cols // 32
+    w = tl.load(row_masks_ptr + words, mask=words < n_words, other=0)
+    # int32 shifts are arithmetic; `& 1` keeps only the bit asked for (bit 31 included).
+    return ((w >> (cols % 32)) & 1) == 0
+
+
+@triton.jit
+def _part_kernel(x_ptr, stride_x, n_cols, n_parts, masks_ptr, stride_masks, n_words,
+                 val_ptr, idx_ptr, HAS_MASKS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     cols = part * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < n_cols,
                 other=float("-inf")).to(tl.float32)
     x = tl.where(x != x, float("inf"), x)
+    if HAS_MASKS:  # after the NaN rule: a NaN the grammar refuses stays out
+        x = tl.where(masked_out(masks_ptr + row * stride_masks, cols, n_words),
+                     float("-inf"), x)
     best, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(val_ptr + row * n_parts + part, best)
     tl.store(idx_ptr + row * n_parts + part, part * BLOCK + at)
@@ -57,14 +75,31 @@ def best_of_parts(rows: int, n_parts: int, device: torch.device,
     return out
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """int64 `[rows]`: the column of each row's largest value (`x.argmax(dim=-1)`)."""
+def check_masks(masks: torch.Tensor | None, x: torch.Tensor) -> None:
+    """`masks`, if any: [rows of x, words] int32, contiguous, on x's device."""
+    if masks is not None:
+        assert masks.dim() == 2 and len(masks) == len(x), (masks.shape, x.shape)
+        assert masks.dtype == torch.int32 and masks.is_contiguous(), masks.dtype
+        assert masks.device == x.device, (masks.device, x.device)
+
+
+def mask_strides(masks: torch.Tensor | None) -> tuple[int, int]:
+    """The kernels' (row stride, words) of `masks` (unused without)."""
+    return (0, 0) if masks is None else (masks.stride(0), masks.shape[1])
+
+
+def argmax_rows(x: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 `[rows]`: the column of each row's largest value (`x.argmax(dim=-1)`), among
+    the columns `masks` [rows, words] allows if given (`check_masks`)."""
     assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
+    check_masks(masks, x)
     rows, n_cols = x.shape
     n_parts = triton.cdiv(n_cols, BLOCK)
 
     def parts(vals: torch.Tensor, idx: torch.Tensor) -> None:
-        _part_kernel[(rows, n_parts)](x, x.stride(0), n_cols, n_parts, vals, idx,
-                                      BLOCK=BLOCK, num_warps=8)
+        _part_kernel[(rows, n_parts)](x, x.stride(0), n_cols, n_parts,
+                                      masks if masks is not None else vals,
+                                      *mask_strides(masks), vals, idx,
+                                      HAS_MASKS=masks is not None, BLOCK=BLOCK, num_warps=8)
 
     return best_of_parts(rows, n_parts, x.device, parts)

@@ -11,6 +11,10 @@ A row's mode picks its noise: 0 none (a greedy row: its argmax), 1 a seeded requ
 stream, key = its seed, counter = (column, output position, 0, 0) -- the very draws of
 `seeded_noise` stream 0 --, 2 an unseeded row's, key = this step's key, counter = (column,
 row, 2, 0). Without per-row modes every row is unseeded.
+
+With `masks` (a grammar's token bitmask per row, `token_bitmask.py`'s layout) a token they
+do not allow counts as -inf before anything else: constrained rows cost no launch of
+their own.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels.argmax import best_of_parts
+from infer.kernels.argmax import best_of_parts, check_masks, mask_strides, masked_out
 from infer.kernels.seeded_noise import philox_uniform
 
 BLOCK = 4096
@@ -29,13 +33,17 @@ GREEDY, SEEDED, UNSEEDED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 @triton.jit(do_not_specialize=["step_key", "n_rows"])  # one variant for every batch size
 def _race_part_kernel(x_ptr, stride_x, n_cols, n_parts, temperature_ptr, modes_ptr, n_rows,
-                      step_key, val_ptr, idx_ptr, HAS_TEMPERATURE: tl.constexpr,
-                      HAS_MODES: tl.constexpr, BLOCK: tl.constexpr):
+                      step_key, masks_ptr, stride_masks, n_words, val_ptr, idx_ptr,
+                      HAS_TEMPERATURE: tl.constexpr, HAS_MODES: tl.constexpr,
+                      HAS_MASKS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     cols = part * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < n_cols,
                 other=float("-inf")).to(tl.float32)
+    if HAS_MASKS:
+        x = tl.where(masked_out(masks_ptr + row * stride_masks, cols, n_words),
+                     float("-inf"), x)
     if HAS_TEMPERATURE:
         x = x / tl.load(temperature_ptr + row)
     if HAS_MODES:
@@ -57,14 +65,15 @@ def _race_part_kernel(x_ptr, stride_x, n_cols, n_parts, temperature_ptr, modes_p
 
 
 def race_sample(x: torch.Tensor, step_key: int, temperature: torch.Tensor | None = None,
-                modes: torch.Tensor | None = None, block: int = BLOCK) -> torch.Tensor:
+                modes: torch.Tensor | None = None, block: int = BLOCK,
+                masks: torch.Tensor | None = None) -> torch.Tensor:
     """int64 `[rows]`: each row's token, argmax over columns of x / temperature - log E.
 
     `x` [rows, vocab] float, unit column stride; `temperature` [rows] or [rows, 1] float32
     (none: x is already divided); `modes` [3, rows] int64 (mode, seed, position per row,
     see the module's doc; none: every row unseeded); `step_key` a 64-bit key for the
     unseeded rows (two's complement int), new each step; `block`: columns per program (a
-    power of two)."""
+    power of two); `masks` [rows, words] int32 token bitmasks (`check_masks`)."""
     assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
     rows, n_cols = x.shape
     if temperature is not None:
@@ -74,13 +83,15 @@ def race_sample(x: torch.Tensor, step_key: int, temperature: torch.Tensor | None
         assert modes.shape == (3, rows) and modes.dtype == torch.int64, modes.shape
         assert modes.is_contiguous() and modes.device == x.device
     assert -(2**63) <= step_key < 2**63, step_key
+    check_masks(masks, x)
     n_parts = triton.cdiv(n_cols, block)
 
     def parts(vals: torch.Tensor, idx: torch.Tensor) -> None:
         _race_part_kernel[(rows, n_parts)](
             x, x.stride(0), n_cols, n_parts, temperature if temperature is not None else x,
-            modes if modes is not None else vals, rows, step_key, vals, idx,
+            modes if modes is not None else vals, rows, step_key,
+            masks if masks is not None else vals, *mask_strides(masks), vals, idx,
             HAS_TEMPERATURE=temperature is not None, HAS_MODES=modes is not None,
-            BLOCK=block, num_warps=8)
+            HAS_MASKS=masks is not None, BLOCK=block, num_warps=8)
 
     return best_of_parts(rows, n_parts, x.device, parts)
