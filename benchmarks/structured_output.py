@@ -170,22 +170,22 @@ def _timed_run(engine, prompts: list, params: list, decode_steps: int) -> dict:
 
 
 def _time_worker_calls() -> list[tuple[str, int, float]]:
-    """With `grammar_process` on: (call, masked rows, host ms) of each of the grammar
-    worker's calls on the step loop (the loop's own cost of a constrained step)."""
+    """With `grammar_process` on: (call, rows, host ms) of each of the grammar worker's
+    calls on the step loop (the loop's own cost of a constrained step); rows: those masked
+    (`masks`, `verdicts`) or sampled (`publish`)."""
     from infer.engine.grammar_process import GrammarProcess
 
     calls: list[tuple[str, int, float]] = []
 
     def timed(name: str, fn):
         def call(self, *args):
-            masked = args[-1]
             t = time.perf_counter()
             out = fn(self, *args)
-            calls.append((name, len(masked), (time.perf_counter() - t) * 1e3))
+            calls.append((name, len(args[-1]), (time.perf_counter() - t) * 1e3))
             return out
         return call
 
-    for name in ("mask", "publish", "verdicts"):
+    for name in ("masks", "publish", "verdicts"):
         setattr(GrammarProcess, name, timed(name, getattr(GrammarProcess, name)))
     return calls
 
@@ -197,7 +197,7 @@ def _worker_call_table(calls: list[tuple[str, int, float]], batches: list[int]) 
     print("| batch | grammar worker's calls on the loop | host ms (median) | calls |\n"
           "|---:|---|---:|---:|")
     for batch in batches:
-        for name in ("mask", "publish", "verdicts"):
+        for name in ("masks", "publish", "verdicts"):
             ms = sorted(t for n, rows, t in calls if n == name and 0.9 * batch <= rows <= batch)
             if ms:
                 out.append({"batch": batch, "call": name, "ms": ms[len(ms) // 2],

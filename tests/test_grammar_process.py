@@ -16,6 +16,7 @@ import torch
 from engine_fixtures import drain, make_llm
 from reference_tokenizers import ours
 
+from infer.kernels.reference import apply_token_bitmask_ref
 from infer.sampling_params import SamplingParams, StructuredOutputsParams
 
 pytest.importorskip("llguidance")
@@ -121,7 +122,8 @@ def test_the_workers_masks_and_verdicts_are_the_librarys(worker):
     for i in range(max(map(len, plans))):
         rows = [(row, m) for row, m in zip((0, 2), remote) if i < len(plans[row // 2])]
         logits = torch.zeros(3, vocab)
-        step = process.mask(logits, 3, rows)
+        step, masks = process.masks(3, rows)
+        apply_token_bitmask_ref(logits, masks)
         expected = library.allocate_masks(3)
         library.fill_masks([local[row // 2] for row, _ in rows], expected,
                            [row for row, _ in rows])
@@ -133,7 +135,7 @@ def test_the_workers_masks_and_verdicts_are_the_librarys(worker):
                 assert torch.isfinite(logits[row]).all()
         ids = torch.tensor([plans[row // 2][i] if row != 1 and i < len(plans[row // 2])
                             else 0 for row in range(3)])
-        process.publish(step, ids, rows)
+        process.publish(step, ids)
         verdicts = process.verdicts(step, rows)
         assert verdicts.refused == [] and verdicts.failed == []
         for row, _ in rows:
@@ -143,12 +145,33 @@ def test_the_workers_masks_and_verdicts_are_the_librarys(worker):
     fresh = process.matcher(grammars[0])
     broken = process.matcher('{"grammars": [{"lark_grammar": "start: nonsense_rule"}]}')
     masked = [(0, fresh), (1, broken)]
-    step = process.mask(torch.zeros(2, vocab), 2, masked)
+    step, _ = process.masks(2, masked)
     bad = tokenizer.encode("zz", add_special_tokens=False)[0]
-    process.publish(step, torch.tensor([bad, bad]), masked)
+    process.publish(step, torch.tensor([bad, bad]))
     verdicts = process.verdicts(step, masked)
     assert verdicts.refused == [0] and verdicts.failed == [1]
     process.drop([fresh, broken, *remote])
+
+
+def test_a_step_never_published_is_dropped_by_the_next_fill(worker):
+    """A step whose launch failed after its masks (no ids published): the next step's
+    masks come without waiting for them, from the matcher as it was, and go on."""
+    process, library = worker
+    grammar = library.compile(StructuredOutputsParams(regex=r"ab|cd"))
+    remote, local = process.matcher(grammar), library.matcher(grammar)
+    masked = [(0, remote)]
+    process.masks(1, masked)  # never published
+    start = time.monotonic()
+    step, masks = process.masks(1, masked)
+    assert time.monotonic() - start < 2
+    expected = library.allocate_masks(1)
+    library.fill_masks([local], expected)
+    assert np.array_equal(masks[0].numpy(), expected[0].numpy())
+    token = ours("smollm2").encode("ab", add_special_tokens=False)[0]
+    process.publish(step, torch.tensor([token]))
+    verdicts = process.verdicts(step, masked)
+    assert verdicts.refused == [] and verdicts.failed == []
+    process.drop([remote])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA stream memory operations")
@@ -158,13 +181,14 @@ def test_the_stream_waits_for_a_host_word_and_writes_one():
     ops = StreamMemoryOps()
     word = torch.zeros(2, dtype=torch.int64).pin_memory()
     address = ops.device_pointer(word.data_ptr())
+    stream = torch.cuda.current_stream().cuda_stream
     word[0] = 5
-    ops.wait_at_least(address, 5)
-    ops.write(address + 8, 7)
+    ops.wait_at_least(stream, address, 5)
+    ops.write(stream, address + 8, 7)
     torch.cuda.synchronize()
     assert word[1] == 7
-    ops.wait_at_least(address, 6)  # passes once the host writes 6
-    ops.write(address + 8, 9)
+    ops.wait_at_least(stream, address, 6)  # passes once the host writes 6
+    ops.write(stream, address + 8, 9)
     time.sleep(0.2)
     assert word[1] == 7  # still waiting
     word[0] = 6

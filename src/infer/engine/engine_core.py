@@ -492,7 +492,7 @@ class EngineCore:
             return _StepInFlight(out, requests, [], None, None)
         if any(count > 1 for count in inputs.sample_counts):
             return self._launch_verify(out, requests, inputs, logits)
-        masked, grammar_step, failure = [], 0, None
+        masked, masks, grammar_step, failure = [], None, 0, None
         if any(seq.grammar is not None for seq in seqs):
             if self._grammar_process is None:
                 if prev is not None:
@@ -500,14 +500,14 @@ class EngineCore:
                 masked = self._mask(logits, seqs)
             elif masked := _constrained(seqs):
                 try:
-                    grammar_step = self._grammar_process.mask(logits, len(seqs), masked)
+                    grammar_step, masks = self._grammar_process.masks(len(seqs), masked)
                 except GrammarWorkerError as exc:  # the rows go unmasked, and fail
                     failure = str(exc)
         pending = {item.request_id for item in out.scheduled if item.token_ids is None}
-        result = sample(logits, self._sampling_batch(seqs, pending))
+        result = sample(logits, self._sampling_batch(seqs, pending), masks)
         if grammar_step:
             try:
-                self._grammar_process.publish(grammar_step, result.token_ids, masked)
+                self._grammar_process.publish(grammar_step, result.token_ids)
             except GrammarWorkerError as exc:
                 failure = str(exc)
         results = HostCopy(result.token_ids, result.logprobs, result.ranks,

@@ -1,14 +1,14 @@
 """The step loop's side of the grammar worker (`grammar_worker.py`): constrained sequences'
-matchers live in that process, and a constrained step costs the loop two messages and a
+matchers live in that process, and a constrained step costs the loop one message and a
 few queued device operations instead of the grammar work itself.
 
-A step s with constrained rows, on CUDA: `mask` sends ("fill", s) and queues a stream wait
-for the worker's `masks_ready >= s` (a CUDA stream memory operation on the shared block),
-the masks' copy from the block and the bitmask kernel; after the sampling, `publish`
-queues the sampled ids' copy into the block and a stream write of the stamp s, and sends
-("feed", s). The loop reads the worker's verdicts on s (a grammar finished, a token
-refused, a matcher the library would not make) when it accounts s. On the CPU the loop
-waits for the masks itself and writes the ids.
+A step s with constrained rows, on CUDA: `masks` sends ("fill", s) and queues a stream wait
+for the worker's `masks_ready >= s` (a CUDA stream memory operation on the shared block)
+and the masks' copy from the block; the sampler applies them in its own pass. After the
+sampling, `publish` queues the sampled ids' copy into the block and a stream write of the
+stamp s, which the worker watches for (no message). The loop reads the worker's verdicts
+on s (a grammar finished, a token refused, a matcher the library would not make) when it
+accounts s. On the CPU the loop waits for the masks itself and writes the ids.
 
 A stream wait has no time limit, so a watchdog thread ends a worker that has exited or
 left a step's masks unfilled for WORKER_WAIT_S, and then releases the device's waits.
@@ -38,7 +38,6 @@ from infer.engine.grammar_worker import (
     map_shared,
 )
 from infer.engine.structured_output import library_tokenizer_json
-from infer.kernels.reference import apply_token_bitmask_ref
 from infer.loader.tokenizer import Tokenizer
 
 # How long the loop waits for the worker (masks on the CPU, verdicts, a step's masks on
@@ -95,6 +94,8 @@ class GrammarProcess:
         self.process.start()
         reader.close()
         self._send_lock = threading.Lock()  # the loop and the compile thread both send
+        self._published = 0  # the last step whose ids the device was asked to publish
+        self._stream = 0  # the CUDA stream of the step being launched
         self._ids = itertools.count(1)
         self._step = 0
         self.failure: str | None = None  # why the worker is taken for broken
@@ -134,40 +135,36 @@ class GrammarProcess:
             self._send(("drop", [m.id for m in matchers]))
 
     # -- a step ------------------------------------------------------------------------
-    def mask(self, logits: torch.Tensor, rows: int,
-             masked: list[tuple[int, RemoteMatcher]]) -> int:
-        """Disallowed tokens -> -inf on the `masked` (row, matcher) rows of the first `rows`
-        rows of `logits` once the worker has filled them; the step's number, for `publish`
-        and `verdicts`."""
+    def masks(self, rows: int, masked: list[tuple[int, RemoteMatcher]]
+              ) -> tuple[int, torch.Tensor]:
+        """The token bitmasks of a step's first `rows` rows, for the sampler: the `masked`
+        (row, matcher) rows' once the worker has filled them, every other row allowing
+        every token; and the step's number, for `publish` and `verdicts`."""
         self._check_usable()
         self._step += 1
         step = self._step
-        self._send(("fill", step, rows, [m.id for _, m in masked], [row for row, _ in masked]))
-        with torch.inference_mode():  # the logits are inference tensors
-            if self._on_cuda:
-                from infer.kernels.token_bitmask import apply_token_bitmask
+        self._send(("fill", step, rows, [m.id for _, m in masked], [row for row, _ in masked],
+                    self._published))
+        if not self._on_cuda:
+            self._wait_for(MASKS_READY, step, "masks")
+            return step, torch.from_numpy(self.layout.masks[:rows])
+        self._stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._stream_ops.wait_at_least(self._stream, self._masks_ready, step)
+        masks = self._device_masks[:rows]
+        masks.copy_(self._host_masks[:rows], non_blocking=True)
+        return step, masks
 
-                self._stream_ops.wait_at_least(self._masks_ready, step)
-                masks = self._device_masks[:rows]
-                masks.copy_(self._host_masks[:rows], non_blocking=True)
-                apply_token_bitmask(logits, masks)
-            else:
-                self._wait_for(MASKS_READY, step, "masks")
-                apply_token_bitmask_ref(logits, torch.from_numpy(self.layout.masks[:rows]))
-        return step
-
-    def publish(self, step: int, token_ids: torch.Tensor,
-                masked: list[tuple[int, RemoteMatcher]]) -> None:
+    def publish(self, step: int, token_ids: torch.Tensor) -> None:
         """Hand the worker the step's sampled ids (`token_ids`, one per row) to feed the
-        `masked` rows' matchers."""
+        matchers of the rows its `masks` named."""
         n = len(token_ids)
         if self._on_cuda:
             self._host_tokens[:n].copy_(token_ids, non_blocking=True)
-            self._stream_ops.write(self._tokens_stamp, step)
+            self._stream_ops.write(self._stream, self._tokens_stamp, step)
         else:
             self.layout.tokens[:n] = token_ids.numpy()
             self.layout.header[TOKENS_STAMP] = step
-        self._send(("feed", step, [m.id for _, m in masked], [row for row, _ in masked]))
+        self._published = step
 
     def verdicts(self, step: int, masked: list[tuple[int, RemoteMatcher]]) -> Verdicts:
         """Once the step's ids are on the host: the worker's word on each masked row; a
@@ -258,7 +255,7 @@ class GrammarProcess:
 
 class StreamMemoryOps:
     """CUDA's stream memory operations (driver API, the V2 entry points every platform
-    has) on the current stream: wait until a 64-bit word is at least a value, write one.
+    has) on a stream (its handle): wait until a 64-bit word is at least a value, write one.
     Addresses are of registered host memory (with unified addressing, the device's too)."""
 
     WAIT_GEQ = 0x0
@@ -285,15 +282,11 @@ class StreamMemoryOps:
         fn.restype = ctypes.c_int
         return fn
 
-    def wait_at_least(self, address: int, value: int) -> None:
-        self._check(self._wait(self._stream(), address, value, self.WAIT_GEQ), "wait")
+    def wait_at_least(self, stream: int, address: int, value: int) -> None:
+        self._check(self._wait(stream, address, value, self.WAIT_GEQ), "wait")
 
-    def write(self, address: int, value: int) -> None:
-        self._check(self._write(self._stream(), address, value, self.WRITE_DEFAULT), "write")
-
-    @staticmethod
-    def _stream() -> int:
-        return torch.cuda.current_stream().cuda_stream
+    def write(self, stream: int, address: int, value: int) -> None:
+        self._check(self._write(stream, address, value, self.WRITE_DEFAULT), "write")
 
     @staticmethod
     def _check(code: int, what: str) -> None:

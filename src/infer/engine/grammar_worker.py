@@ -14,8 +14,12 @@ They share one block of memory (`SharedLayout`), registered with CUDA by the loo
 
 Messages, on one pipe and in order: ("make", id, grammar) from the thread that compiles
 grammars (no answer: a matcher the library refuses gets the verdict FAILED), ("fill",
-step, rows, ids, masked rows), ("feed", step, ids, rows) and ("drop", ids) from the loop.
-A step's rows that are not masked allow every token.
+step, rows, ids, masked rows, published) and ("drop", ids) from the loop. A step's rows
+that are not masked allow every token. A filled step's ids are taken, for the rows it
+named, once `tokens_stamp` reaches it: the worker watches the stamp between messages, so
+the step costs the loop one message. `published` is the last step whose ids the loop has
+had the device publish: a step filled but never published (its launch failed) is past it
+when the next fill comes, and is dropped.
 
 Each area has one writer at a time: the worker fills the masks of step s only after it took
 step s-1's ids, which the device publishes after copying step s-1's masks; and it takes
@@ -41,6 +45,9 @@ MASKS_READY, TOKENS_STAMP, FED = 0, 8, 16
 HEADER_WORDS = 24
 # How long the worker waits for a step's ids to be published before giving up on it.
 TOKENS_WAIT_S = 30.0
+# How often the worker looks at the stamp while a filled step waits for its ids, and
+# (after STAMP_IDLE_S) once the device has been slow to publish them.
+STAMP_POLL_S, STAMP_IDLE_POLL_S, STAMP_IDLE_S = 50e-6, 5e-3, 0.1
 
 
 class SharedLayout:
@@ -105,24 +112,31 @@ class Worker:
         self.steps = steps
         self.matchers: dict[int, object] = {}
         self.failed: set[int] = set()  # matchers the library refused to make
+        # The last filled step whose ids are not taken yet: (step, ids, rows, filled at)
+        self.pending: tuple[int, list[int], list[int], float] | None = None
 
     def run(self) -> None:
-        """One thread: a second would wait for the GIL behind the spin on a step's ids (up
-        to the interpreter's 5 ms switch interval a turn)."""
+        """One thread: a second would wait for the GIL behind the watch on the stamp (up to
+        the interpreter's 5 ms switch interval a turn)."""
         while True:
+            pending = self.pending
+            if pending is not None:
+                if self.layout.header[TOKENS_STAMP] >= pending[0]:
+                    self.feed(*pending[:3])
+                    continue
+                idle = time.monotonic() - pending[3] > STAMP_IDLE_S
+                if not self.steps.poll(STAMP_IDLE_POLL_S if idle else STAMP_POLL_S):
+                    continue
             try:
-                message = self.steps.recv()
+                kind, *args = self.steps.recv()
             except EOFError:
                 return
-            kind = message[0]
             if kind == "make":
-                self.make(*message[1:])
+                self.make(*args)
             elif kind == "fill":
-                self.fill(*message[1:])
-            elif kind == "feed":
-                self.feed(*message[1:])
+                self.fill(*args)
             elif kind == "drop":
-                for matcher_id in message[1]:
+                for matcher_id in args[0]:
                     self.matchers.pop(matcher_id, None)
                     self.failed.discard(matcher_id)
 
@@ -139,10 +153,18 @@ class Worker:
         else:
             self.matchers[matcher_id] = matcher
 
-    def fill(self, step: int, rows: int, ids: list[int], masked: list[int]) -> None:
+    def fill(self, step: int, rows: int, ids: list[int], masked: list[int],
+             published: int) -> None:
         """Masks of `step`'s first `rows` rows: the `masked` ones by their matchers, the
         others (and a finished or failed matcher's, whose token is discarded with its
-        sequence) allowing every token."""
+        sequence) allowing every token. The step before is fed first if it was published
+        (its ids may still be on their way), else dropped."""
+        pending = self.pending
+        if pending is not None:
+            if pending[0] > published or not self._await_stamp(pending[0]):
+                self.pending = None
+            else:
+                self.feed(*pending[:3])
         layout = self.layout
         pairs = []
         for matcher_id, row in zip(ids, masked):
@@ -157,15 +179,22 @@ class Worker:
                 pairs, layout.masks.__array_interface__["data"][0], 4 * layout.words,
                 layout.rows)
         layout.header[MASKS_READY] = step
+        self.pending = (step, ids, masked, time.monotonic())
+
+    def _await_stamp(self, step: int) -> bool:
+        """Whether the device published `step`'s ids within TOKENS_WAIT_S (if not, `fed`
+        stays behind: the loop gives up on this worker)."""
+        deadline = time.monotonic() + TOKENS_WAIT_S
+        while self.layout.header[TOKENS_STAMP] < step:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0)
+        return True
 
     def feed(self, step: int, ids: list[int], rows: list[int]) -> None:
-        """Each row's sampled id to its matcher, once the device has published them."""
+        """Each row's sampled id (published) to its matcher."""
+        self.pending = None
         layout = self.layout
-        deadline = time.monotonic() + TOKENS_WAIT_S
-        while layout.header[TOKENS_STAMP] < step:
-            if time.monotonic() > deadline:
-                return  # `fed` stays behind: the loop gives up on this worker
-            time.sleep(0)
         tokens = layout.tokens
         verdicts = layout.verdicts[step % 2]
         for matcher_id, row in zip(ids, rows):
