@@ -25,9 +25,9 @@ def _run(llm, prompts, params, monkeypatch, fresh: bool):
     batches = []
     real_sample = engine_core.sample
 
-    def sample(logits, batch):
+    def sample(logits, batch, masks=None):
         batches.append(batch)
-        return real_sample(logits, batch)
+        return real_sample(logits, batch, masks)
 
     def no_reuse(seqs, *args, **kwargs):
         core._last_batch = None
