@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,8 +32,7 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["name", "tags"]}
 
 
-def _llm(grammar_process: bool, **config):
-
+def _llm(grammar_process: bool | None, **config):
     return make_llm(num_blocks=256, grammar_process=grammar_process, **config)
 
 
@@ -53,7 +56,7 @@ def test_the_worker_gives_the_tokens_the_step_loop_gives(async_scheduling):
     llm = _llm(True, async_scheduling=async_scheduling)
     worker = llm.generate(prompts, params, use_tqdm=False)
     core = llm.engine.core
-    assert core._grammar_process is not None and core._grammar_process.process.is_alive()
+    assert core._grammar_process is not None and core._grammar_process.alive()
     loop = _llm(False, async_scheduling=async_scheduling).generate(prompts, params,
                                                                     use_tqdm=False)
     assert [o.outputs[0].token_ids for o in worker] == [o.outputs[0].token_ids for o in loop]
@@ -70,6 +73,31 @@ def test_the_worker_gives_the_tokens_the_step_loop_gives(async_scheduling):
         assert llm.engine.stats()["num_steps_launched_ahead"] > 0
 
 
+@pytest.mark.parametrize(("device", "speculative_method", "wanted"), [
+    ("cuda", "none", True), ("cpu", "none", False), ("cuda", "ngram", False)])
+def test_by_default_the_worker_runs_with_cuda_and_without_drafts(
+        device, speculative_method, wanted):
+    from types import SimpleNamespace
+
+    from infer.engine.engine_core import EngineCore
+
+    core = SimpleNamespace(device=torch.device(device), config=SimpleNamespace(
+        grammar_process=None, speculative_method=speculative_method))
+    assert EngineCore._grammar_worker_wanted(core) is wanted
+    for explicit in (True, False):
+        core.config.grammar_process = explicit
+        assert EngineCore._grammar_worker_wanted(core) is explicit
+
+
+def test_by_default_a_cpu_engine_keeps_the_matchers_on_its_loop():
+    llm = _llm(None)
+    [out] = llm.generate([PROMPT], [SamplingParams(
+        max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-c]+"))],
+        use_tqdm=False)
+    assert llm.engine.core._grammar_process is None
+    assert re.fullmatch("[a-c]+", out.outputs[0].text)
+
+
 def test_a_dead_worker_ends_the_constrained_sequences_only():
     prompts, params = _requests()
     llm = _llm(True)
@@ -77,7 +105,7 @@ def test_a_dead_worker_ends_the_constrained_sequences_only():
     [alone] = _llm(False).generate(prompts[1:2], params[1:2], use_tqdm=False)
     process = llm.engine.core._grammar_process.process
     process.kill()
-    process.join()
+    process.wait()
     engine = llm.engine
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", prompt, p)
@@ -172,6 +200,30 @@ def test_a_step_never_published_is_dropped_by_the_next_fill(worker):
     verdicts = process.verdicts(step, masked)
     assert verdicts.refused == [] and verdicts.failed == []
     process.drop([remote])
+
+
+def test_a_script_without_a_main_guard_starts_the_worker_and_runs_once(tmp_path):
+    """The worker starts in a fresh interpreter: a script that makes an engine at its top
+    level (no `if __name__ == "__main__"`) is not run again inside it."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import torch
+        from reference_tokenizers import ours
+        from infer.engine.grammar_process import GrammarProcess
+        print("script body", flush=True)
+        tokenizer = ours("smollm2")
+        process = GrammarProcess(tokenizer, tokenizer.vocab_size, 1, torch.device("cpu"))
+        step, masks = process.masks(1, [])
+        print("masks", step, int(masks[0, 0]), flush=True)
+        process.close()
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("script body") == 1, done.stdout
+    assert "masks 1 -1" in done.stdout  # a row no matcher names allows every token
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA stream memory operations")

@@ -25,7 +25,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             text += f" (default: {shown})"
         text = text.replace("%", "%%")
         hint = hints[f.name]
-        if hint is bool:
+        if bool in (hint, *typing.get_args(hint)):  # `bool | None`: None is "by the device"
             action = group.add_argument(flag, dest=f.name, default=f.default,
                                         action=argparse.BooleanOptionalAction)
             action.help = text  # set after: some Pythons append the default themselves

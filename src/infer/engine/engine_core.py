@@ -327,13 +327,21 @@ class EngineCore:
                     raise ValueError("structured_outputs needs the engine's tokenizer, which "
                                      "this core was built without")
                 vocab_size = self.model_config.vocab_size
-                if self.config.grammar_process:
+                if self._grammar_worker_wanted():
                     # a step samples at most one row per sequence (no drafts here)
                     rows = self.scheduler.max_num_seqs or MAX_GRAMMAR_ROWS
                     self._grammar_process = GrammarProcess(self.tokenizer, vocab_size,
                                                            rows, self.device)
                 self._structured = StructuredOutputs(self.tokenizer, vocab_size)
         return self._structured
+
+    def _grammar_worker_wanted(self) -> bool:
+        """`grammar_process`, its default resolved: on with CUDA unless drafts are checked
+        against grammars on the loop."""
+        wanted = self.config.grammar_process
+        if wanted is None:
+            return self.device.type == "cuda" and self.config.speculative_method == "none"
+        return wanted
 
     def warm_structured_outputs(self) -> threading.Thread | None:
         """Set up the grammar library's vocabulary in a thread, so that a server's first

@@ -16,17 +16,21 @@ left a step's masks unfilled for WORKER_WAIT_S, and then releases the device's w
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
 
-from infer.engine import grammar_worker
 from infer.engine.grammar_worker import (
     FAILED,
     FED,
@@ -85,14 +89,11 @@ class GrammarProcess:
         if self._on_cuda:
             self._stream_ops = StreamMemoryOps()
             self._register()
-        ctx = multiprocessing.get_context("spawn")
-        reader, self._steps = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(
-            target=grammar_worker.serve, name="infer-grammar", daemon=True,
-            args=(name, rows, words, library_tokenizer_json(tokenizer), vocab_size,
-                  list(tokenizer.eos_token_ids), reader))
-        self.process.start()
+        reader, self._steps = multiprocessing.Pipe(duplex=False)
+        self.process = _start_worker(reader)
         reader.close()
+        self._steps.send((name, rows, words, library_tokenizer_json(tokenizer), vocab_size,
+                          list(tokenizer.eos_token_ids)))
         self._send_lock = threading.Lock()  # the loop and the compile thread both send
         self._published = 0  # the last step whose ids the device was asked to publish
         self._stream = 0  # the CUDA stream of the step being launched
@@ -191,9 +192,9 @@ class GrammarProcess:
         start = time.monotonic()
         while header[slot] < step:
             waited = time.monotonic() - start
-            if self.failure is not None or waited > WORKER_WAIT_S or not self.process.is_alive():
+            if self.failure is not None or waited > WORKER_WAIT_S or not self.alive():
                 self._fail(self.failure or f"the grammar worker sent no {what} in "
-                           f"{WORKER_WAIT_S:g} s (exit code {self.process.exitcode})")
+                           f"{WORKER_WAIT_S:g} s (exit code {self.process.returncode})")
             # Spinning on sleep(0) keeps the GIL from this process's other threads (the
             # grammar compiles) for up to a switch interval: past a short spin, sleep.
             time.sleep(0 if waited < SPIN_S else SPIN_S)
@@ -205,8 +206,8 @@ class GrammarProcess:
         while not self._closed.wait(0.1):
             if self.failure is not None:
                 return
-            if not self.process.is_alive():
-                self._give_up(f"the grammar worker exited (code {self.process.exitcode})")
+            if not self.alive():
+                self._give_up(f"the grammar worker exited (code {self.process.returncode})")
                 return
             if header[MASKS_READY] >= self._step:
                 behind_since = None
@@ -219,9 +220,9 @@ class GrammarProcess:
     def _give_up(self, why: str) -> None:
         if self.failure is None:
             self.failure = why
-        if self.process.is_alive():
+        if self.alive():
             self.process.kill()
-            self.process.join()
+        self.process.wait()
         self.layout.header[MASKS_READY] = RELEASED  # the device's waits pass; rows void
 
     def _send(self, message: tuple) -> None:
@@ -229,8 +230,12 @@ class GrammarProcess:
             with self._send_lock:
                 self._steps.send(message)
         except OSError as exc:
-            self.process.join(timeout=1)
-            self._fail(f"the grammar worker exited (code {self.process.exitcode}; {exc!r})")
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=1)
+            self._fail(f"the grammar worker exited (code {self.process.returncode}; {exc!r})")
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
 
     def _check_usable(self) -> None:
         if self.failure is not None:
@@ -244,13 +249,29 @@ class GrammarProcess:
         """Stop the worker (and release the block's registration)."""
         self._closed.set()
         self._steps.close()
-        self.process.join(timeout=5)
-        if self.process.is_alive():
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
             self.process.kill()
-            self.process.join()
+            self.process.wait()
         if self._on_cuda:
             torch.cuda.synchronize(self.device)  # nothing queued uses the block any more
             torch.cuda.cudart().cudaHostUnregister(self._registered)
+
+
+def _start_worker(steps: Connection) -> subprocess.Popen:
+    """`grammar_worker.main` in a fresh interpreter reading `steps` (its file descriptor
+    passed down). Not multiprocessing's spawn: that runs the parent's main script again in
+    the child, which a script without a `__main__` guard (`LLM(...)` at its top level) would
+    take for a second engine."""
+    package_root = str(Path(__file__).resolve().parents[2])  # the folder holding `infer`
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [package_root, *filter(None, [env.get("PYTHONPATH")])])
+    fd = steps.fileno()
+    return subprocess.Popen(
+        [sys.executable, "-c", f"from infer.engine.grammar_worker import main; main({fd})"],
+        pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL)
 
 
 class StreamMemoryOps:

@@ -94,9 +94,20 @@ def map_shared(name: str, size: int = 0, unlink: bool = False) -> mmap.mmap:
     return block
 
 
+def main(fd: int) -> None:
+    """The worker process's main: its set-up, then the steps, from the pipe's read end
+    `fd`, until the pipe closes."""
+    steps = Connection(fd, writable=False)
+    try:
+        setup = steps.recv()
+    except EOFError:
+        return
+    serve(*setup, steps)
+
+
 def serve(shm_name: str, rows: int, words: int, tokenizer_json: str, vocab_size: int,
           eos_token_ids: list[int], steps: Connection) -> None:
-    """The worker process's main: until `steps` closes."""
+    """Serve `steps` for the shared block `shm_name` until they close."""
     import llguidance
 
     layout = SharedLayout(memoryview(map_shared(shm_name, unlink=True)), rows, words)
