@@ -35,6 +35,7 @@ from infer.engine.grammar_worker import (
     FAILED,
     FED,
     MASKS_READY,
+    NOTED,
     REFUSED,
     STOPPED,
     TOKENS_STAMP,
@@ -174,8 +175,10 @@ class GrammarProcess:
         self._check_usable()
         self._wait_for(FED, step, "verdicts")
         self._check_usable()  # the watchdog may have released the step's wait
-        verdicts = self.layout.verdicts[step % 2]
         out = Verdicts([], [])
+        if self.layout.header[NOTED] != step:  # every row took its token
+            return out
+        verdicts = self.layout.verdicts[step % 2]
         for row, matcher in masked:
             verdict = verdicts[row]
             if verdict == REFUSED:

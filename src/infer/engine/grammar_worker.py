@@ -7,8 +7,9 @@ They share one block of memory (`SharedLayout`), registered with CUDA by the loo
 
 - counters: `masks_ready` (the last step whose masks are filled; the device waits on it),
   `tokens_stamp` (the last step whose sampled ids are in `tokens`; the device writes it
-  after the ids) and `fed` (the last step whose ids the matchers have taken; `verdicts`
-  then holds its rows);
+  after the ids), `fed` (the last step whose ids the matchers have taken; `verdicts`
+  then holds its rows) and `noted` (the last step with a verdict other than "took it":
+  the loop reads the rows only then);
 - `tokens` [rows] int64, `verdicts` [2, rows] uint8 (by step parity), `masks` [rows, words]
   int32 in the grammar library's layout.
 
@@ -41,8 +42,8 @@ import numpy as np
 # library refused its grammar)
 TAKEN, STOPPED, REFUSED, FAILED = 0, 1, 2, 3
 # int64 slots of the counters, each on a cache line of its own
-MASKS_READY, TOKENS_STAMP, FED = 0, 8, 16
-HEADER_WORDS = 24
+MASKS_READY, TOKENS_STAMP, FED, NOTED = 0, 8, 16, 24
+HEADER_WORDS = 32
 # How long the worker waits for a step's ids to be published before giving up on it.
 TOKENS_WAIT_S = 30.0
 # How often the worker looks at the stamp while a filled step waits for its ids, and
@@ -208,14 +209,19 @@ class Worker:
         layout = self.layout
         tokens = layout.tokens
         verdicts = layout.verdicts[step % 2]
+        noted = False
         for matcher_id, row in zip(ids, rows):
             matcher = self.matchers.get(matcher_id)
             if matcher is None:
-                verdicts[row] = FAILED if matcher_id in self.failed else TAKEN
+                verdict = FAILED if matcher_id in self.failed else TAKEN
             elif matcher.is_stopped():  # finished a step before: its row was not masked
-                verdicts[row] = STOPPED
+                verdict = STOPPED
             elif not matcher.consume_token(int(tokens[row])):
-                verdicts[row] = REFUSED
+                verdict = REFUSED
             else:
-                verdicts[row] = STOPPED if matcher.is_stopped() else TAKEN
+                verdict = STOPPED if matcher.is_stopped() else TAKEN
+            verdicts[row] = verdict
+            noted = noted or verdict != TAKEN
+        if noted:
+            layout.header[NOTED] = step
         layout.header[FED] = step
