@@ -1,16 +1,17 @@
-"""infer's one-row GEMV (`kernels/gemv.py`) against cuBLAS on the projections of batch-1
-decode: the Llama-3.2-1B and Llama-3.1-8B shapes, and one rank of the 8B at TP=2 (half
-of every split matrix). For each shape: cuBLAS (`F.linear`), the kernel's default launch,
-the default launch again with programmatic dependent launch (each call launched
-while the one before runs, as in a decode step), and the fastest of a sweep of launches
-(rows per program, K step, warps), in µs per call and as a share of the copy bandwidth
-measured in the same run.
+"""infer's GEMV (`kernels/gemv.py`) against cuBLAS on the projections of batch-1 decode
+(or `--rows` rows: a verify step's k + 1 positions, small batches): the Llama-3.2-1B and
+Llama-3.1-8B shapes, and one rank of the 8B at TP=2 (half of every split matrix). For
+each shape: cuBLAS (`F.linear`), the kernel's default launch, the default launch again
+with programmatic dependent launch (each call launched while the one before runs, as in a
+decode step), and the fastest of a sweep of launches (output channels per program, K
+step, warps), in µs per call and as a share of the copy bandwidth measured in the same run.
 
 Each case is captured in a CUDA graph (quantized_gemv.py's timer) whose calls cycle
 through enough copies of the weight to exceed the L2 cache three times over, as a decode
 step's layers do; every launch's result is checked against cuBLAS's first.
 
     python benchmarks/gemv_sweep.py [--shapes 1b 8b 8b-tp2] [--quick | --defaults-only]
+        [--rows 5 --suffix _rows5]
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ SHAPES = {
 }
 
 
-def launches(quick: bool) -> list:
+def launches(quick: bool, rows: int) -> list:
     from infer.kernels.gemv import Launch
 
+    steps = (256, 512, 1024) if rows == 1 else (64, 128, 256, 512)
     out = [Launch(bn, bk, warps) for bn, bk, warps in itertools.product(
-        (4, 8, 16), (256, 512, 1024), (4, 8))]
+        (4, 8, 16), steps, (4, 8))]
     return out[::3] if quick else out
 
 
@@ -54,6 +56,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="every third launch")
     parser.add_argument("--defaults-only", action="store_true",
                         help="time the kernel's default launch only")
+    parser.add_argument("--rows", type=int, default=1, help="rows of x (up to 16)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gemv_sweep.py times CUDA kernels: no GPU here")
@@ -66,11 +69,11 @@ def main() -> None:
     for model in args.shapes:
         for shape, n, k in SHAPES[model]:
             copies = max(1, -(-3 * L2_BYTES // (2 * n * k)))
-            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(args.rows, k, device="cuda", dtype=torch.bfloat16)
             weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                        for _ in range(copies)]
             expected = F.linear(x, weights[0]).float()
-            moved = 2 * n * k + 2 * k + 2 * n
+            moved = 2 * n * k + 2 * args.rows * (k + n)
 
             def frac(us: float, moved: int = moved) -> float:
                 return moved / us / 1e3 / copy_gbs
@@ -82,13 +85,13 @@ def main() -> None:
                 return time_cycled(gemv, x, weights, launch, replays=10)
 
             cublas_us = time_cycled(F.linear, x, weights, replays=10)
-            default = default_launch(n, k)
+            default = default_launch(n, k, args.rows)
             default_us = timed(default)
             dependent_launch.set_enabled(True)  # each call's launch under the one before
             pdl_us = timed(default)
             dependent_launch.set_enabled(False)
             best, best_us = default, default_us
-            for launch in ([] if args.defaults_only else launches(args.quick)):
+            for launch in ([] if args.defaults_only else launches(args.quick, args.rows)):
                 try:
                     us = timed(launch)
                 except Exception as exc:  # a launch that does not compile: skip it
@@ -98,7 +101,7 @@ def main() -> None:
                                   us=us))
                 if us < best_us:
                     best, best_us = launch, us
-            row = dict(model=model, shape=shape, n=n, k=k, MB=moved / 1e6,
+            row = dict(model=model, shape=shape, rows=args.rows, n=n, k=k, MB=moved / 1e6,
                        cublas_us=cublas_us, cublas_frac=frac(cublas_us),
                        default_us=default_us, default_frac=frac(default_us),
                        pdl_us=pdl_us, pdl_frac=frac(pdl_us),
@@ -111,8 +114,8 @@ def main() -> None:
             common.write_results("gemv_sweep", args, {"ceilings": ceil, "rows": rows,
                                                       "sweep": sweep})
     common.print_table(
-        "one-row GEMV, bf16 (us per call in a CUDA graph, weights cycled past L2; "
-        "launch = rows per program, K step, warps)", rows,
+        f"GEMV of {args.rows} row(s), bf16 (us per call in a CUDA graph, weights cycled "
+        "past L2; launch = output channels per program, K step, warps)", rows,
         [("model", "model", ""), ("shape", "shape", ""), ("MB", "MB", ".1f"),
          ("cuBLAS us", "cublas_us", ".1f"), ("%copy", "cublas_frac", ".0%"),
          ("default us", "default_us", ".1f"), ("%copy", "default_frac", ".0%"),

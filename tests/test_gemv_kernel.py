@@ -1,5 +1,5 @@
-"""The one-row GEMV Triton kernel (in the interpreter on the CPU; on the GPU with
-INFER_TEST_DEVICE=cuda) against float64, and the linear layers that use it."""
+"""The GEMV Triton kernels, one row and a few (in the interpreter on the CPU; on the GPU
+with INFER_TEST_DEVICE=cuda) against float64, and the linear layers that use them."""
 
 from __future__ import annotations
 
@@ -43,8 +43,43 @@ def test_gemv_matches_float64(dtype, case):
     assert error < TOLERANCE[dtype], error
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_one_row_linear_layers_take_the_gemv(rows, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "case"), [(2, 0), (3, 1), (5, 2), (8, 3), (16, 5), (7, 4)])
+def test_a_few_rows_match_float64(dtype, rows, case):
+    """Rows padded to a power of two (3, 5, 7), ragged K and N, a row stride wider than K."""
+    from infer.kernels.gemv import gemv
+
+    n, k, launch = launches()[case]
+    gen = torch.Generator().manual_seed(10 + case)
+    x = torch.randn(rows, k + 5, generator=gen).to(dtype)[:, :k]
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    y = gemv(x.to(DEVICE), w.to(DEVICE), launch).cpu()
+    ref = x.double() @ w.double().T
+    assert y.dtype == dtype and y.shape == (rows, n)
+    error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert error < TOLERANCE[dtype], error
+    one = torch.cat([gemv(x[i:i + 1].contiguous().to(DEVICE), w.to(DEVICE)).cpu()
+                     for i in range(rows)])
+    spread = (y.double() - one.double()).abs().max().item()
+    assert spread < 2 * TOLERANCE[dtype] * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_a_few_gated_rows_are_the_activation_then_the_gemv(act):
+    from infer.kernels import activation
+    from infer.kernels.gemv import Launch, gemv
+
+    gen = torch.Generator().manual_seed(len(act))
+    gate_up = (torch.randn(3, 2 * 200, generator=gen) * 3).to(DEVICE)
+    w = torch.randn(24, 200, generator=gen).to(DEVICE)
+    rows = {"silu": activation.swiglu, "gelu_tanh": activation.geglu_tanh}[act](gate_up)
+    launch = Launch(8, 64, 4)
+    got, want = gemv(gate_up, w, launch, act=act), gemv(rows.contiguous(), w, launch)
+    assert (got - want).abs().max().item() <= 1e-6 * want.abs().max().item()
+
+
+@pytest.mark.parametrize(("rows", "max_rows"), [(1, 1), (3, 1), (3, 4), (5, 4)])
+def test_linear_layers_take_the_gemv_up_to_max_rows(rows, max_rows, monkeypatch):
     import infer.kernels.gemv as kernel
     from infer.models.linear import ColumnParallelLinear, set_triton_gemv
 
@@ -56,13 +91,13 @@ def test_one_row_linear_layers_take_the_gemv(rows, monkeypatch):
     with torch.no_grad():
         layer.weight.copy_(torch.randn(40, 96, generator=gen))
     layer = layer.to(DEVICE)
-    set_triton_gemv(layer, True)
+    set_triton_gemv(layer, True, max_rows)
     x = torch.randn(rows, 96, generator=gen).to(DEVICE)
     y = layer(x).cpu().double()
     ref = x.cpu().double() @ layer.weight.cpu().double().T
     assert y.shape == (rows, 40)
     assert (y - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
-    assert len(calls) == (1 if rows == 1 else 0)
+    assert len(calls) == (1 if rows <= max_rows else 0)
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
@@ -85,8 +120,8 @@ def test_the_gated_row_is_the_activation_kernels_then_the_gemv(act, dtype, k):
     assert (got - ref).abs().max().item() < 2 * TOLERANCE[dtype] * ref.abs().max().item()
 
 
-@pytest.mark.parametrize("rows", [1, 2])
-def test_a_gated_mlp_row_takes_one_launch_and_matches_torch(rows, monkeypatch):
+@pytest.mark.parametrize(("rows", "max_rows"), [(1, 1), (2, 1), (3, 4)])
+def test_gated_mlp_rows_take_one_launch_and_match_torch(rows, max_rows, monkeypatch):
     import infer.kernels.activation as activation
     from infer.models.layers import GatedMLP, set_kernel_backend
     from infer.models.linear import set_triton_gemv
@@ -100,10 +135,10 @@ def test_a_gated_mlp_row_takes_one_launch_and_matches_torch(rows, monkeypatch):
     x = torch.randn(rows, 64, generator=gen).to(DEVICE)
     ref = mlp(x)  # torch
     set_kernel_backend(mlp, "triton")
-    set_triton_gemv(mlp, True)
+    set_triton_gemv(mlp, True, max_rows)
     calls = []
     real = activation.gated_rows
     monkeypatch.setattr(activation, "gated_rows", lambda *a: calls.append(1) or real(*a))
     got = mlp(x)
-    assert len(calls) == (0 if rows == 1 else 1)
+    assert len(calls) == (0 if rows <= max_rows else 1)
     assert (got - ref).abs().max().item() < 1e-5 * ref.abs().max().item()

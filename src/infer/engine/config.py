@@ -88,6 +88,10 @@ class EngineConfig:
         True, "one-row matmuls of 16-bit weights (batch-1 decode: projections without a "
         "bias, LM head, a gated MLP's activation with its down projection) through infer's "
         "Triton GEMV (kernels/gemv.py) instead of cuBLAS; with kernel_backend triton only")
+    gemv_max_rows: int = knob(
+        1, "with triton_gemv, the most rows a matmul sends to infer's GEMV (a verify step's "
+        "k + 1 positions, small batches; up to 16) instead of cuBLAS; 1: batch-1 decode "
+        "only, until a device run says more rows gain")
     dependent_launch: bool = knob(
         True, "launch infer's decode kernels (GEMV, norms, RoPE + KV store, attention, "
         "W8A16) with programmatic dependent launch, so that each one's launch and first "
@@ -198,6 +202,9 @@ class EngineConfig:
             raise ValueError(f"grammar_process=True with speculative_method="
                              f"{self.speculative_method!r} is not supported: drafts are "
                              "checked against grammars on the step loop")
+        if not 1 <= self.gemv_max_rows <= 16:
+            raise ValueError(f"gemv_max_rows must be in [1, 16] (kernels/gemv.py MAX_ROWS), "
+                             f"got {self.gemv_max_rows}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -238,7 +238,8 @@ class EngineCore:
         else:
             if draft is None:
                 raise ValueError("speculative_method='draft' needs the draft model loaded")
-            set_triton_gemv(draft[0], config.triton_gemv and self.kernel_backend == "triton")
+            set_triton_gemv(draft[0], config.triton_gemv and self.kernel_backend == "triton",
+                            config.gemv_max_rows)
             runner = ModelRunner(draft[0], draft[1], num_blocks, self.block_size, self.device,
                                  self.dtype, self.attention_backend, self.kernel_backend)
             # It runs every step the model runs (its cache follows), at any batch size.

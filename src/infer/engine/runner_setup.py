@@ -37,7 +37,8 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
     # Bound before sizing the pool, so the warm-up forward measures the backends in use.
     set_attention_backend(model, attention_backend)
     set_kernel_backend(model, kernel_backend)
-    set_triton_gemv(model, config.triton_gemv and kernel_backend == "triton")
+    set_triton_gemv(model, config.triton_gemv and kernel_backend == "triton",
+                    config.gemv_max_rows)
     set_dependent_launch(config.dependent_launch and kernel_backend == "triton", device)
     block_size, num_blocks = plan_kv_cache(config, model_config, max_model_len, model, device,
                                            dtype, draft_config, tp.size)

@@ -202,7 +202,7 @@ class GatedMLP(nn.Module):
         if self.use_triton and self.act_name in _TRITON_ACT:
             act = _TRITON_ACT[self.act_name]
             y = self.down_proj.forward_gated(gate_up, act)
-            if y is not None:  # one row, activation and matmul in one launch
+            if y is not None:  # few rows: activation and matmul in one launch
                 return y
             from infer.kernels import activation as kernels
 

@@ -59,11 +59,11 @@ class LinearMethod:
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """A plain `weight [out, in]` in the model's dtype; `F.linear`, or for one row infer's
-    GEMV kernel when `triton_gemv` is set (`set_triton_gemv`)."""
+    """A plain `weight [out, in]` in the model's dtype; `F.linear`, or for up to
+    `gemv_rows` rows infer's GEMV kernel (`set_triton_gemv`; 0: never)."""
 
     def __init__(self) -> None:
-        self.triton_gemv = False
+        self.gemv_rows = 0
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_sizes: list[int],
@@ -73,42 +73,45 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", with_loader(weight, weight_loader, 0, 1))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return matmul(x, layer.weight, bias, self.triton_gemv)
+        return matmul(x, layer.weight, bias, self.gemv_rows)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight.float()
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           triton_gemv: bool) -> torch.Tensor:
-    """`x W^T + b`; with `triton_gemv`, one row without a bias through kernels/gemv.py."""
-    if _gemv_takes(x, weight, bias, triton_gemv):
+           gemv_rows: int) -> torch.Tensor:
+    """`x W^T + b`; up to `gemv_rows` rows without a bias through kernels/gemv.py."""
+    if _gemv_takes(x, weight, bias, gemv_rows):
         return _gemv(x, weight)
     return F.linear(x, weight, bias)
 
 
 def _gemv_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                triton_gemv: bool) -> bool:
-    """Whether `x` (one row, the weight's dtype, no bias) goes to infer's GEMV."""
-    return (triton_gemv and bias is None and x.numel() == x.shape[-1]
+                gemv_rows: int) -> bool:
+    """Whether `x` (at most `gemv_rows` rows, the weight's dtype, no bias) goes to infer's
+    GEMV."""
+    return (bias is None and 0 < x.numel() <= gemv_rows * x.shape[-1]
             and x.dtype == weight.dtype)
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, act: str = "") -> torch.Tensor:
-    """kernels/gemv.py on the one row `x` (any leading shape), the result shaped alike."""
+    """kernels/gemv.py on the rows of `x` (any leading shape), the result shaped alike."""
     from infer.kernels import gemv
 
-    return gemv.gemv(x.reshape(1, -1), weight, act=act).view(*x.shape[:-1], weight.shape[0])
+    rows = x.reshape(-1, x.shape[-1])
+    return gemv.gemv(rows, weight, act=act).view(*x.shape[:-1], weight.shape[0])
 
 
-def set_triton_gemv(model: nn.Module, on: bool) -> None:
-    """One-row matmuls of `model`'s plain 16-bit weights (projections, LM head) through
-    infer's Triton GEMV (`on`) or cuBLAS."""
+def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1) -> None:
+    """Matmuls of up to `max_rows` rows by `model`'s plain 16-bit weights (projections, LM
+    head) through infer's Triton GEMV (`on`) or cuBLAS."""
+    rows = max_rows if on else 0
     for m in model.modules():
         if isinstance(m, LinearBase) and isinstance(m.quant_method, UnquantizedLinearMethod):
-            m.quant_method.triton_gemv = on
+            m.quant_method.gemv_rows = rows
         elif isinstance(m, ParallelLMHead):
-            m.triton_gemv = on
+            m.gemv_rows = rows
 
 
 # What a linear layer built without a `quant_method` gets (`linear_method_default`).
@@ -311,12 +314,12 @@ class RowParallelLinear(LinearBase):
         return y if self.bias is None else y + self.bias
 
     def forward_gated(self, gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
-        """`forward(act(gate) * up)` for one row `gate_up [1, 2 * input]` in one launch of
-        infer's GEMV (kernels/gemv.py, `act` one of its activations), where this layer's
-        one-row matmuls go there (`set_triton_gemv`); None where they do not."""
+        """`forward(act(gate) * up)` for the rows of `gate_up [rows, 2 * input]` in one
+        launch of infer's GEMV (kernels/gemv.py, `act` one of its activations), where this
+        layer's matmuls of that many rows go there (`set_triton_gemv`); None where not."""
         method = self.quant_method
         if not (isinstance(method, UnquantizedLinearMethod)
-                and _gemv_takes(gate_up, self.weight, self.bias, method.triton_gemv)):
+                and _gemv_takes(gate_up, self.weight, self.bias, method.gemv_rows)):
             return None
         y = _gemv(gate_up, self.weight, act)
         return y if self.tp_size == 1 or not self.reduce_output else self.tp.all_reduce(y)
@@ -380,20 +383,20 @@ class ParallelLMHead(VocabParallelEmbedding):
     ) -> None:
         if tied is None:
             super().__init__(num_embeddings, embedding_dim, tp)
-            self.triton_gemv = False
+            self.gemv_rows = 0
             return
         nn.Module.__init__(self)
         self.tp, self.tp_rank, self.tp_size = tied.tp, tied.tp_rank, tied.tp_size
         self.num_embeddings, self.vocab_start = tied.num_embeddings, tied.vocab_start
         self.weight = tied.weight
         self.quant_method = None
-        self.triton_gemv = False
+        self.gemv_rows = 0
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             logits = self.quant_method.apply(self, hidden, None)
         else:
-            logits = matmul(hidden, self.weight, None, self.triton_gemv)
+            logits = matmul(hidden, self.weight, None, self.gemv_rows)
         if self.tp_size == 1:
             return logits
         return self.tp.all_gather(logits)[..., :self.num_embeddings]
