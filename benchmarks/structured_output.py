@@ -15,8 +15,8 @@ its steps.
     python benchmarks/structured_output.py --tokenizer DIR [--batches 1 32 256] [--rounds 5]
         [--engine grammar_process=true]
 
-With the grammar worker on, the loop's own time in its calls (queueing a step's masks,
-handing over its ids, reading the verdicts) is printed as well.
+With the grammar worker on (the default with CUDA), the loop's own time in its calls
+(queueing a step's masks, handing over its ids, reading the verdicts) is printed as well.
 
 Prints one table and writes benchmarks/results/structured_output_<device>.json.
 """
@@ -70,7 +70,7 @@ def main() -> None:
                                  tokenizer_dir=Path(args.tokenizer))
     flags = {"max_num_seqs": max(args.batches), **common.parse_engine_flags(args.engine)}
     llm, _ = common.build_llm(path, flags)
-    worker_calls = _time_worker_calls() if flags.get("grammar_process") else None
+    worker_calls = _time_worker_calls()  # stays empty where the worker is off
     person = [SamplingParams(max_tokens=64, temperature=0.8, seed=i,
                              structured_outputs=StructuredOutputsParams(json=PERSON))
               for i in range(64)]
@@ -170,7 +170,7 @@ def _timed_run(engine, prompts: list, params: list, decode_steps: int) -> dict:
 
 
 def _time_worker_calls() -> list[tuple[str, int, float]]:
-    """With `grammar_process` on: (call, rows, host ms) of each of the grammar worker's
+    """Where the grammar worker is on: (call, rows, host ms) of each of the grammar worker's
     calls on the step loop (the loop's own cost of a constrained step); rows: those masked
     (`masks`, `verdicts`) or sampled (`publish`)."""
     from infer.engine.grammar_process import GrammarProcess
