@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from infer.engine.structured_output import apply_token_masks
 from infer.kernels import triton_available
 from infer.sampling_params import SamplingParams
 from infer.transfer import to_device
@@ -438,7 +439,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
                         and batch.min_p is None)
     if masks is not None and not (fused and plain and not batch.want_logprobs
                                   and (batch.all_greedy or temperature_only)):
-        _apply_masks(logits, masks)
+        apply_token_masks(logits, masks)
         masks = None
     if batch.all_greedy and not batch.want_logprobs and plain:
         return SamplerOutput(argmax(logits, masks), None)  # the model's dtype ranks as float32
@@ -461,18 +462,6 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     if not batch.want_logprobs:
         return SamplerOutput(tokens, None)
     return SamplerOutput(tokens, *raw_logprobs(logits, tokens, batch.num_logprobs))
-
-
-def _apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> None:
-    with torch.inference_mode():  # the logits are inference tensors
-        if logits.is_cuda and triton_available():
-            from infer.kernels.token_bitmask import apply_token_bitmask
-
-            apply_token_bitmask(logits, masks)
-        else:
-            from infer.kernels.reference import apply_token_bitmask_ref
-
-            apply_token_bitmask_ref(logits, masks)
 
 
 def warm_up_sampler(vocab_size: int, device: torch.device) -> None:

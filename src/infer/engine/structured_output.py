@@ -236,12 +236,20 @@ class StructuredOutputs:
             if self._buffer_copied is None:
                 self._buffer_copied = torch.cuda.Event()
             self._buffer_copied.record()
-        if device.type == "cuda" and triton_available():
+        apply_token_masks(logits, words, index)
+
+
+def apply_token_masks(logits: torch.Tensor, masks: torch.Tensor,
+                      rows: torch.Tensor | None = None) -> None:
+    """Disallowed tokens -> -inf in place (`masks` and the row index `rows`, if any, on
+    the logits' device): infer's kernel on CUDA, the torch reference elsewhere."""
+    with torch.inference_mode():  # the logits are inference tensors
+        if logits.is_cuda and triton_available():
             from infer.kernels.token_bitmask import apply_token_bitmask
 
-            apply_token_bitmask(logits, words, index)
+            apply_token_bitmask(logits, masks, rows)
         else:
-            apply_token_bitmask_ref(logits, words, index)
+            apply_token_bitmask_ref(logits, masks, rows)
 
 
 def library_tokenizer_json(tokenizer: Tokenizer) -> str:
