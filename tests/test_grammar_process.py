@@ -20,6 +20,7 @@ import torch
 from engine_fixtures import drain, make_llm
 from reference_tokenizers import ours
 
+from infer.engine.grammar_worker import FED
 from infer.kernels.reference import apply_token_bitmask_ref
 from infer.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -179,6 +180,29 @@ def test_the_workers_masks_and_verdicts_are_the_librarys(worker):
     verdicts = process.verdicts(step, masked)
     assert verdicts.refused == [0] and verdicts.failed == [1]
     process.drop([fresh, broken, *remote])
+
+
+def test_a_steps_verdicts_survive_the_worker_feeding_the_next_step(worker):
+    """With a step launched ahead, the worker may have fed step s+1 (and said something of
+    it) before the loop reads step s's verdicts: s's stay readable."""
+    process, library = worker
+    encode = ours("smollm2").encode
+    [ab], [brace], [bad] = (encode(t, add_special_tokens=False) for t in ("ab", "{", "zz"))
+    finishing = process.matcher(library.compile(StructuredOutputsParams(regex=r"ab|cd")))
+    going_on = process.matcher(library.compile(StructuredOutputsParams(json=SCHEMA)))
+    first = [(0, finishing), (1, going_on)]
+    step, _ = process.masks(2, first)
+    process.publish(step, torch.tensor([ab, brace]))  # row 0 finishes, row 1 takes it
+    second = [(1, going_on)]
+    next_step, _ = process.masks(2, second)
+    process.publish(next_step, torch.tensor([0, bad]))  # row 1 refuses its token
+    deadline = time.monotonic() + 10
+    while process.layout.header[FED] < next_step and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    verdicts = process.verdicts(step, first)
+    assert verdicts.refused == [] and finishing.terminated and not going_on.terminated
+    assert process.verdicts(next_step, second).refused == [1]
+    process.drop([finishing, going_on])
 
 
 def test_a_step_never_published_is_dropped_by_the_next_fill(worker):

@@ -176,7 +176,7 @@ class GrammarProcess:
         self._wait_for(FED, step, "verdicts")
         self._check_usable()  # the watchdog may have released the step's wait
         out = Verdicts([], [])
-        if self.layout.header[NOTED] != step:  # every row took its token
+        if self.layout.header[NOTED + step % 2] != step:  # every row took its token
             return out
         verdicts = self.layout.verdicts[step % 2]
         for row, matcher in masked:

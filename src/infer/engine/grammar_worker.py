@@ -8,8 +8,8 @@ They share one block of memory (`SharedLayout`), registered with CUDA by the loo
 - counters: `masks_ready` (the last step whose masks are filled; the device waits on it),
   `tokens_stamp` (the last step whose sampled ids are in `tokens`; the device writes it
   after the ids), `fed` (the last step whose ids the matchers have taken; `verdicts`
-  then holds its rows) and `noted` (the last step with a verdict other than "took it":
-  the loop reads the rows only then);
+  then holds its rows) and `noted`, by step parity like the verdicts (the last step of
+  that parity with a verdict other than "took it": the loop reads the rows only then);
 - `tokens` [rows] int64, `verdicts` [2, rows] uint8 (by step parity), `masks` [rows, words]
   int32 in the grammar library's layout.
 
@@ -25,8 +25,8 @@ when the next fill comes, and is dropped.
 Each area has one writer at a time: the worker fills the masks of step s only after it took
 step s-1's ids, which the device publishes after copying step s-1's masks; and it takes
 step s's ids only after the device published them, which it does after waiting for step
-s's masks. So one slot of each is enough (two of the verdicts: the loop reads step s's
-while the worker may be at step s+1's).
+s's masks. So one slot of each is enough (two of the verdicts and of `noted`: the loop
+reads step s's while the worker may have fed step s+1).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import numpy as np
 # verdicts: took the token / took it and finished / refused it / has no matcher (the
 # library refused its grammar)
 TAKEN, STOPPED, REFUSED, FAILED = 0, 1, 2, 3
-# int64 slots of the counters, each on a cache line of its own
+# int64 slots of the counters, each on a cache line of its own (`noted`: two, by parity)
 MASKS_READY, TOKENS_STAMP, FED, NOTED = 0, 8, 16, 24
 HEADER_WORDS = 32
 # How long the worker waits for a step's ids to be published before giving up on it.
@@ -223,5 +223,5 @@ class Worker:
             verdicts[row] = verdict
             noted = noted or verdict != TAKEN
         if noted:
-            layout.header[NOTED] = step
+            layout.header[NOTED + step % 2] = step
         layout.header[FED] = step
