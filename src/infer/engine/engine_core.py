@@ -506,7 +506,9 @@ class EngineCore:
             if self._grammar_process is None:
                 if prev is not None:
                     self._advance_grammars(prev)
-                masked = self._mask(logits, seqs)
+                if masked := _constrained(seqs):
+                    masks = self.structured_outputs().sampler_masks(len(seqs), masked,
+                                                                    logits.device)
             elif masked := _constrained(seqs):
                 try:
                     grammar_step, masks = self._grammar_process.masks(len(seqs), masked)
@@ -771,21 +773,6 @@ class EngineCore:
         failed = [rid for rid, seq in self.sequences.items()
                   if isinstance(seq.grammar, RemoteMatcher)]
         return self._end_with_error(failed, error)
-
-    def _mask(self, logits: torch.Tensor, seqs: list[_Sequence]
-              ) -> list[tuple[int, GrammarMatcher | RemoteMatcher]]:
-        """Disallowed tokens -> -inf on the rows of constrained sequences (`_constrained`);
-        the (row, matcher) pairs masked."""
-        masked = _constrained(seqs)
-        if not masked:
-            return masked
-        rows = [row for row, _ in masked]
-        structured = self.structured_outputs()
-        masks = structured.step_masks(len(seqs))
-        structured.fill_masks([matcher for _, matcher in masked], masks, rows)
-        with torch.inference_mode():  # the logits are inference tensors
-            structured.apply_masks(logits, masks, rows)
-        return masked
 
     def _sampling_batch(self, seqs: list[_Sequence], pending: Collection[str] = (),
                         drafted: list[list[int]] | None = None) -> SamplingBatch:

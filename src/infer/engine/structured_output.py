@@ -230,13 +230,30 @@ class StructuredOutputs:
         index = None
         if rows is not None and rows != list(range(len(masks))):
             index = to_device(torch.tensor(rows, dtype=torch.int64), device)
-        words = to_device(masks, device)  # a step buffer is pinned: no staging copy
+        apply_token_masks(logits, self._on_device(masks, device), index)
+
+    def sampler_masks(self, rows: int, masked: list[tuple[int, GrammarMatcher]],
+                      device: torch.device) -> torch.Tensor:
+        """A step's `[rows, words]` bitmasks on `device`, for the sampler (which applies
+        them in its own pass): each (row, matcher) of `masked` what its matcher allows
+        next, every other row every token. Queued without waiting for the device."""
+        masks = self.step_masks(rows)
+        free = torch.ones(rows, dtype=torch.bool)
+        free[[row for row, _ in masked]] = False
+        masks[free] = -1
+        self.fill_masks([matcher for _, matcher in masked], masks, [row for row, _ in masked])
+        return self._on_device(masks, device)
+
+    def _on_device(self, masks: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`masks` on `device`; a copy of the step buffer (pinned: no staging copy) is
+        recorded, so that the next step's `step_masks` waits for it before refilling."""
+        words = to_device(masks, device)
         if (device.type == "cuda" and self._buffer is not None
                 and masks.data_ptr() == self._buffer.data_ptr()):
             if self._buffer_copied is None:
                 self._buffer_copied = torch.cuda.Event()
             self._buffer_copied.record()
-        apply_token_masks(logits, words, index)
+        return words
 
 
 def apply_token_masks(logits: torch.Tensor, masks: torch.Tensor,
