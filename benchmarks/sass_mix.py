@@ -1,0 +1,203 @@
+"""What the GPU runs for each weight byte of infer's decode matmuls, without a GPU.
+
+Each kernel is compiled for sm_90 (an H100 / H200) by Triton's own compiler and ptxas, as
+its JIT would compile it for a decode step's launch (the same constexprs and launch; the
+integer arguments that are multiples of 16 at run time marked so, as the JIT's
+specialization marks them), then disassembled (`cuobjdump -sass`, shipped with Triton). For
+the K loop (the kernel's innermost loop: one weight tile per iteration) it prints the
+instruction mix and the instructions issued per weight and per weight byte, with the
+registers per thread.
+
+A memory-bound kernel issues its instructions while its loads are in flight; the more it
+issues per byte, the more of the SMs' issue slots the copy rate needs (an H200 issues
+~3.3e13 thread-instructions a second and copies ~4.2e12 bytes: ~8 instructions a byte at
+full issue rate, fewer in practice), which is where an 8-bit weight's conversion to float
+shows.
+
+    python benchmarks/sass_mix.py [--kernels gemv_bf16 w8a16_int8 ...] [--suffix S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Case:
+    """A kernel as one launch compiles it: argument types (pointers as `*dtype`, the rest
+    `i32`), constexprs, which arguments are multiples of 16, the launch, and the weights one
+    K-loop iteration of one program reads (for the per-weight figures)."""
+
+    name: str
+    kernel: str  # module:function under infer.kernels
+    args: dict[str, str]
+    constexprs: dict[str, object]
+    multiple_of_16: list[str]
+    weights_per_iteration: int
+    weight_bytes: float  # bytes a weight takes as stored
+    num_warps: int = 4
+    num_stages: int = 2
+    note: str = ""
+
+
+def _cases() -> list[Case]:
+    from infer.kernels.gemv import default_launch
+
+    i32 = "i32"
+    cases = []
+    gemv_args = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", N=i32, K=i32, stride_wn=i32)
+    for shape, (n, k) in (("8B gate_up", (28672, 4096)), ("1B qkv", (3072, 2048))):
+        launch = default_launch(n, k)
+        cases.append(Case(
+            f"gemv_bf16 ({shape})", "gemv:_gemv_kernel", gemv_args,
+            dict(BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN_K=True, ACT="",
+                 PDL=False),
+            ["x_ptr", "w_ptr", "y_ptr", "N", "K", "stride_wn"],
+            launch.block_n * launch.block_k, 2, num_warps=launch.num_warps,
+            note=f"one row, launch {tuple(launch)}"))
+    rows_args = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", M=i32, N=i32, K=i32,
+                     stride_xm=i32, stride_wn=i32, stride_ym=i32)
+    for rows in (2, 5):  # a small batch; a verify step of 4 drafts
+        launch = default_launch(28672, 4096, rows)
+        padded = 1 << (rows - 1).bit_length()
+        cases.append(Case(
+            f"gemv_rows_bf16 ({rows} rows, 8B gate_up)", "gemv:_gemv_rows_kernel", rows_args,
+            dict(ROWS=padded, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN_K=True,
+                 ACT="", PDL=False),
+            ["x_ptr", "w_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn", "stride_ym"],
+            launch.block_n * launch.block_k, 2, num_warps=launch.num_warps,
+            note=f"{rows} rows (as {padded}), launch {tuple(launch)}"))
+    w8_args = dict(x_ptr="*bf16", w_ptr="", s_ptr="*fp32", y_ptr="*bf16", M=i32, N=i32, K=i32,
+                   stride_xm=i32, stride_wn=i32, stride_ys=i32, stride_ym=i32, stride_sn=i32,
+                   steps_per_split=i32)
+    for dtype, pointer in (("int8", "*i8"), ("fp8", "*fp8e4nv")):
+        # w8a16_matmul's one-row launch
+        cases.append(Case(
+            f"w8a16_{dtype} (one row, per-channel scales)", "w8a16_matmul:_w8a16_kernel",
+            {**w8_args, "w_ptr": pointer},
+            dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, IEEE=False, SCALE_ROWS=0, SCALE_COLS=0,
+                 TILE_SCALE=False, SCALE_IN_X=False, PTX=True, PDL=False),
+            ["x_ptr", "w_ptr", "s_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn",
+             "stride_ym"],
+            8 * 1024, 1, num_warps=4, num_stages=2, note="launch (8, 1024, 4 warps)"))
+    return cases
+
+
+def _triton_bin(tool: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
+
+
+def compile_case(case: Case) -> tuple[str, int | None]:
+    """The case's SASS and registers per thread."""
+    import importlib
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    module, name = case.kernel.split(":")
+    fn = getattr(importlib.import_module(f"infer.kernels.{module}"), name)
+    signature = dict(case.args)
+    signature.update({key: "constexpr" for key in case.constexprs})
+    names = list(fn.arg_names)
+    missing = set(names) - set(signature)
+    if missing:
+        raise SystemExit(f"{case.name}: no type for {sorted(missing)}")
+    signature = {key: signature[key] for key in names}
+    source = ASTSource(
+        fn=fn, signature=signature,
+        constexprs={(names.index(k),): v for k, v in case.constexprs.items()},
+        attrs={(names.index(k),): [["tt.divisibility", 16]] for k in case.multiple_of_16})
+    kernel = compile(source, target=GPUTarget("cuda", 90, 32),
+                     options=dict(num_warps=case.num_warps, num_stages=case.num_stages))
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"sass_mix_{os.getpid()}.cubin"
+    work.write_bytes(kernel.asm["cubin"])
+    try:
+        sass = subprocess.run([_triton_bin("cuobjdump"), "-sass", str(work)], check=True,
+                              capture_output=True, text=True).stdout
+        usage = subprocess.run([_triton_bin("cuobjdump"), "-res-usage", str(work)],
+                               check=True, capture_output=True, text=True).stdout
+    finally:
+        work.unlink()
+    registers = re.search(r"REG:(\d+)", usage)
+    return sass, int(registers.group(1)) if registers else None
+
+
+_INSTRUCTION = re.compile(
+    r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+
+
+def innermost_loop(sass: str) -> list[str]:
+    """The opcodes (without modifiers) of the shortest loop: the body between a backward
+    branch's target and the branch."""
+    instructions = []
+    for line in sass.splitlines():
+        match = _INSTRUCTION.match(line)
+        if match:
+            instructions.append((int(match.group(1), 16), match.group(2), match.group(3)))
+    loops = []
+    for address, opcode, operands in instructions:
+        target = re.search(r"0x([0-9a-f]+)", operands) if opcode.startswith("BRA") else None
+        if target and int(target.group(1), 16) < address:
+            loops.append((int(target.group(1), 16), address))
+    if not loops:
+        return []
+    start, end = min(loops, key=lambda span: span[1] - span[0])
+    return [opcode for address, opcode, _ in instructions if start <= address <= end]
+
+
+def analyse(case: Case) -> dict:
+    sass, registers = compile_case(case)
+    loop = innermost_loop(sass)
+    threads = 32 * case.num_warps
+    per_thread = case.weights_per_iteration / threads
+    mix = collections.Counter(opcode.split(".")[0] for opcode in loop)
+    loads = collections.Counter(opcode for opcode in loop if opcode.startswith("LDG"))
+    return dict(
+        kernel=case.name, note=case.note, registers=registers,
+        loop_instructions=len(loop), weights_per_thread=per_thread,
+        per_weight=len(loop) / per_thread if loop else None,
+        per_weight_byte=len(loop) / (per_thread * case.weight_bytes) if loop else None,
+        mix=dict(mix.most_common()), loads=dict(loads))
+
+
+def main() -> None:
+    import common
+
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernels", nargs="*", default=None,
+                        help="names (prefixes) of the cases to compile; default all")
+    parser.add_argument("--suffix", default="", help="appended to the results file name")
+    parser.add_argument("--results-dir", default=str(common.RESULTS))
+    args = parser.parse_args()
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # what the JIT does
+    cases = [case for case in _cases()
+             if not args.kernels or any(case.name.startswith(k) for k in args.kernels)]
+    rows = [analyse(case) for case in cases]
+    print("| kernel | launch | regs | loop instr. | weights / thread | instr. / weight "
+          "| instr. / weight byte | main opcodes |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
+    for row in rows:
+        top = ", ".join(f"{op} {n}" for op, n in list(row["mix"].items())[:6])
+        per_weight = row["per_weight"]
+        per_byte = row["per_weight_byte"]
+        print(f"| {row['kernel']} | {row['note']} | {row['registers']} | "
+              f"{row['loop_instructions']} | {row['weights_per_thread']:g} | "
+              f"{per_weight:.2f} | {per_byte:.2f} | {top} |" if per_weight else
+              f"| {row['kernel']} | {row['note']} | {row['registers']} | no loop | | | | |")
+    # Named for the target, whatever machine compiled it.
+    args.tiny, args.suffix = False, "_sm90" + args.suffix
+    out = common.write_results("sass_mix", args, dict(target="sm_90", rows=rows))
+    print(f"\n{out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""benchmarks/sass_mix.py reads the innermost loop out of a SASS listing: the shortest span
+from a backward branch's target to the branch, predicates and modifiers aside."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0020*/                   FFMA R8, R4, R5, R8 ;
+        /*0030*/                   PRMT R9, R4, 0x7540, R9 ;
+        /*0040*/               @!P0 BRA 0x10 ;
+        /*0050*/                   SHFL.BFLY PT, R3, R8, 0x1, 0x1f ;
+        /*0060*/               @P1 BRA 0x0 ;
+        /*0070*/                   BRA 0x70;
+        /*0080*/                   EXIT ;
+"""
+
+
+def _sass_mix():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sass_mix.py"
+    spec = importlib.util.spec_from_file_location("sass_mix", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_innermost_loop_is_the_shortest_backward_branch():
+    # 0x10-0x40 (inner), 0x0-0x60 (outer); the self-branch at 0x70 is the end's trap.
+    assert _sass_mix().innermost_loop(SASS) == ["LDG.E.128", "FFMA", "PRMT", "BRA"]
+
+
+def test_a_listing_without_a_loop_has_none():
+    straight = "\n".join(line for line in SASS.splitlines() if "BRA" not in line)
+    assert _sass_mix().innermost_loop(straight) == []
