@@ -4,7 +4,7 @@ Each kernel is compiled for sm_90 (an H100 / H200) by Triton's own compiler and 
 its JIT would compile it for a decode step's launch (the same constexprs and launch; the
 integer arguments that are multiples of 16 at run time marked so, as the JIT's
 specialization marks them), then disassembled (`cuobjdump -sass`, shipped with Triton). For
-the K loop (the kernel's innermost loop: one weight tile per iteration) it prints the
+the K loop (one weight tile per iteration: the longest loop that holds no other) it prints the
 instruction mix and the instructions issued per weight and per weight byte, with the
 registers per thread.
 
@@ -86,6 +86,20 @@ def _cases() -> list[Case]:
             ["x_ptr", "w_ptr", "s_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn",
              "stride_ym"],
             8 * 1024, 1, num_warps=4, num_stages=2, note="launch (8, 1024, 4 warps)"))
+    mma_args = dict(x_ptr="*bf16", w_ptr="", s_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32",
+                    counts="*i32", M=i32, N=i32, K=i32, stride_xm=i32, stride_wn=i32,
+                    stride_ym=i32, steps_per_split=i32, splits=i32)
+    for dtype, pointer in (("int8", "*i8"), ("fp8", "*fp8e4nv")):
+        for rows in (1, 5):
+            # w8a16_mma's launch
+            cases.append(Case(
+                f"w8a16_mma_{dtype} ({rows} row{'s' if rows > 1 else ''}, tensor cores)",
+                "w8a16_mma:_w8a16_mma_kernel", {**mma_args, "w_ptr": pointer},
+                dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, EVEN_K=True, ONE_ROW=rows == 1,
+                     PTX=True, PDL=False),
+                ["x_ptr", "w_ptr", "s_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm",
+                 "stride_wn", "stride_ym"],
+                128 * 128, 1, num_warps=4, num_stages=3, note="launch (128, 128, 4 warps)"))
     return cases
 
 
@@ -135,8 +149,8 @@ _INSTRUCTION = re.compile(
 
 
 def innermost_loop(sass: str) -> list[str]:
-    """The opcodes (without modifiers) of the shortest loop: the body between a backward
-    branch's target and the branch."""
+    """The opcodes of the K loop: of the loops (a backward branch's target to the branch)
+    that hold no other loop, the longest (a kernel's rarely taken paths have shorter ones)."""
     instructions = []
     for line in sass.splitlines():
         match = _INSTRUCTION.match(line)
@@ -147,9 +161,11 @@ def innermost_loop(sass: str) -> list[str]:
         target = re.search(r"0x([0-9a-f]+)", operands) if opcode.startswith("BRA") else None
         if target and int(target.group(1), 16) < address:
             loops.append((int(target.group(1), 16), address))
-    if not loops:
+    innermost = [(lo, hi) for lo, hi in loops
+                 if not any((lo, hi) != (a, b) and lo <= a and b <= hi for a, b in loops)]
+    if not innermost:
         return []
-    start, end = min(loops, key=lambda span: span[1] - span[0])
+    start, end = max(innermost, key=lambda span: span[1] - span[0])
     return [opcode for address, opcode, _ in instructions if start <= address <= end]
 
 

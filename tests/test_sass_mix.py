@@ -1,5 +1,5 @@
-"""benchmarks/sass_mix.py reads the innermost loop out of a SASS listing: the shortest span
-from a backward branch's target to the branch, predicates and modifiers aside."""
+"""benchmarks/sass_mix.py reads a kernel's K loop out of a SASS listing: of the spans from a
+backward branch's target to the branch that hold no other, the longest."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ SASS = """
         /*0040*/               @!P0 BRA 0x10 ;
         /*0050*/                   SHFL.BFLY PT, R3, R8, 0x1, 0x1f ;
         /*0060*/               @P1 BRA 0x0 ;
-        /*0070*/                   BRA 0x70;
-        /*0080*/                   EXIT ;
+        /*0070*/                   FADD R3, R3, R8 ;
+        /*0080*/               @P2 BRA 0x70 ;
+        /*0090*/                   BRA 0x90;
+        /*00a0*/                   EXIT ;
 """
 
 
@@ -29,8 +31,9 @@ def _sass_mix():
     return module
 
 
-def test_the_innermost_loop_is_the_shortest_backward_branch():
-    # 0x10-0x40 (inner), 0x0-0x60 (outer); the self-branch at 0x70 is the end's trap.
+def test_the_k_loop_is_the_longest_loop_holding_no_other():
+    # 0x10-0x40 and 0x70-0x80 hold no other loop, 0x0-0x60 holds the first; the branch to
+    # itself at 0x90 is the end's trap, no loop.
     assert _sass_mix().innermost_loop(SASS) == ["LDG.E.128", "FFMA", "PRMT", "BRA"]
 
 

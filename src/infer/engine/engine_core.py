@@ -43,7 +43,12 @@ from infer.engine.prompt_logprobs import (
     launch_prompt_logprobs,
 )
 from infer.engine.request import Request
-from infer.engine.runner_setup import build_runner, capture_graphs, uses_graphs
+from infer.engine.runner_setup import (
+    build_runner,
+    capture_graphs,
+    set_matmul_kernels,
+    uses_graphs,
+)
 from infer.engine.sampler import SamplingBatch, sample, warm_up_sampler
 from infer.engine.scheduler import Scheduler, SchedulerOutput
 from infer.engine.setup import (
@@ -54,7 +59,6 @@ from infer.engine.setup import (
 )
 from infer.engine.structured_output import CompileThread, GrammarMatcher, StructuredOutputs
 from infer.loader.tokenizer import Tokenizer
-from infer.models.linear import set_triton_gemv
 from infer.quantization import quantize_model
 from infer.sampling_params import SamplingParams
 from infer.spec.draft_model import load_draft_model
@@ -238,8 +242,7 @@ class EngineCore:
         else:
             if draft is None:
                 raise ValueError("speculative_method='draft' needs the draft model loaded")
-            set_triton_gemv(draft[0], config.triton_gemv and self.kernel_backend == "triton",
-                            config.gemv_max_rows)
+            set_matmul_kernels(draft[0], config, self.kernel_backend)
             runner = ModelRunner(draft[0], draft[1], num_blocks, self.block_size, self.device,
                                  self.dtype, self.attention_backend, self.kernel_backend)
             # It runs every step the model runs (its cache follows), at any batch size.

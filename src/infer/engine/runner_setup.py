@@ -21,7 +21,7 @@ from infer.engine.memory import plan_kv_cache
 from infer.engine.model_runner import ModelRunner
 from infer.engine.setup import pick_backend
 from infer.models.layers import set_kernel_backend
-from infer.models.linear import set_triton_gemv
+from infer.models.linear import set_triton_gemv, set_w8a16_tensor_cores
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,7 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
     # Bound before sizing the pool, so the warm-up forward measures the backends in use.
     set_attention_backend(model, attention_backend)
     set_kernel_backend(model, kernel_backend)
-    set_triton_gemv(model, config.triton_gemv and kernel_backend == "triton",
-                    config.gemv_max_rows)
+    set_matmul_kernels(model, config, kernel_backend)
     set_dependent_launch(config.dependent_launch and kernel_backend == "triton", device)
     block_size, num_blocks = plan_kv_cache(config, model_config, max_model_len, model, device,
                                            dtype, draft_config, tp.size)
@@ -46,6 +45,14 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
     num_blocks = tp.min(num_blocks)
     return ModelRunner(model, model_config, num_blocks, block_size, device, dtype,
                        attention_backend, kernel_backend)
+
+
+def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: str) -> None:
+    """Which kernels `model`'s decode-sized matmuls take: infer's GEMV for 16-bit weights
+    (`triton_gemv`, `gemv_max_rows`), tensor cores for 8-bit ones (`w8a16_tensor_cores`)."""
+    triton = kernel_backend == "triton"
+    set_triton_gemv(model, config.triton_gemv and triton, config.gemv_max_rows)
+    set_w8a16_tensor_cores(model, config.w8a16_tensor_cores and triton)
 
 
 def set_dependent_launch(on: bool, device: torch.device) -> None:

@@ -143,11 +143,18 @@ def _w8a16_kernel(
 
 
 def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                 scale_block: tuple[int, int] | None = None) -> torch.Tensor:
+                 scale_block: tuple[int, int] | None = None,
+                 tensor_cores: bool = False) -> torch.Tensor:
     """`x [M, K]` (float16 / bfloat16 / float32, unit column stride), `weight [N, K]` int8
     or float8_e4m3fn, contiguous, `scale [N]`, or with `scale_block = (rows, cols)` one
     float32 scale per tile of the weight, `scale [ceil(N / rows), ceil(K / cols)]`
-    (block-wise FP8 checkpoints): `[M, N]` in x's dtype."""
+    (block-wise FP8 checkpoints): `[M, N]` in x's dtype. `tensor_cores`: where
+    `w8a16_mma.py` takes the case (up to 16 rows of 16-bit x, per-channel scales), there."""
+    from infer.kernels import w8a16_mma
+
+    if (tensor_cores and scale_block is None and x.shape[0] <= w8a16_mma.MAX_ROWS
+            and x.dtype in (torch.float16, torch.bfloat16)):
+        return w8a16_mma.w8a16_mma(x, weight, scale)
     # Tuned on the H100 over the Llama-3.1-8B projections, their weights cycled past the
     # L2 cache (benchmarks/w8a16_sweep.py): one row runs the dot-free kernel on 8 channels
     # a program (enough programs to keep every SM's loads in flight); more rows use

@@ -114,6 +114,14 @@ def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1) -> None:
             m.gemv_rows = rows
 
 
+def set_w8a16_tensor_cores(model: nn.Module, on: bool) -> None:
+    """Matmuls of up to 16 rows by `model`'s INT8 / FP8 weight-only layers (projections,
+    LM head) on tensor cores (`kernels/w8a16_mma.py`) or CUDA cores (`w8a16_matmul.py`)."""
+    for m in model.modules():
+        if isinstance(m, (LinearBase, ParallelLMHead)):
+            m.w8a16_tensor_cores = on
+
+
 # What a linear layer built without a `quant_method` gets (`linear_method_default`).
 _DEFAULT_METHOD: ContextVar[Callable[[], LinearMethod]] = ContextVar(
     "default_linear_method", default=UnquantizedLinearMethod)

@@ -75,7 +75,8 @@ class Fp8LinearMethod(LinearMethod):
         if x2.is_cuda and len(x2) <= WEIGHT_ONLY_ROWS:
             from infer.kernels.w8a16_matmul import w8a16_matmul
 
-            y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale)
+            y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale,
+                             tensor_cores=getattr(layer, "w8a16_tensor_cores", False))
         else:
             if x2.is_cuda:
                 from infer.kernels.fp8_quant import fp8_quantize_rows

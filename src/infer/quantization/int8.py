@@ -84,7 +84,8 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
         elif x2.is_cuda:
             from infer.kernels.w8a16_matmul import w8a16_matmul
 
-            y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale)
+            y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale,
+                             tensor_cores=getattr(layer, "w8a16_tensor_cores", False))
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, layer.weight, layer.weight_scale)
         y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)

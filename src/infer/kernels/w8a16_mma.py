@@ -1,0 +1,226 @@
+"""W8A16 for decode-sized steps on tensor cores: `y [M, N] = x [M, K] @ (w * scale[:, None])^T`
+for M up to 16, `w [N, K]` int8 (or FP8 e4m3 on a GPU), `scale [N]` per output channel,
+`x` 16-bit, float32 accumulation.
+
+`w8a16_matmul.py` multiplies one row on the CUDA cores, each weight made a float32 first
+(3.25 instructions a weight for INT8, `benchmarks/sass_mix.py`): per byte read that is 2.5x
+what the bf16 GEMV issues, and the issue rate, not the memory, is what it runs out of. Here
+the weights become float16 two at a time (INT8: a byte under the bits of 1024 and 1024 + 128
+taken off, both exact in float16; FP8: the hardware's pairwise convert) and an MMA multiplies
+them by x, also made float16, padded to 16 rows (one real row is broadcast from a vector, so
+its conversion is not repeated 16 times): ~1.3 instructions a weight.
+
+Exactness: products of float16 weights (integers up to 128, or FP8 values) and x are exact in
+the MMA's float32 accumulator; x is exact in float16 for |x| between 2^-14 and 65504 (bf16
+has 8 significant bits, float16 11). Smaller |x| keep an absolute error of at most 2^-25 (a
+float16 subnormal's half step): a dot product moves by at most 2^-25 * sum |w|, below the
+output's rounding. A row block whose x has any |x| above 65504 is multiplied again on the CUDA
+cores in float32 (w8a16_matmul's own step), so no overflow reaches y.
+
+A program owns BLOCK_N output channels and one of `splits` slices of K; the last program of a
+row block to finish adds the slices' float32 parts, scales and stores them (a counter per row
+block, left at 0 for the next launch), so the launch needs no second kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from infer.kernels import dependent_launch
+from infer.kernels.w8a16_matmul import _to_float
+
+MAX_ROWS = 16
+F16_MAX = tl.constexpr(65504.0)  # float16's largest finite value
+
+
+@triton.jit
+def _to_f16(w, PTX: tl.constexpr):
+    """8-bit weights as float16, exactly."""
+    if w.dtype == tl.int8 and PTX:
+        return _int8_to_f16_ptx(w)
+    return w.to(tl.float16)
+
+
+@triton.jit
+def _int8_to_f16_ptx(w):
+    """Four int8 weights of a register as two float16 pairs: one xor adds 128 to all four
+    (as bytes), one `prmt` per pair puts two bytes under float16's 1024 (0x64nn = 1024 + nn),
+    one paired subtraction takes 1024 + 128 away."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, m;
+        xor.b32 t, $2, 0x80808080;
+        mov.b32 m, 0x64806480;
+        prmt.b32 $0, t, 0x64646464, 0x5140;
+        prmt.b32 $1, t, 0x64646464, 0x7342;
+        sub.f16x2 $0, $0, m;
+        sub.f16x2 $1, $1, m;
+        }""",
+        constraints="=r,=r,r", args=[w], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _x_rows(x_ptr, stride_xm, M, kk, K, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """x's columns kk as float32 [BLOCK_M, len(kk)] (rows past M and columns past K: 0)."""
+    rm = tl.arange(0, BLOCK_M)
+    mask = rm[:, None] < M
+    if not EVEN_K:
+        mask = mask & (kk[None, :] < K)
+    x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :], mask=mask,
+                other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _x_row(x_ptr, kk, K, EVEN_K: tl.constexpr):
+    """x's first row's columns kk as float32 (columns past K: 0)."""
+    if EVEN_K:
+        return tl.load(x_ptr + kk).to(tl.float32)
+    return tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _cuda_core_rows(x_ptr, w_rows, stride_xm, M, k_begin, k_end, K, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, STEP: tl.constexpr, PTX: tl.constexpr):
+    """The same [BLOCK_M, BLOCK_N] sums over K in [k_begin, k_end), x and the weights as
+    float32, one row at a time, in short K steps (few registers: the overflow path)."""
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, STEP)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r in range(0, M):
+        part = tl.zeros((BLOCK_N, STEP), dtype=tl.float32)
+        for k0 in range(k_begin, k_end, STEP):
+            kk = k0 + rk
+            w = _to_float(tl.load(w_rows + kk[None, :], mask=kk[None, :] < K, other=0.0), PTX)
+            x = tl.load(x_ptr + r * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
+            part += w * x[None, :]
+        acc = tl.where(rm[:, None] == r, tl.sum(part, axis=1)[None, :], acc)
+    return acc
+
+
+@triton.jit
+def _w8a16_mma_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, counts,
+    M, N, K, stride_xm, stride_wn, stride_ym, steps_per_split, splits,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rm = tl.arange(0, BLOCK_M)
+    k_begin = pid_s * steps_per_split * BLOCK_K  # < K: every split has a step
+    k_end = tl.minimum(k_begin + steps_per_split * BLOCK_K, K)
+    # Rows past N read row N - 1 (no mask on the weight's loads) and are not stored.
+    w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
+    dependent_launch.wait(PDL)
+    dependent_launch.release(PDL)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if ONE_ROW:
+        x_max = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    else:
+        x_max = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        kk = k0 + rk
+        if EVEN_K:
+            w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + kk[None, :], mask=kk[None, :] < K, other=0.0,
+                        eviction_policy="evict_first")
+        if ONE_ROW:  # one vector, broadcast: not converted once per padded row
+            x1 = _x_row(x_ptr, kk, K, EVEN_K)
+            x_max = tl.maximum(x_max, tl.abs(x1))
+            x = tl.where(rm[:, None] == 0, x1[None, :], 0.0)
+        else:
+            x = _x_rows(x_ptr, stride_xm, M, kk, K, EVEN_K, BLOCK_M)
+            x_max = tl.maximum(x_max, tl.abs(x))
+        acc = tl.dot(x.to(tl.float16), tl.trans(_to_f16(w, PTX)), acc)
+    if tl.max(x_max) > F16_MAX:  # an |x| overflowed float16: this part again, in float32
+        acc = _cuda_core_rows(x_ptr, w_rows, stride_xm, M, k_begin, k_end, K, BLOCK_M,
+                              BLOCK_N, 32, PTX)
+    y_rows = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if splits == 1:
+        scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        tl.store(y_rows, (acc * scale[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        parts = part_ptr + rm[:, None] * N + rn[None, :]  # [splits, M, N] float32
+        tl.store(parts + pid_s * M * N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's part stored before the count releases them
+        counter = counts + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+            total = tl.load(parts, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in range(1, splits):
+                total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+            tl.store(y_rows, (total * scale[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter, 0, sem="relaxed")
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counts(device: torch.device, blocks: int) -> torch.Tensor:
+    """The row blocks' counters on `device`: zeros, which every launch leaves as it found
+    them. Grown (never shrunk) outside graph capture; a graph keeps the buffer it saw."""
+    have = _COUNTS.get(device)
+    if have is None or have.numel() < blocks:
+        have = torch.zeros(max(blocks, 1024), dtype=torch.int32, device=device)
+        _COUNTS[device] = have
+    return have
+
+
+def splits_for(n: int, k: int, device: torch.device, block_n: int, block_k: int) -> int:
+    """K slices a launch takes: enough programs for two per SM, each slice at least four
+    K steps."""
+    blocks = triton.cdiv(n, block_n)
+    steps = triton.cdiv(k, block_k)
+    wanted = triton.cdiv(2 * _sm_count(device), blocks)
+    return max(1, min(wanted, steps // 4))
+
+
+def w8a16_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
+              block_n: int = 128, block_k: int = 128, splits: int | None = None,
+              num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """`x [M, K]` (M <= MAX_ROWS; float16 / bfloat16, unit column stride) times the
+    transpose of `weight [N, K]` (int8 or float8_e4m3fn, contiguous) scaled by `scale [N]`:
+    `[M, N]` in x's dtype."""
+    assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, x.shape
+    assert x.dtype in (torch.float16, torch.bfloat16), x.dtype
+    assert weight.dtype in (torch.int8, torch.float8_e4m3fn), weight.dtype
+    assert weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] == x.shape[1]
+    assert scale.shape == (weight.shape[0],), (scale.shape, weight.shape)
+    assert scale.device == x.device == weight.device
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if n == 0 or k == 0:
+        return y.zero_()
+    steps = triton.cdiv(k, block_k)
+    splits = splits or splits_for(n, k, x.device, block_n, block_k)
+    per_split = triton.cdiv(steps, min(splits, steps))
+    splits = triton.cdiv(steps, per_split)
+    blocks = triton.cdiv(n, block_n)
+    parts = (torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+             if splits > 1 else y)
+    _w8a16_mma_kernel[(blocks, splits)](
+        x, weight, scale, y, parts, _counts(x.device, blocks),
+        m, n, k, x.stride(0), weight.stride(0), y.stride(0), per_split, splits,
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        ONE_ROW=m == 1, PTX=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
+        num_warps=num_warps, num_stages=num_stages, **dependent_launch.launch_options(),
+    )
+    return y

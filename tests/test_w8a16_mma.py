@@ -1,0 +1,119 @@
+"""The tensor-core W8A16 kernel (`kernels/w8a16_mma.py`; the Triton interpreter on the CPU,
+the GPU with INFER_TEST_DEVICE=cuda) against float64 computed from the integer weights and
+their scales: one row and several, K slices added by the last program, inputs beyond
+float16's range, tiny inputs, and the counters left at 0."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from infer.kernels import triton_available
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+# the output's rounding, relative to the largest output
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _case(m: int, n: int, k: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    scale = (torch.rand(n, generator=gen) * 0.02 + 1e-3).to(dtype)
+    return x, w, scale
+
+
+def _reference(x, w, scale):
+    return x.double() @ (w.double() * scale.double()[:, None]).T
+
+
+def _run(x, w, scale, **launch):
+    from infer.kernels.w8a16_mma import w8a16_mma
+
+    return w8a16_mma(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), **launch).cpu()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("m", "n", "k", "splits"), [
+    (1, 200, 300, 1), (1, 200, 512, 3), (3, 40, 256, 2), (16, 130, 384, 1), (5, 64, 1000, 4)])
+def test_matches_float64_from_the_integers(dtype, m, n, k, splits):
+    x, w, scale = _case(m, n, k, dtype, seed=m * 1000 + n + k)
+    y = _run(x, w, scale, splits=splits)
+    ref = _reference(x, w, scale)
+    assert y.dtype == dtype and y.shape == (m, n)
+    error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert error < TOLERANCE[dtype], error
+
+
+def test_counters_are_left_at_zero_and_a_second_launch_agrees():
+    from infer.kernels.w8a16_mma import _COUNTS
+
+    x, w, scale = _case(1, 300, 1024, torch.float16, seed=7)
+    first = _run(x, w, scale, splits=4)
+    assert int(_COUNTS[torch.device(DEVICE)].abs().sum()) == 0
+    assert torch.equal(_run(x, w, scale, splits=4), first)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_inputs_beyond_float16_are_multiplied_in_float32(m):
+    """An |x| past 65504 would be inf in float16: its row block is multiplied on the CUDA
+    cores instead, and the result is the float64 one (bf16's rounding aside)."""
+    x, w, scale = _case(m, 150, 384, torch.bfloat16, seed=11)
+    x[m - 1, 5] = 3.0e5
+    y = _run(x, w, scale, splits=2)
+    ref = _reference(x, w, scale)
+    assert torch.isfinite(y).all()
+    error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert error < TOLERANCE[torch.bfloat16], error
+
+
+def test_tiny_inputs_move_a_sum_by_no_more_than_half_a_float16_subnormal_step():
+    """|x| below float16's normal range (2^-14) keeps an absolute error of at most 2^-25 an
+    input: the sums stay within 2^-25 * sum |w| * scale (plus the output's rounding)."""
+    x, w, scale = _case(1, 64, 512, torch.float32, seed=3)
+    x = (x * 1e-6).to(torch.bfloat16)
+    y = _run(x, w, scale.to(torch.bfloat16))
+    ref = _reference(x, w, scale.to(torch.bfloat16))
+    bound = 2.0**-25 * (w.double().abs() * scale.to(torch.bfloat16).double()[:, None]).sum(1)
+    rounding = ref.abs() * 2.0**-8
+    assert ((y.double() - ref).abs() <= bound + rounding).all()
+    assert (y != 0).any()  # not flushed away
+
+
+@pytest.mark.parametrize(("on", "backend", "wanted"), [
+    (True, "triton", True), (False, "triton", False), (True, "torch", False)])
+def test_the_engine_knob_reaches_every_linear_layer_and_the_lm_head(on, backend, wanted):
+    from engine_fixtures import make_llm
+
+    from infer.models.linear import LinearBase, ParallelLMHead
+
+    llm = make_llm(kernel_backend=backend, w8a16_tensor_cores=on, cuda_graphs=False)
+    layers = [m for m in llm.engine.core.runner.model.modules()
+              if isinstance(m, (LinearBase, ParallelLMHead))]
+    assert layers and all(m.w8a16_tensor_cores is wanted for m in layers)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the layers take the kernel on CUDA only")
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_8bit_layers_with_the_knob_match_float64(method, rows):
+    from infer.models.linear import ColumnParallelLinear
+    from infer.quantization.fp8 import Fp8LinearMethod
+    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
+
+    gen = torch.Generator().manual_seed(rows)
+    layer = ColumnParallelLinear(512, 384, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(384, 512, generator=gen))
+    layer = layer.to(DEVICE, torch.bfloat16)
+    (Int8WeightOnlyLinearMethod() if method == "int8" else Fp8LinearMethod()).quantize(layer)
+    layer.w8a16_tensor_cores = True
+    x = torch.randn(rows, 512, generator=gen).to(DEVICE, torch.bfloat16)
+    y = layer(x).double()
+    ref = x.double() @ (layer.weight.double() * layer.weight_scale.double()[:, None]).T
+    assert (y - ref).abs().max().item() < 1e-2 * ref.abs().max().item()
