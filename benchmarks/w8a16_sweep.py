@@ -7,8 +7,11 @@ Each case is captured in a CUDA graph (quantized_gemv.py's timer) whose calls cy
 through enough copies of the weight to exceed the L2 cache three times over, as the
 layers of a decode step do (one weight called 20 times would be read from L2).
 
+With `--tensor-cores` the kernel swept is `w8a16_mma` (up to 16 rows on tensor cores,
+`EngineConfig.w8a16_tensor_cores`), its default launch timed beside the CUDA-core one.
+
     python benchmarks/w8a16_sweep.py [--rows 1 32] [--shapes 8b 1b] [--one-row-kernel-only]
-                                     [--quick | --defaults-only]
+                                     [--tensor-cores] [--quick | --defaults-only]
 """
 
 from __future__ import annotations
@@ -44,6 +47,14 @@ def configs(rows: int, quick: bool, one_row_kernel_only: bool = False) -> list[d
     return out[::4] if quick else out
 
 
+def mma_configs(quick: bool) -> list[dict]:
+    """w8a16_mma's launches (splits None: its own rule)."""
+    out = [dict(block_n=bn, block_k=bk, splits=splits, num_warps=warps, num_stages=stages)
+           for bn, bk, splits, warps, stages in itertools.product(
+               (64, 128), (64, 128, 256), (None, 1, 2, 4, 8), (4, 8), (2, 3, 4))]
+    return out[::4] if quick else out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,11 +67,14 @@ def main() -> None:
     parser.add_argument("--one-row-kernel-only", action="store_true",
                         help="at one row, sweep the dot-free kernel's launches only")
     parser.add_argument("--defaults-only", action="store_true",
-                        help="time w8a16_matmul's own launch only")
+                        help="time the kernel's own launch only")
+    parser.add_argument("--tensor-cores", action="store_true",
+                        help="sweep w8a16_mma (tensor cores) instead of w8a16_matmul")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("w8a16_sweep.py times CUDA kernels: no GPU here")
     from infer.kernels.w8a16_matmul import _matmul, w8a16_matmul
+    from infer.kernels.w8a16_mma import MAX_ROWS, w8a16_mma
 
     ceil = common.ceilings()
     copy_gbs = ceil["copy_GBps"]
@@ -80,11 +94,19 @@ def main() -> None:
             scale = torch.rand(n, device="cuda") * 1e-3
             moved = n * k + 4 * n + x.nbytes + rows * n * 2
             default_us = time_cycled(w8a16_matmul, x, weights, scale, replays=20)
+            tensor_cores = args.tensor_cores and rows <= MAX_ROWS
+            mma_us = (time_cycled(w8a16_mma, x, weights, scale, replays=20)
+                      if tensor_cores else None)
             best = None
             swept = not shape.endswith("lm_head") and not args.defaults_only
-            for cfg in (configs(rows, args.quick, args.one_row_kernel_only) if swept else []):
+            cases = ((mma_configs(args.quick) if tensor_cores else
+                      configs(rows, args.quick, args.one_row_kernel_only)) if swept else [])
+            for cfg in cases:
                 try:
-                    us = time_cycled(partial(_matmul, **cfg), x, weights, scale, None)
+                    if tensor_cores:
+                        us = time_cycled(partial(w8a16_mma, **cfg), x, weights, scale)
+                    else:
+                        us = time_cycled(partial(_matmul, **cfg), x, weights, scale, None)
                 except Exception as exc:  # a configuration that does not compile: skip it
                     print(f"  {shape} {cfg}: {exc!r}"[:200])
                     continue
@@ -96,10 +118,13 @@ def main() -> None:
             summary = dict(shape=shape, rows=rows, dtype=str(dtype)[6:], bf16_us=bf16_us,
                            default_us=default_us,
                            default_frac=moved / default_us / 1e3 / copy_gbs,
+                           tensor_cores_us=mma_us,
+                           tensor_cores_frac=moved / mma_us / 1e3 / copy_gbs if mma_us else None,
                            best_us=best["us"] if best else default_us,
                            best_frac=best["frac_copy"] if best else None,
                            best=({k: v for k, v in best.items()
-                                  if k in configs(1, False)[-1]} if best else None))
+                                  if k in {**configs(1, False)[-1], **mma_configs(False)[-1]}}
+                                 if best else None))
             best_rows.append(summary)
             print(f"[w8a16] {summary}", flush=True)
             del weights
@@ -110,7 +135,9 @@ def main() -> None:
                        "weights cycled past L2)", best_rows,
                        [("shape", "shape", ""), ("rows", "rows", ""), ("dtype", "dtype", ""),
                         ("bf16 us", "bf16_us", ".1f"), ("default us", "default_us", ".1f"),
-                        ("%copy", "default_frac", ".0%"), ("best us", "best_us", ".1f"),
+                        ("%copy", "default_frac", ".0%"),
+                        ("tensor cores us", "tensor_cores_us", ".1f"),
+                        ("%copy", "tensor_cores_frac", ".0%"), ("best us", "best_us", ".1f"),
                         ("%copy", "best_frac", ".0%"), ("best launch", "best", "")])
 
 

@@ -171,16 +171,19 @@ def _sm_count(device: torch.device) -> int:
 
 
 _COUNTS: dict[torch.device, torch.Tensor] = {}
+# Row blocks a launch may have (8M output channels at 128 a block): one buffer per device,
+# made once and never replaced, since captured graphs hold its address.
+MAX_BLOCKS = 1 << 16
 
 
 def _counts(device: torch.device, blocks: int) -> torch.Tensor:
     """The row blocks' counters on `device`: zeros, which every launch leaves as it found
-    them. Grown (never shrunk) outside graph capture; a graph keeps the buffer it saw."""
-    have = _COUNTS.get(device)
-    if have is None or have.numel() < blocks:
-        have = torch.zeros(max(blocks, 1024), dtype=torch.int32, device=device)
-        _COUNTS[device] = have
-    return have
+    them."""
+    if blocks > MAX_BLOCKS:
+        raise ValueError(f"w8a16_mma: {blocks} row blocks, more than {MAX_BLOCKS}")
+    if device not in _COUNTS:
+        _COUNTS[device] = torch.zeros(MAX_BLOCKS, dtype=torch.int32, device=device)
+    return _COUNTS[device]
 
 
 def splits_for(n: int, k: int, device: torch.device, block_n: int, block_k: int) -> int:
