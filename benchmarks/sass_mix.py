@@ -88,18 +88,26 @@ def _cases() -> list[Case]:
             8 * 1024, 1, num_warps=4, num_stages=2, note="launch (8, 1024, 4 warps)"))
     mma_args = dict(x_ptr="*bf16", w_ptr="", s_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32",
                     counts="*i32", M=i32, N=i32, K=i32, stride_xm=i32, stride_wn=i32,
-                    stride_ym=i32, steps_per_split=i32, splits=i32)
+                    stride_ym=i32, stride_sn=i32, steps_per_split=i32, splits=i32)
     for dtype, pointer in (("int8", "*i8"), ("fp8", "*fp8e4nv")):
         for rows in (1, 5):
             # w8a16_mma's launch
             cases.append(Case(
                 f"w8a16_mma_{dtype} ({rows} row{'s' if rows > 1 else ''}, tensor cores)",
                 "w8a16_mma:_w8a16_mma_kernel", {**mma_args, "w_ptr": pointer},
-                dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, EVEN_K=True, ONE_ROW=rows == 1,
-                     PTX=True, PDL=False),
+                dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SCALE_ROWS=1, SCALE_COLS=0,
+                     EVEN_K=True, ONE_ROW=rows == 1, PTX=True, PDL=False),
                 ["x_ptr", "w_ptr", "s_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm",
                  "stride_wn", "stride_ym"],
                 128 * 128, 1, num_warps=4, num_stages=3, note="launch (128, 128, 4 warps)"))
+    cases.append(Case(
+        "w8a16_mma_fp8 (1 row, 128 x 128 scale tiles, tensor cores)",
+        "w8a16_mma:_w8a16_mma_kernel", {**mma_args, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+        dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SCALE_ROWS=128, SCALE_COLS=128,
+             EVEN_K=True, ONE_ROW=True, PTX=True, PDL=False),
+        ["x_ptr", "w_ptr", "s_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm", "stride_wn",
+         "stride_ym"],
+        128 * 128, 1, num_warps=4, num_stages=3, note="launch (128, 128, 4 warps)"))
     return cases
 
 

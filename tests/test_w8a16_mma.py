@@ -32,10 +32,11 @@ def _reference(x, w, scale):
     return x.double() @ (w.double() * scale.double()[:, None]).T
 
 
-def _run(x, w, scale, **launch):
+def _run(x, w, scale, scale_block=None, **launch):
     from infer.kernels.w8a16_mma import w8a16_mma
 
-    return w8a16_mma(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), **launch).cpu()
+    return w8a16_mma(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), scale_block,
+                     **launch).cpu()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -48,6 +49,25 @@ def test_matches_float64_from_the_integers(dtype, m, n, k, splits):
     assert y.dtype == dtype and y.shape == (m, n)
     error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
     assert error < TOLERANCE[dtype], error
+
+
+@pytest.mark.parametrize(("m", "n", "k", "block", "splits", "big"), [
+    (1, 200, 300, (128, 128), 1, False), (4, 300, 640, (256, 128), 3, False),
+    (1, 130, 384, (128, 256), 2, True)])
+def test_a_scale_per_tile_matches_float64(m, n, k, block, splits, big):
+    """Block-wise scales (HF fine-grained FP8's 128 x 128): each K step's sums scaled by
+    its tile's; also on the float32 path an |x| past 65504 takes."""
+    x, w, _ = _case(m, n, k, torch.bfloat16, seed=n + k)
+    if big:
+        x[0, 3] = 1.0e5
+    rows, cols = block
+    gen = torch.Generator().manual_seed(5)
+    tiles = torch.rand(-(-n // rows), -(-k // cols), generator=gen) * 0.02 + 1e-3
+    y = _run(x, w, tiles, scale_block=block, splits=splits)
+    dense = tiles.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+    ref = x.double() @ (w.double() * dense.double()).T
+    error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert error < TOLERANCE[torch.bfloat16], error
 
 
 def test_counters_are_left_at_zero_and_a_second_launch_agrees():
@@ -117,3 +137,21 @@ def test_8bit_layers_with_the_knob_match_float64(method, rows):
     y = layer(x).double()
     ref = x.double() @ (layer.weight.double() * layer.weight_scale.double()[:, None]).T
     assert (y - ref).abs().max().item() < 1e-2 * ref.abs().max().item()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="FP8 weights need a GPU (the interpreter has none)")
+@pytest.mark.parametrize("block", [None, (128, 128)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_fp8_weights_match_float64(block, rows):
+    x, w, scale = _case(rows, 384, 640, torch.bfloat16, seed=rows)
+    w8 = (w.float() * 3.0).to(torch.float8_e4m3fn)  # up to 384: e4m3's range
+    if block is not None:
+        gen = torch.Generator().manual_seed(9)
+        scale = torch.rand(3, 5, generator=gen) * 0.02 + 1e-3
+        dense = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    else:
+        dense = scale.double()[:, None].expand(384, 640)
+    y = _run(x, w8, scale, block)
+    ref = x.double() @ (w8.double() * dense.double()).T
+    error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert error < TOLERANCE[torch.bfloat16], error

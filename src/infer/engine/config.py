@@ -93,8 +93,8 @@ class EngineConfig:
         "k + 1 positions, small batches; up to 16) instead of cuBLAS; 1: batch-1 decode "
         "only, until a device run says more rows gain")
     w8a16_tensor_cores: bool = knob(
-        False, "INT8 / FP8 weight-only matmuls of up to 16 rows (per-channel scales, 16-bit "
-        "activations) on tensor cores, the weights made float16 exactly "
+        False, "INT8 / FP8 weight-only matmuls of up to 16 rows (16-bit activations; scales "
+        "per channel or per 128 x 128 tile) on tensor cores, the weights made float16 exactly "
         "(kernels/w8a16_mma.py), instead of CUDA cores in float32 (kernels/w8a16_matmul.py); "
         "CUDA with kernel_backend triton only; off until a device run measures it")
     dependent_launch: bool = knob(

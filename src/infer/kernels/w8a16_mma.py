@@ -1,6 +1,7 @@
 """W8A16 for decode-sized steps on tensor cores: `y [M, N] = x [M, K] @ (w * scale[:, None])^T`
-for M up to 16, `w [N, K]` int8 (or FP8 e4m3 on a GPU), `scale [N]` per output channel,
-`x` 16-bit, float32 accumulation.
+for M up to 16, `w [N, K]` int8 (or FP8 e4m3 on a GPU), `scale [N]` per output channel (or
+one per tile of the weight, as block-wise FP8 checkpoints store it: each K step's sums
+scaled by its tile's), `x` 16-bit, float32 accumulation.
 
 `w8a16_matmul.py` multiplies one row on the CUDA cores, each weight made a float32 first
 (3.25 instructions a weight for INT8, `benchmarks/sass_mix.py`): per byte read that is 2.5x
@@ -35,6 +36,7 @@ from infer.kernels import dependent_launch
 from infer.kernels.w8a16_matmul import _to_float
 
 MAX_ROWS = 16
+BLOCK_N, BLOCK_K = 128, 128  # the default launch
 F16_MAX = tl.constexpr(65504.0)  # float16's largest finite value
 
 
@@ -85,10 +87,12 @@ def _x_row(x_ptr, kk, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _cuda_core_rows(x_ptr, w_rows, stride_xm, M, k_begin, k_end, K, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, STEP: tl.constexpr, PTX: tl.constexpr):
+def _cuda_core_rows(x_ptr, w_rows, s_row, stride_xm, M, k_begin, k_end, K,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr,
+                    SCALE_COLS: tl.constexpr, PTX: tl.constexpr):
     """The same [BLOCK_M, BLOCK_N] sums over K in [k_begin, k_end), x and the weights as
-    float32, one row at a time, in short K steps (few registers: the overflow path)."""
+    float32, one row at a time, in short K steps (few registers: the overflow path); with
+    tile scales (`s_row`: the program's row of them), each step's weights scaled."""
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, STEP)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -97,6 +101,8 @@ def _cuda_core_rows(x_ptr, w_rows, stride_xm, M, k_begin, k_end, K, BLOCK_M: tl.
         for k0 in range(k_begin, k_end, STEP):
             kk = k0 + rk
             w = _to_float(tl.load(w_rows + kk[None, :], mask=kk[None, :] < K, other=0.0), PTX)
+            if SCALE_COLS > 0:
+                w *= tl.load(s_row + k0 // SCALE_COLS)
             x = tl.load(x_ptr + r * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
             part += w * x[None, :]
         acc = tl.where(rm[:, None] == r, tl.sum(part, axis=1)[None, :], acc)
@@ -106,8 +112,9 @@ def _cuda_core_rows(x_ptr, w_rows, stride_xm, M, k_begin, k_end, K, BLOCK_M: tl.
 @triton.jit
 def _w8a16_mma_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, counts,
-    M, N, K, stride_xm, stride_wn, stride_ym, steps_per_split, splits,
+    M, N, K, stride_xm, stride_wn, stride_ym, stride_sn, steps_per_split, splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
     EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -119,6 +126,8 @@ def _w8a16_mma_kernel(
     k_end = tl.minimum(k_begin + steps_per_split * BLOCK_K, K)
     # Rows past N read row N - 1 (no mask on the weight's loads) and are not stored.
     w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
+    # Tile scales (SCALE_COLS > 0): the program's rows and each K step lie in one tile.
+    s_row = s_ptr + (pid_n * BLOCK_N // SCALE_ROWS) * stride_sn
     dependent_launch.wait(PDL)
     dependent_launch.release(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -140,15 +149,20 @@ def _w8a16_mma_kernel(
         else:
             x = _x_rows(x_ptr, stride_xm, M, kk, K, EVEN_K, BLOCK_M)
             x_max = tl.maximum(x_max, tl.abs(x))
-        acc = tl.dot(x.to(tl.float16), tl.trans(_to_f16(w, PTX)), acc)
+        if SCALE_COLS > 0:
+            acc += (tl.dot(x.to(tl.float16), tl.trans(_to_f16(w, PTX)))
+                    * tl.load(s_row + k0 // SCALE_COLS))
+        else:
+            acc = tl.dot(x.to(tl.float16), tl.trans(_to_f16(w, PTX)), acc)
     if tl.max(x_max) > F16_MAX:  # an |x| overflowed float16: this part again, in float32
-        acc = _cuda_core_rows(x_ptr, w_rows, stride_xm, M, k_begin, k_end, K, BLOCK_M,
-                              BLOCK_N, 32, PTX)
+        acc = _cuda_core_rows(x_ptr, w_rows, s_row, stride_xm, M, k_begin, k_end, K,
+                              BLOCK_M, BLOCK_N, 32, SCALE_COLS, PTX)
     y_rows = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if splits == 1:
-        scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-        tl.store(y_rows, (acc * scale[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+        if SCALE_COLS == 0:
+            acc *= tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_rows, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         parts = part_ptr + rm[:, None] * N + rn[None, :]  # [splits, M, N] float32
         tl.store(parts + pid_s * M * N, acc, mask=mask)
@@ -158,8 +172,9 @@ def _w8a16_mma_kernel(
             total = tl.load(parts, mask=mask, other=0.0, cache_modifier=".cg")
             for s in range(1, splits):
                 total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-            tl.store(y_rows, (total * scale[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+            if SCALE_COLS == 0:
+                total *= tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_rows, total.to(y_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
@@ -195,20 +210,36 @@ def splits_for(n: int, k: int, device: torch.device, block_n: int, block_k: int)
     return max(1, min(wanted, steps // 4))
 
 
-def w8a16_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
-              block_n: int = 128, block_k: int = 128, splits: int | None = None,
-              num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+def takes(scale_block: tuple[int, int] | None, block_n: int = BLOCK_N,
+          block_k: int = BLOCK_K) -> bool:
+    """Whether the kernel takes a weight with these scales: per channel, or tiles whose
+    rows and columns are whole multiples of the launch's."""
+    return scale_block is None or (scale_block[0] % block_n == 0
+                                   and scale_block[1] % block_k == 0)
+
+
+def w8a16_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+              scale_block: tuple[int, int] | None = None, *, block_n: int = BLOCK_N,
+              block_k: int = BLOCK_K, splits: int | None = None, num_warps: int = 4,
+              num_stages: int = 3) -> torch.Tensor:
     """`x [M, K]` (M <= MAX_ROWS; float16 / bfloat16, unit column stride) times the
-    transpose of `weight [N, K]` (int8 or float8_e4m3fn, contiguous) scaled by `scale [N]`:
-    `[M, N]` in x's dtype."""
+    transpose of `weight [N, K]` (int8 or float8_e4m3fn, contiguous) scaled by `scale [N]`,
+    or with `scale_block = (rows, cols)` (`takes` it) by one float32 scale per tile,
+    `scale [ceil(N / rows), ceil(K / cols)]`: `[M, N]` in x's dtype."""
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, x.shape
     assert x.dtype in (torch.float16, torch.bfloat16), x.dtype
     assert weight.dtype in (torch.int8, torch.float8_e4m3fn), weight.dtype
     assert weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] == x.shape[1]
-    assert scale.shape == (weight.shape[0],), (scale.shape, weight.shape)
     assert scale.device == x.device == weight.device
     m, k = x.shape
     n = weight.shape[0]
+    scale_rows, scale_cols = scale_block or (0, 0)
+    if scale_block is None:
+        assert scale.shape == (n,), (scale.shape, n)
+    else:
+        assert takes(scale_block, block_n, block_k), (scale_block, block_n, block_k)
+        assert scale.shape == (-(-n // scale_rows), -(-k // scale_cols)), scale.shape
+        assert scale.stride(1) == 1
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0 or k == 0:
         return y.zero_()
@@ -221,8 +252,9 @@ def w8a16_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
              if splits > 1 else y)
     _w8a16_mma_kernel[(blocks, splits)](
         x, weight, scale, y, parts, _counts(x.device, blocks),
-        m, n, k, x.stride(0), weight.stride(0), y.stride(0), per_split, splits,
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        m, n, k, x.stride(0), weight.stride(0), y.stride(0), scale.stride(0), per_split,
+        splits, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SCALE_ROWS=scale_rows or 1,
+        SCALE_COLS=scale_cols, EVEN_K=k % block_k == 0,
         ONE_ROW=m == 1, PTX=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
         num_warps=num_warps, num_stages=num_stages, **dependent_launch.launch_options(),
     )

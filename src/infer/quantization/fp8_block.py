@@ -95,7 +95,8 @@ class Fp8BlockLinearMethod(LinearMethod):
             from infer.kernels.w8a16_matmul import w8a16_matmul
 
             y = w8a16_matmul(x2.contiguous(), layer.weight, getattr(layer, self.scale_name),
-                             self.block)
+                             self.block,
+                             tensor_cores=getattr(layer, "w8a16_tensor_cores", False))
         else:
             y = F.linear(x2, self.dequantize(layer).to(x.dtype))
         y = y.reshape(*shape[:-1], y.shape[-1])
