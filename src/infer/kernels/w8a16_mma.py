@@ -16,7 +16,7 @@ the MMA's float32 accumulator; x is exact in float16 for |x| between 2^-14 and 6
 has 8 significant bits, float16 11). Smaller |x| keep an absolute error of at most 2^-25 (a
 float16 subnormal's half step): a dot product moves by at most 2^-25 * sum |w|, below the
 output's rounding. A row block whose x has any |x| above 65504 is multiplied again on the CUDA
-cores in float32 (w8a16_matmul's own step), so no overflow reaches y.
+cores in float32, so no overflow reaches y.
 
 A program owns BLOCK_N output channels and one of `splits` slices of K; the last program of a
 row block to finish adds the slices' float32 parts, scales and stores them (a counter per row
