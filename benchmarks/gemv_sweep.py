@@ -1,5 +1,6 @@
 """infer's GEMV (`kernels/gemv.py`) against cuBLAS on the projections of batch-1 decode
-(or `--rows` rows: a verify step's k + 1 positions, small batches): the Llama-3.2-1B and
+(or with `--rows` 2 to 16, a verify step's k + 1 positions or a small batch, the
+tensor-core kernel those take, `kernels/rows_mma.py`): the Llama-3.2-1B and
 Llama-3.1-8B shapes, and one rank of the 8B at TP=2 (half of every split matrix). For
 each shape: cuBLAS (`F.linear`), the kernel's default launch, the default launch again
 with programmatic dependent launch (each call launched while the one before runs, as in a
@@ -39,12 +40,16 @@ SHAPES = {
 }
 
 
-def launches(quick: bool, rows: int) -> list:
-    from infer.kernels.gemv import Launch
-
-    steps = (256, 512, 1024) if rows == 1 else (64, 128, 256, 512)
-    out = [Launch(bn, bk, warps) for bn, bk, warps in itertools.product(
-        (4, 8, 16), steps, (4, 8))]
+def launches(quick: bool, rows: int) -> list[dict]:
+    """The GEMV's launches (one row) or rows_mma's (splits None: its own rule)."""
+    if rows == 1:
+        out = [dict(block_n=bn, block_k=bk, num_warps=warps) for bn, bk, warps in
+               itertools.product((4, 8, 16), (256, 512, 1024), (4, 8))]
+    else:
+        out = [dict(block_n=bn, block_k=bk, splits=splits, num_warps=warps,
+                    num_stages=stages)
+               for bn, bk, splits, warps, stages in itertools.product(
+                   (64, 128), (64, 128, 256), (None, 1, 2, 4, 8), (4, 8), (3, 4))]
     return out[::3] if quick else out
 
 
@@ -61,7 +66,16 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gemv_sweep.py times CUDA kernels: no GPU here")
     from infer.kernels import dependent_launch
-    from infer.kernels.gemv import default_launch, gemv
+    from infer.kernels.gemv import Launch, default_launch, gemv
+    from infer.kernels.rows_mma import MAX_ROWS, rows_mma
+
+    if not 1 <= args.rows <= MAX_ROWS:
+        raise SystemExit(f"--rows: 1 to {MAX_ROWS}")
+
+    def run(x: torch.Tensor, weight: torch.Tensor, launch: dict) -> torch.Tensor:
+        if args.rows == 1:
+            return gemv(x, weight, Launch(**launch) if launch else None)
+        return rows_mma(x, weight, **launch)
 
     ceil = common.ceilings()
     copy_gbs = ceil["copy_GBps"]
@@ -79,13 +93,13 @@ def main() -> None:
                 return moved / us / 1e3 / copy_gbs
 
             def timed(launch, x=x, weights=weights, expected=expected) -> float:
-                got = gemv(x, weights[0], launch).float()
+                got = run(x, weights[0], launch).float()
                 err = (got - expected).abs().max().item() / expected.abs().max().item()
                 assert err < 2e-2, (launch, err)
-                return time_cycled(gemv, x, weights, launch, replays=10)
+                return time_cycled(run, x, weights, launch, replays=10)
 
             cublas_us = time_cycled(F.linear, x, weights, replays=10)
-            default = default_launch(n, k, args.rows)
+            default = default_launch(n, k)._asdict() if args.rows == 1 else {}
             default_us = timed(default)
             dependent_launch.set_enabled(True)  # each call's launch under the one before
             pdl_us = timed(default)
@@ -97,15 +111,14 @@ def main() -> None:
                 except Exception as exc:  # a launch that does not compile: skip it
                     print(f"  {model} {shape} {launch}: {exc!r}"[:200])
                     continue
-                sweep.append(dict(model=model, shape=shape, n=n, k=k, **launch._asdict(),
-                                  us=us))
+                sweep.append(dict(model=model, shape=shape, n=n, k=k, **launch, us=us))
                 if us < best_us:
                     best, best_us = launch, us
             row = dict(model=model, shape=shape, rows=args.rows, n=n, k=k, MB=moved / 1e6,
                        cublas_us=cublas_us, cublas_frac=frac(cublas_us),
                        default_us=default_us, default_frac=frac(default_us),
                        pdl_us=pdl_us, pdl_frac=frac(pdl_us),
-                       best_us=best_us, best_frac=frac(best_us), best=tuple(best),
+                       best_us=best_us, best_frac=frac(best_us), best=best,
                        best_vs_cublas=cublas_us / best_us)
             rows.append(row)
             print(f"[gemv] {row}", flush=True)
@@ -114,8 +127,8 @@ def main() -> None:
             common.write_results("gemv_sweep", args, {"ceilings": ceil, "rows": rows,
                                                       "sweep": sweep})
     common.print_table(
-        f"GEMV of {args.rows} row(s), bf16 (us per call in a CUDA graph, weights cycled "
-        "past L2; launch = output channels per program, K step, warps)", rows,
+        f"{'GEMV' if args.rows == 1 else 'rows_mma'} of {args.rows} row(s), bf16 (us per "
+        "call in a CUDA graph, weights cycled past L2)", rows,
         [("model", "model", ""), ("shape", "shape", ""), ("MB", "MB", ".1f"),
          ("cuBLAS us", "cublas_us", ".1f"), ("%copy", "cublas_frac", ".0%"),
          ("default us", "default_us", ".1f"), ("%copy", "default_frac", ".0%"),

@@ -61,18 +61,6 @@ def _cases() -> list[Case]:
             ["x_ptr", "w_ptr", "y_ptr", "N", "K", "stride_wn"],
             launch.block_n * launch.block_k, 2, num_warps=launch.num_warps,
             note=f"one row, launch {tuple(launch)}"))
-    rows_args = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", M=i32, N=i32, K=i32,
-                     stride_xm=i32, stride_wn=i32, stride_ym=i32)
-    for rows in (2, 5):  # a small batch; a verify step of 4 drafts
-        launch = default_launch(28672, 4096, rows)
-        padded = 1 << (rows - 1).bit_length()
-        cases.append(Case(
-            f"gemv_rows_bf16 ({rows} rows, 8B gate_up)", "gemv:_gemv_rows_kernel", rows_args,
-            dict(ROWS=padded, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN_K=True,
-                 ACT="", PDL=False),
-            ["x_ptr", "w_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn", "stride_ym"],
-            launch.block_n * launch.block_k, 2, num_warps=launch.num_warps,
-            note=f"{rows} rows (as {padded}), launch {tuple(launch)}"))
     w8_args = dict(x_ptr="*bf16", w_ptr="", s_ptr="*fp32", y_ptr="*bf16", M=i32, N=i32, K=i32,
                    stride_xm=i32, stride_wn=i32, stride_ys=i32, stride_ym=i32, stride_sn=i32,
                    steps_per_split=i32)
@@ -89,25 +77,26 @@ def _cases() -> list[Case]:
     mma_args = dict(x_ptr="*bf16", w_ptr="", s_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32",
                     counts="*i32", M=i32, N=i32, K=i32, stride_xm=i32, stride_wn=i32,
                     stride_ym=i32, stride_sn=i32, steps_per_split=i32, splits=i32)
-    for dtype, pointer in (("int8", "*i8"), ("fp8", "*fp8e4nv")):
-        for rows in (1, 5):
-            # w8a16_mma's launch
+    mma_multiples = ["x_ptr", "w_ptr", "s_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm",
+                     "stride_wn", "stride_ym"]
+    for weights, pointer, size in (("bf16", "*bf16", 2), ("int8", "*i8", 1),
+                                   ("fp8", "*fp8e4nv", 1)):
+        for rows in (1, 5):  # rows_mma's launch
             cases.append(Case(
-                f"w8a16_mma_{dtype} ({rows} row{'s' if rows > 1 else ''}, tensor cores)",
-                "w8a16_mma:_w8a16_mma_kernel", {**mma_args, "w_ptr": pointer},
-                dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SCALE_ROWS=1, SCALE_COLS=0,
-                     EVEN_K=True, ONE_ROW=rows == 1, PTX=True, PDL=False),
-                ["x_ptr", "w_ptr", "s_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm",
-                 "stride_wn", "stride_ym"],
-                128 * 128, 1, num_warps=4, num_stages=3, note="launch (128, 128, 4 warps)"))
+                f"rows_mma {weights} ({rows} row{'s' if rows > 1 else ''}, tensor cores)",
+                "rows_mma:_rows_mma_kernel", {**mma_args, "w_ptr": pointer},
+                dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SCALE=size == 1, SCALE_ROWS=1,
+                     SCALE_COLS=0, EVEN_K=True, ONE_ROW=rows == 1, ACT="", PTX=True,
+                     PDL=False),
+                mma_multiples, 128 * 128, size, num_warps=4, num_stages=3,
+                note="launch (128, 128, 4 warps)"))
     cases.append(Case(
-        "w8a16_mma_fp8 (1 row, 128 x 128 scale tiles, tensor cores)",
-        "w8a16_mma:_w8a16_mma_kernel", {**mma_args, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
-        dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SCALE_ROWS=128, SCALE_COLS=128,
-             EVEN_K=True, ONE_ROW=True, PTX=True, PDL=False),
-        ["x_ptr", "w_ptr", "s_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm", "stride_wn",
-         "stride_ym"],
-        128 * 128, 1, num_warps=4, num_stages=3, note="launch (128, 128, 4 warps)"))
+        "rows_mma fp8 (1 row, 128 x 128 scale tiles, tensor cores)",
+        "rows_mma:_rows_mma_kernel", {**mma_args, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+        dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SCALE=True, SCALE_ROWS=128,
+             SCALE_COLS=128, EVEN_K=True, ONE_ROW=True, ACT="", PTX=True, PDL=False),
+        mma_multiples, 128 * 128, 1, num_warps=4, num_stages=3,
+        note="launch (128, 128, 4 warps)"))
     return cases
 
 

@@ -7,7 +7,7 @@ Each case is captured in a CUDA graph (quantized_gemv.py's timer) whose calls cy
 through enough copies of the weight to exceed the L2 cache three times over, as the
 layers of a decode step do (one weight called 20 times would be read from L2).
 
-With `--tensor-cores` the kernel swept is `w8a16_mma` (up to 16 rows on tensor cores,
+With `--tensor-cores` the kernel swept is `rows_mma` (up to 16 rows on tensor cores,
 `EngineConfig.w8a16_tensor_cores`), its default launch timed beside the CUDA-core one.
 
     python benchmarks/w8a16_sweep.py [--rows 1 32] [--shapes 8b 1b] [--one-row-kernel-only]
@@ -48,7 +48,7 @@ def configs(rows: int, quick: bool, one_row_kernel_only: bool = False) -> list[d
 
 
 def mma_configs(quick: bool) -> list[dict]:
-    """w8a16_mma's launches (splits None: its own rule)."""
+    """rows_mma's launches (splits None: its own rule)."""
     out = [dict(block_n=bn, block_k=bk, splits=splits, num_warps=warps, num_stages=stages)
            for bn, bk, splits, warps, stages in itertools.product(
                (64, 128), (64, 128, 256), (None, 1, 2, 4, 8), (4, 8), (2, 3, 4))]
@@ -69,12 +69,12 @@ def main() -> None:
     parser.add_argument("--defaults-only", action="store_true",
                         help="time the kernel's own launch only")
     parser.add_argument("--tensor-cores", action="store_true",
-                        help="sweep w8a16_mma (tensor cores) instead of w8a16_matmul")
+                        help="sweep rows_mma (tensor cores) instead of w8a16_matmul")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("w8a16_sweep.py times CUDA kernels: no GPU here")
+    from infer.kernels.rows_mma import MAX_ROWS, rows_mma
     from infer.kernels.w8a16_matmul import _matmul, w8a16_matmul
-    from infer.kernels.w8a16_mma import MAX_ROWS, w8a16_mma
 
     ceil = common.ceilings()
     copy_gbs = ceil["copy_GBps"]
@@ -95,7 +95,7 @@ def main() -> None:
             moved = n * k + 4 * n + x.nbytes + rows * n * 2
             default_us = time_cycled(w8a16_matmul, x, weights, scale, replays=20)
             tensor_cores = args.tensor_cores and rows <= MAX_ROWS
-            mma_us = (time_cycled(w8a16_mma, x, weights, scale, replays=20)
+            mma_us = (time_cycled(rows_mma, x, weights, scale, replays=20)
                       if tensor_cores else None)
             best = None
             swept = not shape.endswith("lm_head") and not args.defaults_only
@@ -104,7 +104,7 @@ def main() -> None:
             for cfg in cases:
                 try:
                     if tensor_cores:
-                        us = time_cycled(partial(w8a16_mma, **cfg), x, weights, scale)
+                        us = time_cycled(partial(rows_mma, **cfg), x, weights, scale)
                     else:
                         us = time_cycled(partial(_matmul, **cfg), x, weights, scale, None)
                 except Exception as exc:  # a configuration that does not compile: skip it

@@ -89,13 +89,15 @@ class EngineConfig:
         "bias, LM head, a gated MLP's activation with its down projection) through infer's "
         "Triton GEMV (kernels/gemv.py) instead of cuBLAS; with kernel_backend triton only")
     gemv_max_rows: int = knob(
-        1, "with triton_gemv, the most rows a matmul sends to infer's GEMV (a verify step's "
-        "k + 1 positions, small batches; up to 16) instead of cuBLAS; 1: batch-1 decode "
-        "only, until a device run says more rows gain")
+        1, "with triton_gemv, the most rows a matmul of 16-bit weights sends to infer's "
+        "kernels instead of cuBLAS: one row to the GEMV, 2 to 16 (a verify step's k + 1 "
+        "positions, small batches) to a tensor-core kernel with K split over programs "
+        "(kernels/rows_mma.py); 1: batch-1 decode only, until a device run says more rows "
+        "gain")
     w8a16_tensor_cores: bool = knob(
         False, "INT8 / FP8 weight-only matmuls of up to 16 rows (16-bit activations; scales "
         "per channel or per 128 x 128 tile) on tensor cores, the weights made float16 exactly "
-        "(kernels/w8a16_mma.py), instead of CUDA cores in float32 (kernels/w8a16_matmul.py); "
+        "(kernels/rows_mma.py), instead of CUDA cores in float32 (kernels/w8a16_matmul.py); "
         "CUDA with kernel_backend triton only; off until a device run measures it")
     dependent_launch: bool = knob(
         True, "launch infer's decode kernels (GEMV, norms, RoPE + KV store, attention, "
@@ -208,7 +210,7 @@ class EngineConfig:
                              f"{self.speculative_method!r} is not supported: drafts are "
                              "checked against grammars on the step loop")
         if not 1 <= self.gemv_max_rows <= 16:
-            raise ValueError(f"gemv_max_rows must be in [1, 16] (kernels/gemv.py MAX_ROWS), "
+            raise ValueError(f"gemv_max_rows must be in [1, 16] (kernels/rows_mma.py MAX_ROWS), "
                              f"got {self.gemv_max_rows}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(

@@ -149,12 +149,12 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     or float8_e4m3fn, contiguous, `scale [N]`, or with `scale_block = (rows, cols)` one
     float32 scale per tile of the weight, `scale [ceil(N / rows), ceil(K / cols)]`
     (block-wise FP8 checkpoints): `[M, N]` in x's dtype. `tensor_cores`: where
-    `w8a16_mma.py` takes the case (up to 16 rows of 16-bit x), there."""
-    from infer.kernels import w8a16_mma
+    `rows_mma.py` takes the case (up to 16 rows of 16-bit x), there."""
+    from infer.kernels import rows_mma
 
-    if (tensor_cores and w8a16_mma.takes(scale_block) and x.shape[0] <= w8a16_mma.MAX_ROWS
+    if (tensor_cores and rows_mma.takes(scale_block) and x.shape[0] <= rows_mma.MAX_ROWS
             and x.dtype in (torch.float16, torch.bfloat16)):
-        return w8a16_mma.w8a16_mma(x, weight, scale, scale_block)
+        return rows_mma.rows_mma(x, weight, scale, scale_block)
     # Tuned on the H100 over the Llama-3.1-8B projections, their weights cycled past the
     # L2 cache (benchmarks/w8a16_sweep.py): one row runs the dot-free kernel on 8 channels
     # a program (enough programs to keep every SM's loads in flight); more rows use

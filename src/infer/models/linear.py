@@ -81,7 +81,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            gemv_rows: int) -> torch.Tensor:
-    """`x W^T + b`; up to `gemv_rows` rows without a bias through kernels/gemv.py."""
+    """`x W^T + b`; up to `gemv_rows` rows without a bias through infer's kernels (`_gemv`)."""
     if _gemv_takes(x, weight, bias, gemv_rows):
         return _gemv(x, weight)
     return F.linear(x, weight, bias)
@@ -90,17 +90,28 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def _gemv_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 gemv_rows: int) -> bool:
     """Whether `x` (at most `gemv_rows` rows, the weight's dtype, no bias) goes to infer's
-    GEMV."""
-    return (bias is None and 0 < x.numel() <= gemv_rows * x.shape[-1]
-            and x.dtype == weight.dtype)
+    kernels: one row in any float dtype, more in 16 bits."""
+    rows = x.numel() // max(1, x.shape[-1])
+    return (bias is None and x.numel() > 0 and rows <= gemv_rows and x.dtype == weight.dtype
+            and (rows == 1 or (x.dtype in (torch.float16, torch.bfloat16)
+                               and weight.is_contiguous())))
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, act: str = "") -> torch.Tensor:
-    """kernels/gemv.py on the rows of `x` (any leading shape), the result shaped alike."""
-    from infer.kernels import gemv
-
+    """The rows of `x` (any leading shape) times `weight`, the result shaped alike: one row
+    through kernels/gemv.py (CUDA cores), more through kernels/rows_mma.py (tensor cores:
+    on the CUDA cores several rows cost more instructions a weight byte than the SMs issue
+    at the copy rate, `benchmarks/sass_mix.py`)."""
     rows = x.reshape(-1, x.shape[-1])
-    return gemv.gemv(rows, weight, act=act).view(*x.shape[:-1], weight.shape[0])
+    if len(rows) == 1:
+        from infer.kernels import gemv
+
+        y = gemv.gemv(rows.contiguous(), weight, act=act)
+    else:
+        from infer.kernels import rows_mma
+
+        y = rows_mma.rows_mma(rows, weight, act=act)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1) -> None:
@@ -116,7 +127,7 @@ def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1) -> None:
 
 def set_w8a16_tensor_cores(model: nn.Module, on: bool) -> None:
     """Matmuls of up to 16 rows by `model`'s INT8 / FP8 weight-only layers (projections,
-    LM head) on tensor cores (`kernels/w8a16_mma.py`) or CUDA cores (`w8a16_matmul.py`)."""
+    LM head) on tensor cores (`kernels/rows_mma.py`) or CUDA cores (`w8a16_matmul.py`)."""
     for m in model.modules():
         if isinstance(m, (LinearBase, ParallelLMHead)):
             m.w8a16_tensor_cores = on

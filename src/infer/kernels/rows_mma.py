@@ -1,22 +1,26 @@
-"""W8A16 for decode-sized steps on tensor cores: `y [M, N] = x [M, K] @ (w * scale[:, None])^T`
-for M up to 16, `w [N, K]` int8 (or FP8 e4m3 on a GPU), `scale [N]` per output channel (or
-one per tile of the weight, as block-wise FP8 checkpoints store it: each K step's sums
-scaled by its tile's), `x` 16-bit, float32 accumulation.
+"""A few rows times a weight on tensor cores: `y [M, N] = x [M, K] @ W^T` for M up to 16,
+float32 accumulation, W either 16-bit (x's dtype) or 8-bit (int8, or FP8 e4m3 on a GPU)
+with `W = w * scale[:, None]`, a scale per output channel or per tile of the weight (as
+block-wise FP8 checkpoints store it: each K step's sums scaled by its tile's). With `act`,
+x is a gated MLP's `gate_up [M, 2K]` and each row multiplied is `act(gate) * up`, rounded
+to x's dtype as the activation kernel stores it.
 
-`w8a16_matmul.py` multiplies one row on the CUDA cores, each weight made a float32 first
-(3.25 instructions a weight for INT8, `benchmarks/sass_mix.py`): per byte read that is 2.5x
-what the bf16 GEMV issues, and the issue rate, not the memory, is what it runs out of. Here
-the weights become float16 two at a time (INT8: a byte under the bits of 1024 and 1024 + 128
-taken off, both exact in float16; FP8: the hardware's pairwise convert) and an MMA multiplies
-them by x, also made float16, padded to 16 rows (one real row is broadcast from a vector, so
-its conversion is not repeated 16 times): ~1.3 instructions a weight.
+Decode's matmuls read each weight once per step. On the CUDA cores that costs instructions
+for every weight: the one-row GEMV (`gemv.py`) issues 1.7 a weight byte, the W8A16 kernel
+(`w8a16_matmul.py`) 4.25 for INT8 (each weight made a float32 first), and a CUDA-core
+kernel for 5 rows 8.6 (`benchmarks/sass_mix.py`): past the issue rate the SMs have at the
+copy rate. Here an MMA multiplies a [16, BLOCK_K] tile of x (the real rows, zeros below; one
+row is broadcast from a vector, so it is loaded and converted once) by the weight tile: a
+16-bit weight as it is (~0.5 instructions a byte), an 8-bit one made float16 two at a time
+(INT8: a byte under the bits of 1024 and 1024 + 128 taken off, both exact in float16; FP8:
+the hardware's pairwise convert), with x made float16 too (~3.1 and ~2.3 a byte).
 
-Exactness: products of float16 weights (integers up to 128, or FP8 values) and x are exact in
-the MMA's float32 accumulator; x is exact in float16 for |x| between 2^-14 and 65504 (bf16
-has 8 significant bits, float16 11). Smaller |x| keep an absolute error of at most 2^-25 (a
-float16 subnormal's half step): a dot product moves by at most 2^-25 * sum |w|, below the
-output's rounding. A row block whose x has any |x| above 65504 is multiplied again on the CUDA
-cores in float32, so no overflow reaches y.
+8-bit exactness: products of float16 weights (integers up to 128, or FP8 values) and x are
+exact in the MMA's float32 accumulator; x is exact in float16 for |x| between 2^-14 and
+65504 (bf16 has 8 significant bits, float16 11). Smaller |x| keep an absolute error of at
+most 2^-25 (a float16 subnormal's half step): a dot product moves by at most
+2^-25 * sum |w|, below the output's rounding. A row block whose x has any |x| above 65504
+is multiplied again on the CUDA cores in float32, so no overflow reaches y.
 
 A program owns BLOCK_N output channels and one of `splits` slices of K; the last program of a
 row block to finish adds the slices' float32 parts, scales and stores them (a counter per row
@@ -33,6 +37,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels import dependent_launch
+from infer.kernels.activation import gated
 from infer.kernels.w8a16_matmul import _to_float
 
 MAX_ROWS = 16
@@ -67,29 +72,39 @@ def _int8_to_f16_ptx(w):
 
 
 @triton.jit
-def _x_rows(x_ptr, stride_xm, M, kk, K, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr):
-    """x's columns kk as float32 [BLOCK_M, len(kk)] (rows past M and columns past K: 0)."""
+def _x_rows(x_ptr, stride_xm, M, kk, K, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+            ACT: tl.constexpr):
+    """x's columns kk, [BLOCK_M, len(kk)] (rows past M and columns past K: 0), or
+    act(gate) * up there, in x's dtype."""
     rm = tl.arange(0, BLOCK_M)
     mask = rm[:, None] < M
     if not EVEN_K:
         mask = mask & (kk[None, :] < K)
-    x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :], mask=mask,
-                other=0.0)
-    return x.to(tl.float32)
+    at = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :]
+    x = tl.load(at, mask=mask, other=0.0)
+    if ACT != "":
+        x = gated(x, tl.load(at + K, mask=mask, other=0.0), ACT).to(x.dtype)
+    return x
 
 
 @triton.jit
-def _x_row(x_ptr, kk, K, EVEN_K: tl.constexpr):
-    """x's first row's columns kk as float32 (columns past K: 0)."""
+def _x_row(x_ptr, kk, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
+    """x's first row's columns kk (columns past K: 0), or act(gate) * up there."""
     if EVEN_K:
-        return tl.load(x_ptr + kk).to(tl.float32)
-    return tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + kk)
+        if ACT != "":
+            x = gated(x, tl.load(x_ptr + K + kk), ACT).to(x.dtype)
+    else:
+        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
+        if ACT != "":
+            x = gated(x, tl.load(x_ptr + K + kk, mask=kk < K, other=0.0), ACT).to(x.dtype)
+    return x
 
 
 @triton.jit
 def _cuda_core_rows(x_ptr, w_rows, s_row, stride_xm, M, k_begin, k_end, K,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr,
-                    SCALE_COLS: tl.constexpr, PTX: tl.constexpr):
+                    SCALE_COLS: tl.constexpr, ACT: tl.constexpr, PTX: tl.constexpr):
     """The same [BLOCK_M, BLOCK_N] sums over K in [k_begin, k_end), x and the weights as
     float32, one row at a time, in short K steps (few registers: the overflow path); with
     tile scales (`s_row`: the program's row of them), each step's weights scaled."""
@@ -103,20 +118,23 @@ def _cuda_core_rows(x_ptr, w_rows, s_row, stride_xm, M, k_begin, k_end, K,
             w = _to_float(tl.load(w_rows + kk[None, :], mask=kk[None, :] < K, other=0.0), PTX)
             if SCALE_COLS > 0:
                 w *= tl.load(s_row + k0 // SCALE_COLS)
-            x = tl.load(x_ptr + r * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
+            x = _x_row(x_ptr + r * stride_xm, kk, K, False, ACT).to(tl.float32)
             part += w * x[None, :]
         acc = tl.where(rm[:, None] == r, tl.sum(part, axis=1)[None, :], acc)
     return acc
 
 
 @triton.jit
-def _w8a16_mma_kernel(
+def _rows_mma_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, counts,
     M, N, K, stride_xm, stride_wn, stride_ym, stride_sn, steps_per_split, splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-    EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
+    SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
+    EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr, ACT: tl.constexpr, PTX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    """SCALE: the weight is 8-bit, scaled per channel (SCALE_COLS 0) or per tile; else it
+    is 16-bit, x's dtype, unscaled."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -142,25 +160,31 @@ def _w8a16_mma_kernel(
         else:
             w = tl.load(w_rows + kk[None, :], mask=kk[None, :] < K, other=0.0,
                         eviction_policy="evict_first")
-        if ONE_ROW:  # one vector, broadcast: not converted once per padded row
-            x1 = _x_row(x_ptr, kk, K, EVEN_K)
-            x_max = tl.maximum(x_max, tl.abs(x1))
-            x = tl.where(rm[:, None] == 0, x1[None, :], 0.0)
+        if ONE_ROW:  # one vector, broadcast: loaded and converted once, not per padded row
+            x1 = _x_row(x_ptr, kk, K, EVEN_K, ACT)
+            if SCALE:
+                x_max = tl.maximum(x_max, tl.abs(x1.to(tl.float32)))
+                x1 = x1.to(tl.float16)
+            x = tl.where(rm[:, None] == 0, x1[None, :], 0.0).to(x1.dtype)
         else:
-            x = _x_rows(x_ptr, stride_xm, M, kk, K, EVEN_K, BLOCK_M)
-            x_max = tl.maximum(x_max, tl.abs(x))
-        if SCALE_COLS > 0:
-            acc += (tl.dot(x.to(tl.float16), tl.trans(_to_f16(w, PTX)))
-                    * tl.load(s_row + k0 // SCALE_COLS))
+            x = _x_rows(x_ptr, stride_xm, M, kk, K, EVEN_K, BLOCK_M, ACT)
+            if SCALE:
+                x_max = tl.maximum(x_max, tl.abs(x.to(tl.float32)))
+                x = x.to(tl.float16)
+        if not SCALE:
+            acc = tl.dot(x, tl.trans(w), acc)
+        elif SCALE_COLS > 0:
+            acc += tl.dot(x, tl.trans(_to_f16(w, PTX))) * tl.load(s_row + k0 // SCALE_COLS)
         else:
-            acc = tl.dot(x.to(tl.float16), tl.trans(_to_f16(w, PTX)), acc)
-    if tl.max(x_max) > F16_MAX:  # an |x| overflowed float16: this part again, in float32
-        acc = _cuda_core_rows(x_ptr, w_rows, s_row, stride_xm, M, k_begin, k_end, K,
-                              BLOCK_M, BLOCK_N, 32, SCALE_COLS, PTX)
+            acc = tl.dot(x, tl.trans(_to_f16(w, PTX)), acc)
+    if SCALE:  # noqa: SIM102 (a constexpr branch: the runtime test is not compiled in)
+        if tl.max(x_max) > F16_MAX:  # an |x| overflowed float16: this part again, in float32
+            acc = _cuda_core_rows(x_ptr, w_rows, s_row, stride_xm, M, k_begin, k_end, K,
+                                  BLOCK_M, BLOCK_N, 32, SCALE_COLS, ACT, PTX)
     y_rows = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if splits == 1:
-        if SCALE_COLS == 0:
+        if SCALE and SCALE_COLS == 0:
             acc *= tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         tl.store(y_rows, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
@@ -172,7 +196,7 @@ def _w8a16_mma_kernel(
             total = tl.load(parts, mask=mask, other=0.0, cache_modifier=".cg")
             for s in range(1, splits):
                 total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            if SCALE_COLS == 0:
+            if SCALE and SCALE_COLS == 0:
                 total *= tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
             tl.store(y_rows, total.to(y_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(counter, 0, sem="relaxed")
@@ -195,7 +219,7 @@ def _counts(device: torch.device, blocks: int) -> torch.Tensor:
     """The row blocks' counters on `device`: zeros, which every launch leaves as it found
     them."""
     if blocks > MAX_BLOCKS:
-        raise ValueError(f"w8a16_mma: {blocks} row blocks, more than {MAX_BLOCKS}")
+        raise ValueError(f"rows_mma: {blocks} row blocks, more than {MAX_BLOCKS}")
     if device not in _COUNTS:
         _COUNTS[device] = torch.zeros(MAX_BLOCKS, dtype=torch.int32, device=device)
     return _COUNTS[device]
@@ -218,28 +242,35 @@ def takes(scale_block: tuple[int, int] | None, block_n: int = BLOCK_N,
                                    and scale_block[1] % block_k == 0)
 
 
-def w8a16_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-              scale_block: tuple[int, int] | None = None, *, block_n: int = BLOCK_N,
-              block_k: int = BLOCK_K, splits: int | None = None, num_warps: int = 4,
-              num_stages: int = 3) -> torch.Tensor:
+def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+             scale_block: tuple[int, int] | None = None, act: str = "", *,
+             block_n: int = BLOCK_N, block_k: int = BLOCK_K, splits: int | None = None,
+             num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """`x [M, K]` (M <= MAX_ROWS; float16 / bfloat16, unit column stride) times the
-    transpose of `weight [N, K]` (int8 or float8_e4m3fn, contiguous) scaled by `scale [N]`,
-    or with `scale_block = (rows, cols)` (`takes` it) by one float32 scale per tile,
-    `scale [ceil(N / rows), ceil(K / cols)]`: `[M, N]` in x's dtype."""
+    transpose of `weight [N, K]` (contiguous): x's dtype, unscaled (`scale` None), or int8 /
+    float8_e4m3fn scaled by `scale [N]`, or with `scale_block = (rows, cols)` (`takes` it)
+    by one float32 scale per tile, `scale [ceil(N / rows), ceil(K / cols)]`. With `act`
+    ("silu" / "gelu_tanh"), `x` is `[M, 2K]` (gate | up) and each row multiplied is
+    `act(gate) * up`. `[M, N]` in x's dtype."""
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, x.shape
+    assert x.shape[0] == 1 or x.stride(0) >= x.shape[1], x.stride()
     assert x.dtype in (torch.float16, torch.bfloat16), x.dtype
-    assert weight.dtype in (torch.int8, torch.float8_e4m3fn), weight.dtype
-    assert weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] == x.shape[1]
-    assert scale.device == x.device == weight.device
-    m, k = x.shape
-    n = weight.shape[0]
+    assert act in ("", "silu", "gelu_tanh"), act
+    assert weight.dim() == 2 and weight.is_contiguous()
+    assert weight.shape[1] * (2 if act else 1) == x.shape[1], (weight.shape, x.shape)
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     scale_rows, scale_cols = scale_block or (0, 0)
-    if scale_block is None:
-        assert scale.shape == (n,), (scale.shape, n)
+    if scale is None:
+        assert weight.dtype == x.dtype and scale_block is None, (weight.dtype, x.dtype)
     else:
-        assert takes(scale_block, block_n, block_k), (scale_block, block_n, block_k)
-        assert scale.shape == (-(-n // scale_rows), -(-k // scale_cols)), scale.shape
-        assert scale.stride(1) == 1
+        assert weight.dtype in (torch.int8, torch.float8_e4m3fn), weight.dtype
+        assert scale.device == x.device == weight.device
+        if scale_block is None:
+            assert scale.shape == (n,), (scale.shape, n)
+        else:
+            assert takes(scale_block, block_n, block_k), (scale_block, block_n, block_k)
+            assert scale.shape == (-(-n // scale_rows), -(-k // scale_cols)), scale.shape
+            assert scale.stride(1) == 1
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0 or k == 0:
         return y.zero_()
@@ -250,12 +281,13 @@ def w8a16_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     blocks = triton.cdiv(n, block_n)
     parts = (torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
              if splits > 1 else y)
-    _w8a16_mma_kernel[(blocks, splits)](
-        x, weight, scale, y, parts, _counts(x.device, blocks),
-        m, n, k, x.stride(0), weight.stride(0), y.stride(0), scale.stride(0), per_split,
-        splits, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SCALE_ROWS=scale_rows or 1,
-        SCALE_COLS=scale_cols, EVEN_K=k % block_k == 0,
-        ONE_ROW=m == 1, PTX=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
+    _rows_mma_kernel[(blocks, splits)](
+        x, weight, y if scale is None else scale, y, parts, _counts(x.device, blocks),
+        m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        1 if scale is None else scale.stride(0), per_split, splits,
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SCALE=scale is not None,
+        SCALE_ROWS=scale_rows or 1, SCALE_COLS=scale_cols, EVEN_K=k % block_k == 0,
+        ONE_ROW=m == 1, ACT=act, PTX=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
         num_warps=num_warps, num_stages=num_stages, **dependent_launch.launch_options(),
     )
     return y
