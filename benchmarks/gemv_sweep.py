@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -77,6 +78,13 @@ def main() -> None:
             return gemv(x, weight, Launch(**launch) if launch else None)
         return rows_mma(x, weight, **launch)
 
+    def rows_mma_timed(x: torch.Tensor, weights: list[torch.Tensor],
+                       expected: torch.Tensor) -> float:
+        got = rows_mma(x, weights[0]).float()
+        err = (got - expected).abs().max().item() / expected.abs().max().item()
+        assert err < 2e-2, err
+        return time_cycled(rows_mma, x, weights, replays=10)
+
     ceil = common.ceilings()
     copy_gbs = ceil["copy_GBps"]
     rows, sweep = [], []
@@ -104,6 +112,10 @@ def main() -> None:
             dependent_launch.set_enabled(True)  # each call's launch under the one before
             pdl_us = timed(default)
             dependent_launch.set_enabled(False)
+            mma_us = None
+            if args.rows == 1:  # the tensor-core kernel's default at one row, for comparison
+                mma = partial(rows_mma_timed, x=x, weights=weights, expected=expected)
+                mma_us = mma()
             best, best_us = default, default_us
             for launch in ([] if args.defaults_only else launches(args.quick, args.rows)):
                 try:
@@ -117,7 +129,7 @@ def main() -> None:
             row = dict(model=model, shape=shape, rows=args.rows, n=n, k=k, MB=moved / 1e6,
                        cublas_us=cublas_us, cublas_frac=frac(cublas_us),
                        default_us=default_us, default_frac=frac(default_us),
-                       pdl_us=pdl_us, pdl_frac=frac(pdl_us),
+                       pdl_us=pdl_us, pdl_frac=frac(pdl_us), rows_mma_us=mma_us,
                        best_us=best_us, best_frac=frac(best_us), best=best,
                        best_vs_cublas=cublas_us / best_us)
             rows.append(row)
@@ -133,7 +145,8 @@ def main() -> None:
          ("cuBLAS us", "cublas_us", ".1f"), ("%copy", "cublas_frac", ".0%"),
          ("default us", "default_us", ".1f"), ("%copy", "default_frac", ".0%"),
          ("dependent us", "pdl_us", ".1f"), ("%copy", "pdl_frac", ".0%"),
-         ("best us", "best_us", ".1f"), ("%copy", "best_frac", ".0%"),
+         ("rows_mma us", "rows_mma_us", ".1f"), ("best us", "best_us", ".1f"),
+         ("%copy", "best_frac", ".0%"),
          ("cuBLAS/best", "best_vs_cublas", ".2f"), ("best launch", "best", "")])
 
 

@@ -110,7 +110,8 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, act: str = "") -> torch.Tensor:
     else:
         from infer.kernels import rows_mma
 
-        y = rows_mma.rows_mma(rows, weight, act=act)
+        y = rows_mma.rows_mma(rows if rows.stride(-1) == 1 else rows.contiguous(), weight,
+                              act=act)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
