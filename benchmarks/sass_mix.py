@@ -190,22 +190,32 @@ def main() -> None:
                         help="names (prefixes) of the cases to compile; default all")
     parser.add_argument("--suffix", default="", help="appended to the results file name")
     parser.add_argument("--results-dir", default=str(common.RESULTS))
+    # An H200's: the "issue share" column is the share of the SMs' issue slots (4 a cycle,
+    # 32 lanes each) that reading weights at the copy rate would take.
+    parser.add_argument("--sms", type=int, default=132)
+    parser.add_argument("--clock-ghz", type=float, default=1.98)
+    parser.add_argument("--copy-tbs", type=float, default=4.2,
+                        help="copy bandwidth, TB/s (an H200's measured: ~4.2)")
     args = parser.parse_args()
+    issue_rate = args.sms * 4 * 32 * args.clock_ghz * 1e9  # thread-instructions a second
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # what the JIT does
     cases = [case for case in _cases()
              if not args.kernels or any(case.name.startswith(k) for k in args.kernels)]
     rows = [analyse(case) for case in cases]
     print("| kernel | launch | regs | loop instr. | weights / thread | instr. / weight "
-          "| instr. / weight byte | main opcodes |")
-    print("|---|---|---:|---:|---:|---:|---:|---|")
+          "| instr. / weight byte | issue share at the copy rate | main opcodes |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     for row in rows:
         top = ", ".join(f"{op} {n}" for op, n in list(row["mix"].items())[:6])
         per_weight = row["per_weight"]
         per_byte = row["per_weight_byte"]
+        if per_byte:
+            row["issue_share"] = per_byte * args.copy_tbs * 1e12 / issue_rate
         print(f"| {row['kernel']} | {row['note']} | {row['registers']} | "
               f"{row['loop_instructions']} | {row['weights_per_thread']:g} | "
-              f"{per_weight:.2f} | {per_byte:.2f} | {top} |" if per_weight else
-              f"| {row['kernel']} | {row['note']} | {row['registers']} | no loop | | | | |")
+              f"{per_weight:.2f} | {per_byte:.2f} | {row['issue_share']:.0%} | {top} |"
+              if per_weight else
+              f"| {row['kernel']} | {row['note']} | {row['registers']} | no loop | | | | | |")
     # Named for the target, whatever machine compiled it.
     args.tiny, args.suffix = False, "_sm90" + args.suffix
     out = common.write_results("sass_mix", args, dict(target="sm_90", rows=rows))
