@@ -196,3 +196,30 @@ def test_fp8_weights_match_float64(block, rows):
     ref = x.double() @ (w8.double() * dense.double()).T
     error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
     assert error < TOLERANCE[torch.bfloat16], error
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+def test_a_captured_graph_replays_with_its_counters_left_at_zero():
+    """K slices under graph replay: every replay gives the eager result, and the counters
+    the last program of each row block resets are at 0 after each."""
+    from infer.kernels.rows_mma import _COUNTS, rows_mma
+
+    x, w, scale = _case(3, 640, 2048, torch.bfloat16, seed=21)
+    x, w, scale = x.cuda(), w.cuda(), scale.cuda()
+    w16 = torch.randn(640, 2048, generator=torch.Generator().manual_seed(2)).to(
+        torch.bfloat16).cuda()
+    eager = [rows_mma(x, w, scale, splits=4), rows_mma(x, w16, splits=3)]
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        rows_mma(x, w, scale, splits=4)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        captured = [rows_mma(x, w, scale, splits=4), rows_mma(x, w16, splits=3)]
+    for _ in range(3):
+        for out in captured:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(captured, eager))
+        assert int(_COUNTS[x.device].abs().sum()) == 0
