@@ -280,16 +280,16 @@ def test_paged_decode(heads, kv_heads, head_dim, window, softcap, num_splits,
 
 
 def test_decode_splits_take_a_tile_only_where_the_gpu_is_underfilled() -> None:
+    from infer.kernels import sm_count
     from infer.kernels.paged_attention import (
         MIN_SPLIT_KEYS,
         SMALL_GRID_SPLIT_KEYS,
-        _sm_count,
         default_num_splits,
         split_keys,
     )
 
     cpu = torch.device("cpu")
-    sms = _sm_count(cpu)
+    sms = sm_count(cpu)
     assert split_keys(1, sms - 1, cpu) == SMALL_GRID_SPLIT_KEYS < MIN_SPLIT_KEYS
     assert split_keys(1, sms, cpu) == MIN_SPLIT_KEYS
     # One sequence of 300 keys, one kv head, 4 "SMs" on a CPU: min(2 x 4 programs to fill

@@ -8,10 +8,21 @@ Importing this package never needs Triton; the kernel modules (`rmsnorm`, `rope`
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+
+import torch
 
 
 def triton_available() -> bool:
     """True when `triton` can be imported (kernels then run on CUDA, or on the CPU under
     `TRITON_INTERPRET=1`)."""
     return importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(maxsize=8)
+def sm_count(device: torch.device) -> int:
+    """The device's multiprocessors, which launch rules fill (4 stand-ins on a CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4

@@ -15,13 +15,11 @@ max and `l` the running sum of `2^(s - m)`.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import dependent_launch
+from infer.kernels import dependent_launch, sm_count
 from infer.kernels.activation import _tanh
 
 
@@ -278,13 +276,6 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=qmask)
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
     assert q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
@@ -324,7 +315,7 @@ def split_keys(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
     partials to combine. Measured on an H200 (docs/performance.md): 64 against 256 keys
     took the Llama-3.2-1B batch-1 step 0.90 -> 0.87 ms and Gemma 3 4B's 3.23 -> 2.96 ms,
     and the 8B's batch-32 step 5.11 -> 5.22 ms, hence 256 on full GPUs."""
-    if num_seqs * num_kv_heads < _sm_count(device):
+    if num_seqs * num_kv_heads < sm_count(device):
         return SMALL_GRID_SPLIT_KEYS
     return MIN_SPLIT_KEYS
 
@@ -334,7 +325,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
     """Split-K factor of a decode launch (the Triton attention backend's policy): enough
     (seq, kv head, split) programs to fill the GPU about twice, but at least `split_keys`
     keys per split; a power of 2 so few kernel variants get compiled."""
-    want = triton.cdiv(2 * _sm_count(device), max(num_seqs * num_kv_heads, 1))
+    want = triton.cdiv(2 * sm_count(device), max(num_seqs * num_kv_heads, 1))
     keys = split_keys(num_seqs, num_kv_heads, device)
     splits = max(1, min(want, triton.cdiv(max_seq_len, keys), 64))
     return triton.next_power_of_2(splits)

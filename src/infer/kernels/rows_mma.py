@@ -29,15 +29,15 @@ block, left at 0 for the next launch), so the launch needs no second kernel.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import dependent_launch
+from infer.kernels import dependent_launch, sm_count
 from infer.kernels.activation import gated
+from infer.kernels.gemv import _row, _weights
 from infer.kernels.w8a16_matmul import _to_float
 
 MAX_ROWS = 16
@@ -88,20 +88,6 @@ def _x_rows(x_ptr, stride_xm, M, kk, K, EVEN_K: tl.constexpr, BLOCK_M: tl.conste
 
 
 @triton.jit
-def _x_row(x_ptr, kk, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
-    """x's first row's columns kk (columns past K: 0), or act(gate) * up there."""
-    if EVEN_K:
-        x = tl.load(x_ptr + kk)
-        if ACT != "":
-            x = gated(x, tl.load(x_ptr + K + kk), ACT).to(x.dtype)
-    else:
-        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
-        if ACT != "":
-            x = gated(x, tl.load(x_ptr + K + kk, mask=kk < K, other=0.0), ACT).to(x.dtype)
-    return x
-
-
-@triton.jit
 def _cuda_core_rows(x_ptr, w_rows, s_row, stride_xm, M, k_begin, k_end, K,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr,
                     SCALE_COLS: tl.constexpr, ACT: tl.constexpr, PTX: tl.constexpr):
@@ -118,7 +104,7 @@ def _cuda_core_rows(x_ptr, w_rows, s_row, stride_xm, M, k_begin, k_end, K,
             w = _to_float(tl.load(w_rows + kk[None, :], mask=kk[None, :] < K, other=0.0), PTX)
             if SCALE_COLS > 0:
                 w *= tl.load(s_row + k0 // SCALE_COLS)
-            x = _x_row(x_ptr + r * stride_xm, kk, K, False, ACT).to(tl.float32)
+            x = _row(x_ptr + r * stride_xm, kk, K, False, ACT).to(tl.float32)
             part += w * x[None, :]
         acc = tl.where(rm[:, None] == r, tl.sum(part, axis=1)[None, :], acc)
     return acc
@@ -155,13 +141,9 @@ def _rows_mma_kernel(
         x_max = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         kk = k0 + rk
-        if EVEN_K:
-            w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
-        else:
-            w = tl.load(w_rows + kk[None, :], mask=kk[None, :] < K, other=0.0,
-                        eviction_policy="evict_first")
+        w = _weights(w_rows, kk, K, EVEN_K)
         if ONE_ROW:  # one vector, broadcast: loaded and converted once, not per padded row
-            x1 = _x_row(x_ptr, kk, K, EVEN_K, ACT)
+            x1 = _row(x_ptr, kk, K, EVEN_K, ACT)
             if SCALE:
                 x_max = tl.maximum(x_max, tl.abs(x1.to(tl.float32)))
                 x1 = x1.to(tl.float16)
@@ -202,13 +184,6 @@ def _rows_mma_kernel(
             tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 _COUNTS: dict[torch.device, torch.Tensor] = {}
 # Row blocks a launch may have (8M output channels at 128 a block): one buffer per device,
 # made once and never replaced, since captured graphs hold its address.
@@ -230,7 +205,7 @@ def splits_for(n: int, k: int, device: torch.device, block_n: int, block_k: int)
     K steps."""
     blocks = triton.cdiv(n, block_n)
     steps = triton.cdiv(k, block_k)
-    wanted = triton.cdiv(2 * _sm_count(device), blocks)
+    wanted = triton.cdiv(2 * sm_count(device), blocks)
     return max(1, min(wanted, steps // 4))
 
 
