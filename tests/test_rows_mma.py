@@ -149,11 +149,13 @@ def test_tiny_inputs_move_a_sum_by_no_more_than_half_a_float16_subnormal_step():
 @pytest.mark.parametrize(("on", "backend", "wanted"), [
     (True, "triton", True), (False, "triton", False), (True, "torch", False)])
 def test_the_engine_knob_reaches_every_linear_layer_and_the_lm_head(on, backend, wanted):
-    from engine_fixtures import make_llm
+    from server_fixtures import tiny_model_dir
 
+    from infer import LLM
     from infer.models.linear import LinearBase, ParallelLMHead
 
-    llm = make_llm(kernel_backend=backend, w8a16_tensor_cores=on, cuda_graphs=False)
+    llm = LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
+              kernel_backend=backend, w8a16_tensor_cores=on, cuda_graphs=False)
     layers = [m for m in llm.engine.core.runner.model.modules()
               if isinstance(m, (LinearBase, ParallelLMHead))]
     assert layers and all(m.w8a16_tensor_cores is wanted for m in layers)

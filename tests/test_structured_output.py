@@ -180,6 +180,17 @@ def test_unconstrained_rows_are_left_alone():
     assert 0 < int(kept.sum()) < 10 and torch.equal(logits[0][kept], before[0][kept])
 
 
+def test_sampler_masks_allow_every_token_on_the_rows_no_grammar_masks():
+    so = _so()
+    matcher = so.matcher(so.compile(StructuredOutputsParams(choice=["yes", "no"])))
+    so.step_masks(3).zero_()  # what a step before left: stale bits on every row
+    masks = so.sampler_masks(3, [(1, matcher)], torch.device("cpu"))
+    alone = so.allocate_masks(1)
+    so.fill_masks([matcher], alone)
+    assert (masks[[0, 2]] == -1).all()
+    assert torch.equal(masks[1], alone[0]) and (alone[0] != -1).any()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({}, "exactly one"),
     ({"json": {"type": "object"}, "regex": "a"}, "exactly one"),

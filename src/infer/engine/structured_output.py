@@ -238,10 +238,13 @@ class StructuredOutputs:
         them in its own pass): each (row, matcher) of `masked` what its matcher allows
         next, every other row every token. Queued without waiting for the device."""
         masks = self.step_masks(rows)
-        free = torch.ones(rows, dtype=torch.bool)
-        free[[row for row, _ in masked]] = False
-        masks[free] = -1
-        self.fill_masks([matcher for _, matcher in masked], masks, [row for row, _ in masked])
+        constrained = [row for row, _ in masked]
+        if len(constrained) < rows:
+            # In numpy, not torch: a torch CPU op large enough to run in parallel (or an
+            # empty boolean index) leaves torch's threads spinning for milliseconds, on
+            # the cores the library's parallel fill needs (measured 2-3x slower fills).
+            masks.numpy()[sorted(set(range(rows)) - set(constrained))] = -1
+        self.fill_masks([matcher for _, matcher in masked], masks, constrained)
         return self._on_device(masks, device)
 
     def _on_device(self, masks: torch.Tensor, device: torch.device) -> torch.Tensor:
