@@ -82,3 +82,21 @@ def test_a_cpu_engine_sets_its_threads():
         assert torch.get_num_threads() == default_cpu_threads()
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_engine_sets_torchs_host_threads_only_when_asked():
+    import torch
+    from server_fixtures import tiny_model_dir
+
+    from infer import LLM
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        LLM(str(tiny_model_dir()), device="cuda", num_blocks=64, max_model_len=128)
+        assert torch.get_num_threads() == 3
+        LLM(str(tiny_model_dir()), device="cuda", num_blocks=64, max_model_len=128, threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -137,7 +137,7 @@ class EngineConfig:
     threads: int | None = knob(
         None, "on a CPU, the threads the model's kernels use; default: one per usable core "
         "less one (engine/cpu_threads.py says why: more collapses beside any other busy "
-        "process)")
+        "process). With CUDA, the threads of torch's host operations; default: torch's own")
     speculative_method: str = knob(
         "none", "speculative decoding: none = off; ngram = drafts looked up in the sequence's own "
         "earlier tokens (spec/ngram.py); self = the model's own first self_draft_layers "

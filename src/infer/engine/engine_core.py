@@ -876,6 +876,8 @@ def load_core(config: EngineConfig) -> tuple[EngineCore, Tokenizer, str]:
     if device.type == "cpu":
         log.info("CPU: %d threads for the model's kernels%s", set_cpu_threads(config.threads),
                  "" if config.threads else " (one per usable core less one; --threads)")
+    elif config.threads is not None:
+        log.info("%d threads for torch's host operations", set_cpu_threads(config.threads))
     tp, workers = SINGLE, None
     if config.tensor_parallel_size > 1:
         check_tensor_parallel(config, model_config_of(config.model), device)
