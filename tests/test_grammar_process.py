@@ -270,3 +270,34 @@ def test_the_stream_waits_for_a_host_word_and_writes_one():
     word[0] = 6
     torch.cuda.synchronize()
     assert word[1] == 9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the block mapped for a CUDA device")
+def test_on_cuda_the_sampler_reads_the_masks_in_the_workers_block():
+    """No copy queued: the masks handed out are the block itself, seen by the device, and
+    a kernel reading them after the stream's wait sees the worker's fill."""
+    from infer.engine.grammar_process import GrammarProcess
+    from infer.engine.structured_output import StructuredOutputs, apply_token_masks
+
+    tokenizer = ours("smollm2")
+    vocab = tokenizer.vocab_size
+    library = StructuredOutputs(tokenizer, vocab)
+    process = GrammarProcess(tokenizer, vocab, 4, torch.device("cuda"))
+    try:
+        grammar = library.compile(StructuredOutputsParams(regex=r"ab|cd"))
+        remote, local = process.matcher(grammar), library.matcher(grammar)
+        step, masks = process.masks(2, [(1, remote)])
+        assert masks.is_cuda and process._masks_source is None  # mapped, not copied
+        logits = torch.zeros(2, vocab, device="cuda")
+        apply_token_masks(logits, masks)
+        expected = library.allocate_masks(2)
+        library.fill_masks([local], expected, [1])
+        reference = torch.zeros(2, vocab)
+        apply_token_bitmask_ref(reference, expected, torch.tensor([1]))
+        assert torch.equal(torch.isfinite(logits).cpu(), torch.isfinite(reference))
+        assert 0 < int(torch.isfinite(reference[1]).sum()) < vocab
+        token = tokenizer.encode("ab", add_special_tokens=False)[0]
+        process.publish(step, torch.tensor([0, token], device="cuda"))
+        assert process.verdicts(step, [(1, remote)]).refused == []
+    finally:
+        process.close()
