@@ -7,9 +7,9 @@ for the worker's `masks_ready >= s` (a CUDA stream memory operation on the share
 the sampler reads the masks from the block itself (registered, so mapped for the device)
 and applies them in its own pass. After the sampling, `publish` queues the sampled ids'
 copy into the block and a stream write of the stamp s, which the worker watches for (no
-message). The loop reads the worker's verdicts
-on s (a grammar finished, a token refused, a matcher the library would not make) when it
-accounts s. On the CPU the loop waits for the masks itself and writes the ids.
+message). The loop reads the worker's verdicts on s (a grammar finished, a token refused,
+a matcher the library would not make) when it accounts s. On the CPU the loop waits for
+the masks itself and writes the ids.
 
 A stream wait has no time limit, so a watchdog thread ends a worker that has exited or
 left a step's masks unfilled for WORKER_WAIT_S, and then releases the device's waits.
