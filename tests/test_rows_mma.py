@@ -163,16 +163,16 @@ def test_the_engine_knob_reaches_every_linear_layer_and_the_lm_head(on, backend,
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the layers take the kernel on CUDA only")
 @pytest.mark.parametrize("method", ["int8", "fp8"])
-@pytest.mark.parametrize("rows", [1, 7])
-def test_8bit_layers_with_the_knob_match_float64(method, rows):
+@pytest.mark.parametrize(("rows", "width"), [(1, 16384), (7, 384)])
+def test_8bit_layers_with_the_knob_match_float64(method, rows, width):
     from infer.models.linear import ColumnParallelLinear
     from infer.quantization.fp8 import Fp8LinearMethod
     from infer.quantization.int8 import Int8WeightOnlyLinearMethod
 
     gen = torch.Generator().manual_seed(rows)
-    layer = ColumnParallelLinear(512, 384, bias=False)
+    layer = ColumnParallelLinear(512, width, bias=False)
     with torch.no_grad():
-        layer.weight.copy_(torch.randn(384, 512, generator=gen))
+        layer.weight.copy_(torch.randn(width, 512, generator=gen))
     layer = layer.to(DEVICE, torch.bfloat16)
     (Int8WeightOnlyLinearMethod() if method == "int8" else Fp8LinearMethod()).quantize(layer)
     layer.w8a16_tensor_cores = True
@@ -225,3 +225,21 @@ def test_a_captured_graph_replays_with_its_counters_left_at_zero():
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(captured, eager))
         assert int(_COUNTS[x.device].abs().sum()) == 0
+
+
+@pytest.mark.parametrize(("rows", "width", "wanted"), [
+    (1, 256, False), (1, 512, True), (2, 256, True), (16, 256, True), (17, 256, False)])
+def test_8bit_weights_go_to_tensor_cores_where_they_gained(monkeypatch, rows, width, wanted):
+    """From 2 to 16 rows, or one row of a wide layer (the threshold lowered to 512 here)."""
+    from infer.kernels import rows_mma, w8a16_matmul
+
+    calls = []
+    real = rows_mma.rows_mma
+    monkeypatch.setattr(rows_mma, "rows_mma", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(w8a16_matmul, "TENSOR_CORES_ONE_ROW_MIN_N", 512)
+    x, w, scale = _case(rows, width, 128, torch.float16, seed=rows)
+    y = w8a16_matmul.w8a16_matmul(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE),
+                                  tensor_cores=True)
+    assert bool(calls) is wanted
+    ref = _reference(x, w, scale)
+    assert (y.double().cpu() - ref).abs().max() <= 1e-2 * ref.abs().max()

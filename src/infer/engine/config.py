@@ -95,10 +95,12 @@ class EngineConfig:
         "(kernels/rows_mma.py); 1: batch-1 decode only, until a device run says more rows "
         "gain")
     w8a16_tensor_cores: bool = knob(
-        False, "INT8 / FP8 weight-only matmuls of up to 16 rows (16-bit activations; scales "
-        "per channel or per 128 x 128 tile) on tensor cores, the weights made float16 exactly "
+        False, "INT8 / FP8 weight-only matmuls of 2 to 16 rows, and one-row ones by a layer "
+        "at least 16,384 wide such as the LM head (16-bit activations; scales per channel or "
+        "per 128 x 128 tile), on tensor cores, the weights made float16 exactly "
         "(kernels/rows_mma.py), instead of CUDA cores in float32 (kernels/w8a16_matmul.py); "
-        "CUDA with kernel_backend triton only; off until a device run measures it")
+        "CUDA with kernel_backend triton only; off: on every layer at batch 1 it lost 7-17 % "
+        "(docs/performance.md), this routing is not measured yet")
     dependent_launch: bool = knob(
         True, "launch infer's decode kernels (GEMV, norms, RoPE + KV store, attention, "
         "W8A16) with programmatic dependent launch, so that each one's launch and first "

@@ -142,6 +142,13 @@ def _w8a16_kernel(
              acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+# One row on tensor cores pays only where a layer has columns for many 128-wide tiles
+# (`w8a16_sweep.py --tensor-cores`, H200: the LM head 128 vs 157 µs, the 8B gate_up 36.5
+# vs 38.5; the narrow 8B qkv / o / down lost 12-30 %). From 2 rows on it gains on nearly
+# every projection (5 rows, 8B down: 25 vs 39 µs).
+TENSOR_CORES_ONE_ROW_MIN_N = 16384
+
+
 def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                  scale_block: tuple[int, int] | None = None,
                  tensor_cores: bool = False) -> torch.Tensor:
@@ -149,11 +156,14 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     or float8_e4m3fn, contiguous, `scale [N]`, or with `scale_block = (rows, cols)` one
     float32 scale per tile of the weight, `scale [ceil(N / rows), ceil(K / cols)]`
     (block-wise FP8 checkpoints): `[M, N]` in x's dtype. `tensor_cores`: where
-    `rows_mma.py` takes the case (up to 16 rows of 16-bit x), there."""
+    `rows_mma.py` takes the case (up to 16 rows of 16-bit x) and gained on an H200, there:
+    from 2 rows on, or one row of a layer at least TENSOR_CORES_ONE_ROW_MIN_N wide."""
     from infer.kernels import rows_mma
 
-    if (tensor_cores and rows_mma.takes(scale_block) and x.shape[0] <= rows_mma.MAX_ROWS
-            and x.dtype in (torch.float16, torch.bfloat16)):
+    rows = x.shape[0]
+    if (tensor_cores and rows_mma.takes(scale_block) and rows <= rows_mma.MAX_ROWS
+            and x.dtype in (torch.float16, torch.bfloat16)
+            and (rows > 1 or weight.shape[0] >= TENSOR_CORES_ONE_ROW_MIN_N)):
         return rows_mma.rows_mma(x, weight, scale, scale_block)
     # Tuned on the H100 over the Llama-3.1-8B projections, their weights cycled past the
     # L2 cache (benchmarks/w8a16_sweep.py): one row runs the dot-free kernel on 8 channels
