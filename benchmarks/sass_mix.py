@@ -87,14 +87,24 @@ def _cases() -> list[Case]:
                 "rows_mma:_rows_mma_kernel", {**mma_args, "w_ptr": pointer},
                 dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SCALE=size == 1, SCALE_ROWS=1,
                      SCALE_COLS=0, EVEN_K=True, ONE_ROW=rows == 1, ACT="", PTX=True,
-                     PDL=False),
+                     FP8_X=False, PDL=False),
                 mma_multiples, 128 * 128, size, num_warps=4, num_stages=3,
                 note="launch (128, 128, 4 warps)"))
+    for rows in (1, 5):  # FP8 x FP8: x quantized per row in the kernel
+        cases.append(Case(
+            f"rows_mma fp8 x fp8 ({rows} row{'s' if rows > 1 else ''}, tensor cores)",
+            "rows_mma:_rows_mma_kernel", {**mma_args, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+            dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SCALE=True, SCALE_ROWS=1,
+                 SCALE_COLS=0, EVEN_K=True, ONE_ROW=rows == 1, ACT="", PTX=True, FP8_X=True,
+                 PDL=False),
+            mma_multiples, 128 * 128, 1, num_warps=4, num_stages=3,
+            note="launch (128, 128, 4 warps)"))
     cases.append(Case(
         "rows_mma fp8 (1 row, 128 x 128 scale tiles, tensor cores)",
         "rows_mma:_rows_mma_kernel", {**mma_args, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
         dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SCALE=True, SCALE_ROWS=128,
-             SCALE_COLS=128, EVEN_K=True, ONE_ROW=True, ACT="", PTX=True, PDL=False),
+             SCALE_COLS=128, EVEN_K=True, ONE_ROW=True, ACT="", PTX=True, FP8_X=False,
+             PDL=False),
         mma_multiples, 128 * 128, 1, num_warps=4, num_stages=3,
         note="launch (128, 128, 4 warps)"))
     return cases
@@ -147,7 +157,9 @@ _INSTRUCTION = re.compile(
 
 def innermost_loop(sass: str) -> list[str]:
     """The opcodes of the K loop: of the loops (a backward branch's target to the branch)
-    that hold no other loop, the longest (a kernel's rarely taken paths have shorter ones)."""
+    that hold no other loop, the longest (a kernel's rarely taken paths have shorter ones)
+    of those with a matrix multiply-add, if any has one (a tensor-core kernel's loop that
+    adds K slices' parts may be longer than its K loop)."""
     instructions = []
     for line in sass.splitlines():
         match = _INSTRUCTION.match(line)
@@ -162,8 +174,12 @@ def innermost_loop(sass: str) -> list[str]:
                  if not any((lo, hi) != (a, b) and lo <= a and b <= hi for a, b in loops)]
     if not innermost:
         return []
-    start, end = max(innermost, key=lambda span: span[1] - span[0])
-    return [opcode for address, opcode, _ in instructions if start <= address <= end]
+
+    def opcodes(span: tuple[int, int]) -> list[str]:
+        return [opcode for address, opcode, _ in instructions if span[0] <= address <= span[1]]
+
+    with_mma = [span for span in innermost if any("MMA" in op for op in opcodes(span))]
+    return opcodes(max(with_mma or innermost, key=lambda span: span[1] - span[0]))
 
 
 def analyse(case: Case) -> dict:

@@ -8,10 +8,11 @@ through enough copies of the weight to exceed the L2 cache three times over, as 
 layers of a decode step do (one weight called 20 times would be read from L2).
 
 With `--tensor-cores` the kernel swept is `rows_mma` (up to 16 rows on tensor cores,
-`EngineConfig.w8a16_tensor_cores`), its default launch timed beside the CUDA-core one.
+`EngineConfig.w8a16_tensor_cores`), its default launch timed beside the CUDA-core one, and
+for FP8 weights its FP8 x FP8 mode (`fp8_decode_activations`; swept with `--fp8-x`).
 
     python benchmarks/w8a16_sweep.py [--rows 1 32] [--shapes 8b 1b] [--one-row-kernel-only]
-                                     [--tensor-cores] [--quick | --defaults-only]
+                                     [--tensor-cores [--fp8-x]] [--quick | --defaults-only]
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def main() -> None:
                         help="time the kernel's own launch only")
     parser.add_argument("--tensor-cores", action="store_true",
                         help="sweep rows_mma (tensor cores) instead of w8a16_matmul")
+    parser.add_argument("--fp8-x", action="store_true",
+                        help="with --tensor-cores, FP8 weights swept with x quantized to "
+                        "FP8 in the kernel (fp8_decode_activations)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("w8a16_sweep.py times CUDA kernels: no GPU here")
@@ -97,6 +101,9 @@ def main() -> None:
             tensor_cores = args.tensor_cores and rows <= MAX_ROWS
             mma_us = (time_cycled(rows_mma, x, weights, scale, replays=20)
                       if tensor_cores else None)
+            fp8_x = tensor_cores and dtype == torch.float8_e4m3fn
+            fp8_x_us = (time_cycled(partial(rows_mma, fp8_x=True), x, weights, scale,
+                                    replays=20) if fp8_x else None)
             best = None
             swept = not shape.endswith("lm_head") and not args.defaults_only
             cases = ((mma_configs(args.quick) if tensor_cores else
@@ -104,7 +111,8 @@ def main() -> None:
             for cfg in cases:
                 try:
                     if tensor_cores:
-                        us = time_cycled(partial(rows_mma, **cfg), x, weights, scale)
+                        us = time_cycled(partial(rows_mma, fp8_x=fp8_x and args.fp8_x, **cfg),
+                                         x, weights, scale)
                     else:
                         us = time_cycled(partial(_matmul, **cfg), x, weights, scale, None)
                 except Exception as exc:  # a configuration that does not compile: skip it
@@ -120,6 +128,8 @@ def main() -> None:
                            default_frac=moved / default_us / 1e3 / copy_gbs,
                            tensor_cores_us=mma_us,
                            tensor_cores_frac=moved / mma_us / 1e3 / copy_gbs if mma_us else None,
+                           fp8_x_us=fp8_x_us,
+                           fp8_x_frac=moved / fp8_x_us / 1e3 / copy_gbs if fp8_x_us else None,
                            best_us=best["us"] if best else default_us,
                            best_frac=best["frac_copy"] if best else None,
                            best=({k: v for k, v in best.items()
@@ -137,7 +147,9 @@ def main() -> None:
                         ("bf16 us", "bf16_us", ".1f"), ("default us", "default_us", ".1f"),
                         ("%copy", "default_frac", ".0%"),
                         ("tensor cores us", "tensor_cores_us", ".1f"),
-                        ("%copy", "tensor_cores_frac", ".0%"), ("best us", "best_us", ".1f"),
+                        ("%copy", "tensor_cores_frac", ".0%"),
+                        ("fp8 x fp8 us", "fp8_x_us", ".1f"), ("%copy", "fp8_x_frac", ".0%"),
+                        ("best us", "best_us", ".1f"),
                         ("%copy", "best_frac", ".0%"), ("best launch", "best", "")])
 
 

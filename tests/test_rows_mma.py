@@ -243,3 +243,65 @@ def test_8bit_weights_go_to_tensor_cores_where_they_gained(monkeypatch, rows, wi
     assert bool(calls) is wanted
     ref = _reference(x, w, scale)
     assert (y.double().cpu() - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="FP8 needs a GPU (the interpreter has none)")
+@pytest.mark.parametrize(("rows", "k", "splits"), [(1, 640, 1), (1, 4096, 4), (5, 640, 1),
+                                                   (16, 4096, 3)])
+def test_fp8_by_fp8_matches_float64_on_fp8_quants_values(rows, k, splits):
+    """x quantized in the kernel exactly as `fp8_quantize_rows` quantizes it (a float16
+    output: a value off by one FP8 step would show), rows of zeros and of large |x| too."""
+    from infer.kernels.fp8_quant import fp8_quantize_rows
+    from infer.kernels.rows_mma import rows_mma
+
+    x, _, scale = _case(rows, 384, k, torch.float16, seed=rows + k)
+    x[0, :7] *= 3000.0  # a few large |x|: the row's scale follows its largest
+    if rows > 1:
+        x[1] = 0.0
+    gen = torch.Generator().manual_seed(k)
+    w8 = (torch.randn(384, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    y = rows_mma(x.cuda(), w8.cuda(), scale.float().cuda(), fp8_x=True, splits=splits).cpu()
+    xq, xs = (t.cpu() for t in fp8_quantize_rows(x.cuda()))
+    ref = ((xq.double() * xs.double()[:, None])
+           @ (w8.double() * scale.double()[:, None]).T)
+    assert y.dtype == torch.float16
+    assert ((y.double() - ref).abs() <= 2e-3 * ref.abs() + 1e-3 * ref.abs().max()).all()
+    if rows > 1:
+        assert (y[1] == 0).all()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="FP8 needs a GPU (the interpreter has none)")
+@pytest.mark.parametrize("rows", [1, 7, 16])
+def test_fp8_layers_with_decode_activations_match_the_scaled_mm_path(rows):
+    """With the knob, a decode-sized step gives what a large step's `torch._scaled_mm`
+    gives on the same rows (both quantize x per token)."""
+    from infer.models.linear import ColumnParallelLinear
+    from infer.quantization.fp8 import WEIGHT_ONLY_ROWS, Fp8LinearMethod
+
+    gen = torch.Generator().manual_seed(rows)
+    layer = ColumnParallelLinear(512, 384, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(384, 512, generator=gen))
+    layer = layer.to(DEVICE, torch.bfloat16)
+    Fp8LinearMethod().quantize(layer)
+    layer.fp8_decode_activations = True
+    x = torch.randn(rows, 512, generator=gen).to(DEVICE, torch.bfloat16)
+    y = layer(x).float()
+    padded = torch.cat([x, x.new_zeros(WEIGHT_ONLY_ROWS + 1 - rows, 512)])
+    large = layer(padded).float()[:rows]  # the _scaled_mm path
+    assert (y - large).abs().max().item() <= 1e-2 * large.abs().max().item()
+
+
+def test_the_fp8_activations_knob_reaches_the_layers_only_where_fp8_mma_runs(caplog):
+    from server_fixtures import tiny_model_dir
+
+    from infer import LLM
+    from infer.models.linear import LinearBase
+
+    llm = LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
+              quantization="fp8", kernel_backend="triton", fp8_decode_activations=True,
+              cuda_graphs=False)
+    layers = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, LinearBase)]
+    runs = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
+    assert layers and all(m.fp8_decode_activations is runs for m in layers)
+    assert runs or "fp8_decode_activations needs a GPU" in caplog.text

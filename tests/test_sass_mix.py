@@ -1,5 +1,6 @@
 """benchmarks/sass_mix.py reads a kernel's K loop out of a SASS listing: of the spans from a
-backward branch's target to the branch that hold no other, the longest."""
+backward branch's target to the branch that hold no other, the longest (of those with an
+MMA, in a tensor-core kernel)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,19 @@ def test_the_k_loop_is_the_longest_loop_holding_no_other():
 def test_a_listing_without_a_loop_has_none():
     straight = "\n".join(line for line in SASS.splitlines() if "BRA" not in line)
     assert _sass_mix().innermost_loop(straight) == []
+
+
+def test_of_a_tensor_core_kernels_loops_the_k_loop_is_the_one_with_the_mma():
+    sass = """
+        /*0000*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64] ;
+        /*0010*/                   HGMMA.64x16x16.F32 R24, gdesc[UR8], R24 ;
+        /*0020*/               @P0 BRA 0x0 ;
+        /*0030*/                   LDG.E R8, desc[UR4][R6.64] ;
+        /*0040*/                   FADD R9, R9, R8 ;
+        /*0050*/                   FADD R10, R10, R8 ;
+        /*0060*/                   FADD R11, R11, R8 ;
+        /*0070*/               @P1 BRA 0x30 ;
+        /*0080*/                   EXIT ;
+"""
+    assert _sass_mix().innermost_loop(sass) == [
+        "LDGSTS.E.BYPASS.128", "HGMMA.64", "BRA"]  # the opcode as far as its shape

@@ -101,6 +101,13 @@ class EngineConfig:
         "(kernels/rows_mma.py), instead of CUDA cores in float32 (kernels/w8a16_matmul.py); "
         "CUDA with kernel_backend triton only; off: on every layer at batch 1 it lost 7-17 % "
         "(docs/performance.md), this routing is not measured yet")
+    fp8_decode_activations: bool = knob(
+        False, "FP8 layers (quantization=fp8, per-channel FP8 checkpoints) quantize x per "
+        "token at decode-sized steps too (up to 16 rows; larger steps always do) and "
+        "multiply FP8 by FP8 on tensor cores, x quantized inside the matmul "
+        "(kernels/rows_mma.py), instead of reading the FP8 weights into x's precision "
+        "(W8A16); vLLM's FP8 quantizes x at every size. CUDA (compute capability 8.9+) with "
+        "kernel_backend triton only; off until a device run measures it")
     dependent_launch: bool = knob(
         True, "launch infer's decode kernels (GEMV, norms, RoPE + KV store, attention, "
         "W8A16) with programmatic dependent launch, so that each one's launch and first "

@@ -15,6 +15,23 @@ import triton.language as tl
 
 
 @triton.jit
+def fp8_scales(amax):
+    """A row's scale and its reciprocal from its largest |x| (elementwise: one row or a
+    vector of rows): the same float32 operations as torch, a product with 1/448 and an
+    IEEE reciprocal (Triton's `/` is approximate)."""
+    scale = amax * (1.0 / 448.0)
+    scale = tl.where(scale > 0, scale, 1.0)
+    return scale, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+
+
+@triton.jit
+def to_fp8(x, inv):
+    """x times its row's reciprocal scale, rounded to nearest even straight from float32."""
+    q = tl.clamp(x.to(tl.float32) * inv, -448.0, 448.0)
+    return q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
 def _fp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr,
                      ONE_PASS: tl.constexpr):
     # float32 arithmetic throughout
@@ -28,19 +45,13 @@ def _fp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.const
         for k0 in range(0, K, BLOCK):
             x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    # The same float32 operations as torch: a product with 1/448, an IEEE reciprocal
-    # (Triton's `/` is approximate), rounding to nearest even straight from float32.
-    scale = tl.max(amax, axis=0) * (1.0 / 448.0)
-    scale = tl.where(scale > 0, scale, 1.0)
-    inv = tl.math.div_rn(1.0, scale)
+    scale, inv = fp8_scales(tl.max(amax, axis=0))
     for k0 in range(0, K, BLOCK):
         if ONE_PASS:
             x = x_row
         else:
             x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
-        q = tl.clamp(x.to(tl.float32) * inv, -448.0, 448.0)
-        q = q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-        tl.store(q_ptr + row * stride_q + k0 + cols, q, mask=k0 + cols < K)
+        tl.store(q_ptr + row * stride_q + k0 + cols, to_fp8(x, inv), mask=k0 + cols < K)
     tl.store(s_ptr + row, scale)
 
 

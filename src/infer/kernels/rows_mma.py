@@ -37,6 +37,7 @@ import triton.language as tl
 
 from infer.kernels import dependent_launch, sm_count
 from infer.kernels.activation import gated
+from infer.kernels.fp8_quant import fp8_scales, to_fp8
 from infer.kernels.gemv import _row, _weights
 from infer.kernels.w8a16_matmul import _to_float
 
@@ -111,16 +112,23 @@ def _cuda_core_rows(x_ptr, w_rows, s_row, stride_xm, M, k_begin, k_end, K,
 
 
 @triton.jit
+def _times_x_scales(acc, x_scale, ONE_ROW: tl.constexpr):
+    """acc's rows times their FP8 scales (one for the single row)."""
+    return acc * x_scale if ONE_ROW else acc * x_scale[:, None]
+
+
+@triton.jit
 def _rows_mma_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, counts,
     M, N, K, stride_xm, stride_wn, stride_ym, stride_sn, steps_per_split, splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
     EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr, ACT: tl.constexpr, PTX: tl.constexpr,
-    PDL: tl.constexpr,
+    FP8_X: tl.constexpr, PDL: tl.constexpr,
 ):
     """SCALE: the weight is 8-bit, scaled per channel (SCALE_COLS 0) or per tile; else it
-    is 16-bit, x's dtype, unscaled."""
+    is 16-bit, x's dtype, unscaled. FP8_X (FP8 weights scaled per channel): x quantized
+    per row to FP8 here, as `fp8_quant.py` does, and multiplied FP8 by FP8."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,10 +147,29 @@ def _rows_mma_kernel(
         x_max = tl.zeros((BLOCK_K,), dtype=tl.float32)
     else:
         x_max = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    if FP8_X:  # each row's largest |x| over all of K, for its scale
+        for k0 in range(0, K, BLOCK_K):
+            if ONE_ROW:
+                x_max = tl.maximum(x_max, tl.abs(_row(x_ptr, k0 + rk, K, EVEN_K, ACT)
+                                                 .to(tl.float32)))
+            else:
+                x_max = tl.maximum(x_max, tl.abs(_x_rows(x_ptr, stride_xm, M, k0 + rk, K,
+                                                         EVEN_K, BLOCK_M, ACT).to(tl.float32)))
+        x_scale, x_inv = fp8_scales(tl.max(x_max, axis=0 if ONE_ROW else 1))
+        # The weight tile is the MMA's first operand (Hopper's warp-group FP8 MMA: 64 of
+        # its rows at a time, x's 16 as the second operand's columns): acc transposed.
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         kk = k0 + rk
         w = _weights(w_rows, kk, K, EVEN_K)
-        if ONE_ROW:  # one vector, broadcast: loaded and converted once, not per padded row
+        if FP8_X:
+            if ONE_ROW:  # zeros below the row, as bytes
+                x1 = to_fp8(_row(x_ptr, kk, K, EVEN_K, ACT), x_inv).to(tl.int8, bitcast=True)
+                x = tl.where(rm[:, None] == 0, x1[None, :], 0).to(tl.float8e4nv, bitcast=True)
+            else:
+                x = to_fp8(_x_rows(x_ptr, stride_xm, M, kk, K, EVEN_K, BLOCK_M, ACT),
+                           x_inv[:, None])
+        elif ONE_ROW:  # one vector, broadcast: loaded and converted once, not per padded row
             x1 = _row(x_ptr, kk, K, EVEN_K, ACT)
             if SCALE:
                 x_max = tl.maximum(x_max, tl.abs(x1.to(tl.float32)))
@@ -153,13 +180,17 @@ def _rows_mma_kernel(
             if SCALE:
                 x_max = tl.maximum(x_max, tl.abs(x.to(tl.float32)))
                 x = x.to(tl.float16)
-        if not SCALE:
+        if FP8_X:  # Hopper's FP8 MMA sums in less than float32: promoted each K step
+            acc_t = tl.dot(w, tl.trans(x), acc_t, max_num_imprecise_acc=BLOCK_K)
+        elif not SCALE:
             acc = tl.dot(x, tl.trans(w), acc)
         elif SCALE_COLS > 0:
             acc += tl.dot(x, tl.trans(_to_f16(w, PTX))) * tl.load(s_row + k0 // SCALE_COLS)
         else:
             acc = tl.dot(x, tl.trans(_to_f16(w, PTX)), acc)
-    if SCALE:  # noqa: SIM102 (a constexpr branch: the runtime test is not compiled in)
+    if FP8_X:
+        acc = tl.trans(acc_t)
+    elif SCALE:  # noqa: SIM102 (constexpr; the test below runs)
         if tl.max(x_max) > F16_MAX:  # an |x| overflowed float16: this part again, in float32
             acc = _cuda_core_rows(x_ptr, w_rows, s_row, stride_xm, M, k_begin, k_end, K,
                                   BLOCK_M, BLOCK_N, 32, SCALE_COLS, ACT, PTX)
@@ -168,6 +199,8 @@ def _rows_mma_kernel(
     if splits == 1:
         if SCALE and SCALE_COLS == 0:
             acc *= tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        if FP8_X:
+            acc = _times_x_scales(acc, x_scale, ONE_ROW)
         tl.store(y_rows, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         parts = part_ptr + rm[:, None] * N + rn[None, :]  # [splits, M, N] float32
@@ -180,6 +213,8 @@ def _rows_mma_kernel(
                 total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
             if SCALE and SCALE_COLS == 0:
                 total *= tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            if FP8_X:
+                total = _times_x_scales(total, x_scale, ONE_ROW)
             tl.store(y_rows, total.to(y_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(counter, 0, sem="relaxed")
 
@@ -219,14 +254,17 @@ def takes(scale_block: tuple[int, int] | None, block_n: int = BLOCK_N,
 
 def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
              scale_block: tuple[int, int] | None = None, act: str = "", *,
-             block_n: int = BLOCK_N, block_k: int = BLOCK_K, splits: int | None = None,
-             num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+             fp8_x: bool = False, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
+             splits: int | None = None, num_warps: int = 4, num_stages: int = 3
+             ) -> torch.Tensor:
     """`x [M, K]` (M <= MAX_ROWS; float16 / bfloat16, unit column stride) times the
     transpose of `weight [N, K]` (contiguous): x's dtype, unscaled (`scale` None), or int8 /
     float8_e4m3fn scaled by `scale [N]`, or with `scale_block = (rows, cols)` (`takes` it)
     by one float32 scale per tile, `scale [ceil(N / rows), ceil(K / cols)]`. With `act`
     ("silu" / "gelu_tanh"), `x` is `[M, 2K]` (gate | up) and each row multiplied is
-    `act(gate) * up`. `[M, N]` in x's dtype."""
+    `act(gate) * up`. `[M, N]` in x's dtype. `fp8_x` (FP8 weights scaled per channel, on a
+    GPU): x is quantized per row to FP8 inside the kernel (`fp8_quant.py`'s values) and
+    multiplied FP8 by FP8, as the FP8 layers do for larger steps."""
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, x.shape
     assert x.shape[0] == 1 or x.stride(0) >= x.shape[1], x.stride()
     assert x.dtype in (torch.float16, torch.bfloat16), x.dtype
@@ -246,6 +284,8 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
             assert takes(scale_block, block_n, block_k), (scale_block, block_n, block_k)
             assert scale.shape == (-(-n // scale_rows), -(-k // scale_cols)), scale.shape
             assert scale.stride(1) == 1
+    if fp8_x:
+        assert weight.dtype == torch.float8_e4m3fn and scale_block is None, weight.dtype
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0 or k == 0:
         return y.zero_()
@@ -260,9 +300,10 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
         x, weight, y if scale is None else scale, y, parts, _counts(x.device, blocks),
         m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         1 if scale is None else scale.stride(0), per_split, splits,
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SCALE=scale is not None,
-        SCALE_ROWS=scale_rows or 1, SCALE_COLS=scale_cols, EVEN_K=k % block_k == 0,
-        ONE_ROW=m == 1, ACT=act, PTX=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        SCALE=scale is not None, SCALE_ROWS=scale_rows or 1, SCALE_COLS=scale_cols,
+        EVEN_K=k % block_k == 0, ONE_ROW=m == 1, ACT=act,
+        PTX=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", FP8_X=fp8_x,
         num_warps=num_warps, num_stages=num_stages, **dependent_launch.launch_options(),
     )
     return y

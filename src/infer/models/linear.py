@@ -134,6 +134,14 @@ def set_w8a16_tensor_cores(model: nn.Module, on: bool) -> None:
             m.w8a16_tensor_cores = on
 
 
+def set_fp8_decode_activations(model: nn.Module, on: bool) -> None:
+    """Whether `model`'s FP8 layers quantize x at decode-sized steps too and multiply FP8
+    by FP8 (`kernels/rows_mma.py`'s `fp8_x`) rather than read the weights into x's dtype."""
+    for m in model.modules():
+        if isinstance(m, LinearBase):
+            m.fp8_decode_activations = on
+
+
 # What a linear layer built without a `quant_method` gets (`linear_method_default`).
 _DEFAULT_METHOD: ContextVar[Callable[[], LinearMethod]] = ContextVar(
     "default_linear_method", default=UnquantizedLinearMethod)

@@ -6,7 +6,9 @@ per-channel or per-tensor weight scales; `checkpoint.py`).
 
 Decode-sized steps on CUDA read the FP8 weight as stored through our W8A16 kernel
 (`kernels/w8a16_matmul.py`; 16-bit activations: the bytes read are what bounds a decode
-step). Larger steps, and the CPU, quantize the activations too, one scale per token
+step), or with `EngineConfig.fp8_decode_activations` quantize x per token inside an FP8 x
+FP8 tensor-core kernel (`kernels/rows_mma.py`'s `fp8_x`: no conversion per weight). Larger
+steps, and the CPU, quantize the activations too, one scale per token
 (dynamic: the row's largest magnitude maps to 448; on CUDA in one kernel,
 `kernels/fp8_quant.py`), and multiply in FP8 with
 `torch._scaled_mm` (per-row activation and per-column weight scales, float32 in the
@@ -72,7 +74,12 @@ class Fp8LinearMethod(LinearMethod):
               ) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.is_cuda and len(x2) <= WEIGHT_ONLY_ROWS:
+        if (x2.is_cuda and len(x2) <= WEIGHT_ONLY_ROWS and x2.dtype != torch.float32
+                and getattr(layer, "fp8_decode_activations", False)):
+            from infer.kernels.rows_mma import rows_mma
+
+            y = rows_mma(x2.contiguous(), layer.weight, layer.weight_scale, fp8_x=True)
+        elif x2.is_cuda and len(x2) <= WEIGHT_ONLY_ROWS:
             from infer.kernels.w8a16_matmul import w8a16_matmul
 
             y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale,
