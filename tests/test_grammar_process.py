@@ -274,8 +274,9 @@ def test_the_stream_waits_for_a_host_word_and_writes_one():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the block mapped for a CUDA device")
 def test_on_cuda_the_sampler_reads_the_masks_in_the_workers_block():
-    """No copy queued: the masks handed out are the block itself, seen by the device, and
-    a kernel reading them after the stream's wait sees the worker's fill."""
+    """No copy queued: the masks handed out are the block itself, seen by the device; a
+    kernel reading them after the stream's wait sees that step's fill, not an earlier
+    step's (the worker rewrites the same bytes every step)."""
     from infer.engine.grammar_process import GrammarProcess
     from infer.engine.structured_output import StructuredOutputs, apply_token_masks
 
@@ -284,20 +285,25 @@ def test_on_cuda_the_sampler_reads_the_masks_in_the_workers_block():
     library = StructuredOutputs(tokenizer, vocab)
     process = GrammarProcess(tokenizer, vocab, 4, torch.device("cuda"))
     try:
-        grammar = library.compile(StructuredOutputsParams(regex=r"ab|cd"))
+        grammar = library.compile(StructuredOutputsParams(json=SCHEMA))
         remote, local = process.matcher(grammar), library.matcher(grammar)
-        step, masks = process.masks(2, [(1, remote)])
-        assert masks.is_cuda and process._masks_source is None  # mapped, not copied
-        logits = torch.zeros(2, vocab, device="cuda")
-        apply_token_masks(logits, masks)
-        expected = library.allocate_masks(2)
-        library.fill_masks([local], expected, [1])
-        reference = torch.zeros(2, vocab)
-        apply_token_bitmask_ref(reference, expected, torch.tensor([1]))
-        assert torch.equal(torch.isfinite(logits).cpu(), torch.isfinite(reference))
-        assert 0 < int(torch.isfinite(reference[1]).sum()) < vocab
-        token = tokenizer.encode("ab", add_special_tokens=False)[0]
-        process.publish(step, torch.tensor([0, token], device="cuda"))
-        assert process.verdicts(step, [(1, remote)]).refused == []
+        allowed_before = None
+        for token in tokenizer.encode('{"name":"x","tags":["a"]}', add_special_tokens=False)[:6]:
+            step, masks = process.masks(2, [(1, remote)])
+            assert masks.is_cuda and process._masks_source is None  # mapped, not copied
+            logits = torch.zeros(2, vocab, device="cuda")
+            apply_token_masks(logits, masks)
+            expected = library.allocate_masks(2)
+            library.fill_masks([local], expected, [1])
+            reference = torch.zeros(2, vocab)
+            apply_token_bitmask_ref(reference, expected, torch.tensor([1]))
+            allowed = torch.isfinite(reference)
+            assert torch.equal(torch.isfinite(logits).cpu(), allowed)
+            assert allowed[0].all() and 0 < int(allowed[1].sum()) < vocab
+            process.publish(step, torch.tensor([0, token], device="cuda"))
+            assert process.verdicts(step, [(1, remote)]).refused == []
+            assert local.accept(token)
+            allowed_before = allowed if allowed_before is None else allowed_before
+        assert not torch.equal(allowed, allowed_before)  # the masks changed on the way
     finally:
         process.close()

@@ -22,6 +22,13 @@ most 2^-25 (a float16 subnormal's half step): a dot product moves by at most
 2^-25 * sum |w|, below the output's rounding. A row block whose x has any |x| above 65504
 is multiplied again on the CUDA cores in float32, so no overflow reaches y.
 
+FP8 by FP8 (`fp8_x`, FP8 weights scaled per channel): x is quantized per row here, as
+`fp8_quant.py` quantizes it (a first pass over the row for its largest |x|), and both
+operands go to the MMA as FP8, no weight converted (~1.2 instructions a byte). Hopper's
+FP8 MMA takes 64 rows on its first operand, so the weight tile is that operand and x's 16
+rows the other (the sums come out transposed); its sums are promoted to float32 each K
+step (it keeps fewer bits across steps).
+
 A program owns BLOCK_N output channels and one of `splits` slices of K; the last program of a
 row block to finish adds the slices' float32 parts, scales and stores them (a counter per row
 block, left at 0 for the next launch), so the launch needs no second kernel.
