@@ -21,11 +21,7 @@ from infer.engine.memory import plan_kv_cache
 from infer.engine.model_runner import ModelRunner
 from infer.engine.setup import pick_backend
 from infer.models.layers import set_kernel_backend
-from infer.models.linear import (
-    set_fp8_decode_activations,
-    set_triton_gemv,
-    set_w8a16_tensor_cores,
-)
+from infer.models.linear import set_8bit_kernels, set_triton_gemv
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +53,12 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
     FP8 by FP8 for FP8 ones (`fp8_decode_activations`)."""
     triton = kernel_backend == "triton"
     set_triton_gemv(model, config.triton_gemv and triton, config.gemv_max_rows)
-    set_w8a16_tensor_cores(model, config.w8a16_tensor_cores and triton)
     fp8_x = config.fp8_decode_activations and triton
     if fp8_x and not _has_fp8_mma():
         log.warning("fp8_decode_activations needs a GPU with FP8 tensor cores (compute "
                     "capability 8.9+); left off")
         fp8_x = False
-    set_fp8_decode_activations(model, fp8_x)
+    set_8bit_kernels(model, config.w8a16_tensor_cores and triton, fp8_x)
 
 
 def _has_fp8_mma() -> bool:

@@ -119,9 +119,15 @@ def _cuda_core_rows(x_ptr, w_rows, s_row, stride_xm, M, k_begin, k_end, K,
 
 
 @triton.jit
-def _times_x_scales(acc, x_scale, ONE_ROW: tl.constexpr):
-    """acc's rows times their FP8 scales (one for the single row)."""
-    return acc * x_scale if ONE_ROW else acc * x_scale[:, None]
+def _scaled(acc, s_ptr, rn, N, x_scale, SCALE: tl.constexpr, SCALE_COLS: tl.constexpr,
+            FP8_X: tl.constexpr, ONE_ROW: tl.constexpr):
+    """The float32 sums times what is left of their scales: the channels' (tile scales
+    were applied each K step) and, with FP8_X, the rows' (one for the single row)."""
+    if SCALE and SCALE_COLS == 0:
+        acc *= tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    if FP8_X:
+        acc = acc * x_scale if ONE_ROW else acc * x_scale[:, None]
+    return acc
 
 
 @triton.jit
@@ -154,6 +160,7 @@ def _rows_mma_kernel(
         x_max = tl.zeros((BLOCK_K,), dtype=tl.float32)
     else:
         x_max = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    x_scale = 1.0
     if FP8_X:  # each row's largest |x| over all of K, for its scale
         for k0 in range(0, K, BLOCK_K):
             if ONE_ROW:
@@ -204,10 +211,7 @@ def _rows_mma_kernel(
     y_rows = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if splits == 1:
-        if SCALE and SCALE_COLS == 0:
-            acc *= tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        if FP8_X:
-            acc = _times_x_scales(acc, x_scale, ONE_ROW)
+        acc = _scaled(acc, s_ptr, rn, N, x_scale, SCALE, SCALE_COLS, FP8_X, ONE_ROW)
         tl.store(y_rows, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         parts = part_ptr + rm[:, None] * N + rn[None, :]  # [splits, M, N] float32
@@ -218,10 +222,7 @@ def _rows_mma_kernel(
             total = tl.load(parts, mask=mask, other=0.0, cache_modifier=".cg")
             for s in range(1, splits):
                 total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            if SCALE and SCALE_COLS == 0:
-                total *= tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-            if FP8_X:
-                total = _times_x_scales(total, x_scale, ONE_ROW)
+            total = _scaled(total, s_ptr, rn, N, x_scale, SCALE, SCALE_COLS, FP8_X, ONE_ROW)
             tl.store(y_rows, total.to(y_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(counter, 0, sem="relaxed")
 

@@ -126,20 +126,15 @@ def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1) -> None:
             m.gemv_rows = rows
 
 
-def set_w8a16_tensor_cores(model: nn.Module, on: bool) -> None:
-    """Matmuls of up to 16 rows by `model`'s INT8 / FP8 weight-only layers (projections,
-    LM head) on tensor cores (`kernels/rows_mma.py`) or CUDA cores (`w8a16_matmul.py`)."""
+def set_8bit_kernels(model: nn.Module, tensor_cores: bool, fp8_activations: bool) -> None:
+    """How `model`'s 8-bit layers (projections, LM head) multiply decode-sized steps:
+    weight-only INT8 / FP8 on tensor cores where they gain (`tensor_cores`,
+    `w8a16_matmul.py`'s rule) or CUDA cores; FP8 ones with x quantized too, FP8 by FP8
+    (`fp8_activations`, `kernels/rows_mma.py`'s `fp8_x`)."""
     for m in model.modules():
         if isinstance(m, (LinearBase, ParallelLMHead)):
-            m.w8a16_tensor_cores = on
-
-
-def set_fp8_decode_activations(model: nn.Module, on: bool) -> None:
-    """Whether `model`'s FP8 layers quantize x at decode-sized steps too and multiply FP8
-    by FP8 (`kernels/rows_mma.py`'s `fp8_x`) rather than read the weights into x's dtype."""
-    for m in model.modules():
-        if isinstance(m, LinearBase):
-            m.fp8_decode_activations = on
+            m.w8a16_tensor_cores = tensor_cores
+            m.fp8_decode_activations = fp8_activations
 
 
 # What a linear layer built without a `quant_method` gets (`linear_method_default`).

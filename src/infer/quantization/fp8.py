@@ -74,16 +74,16 @@ class Fp8LinearMethod(LinearMethod):
               ) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if (x2.is_cuda and len(x2) <= WEIGHT_ONLY_ROWS and x2.dtype != torch.float32
-                and getattr(layer, "fp8_decode_activations", False)):
-            from infer.kernels.rows_mma import rows_mma
+        if x2.is_cuda and len(x2) <= WEIGHT_ONLY_ROWS:
+            if getattr(layer, "fp8_decode_activations", False) and x2.dtype != torch.float32:
+                from infer.kernels.rows_mma import rows_mma
 
-            y = rows_mma(x2.contiguous(), layer.weight, layer.weight_scale, fp8_x=True)
-        elif x2.is_cuda and len(x2) <= WEIGHT_ONLY_ROWS:
-            from infer.kernels.w8a16_matmul import w8a16_matmul
+                y = rows_mma(x2.contiguous(), layer.weight, layer.weight_scale, fp8_x=True)
+            else:
+                from infer.kernels.w8a16_matmul import w8a16_matmul
 
-            y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale,
-                             tensor_cores=getattr(layer, "w8a16_tensor_cores", False))
+                y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale,
+                                 tensor_cores=getattr(layer, "w8a16_tensor_cores", False))
         else:
             if x2.is_cuda:
                 from infer.kernels.fp8_quant import fp8_quantize_rows
