@@ -79,34 +79,28 @@ def _cases() -> list[Case]:
                     stride_ym=i32, stride_sn=i32, steps_per_split=i32, splits=i32)
     mma_multiples = ["x_ptr", "w_ptr", "s_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm",
                      "stride_wn", "stride_ym"]
+
+    def mma_case(what: str, rows: int, pointer: str, size: int, scales: str = "*bf16",
+                 **constexprs) -> Case:
+        """rows_mma's default launch on `rows` rows of a `pointer` weight, `scales` its
+        scales' type; `constexprs` in place of the plain case's."""
+        return Case(
+            f"rows_mma {what} ({rows} row{'s' if rows > 1 else ''}, tensor cores)",
+            "rows_mma:_rows_mma_kernel", {**mma_args, "w_ptr": pointer, "s_ptr": scales},
+            {**dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SCALE=size == 1, SCALE_ROWS=1,
+                    SCALE_COLS=0, EVEN_K=True, ONE_ROW=rows == 1, ACT="", PTX=True,
+                    FP8_X=False, PDL=False), **constexprs},
+            mma_multiples, 128 * 128, size, num_warps=4, num_stages=3,
+            note="launch (128, 128, 4 warps)")
+
     for weights, pointer, size in (("bf16", "*bf16", 2), ("int8", "*i8", 1),
                                    ("fp8", "*fp8e4nv", 1)):
-        for rows in (1, 5):  # rows_mma's launch
-            cases.append(Case(
-                f"rows_mma {weights} ({rows} row{'s' if rows > 1 else ''}, tensor cores)",
-                "rows_mma:_rows_mma_kernel", {**mma_args, "w_ptr": pointer},
-                dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SCALE=size == 1, SCALE_ROWS=1,
-                     SCALE_COLS=0, EVEN_K=True, ONE_ROW=rows == 1, ACT="", PTX=True,
-                     FP8_X=False, PDL=False),
-                mma_multiples, 128 * 128, size, num_warps=4, num_stages=3,
-                note="launch (128, 128, 4 warps)"))
-    for rows in (1, 5):  # FP8 x FP8: x quantized per row in the kernel
-        cases.append(Case(
-            f"rows_mma fp8 x fp8 ({rows} row{'s' if rows > 1 else ''}, tensor cores)",
-            "rows_mma:_rows_mma_kernel", {**mma_args, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
-            dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SCALE=True, SCALE_ROWS=1,
-                 SCALE_COLS=0, EVEN_K=True, ONE_ROW=rows == 1, ACT="", PTX=True, FP8_X=True,
-                 PDL=False),
-            mma_multiples, 128 * 128, 1, num_warps=4, num_stages=3,
-            note="launch (128, 128, 4 warps)"))
-    cases.append(Case(
-        "rows_mma fp8 (1 row, 128 x 128 scale tiles, tensor cores)",
-        "rows_mma:_rows_mma_kernel", {**mma_args, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
-        dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SCALE=True, SCALE_ROWS=128,
-             SCALE_COLS=128, EVEN_K=True, ONE_ROW=True, ACT="", PTX=True, FP8_X=False,
-             PDL=False),
-        mma_multiples, 128 * 128, 1, num_warps=4, num_stages=3,
-        note="launch (128, 128, 4 warps)"))
+        cases += [mma_case(weights, rows, pointer, size) for rows in (1, 5)]
+    # FP8 x FP8: x quantized per row in the kernel
+    cases += [mma_case("fp8 x fp8", rows, "*fp8e4nv", 1, "*fp32", FP8_X=True)
+              for rows in (1, 5)]
+    cases.append(mma_case("fp8 with 128 x 128 scale tiles", 1, "*fp8e4nv", 1, "*fp32",
+                          SCALE_ROWS=128, SCALE_COLS=128))
     return cases
 
 
