@@ -272,11 +272,10 @@ def test_the_stream_waits_for_a_host_word_and_writes_one():
     assert word[1] == 9
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the block mapped for a CUDA device")
-def test_on_cuda_the_sampler_reads_the_masks_in_the_workers_block():
-    """No copy queued: the masks handed out are the block itself, seen by the device; a
-    kernel reading them after the stream's wait sees that step's fill, not an earlier
-    step's (the worker rewrites the same bytes every step)."""
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the stream waits of a CUDA device")
+def test_on_cuda_a_kernel_after_the_streams_wait_sees_that_steps_masks():
+    """The masks handed out on the device are that step's fill, not an earlier step's
+    (the worker rewrites the same bytes of its block every step)."""
     from infer.engine.grammar_process import GrammarProcess
     from infer.engine.structured_output import StructuredOutputs, apply_token_masks
 
@@ -290,7 +289,7 @@ def test_on_cuda_the_sampler_reads_the_masks_in_the_workers_block():
         allowed_before = None
         for token in tokenizer.encode('{"name":"x","tags":["a"]}', add_special_tokens=False)[:6]:
             step, masks = process.masks(2, [(1, remote)])
-            assert masks.is_cuda and process._masks_source is None  # mapped, not copied
+            assert masks.is_cuda
             logits = torch.zeros(2, vocab, device="cuda")
             apply_token_masks(logits, masks)
             expected = library.allocate_masks(2)

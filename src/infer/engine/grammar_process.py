@@ -3,13 +3,12 @@ matchers live in that process, and a constrained step costs the loop one message
 few queued device operations instead of the grammar work itself.
 
 A step s with constrained rows, on CUDA: `masks` sends ("fill", s) and queues a stream wait
-for the worker's `masks_ready >= s` (a CUDA stream memory operation on the shared block);
-the sampler reads the masks from the block itself (registered, so mapped for the device)
-and applies them in its own pass. After the sampling, `publish` queues the sampled ids'
-copy into the block and a stream write of the stamp s, which the worker watches for (no
-message). The loop reads the worker's verdicts on s (a grammar finished, a token refused,
-a matcher the library would not make) when it accounts s. On the CPU the loop waits for
-the masks itself and writes the ids.
+for the worker's `masks_ready >= s` (a CUDA stream memory operation on the shared block)
+and the masks' copy from the block; the sampler applies them in its own pass. After the
+sampling, `publish` queues the sampled ids' copy into the block and a stream write of the
+stamp s, which the worker watches for (no message). The loop reads the worker's verdicts
+on s (a grammar finished, a token refused, a matcher the library would not make) when it
+accounts s. On the CPU the loop waits for the masks itself and writes the ids.
 
 A stream wait has no time limit, so a watchdog thread ends a worker that has exited or
 left a step's masks unfilled for WORKER_WAIT_S, and then releases the device's waits.
@@ -20,14 +19,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
-import logging
 import multiprocessing
 import os
 import subprocess
 import sys
 import threading
 import time
-import types
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -47,8 +44,6 @@ from infer.engine.grammar_worker import (
 )
 from infer.engine.structured_output import library_tokenizer_json
 from infer.loader.tokenizer import Tokenizer
-
-log = logging.getLogger(__name__)
 
 # How long the loop waits for the worker (masks on the CPU, verdicts, a step's masks on
 # the device) before it takes the worker for broken.
@@ -119,16 +114,12 @@ class GrammarProcess:
         device_address = self._stream_ops.device_pointer(address)
         self._masks_ready = device_address + 8 * MASKS_READY
         self._tokens_stamp = device_address + 8 * TOKENS_STAMP
+        self._host_masks = torch.from_numpy(self.layout.masks)
         self._host_tokens = torch.from_numpy(self.layout.tokens)
-        if not self._host_tokens.is_pinned():
+        if not (self._host_masks.is_pinned() and self._host_tokens.is_pinned()):
             raise RuntimeError("the grammar worker's block is not pinned after registering")
-        masks = self.layout.masks
-        offset = masks.__array_interface__["data"][0] - address
-        self._device_masks = _mapped_view(device_address + offset, masks.shape, self.device)
-        self._masks_source = None  # the host masks, where the device gets copies of them
-        if self._device_masks is None:
-            self._masks_source = torch.from_numpy(masks)
-            self._device_masks = torch.empty(masks.shape, dtype=torch.int32, device=self.device)
+        self._device_masks = torch.empty(self._host_masks.shape, dtype=torch.int32,
+                                         device=self.device)
 
     # -- matchers (from the thread that compiles grammars) ----------------------------
     def matcher(self, grammar: str) -> RemoteMatcher:
@@ -162,8 +153,7 @@ class GrammarProcess:
         self._stream = torch.cuda.current_stream(self.device).cuda_stream
         self._stream_ops.wait_at_least(self._stream, self._masks_ready, step)
         masks = self._device_masks[:rows]
-        if self._masks_source is not None:
-            masks.copy_(self._masks_source[:rows], non_blocking=True)
+        masks.copy_(self._host_masks[:rows], non_blocking=True)
         return step, masks
 
     def publish(self, step: int, token_ids: torch.Tensor) -> None:
@@ -270,27 +260,6 @@ class GrammarProcess:
         if self._on_cuda:
             torch.cuda.synchronize(self.device)  # nothing queued uses the block any more
             torch.cuda.cudart().cudaHostUnregister(self._registered)
-
-
-def _mapped_view(address: int, shape: tuple[int, ...], device: torch.device
-                 ) -> torch.Tensor | None:
-    """An int32 tensor on `device` over registered host memory at device address
-    `address` (kernels read it across the bus, no copy queued); None, with a warning,
-    where torch would not make one without copying."""
-    area = types.SimpleNamespace(__cuda_array_interface__={
-        "shape": tuple(shape), "typestr": "<i4", "data": (address, False), "version": 3,
-        "strides": None})
-    if device.index is None:
-        device = torch.device(device.type, torch.cuda.current_device())
-    try:
-        view = torch.as_tensor(area, device=device)
-    except (RuntimeError, TypeError) as exc:
-        log.warning("grammar masks copied to the device each step: no mapped view (%s)", exc)
-        return None
-    if view.data_ptr() != address:
-        log.warning("grammar masks copied to the device each step: torch copied the view")
-        return None
-    return view
 
 
 def _start_worker(steps: Connection) -> subprocess.Popen:

@@ -23,10 +23,10 @@ had the device publish: a step filled but never published (its launch failed) is
 when the next fill comes, and is dropped.
 
 Each area has one writer at a time: the worker fills the masks of step s only after it took
-step s-1's ids, which the device publishes after sampling with step s-1's masks (read
-from this block); and it takes step s's ids only after the device published them, which
-it does after waiting for step s's masks. So one slot of each is enough (two of the
-verdicts and of `noted`: the loop reads step s's while the worker may have fed step s+1).
+step s-1's ids, which the device publishes after copying step s-1's masks; and it takes
+step s's ids only after the device published them, which it does after waiting for step
+s's masks. So one slot of each is enough (two of the verdicts and of `noted`: the loop
+reads step s's while the worker may have fed step s+1).
 """
 
 from __future__ import annotations
