@@ -48,6 +48,7 @@ class Case:
 
 def _cases() -> list[Case]:
     from infer.kernels.gemv import default_launch
+    from infer.kernels.rows_mma import block_rows
 
     i32 = "i32"
     cases = []
@@ -87,7 +88,8 @@ def _cases() -> list[Case]:
         return Case(
             f"rows_mma {what} ({rows} row{'s' if rows > 1 else ''}, tensor cores)",
             "rows_mma:_rows_mma_kernel", {**mma_args, "w_ptr": pointer, "s_ptr": scales},
-            {**dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SCALE=size == 1, SCALE_ROWS=1,
+            {**dict(BLOCK_M=block_rows(rows), BLOCK_N=128, BLOCK_K=128, SCALE=size == 1,
+                    SCALE_ROWS=1,
                     SCALE_COLS=0, EVEN_K=True, ONE_ROW=rows == 1, ACT="", PTX=True,
                     FP8_X=False, PDL=False), **constexprs},
             mma_multiples, 128 * 128, size, num_warps=4, num_stages=3,
@@ -95,7 +97,8 @@ def _cases() -> list[Case]:
 
     for weights, pointer, size in (("bf16", "*bf16", 2), ("int8", "*i8", 1),
                                    ("fp8", "*fp8e4nv", 1)):
-        cases += [mma_case(weights, rows, pointer, size) for rows in (1, 5)]
+        cases += [mma_case(weights, rows, pointer, size)
+                  for rows in ((1, 5) if size == 2 else (1, 5, 32, 64))]
     # FP8 x FP8: x quantized per row in the kernel
     cases += [mma_case("fp8 x fp8", rows, "*fp8e4nv", 1, "*fp32", FP8_X=True)
               for rows in (1, 5)]

@@ -45,7 +45,7 @@ def _run(x, w, scale, scale_block=None, **launch):
 
 @pytest.mark.parametrize("dtype", DTYPES_16)
 @pytest.mark.parametrize(("m", "n", "k", "splits"), [
-    (2, 200, 300, 1), (5, 130, 640, 3), (16, 40, 256, 2), (1, 64, 384, 1)])
+    (2, 200, 300, 1), (5, 130, 640, 3), (16, 40, 256, 2), (1, 64, 384, 1), (33, 72, 256, 2)])
 def test_16bit_weights_match_float64(dtype, m, n, k, splits):
     """Ragged N and K, a row stride wider than K."""
     from infer.kernels.rows_mma import rows_mma
@@ -61,7 +61,8 @@ def test_16bit_weights_match_float64(dtype, m, n, k, splits):
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize(("m", "weights"), [(3, "16-bit"), (1, "int8"), (4, "int8")])
+@pytest.mark.parametrize(("m", "weights"), [(3, "16-bit"), (1, "int8"), (4, "int8"),
+                                            (20, "int8")])
 def test_gated_rows_are_the_activation_kernels_then_the_matmul(act, m, weights):
     from infer.kernels import activation
     from infer.kernels.rows_mma import rows_mma
@@ -82,7 +83,8 @@ def test_gated_rows_are_the_activation_kernels_then_the_matmul(act, m, weights):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("m", "n", "k", "splits"), [
-    (1, 200, 300, 1), (1, 200, 512, 3), (3, 40, 256, 2), (16, 130, 384, 1), (5, 64, 1000, 4)])
+    (1, 200, 300, 1), (1, 200, 512, 3), (3, 40, 256, 2), (16, 130, 384, 1), (5, 64, 1000, 4),
+    (17, 130, 384, 2), (32, 64, 256, 1), (64, 140, 384, 3)])
 def test_matches_float64_from_the_integers(dtype, m, n, k, splits):
     x, w, scale = _case(m, n, k, dtype, seed=m * 1000 + n + k)
     y = _run(x, w, scale, splits=splits)
@@ -94,7 +96,7 @@ def test_matches_float64_from_the_integers(dtype, m, n, k, splits):
 
 @pytest.mark.parametrize(("m", "n", "k", "block", "splits", "big"), [
     (1, 200, 300, (128, 128), 1, False), (4, 300, 640, (256, 128), 3, False),
-    (1, 130, 384, (128, 256), 2, True)])
+    (1, 130, 384, (128, 256), 2, True), (24, 300, 640, (128, 128), 2, True)])
 def test_a_scale_per_tile_matches_float64(m, n, k, block, splits, big):
     """Block-wise scales (HF fine-grained FP8's 128 x 128): each K step's sums scaled by
     its tile's; also on the float32 path an |x| past 65504 takes."""
@@ -120,7 +122,7 @@ def test_counters_are_left_at_zero_and_a_second_launch_agrees():
     assert torch.equal(_run(x, w, scale, splits=4), first)
 
 
-@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("m", [1, 4, 50])
 def test_inputs_beyond_float16_are_multiplied_in_float32(m):
     """An |x| past 65504 would be inf in float16: its row block is multiplied on the CUDA
     cores instead, and the result is the float64 one (bf16's rounding aside)."""
@@ -158,12 +160,12 @@ def test_the_engine_knob_reaches_every_linear_layer_and_the_lm_head(on, backend,
               kernel_backend=backend, w8a16_tensor_cores=on, cuda_graphs=False)
     layers = [m for m in llm.engine.core.runner.model.modules()
               if isinstance(m, (LinearBase, ParallelLMHead))]
-    assert layers and all(m.w8a16_tensor_cores is wanted for m in layers)
+    assert layers and all(m.w8a16_tensor_core_rows == (16 if wanted else 0) for m in layers)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the layers take the kernel on CUDA only")
 @pytest.mark.parametrize("method", ["int8", "fp8"])
-@pytest.mark.parametrize(("rows", "width"), [(1, 16384), (7, 384)])
+@pytest.mark.parametrize(("rows", "width"), [(1, 16384), (7, 384), (40, 384)])
 def test_8bit_layers_with_the_knob_match_float64(method, rows, width):
     from infer.models.linear import ColumnParallelLinear
     from infer.quantization.fp8 import Fp8LinearMethod
@@ -175,7 +177,7 @@ def test_8bit_layers_with_the_knob_match_float64(method, rows, width):
         layer.weight.copy_(torch.randn(width, 512, generator=gen))
     layer = layer.to(DEVICE, torch.bfloat16)
     (Int8WeightOnlyLinearMethod() if method == "int8" else Fp8LinearMethod()).quantize(layer)
-    layer.w8a16_tensor_cores = True
+    layer.w8a16_tensor_core_rows = 64
     x = torch.randn(rows, 512, generator=gen).to(DEVICE, torch.bfloat16)
     y = layer(x).double()
     ref = x.double() @ (layer.weight.double() * layer.weight_scale.double()[:, None]).T
@@ -227,10 +229,14 @@ def test_a_captured_graph_replays_with_its_counters_left_at_zero():
         assert int(_COUNTS[x.device].abs().sum()) == 0
 
 
-@pytest.mark.parametrize(("rows", "width", "wanted"), [
-    (1, 256, False), (1, 512, True), (2, 256, True), (16, 256, True), (17, 256, False)])
-def test_8bit_weights_go_to_tensor_cores_where_they_gained(monkeypatch, rows, width, wanted):
-    """From 2 to 16 rows, or one row of a wide layer (the threshold lowered to 512 here)."""
+@pytest.mark.parametrize(("rows", "width", "most", "wanted"), [
+    (1, 256, 16, False), (1, 512, 16, True), (2, 256, 16, True), (16, 256, 16, True),
+    (17, 256, 16, False), (17, 256, 64, True), (64, 256, 64, True), (65, 256, 64, False),
+    (3, 256, 0, False), (1, 512, 0, False)])
+def test_8bit_weights_go_to_tensor_cores_where_they_gained(monkeypatch, rows, width, most,
+                                                          wanted):
+    """From 2 to `most` rows, or one row of a wide layer (the threshold lowered to 512
+    here); none with `most` 0."""
     from infer.kernels import rows_mma, w8a16_matmul
 
     calls = []
@@ -239,7 +245,7 @@ def test_8bit_weights_go_to_tensor_cores_where_they_gained(monkeypatch, rows, wi
     monkeypatch.setattr(w8a16_matmul, "TENSOR_CORES_ONE_ROW_MIN_N", 512)
     x, w, scale = _case(rows, width, 128, torch.float16, seed=rows)
     y = w8a16_matmul.w8a16_matmul(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE),
-                                  tensor_cores=True)
+                                  tensor_core_rows=most)
     assert bool(calls) is wanted
     ref = _reference(x, w, scale)
     assert (y.double().cpu() - ref).abs().max() <= 1e-2 * ref.abs().max()
@@ -247,7 +253,7 @@ def test_8bit_weights_go_to_tensor_cores_where_they_gained(monkeypatch, rows, wi
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="FP8 needs a GPU (the interpreter has none)")
 @pytest.mark.parametrize(("rows", "k", "splits"), [(1, 640, 1), (1, 4096, 4), (5, 640, 1),
-                                                   (16, 4096, 3)])
+                                                   (16, 4096, 3), (40, 640, 2)])
 def test_fp8_by_fp8_matches_float64_on_fp8_quants_values(rows, k, splits):
     """x quantized in the kernel exactly as `fp8_quantize_rows` quantizes it (a float16
     output: a value off by one FP8 step would show), rows of zeros and of large |x| too."""

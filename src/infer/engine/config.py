@@ -95,12 +95,18 @@ class EngineConfig:
         "(kernels/rows_mma.py); 1: batch-1 decode only, until a device run says more rows "
         "gain")
     w8a16_tensor_cores: bool = knob(
-        True, "INT8 / FP8 weight-only matmuls of 2 to 16 rows, and one-row ones by a layer "
-        "at least 16,384 wide such as the LM head (16-bit activations; scales per channel or "
-        "per 128 x 128 tile), on tensor cores, the weights made float16 exactly "
-        "(kernels/rows_mma.py), instead of CUDA cores in float32 (kernels/w8a16_matmul.py); "
+        True, "INT8 / FP8 weight-only matmuls of 2 to w8a16_tensor_core_rows rows, and "
+        "one-row ones by a layer at least 16,384 wide such as the LM head (16-bit "
+        "activations; scales per channel or per 128 x 128 tile), on tensor cores, the "
+        "weights made float16 exactly (kernels/rows_mma.py), instead of CUDA cores in "
+        "float32 (kernels/w8a16_matmul.py); "
         "CUDA with kernel_backend triton only; on an H200, 8B shape: batch 8 decode 1.37x "
         "(INT8) / 1.74x (FP8) faster, batch 1 2-3 % (docs/performance.md)")
+    w8a16_tensor_core_rows: int = knob(
+        16, "with w8a16_tensor_cores, the most rows an 8-bit weight-only matmul sends to "
+        "the tensor cores (2 to 64, kernels/rows_mma.py MAX_ROWS); past it INT8 takes "
+        "kernels/w8a16_matmul.py up to 64 rows, then cuBLAS over a dequantized copy, FP8 x "
+        "quantized per token for torch._scaled_mm; 16 until a device run says more rows gain")
     fp8_decode_activations: bool = knob(
         False, "FP8 layers (quantization=fp8, per-channel FP8 checkpoints) quantize x per "
         "token at decode-sized steps too (up to 16 rows; larger steps always do) and "
@@ -219,8 +225,11 @@ class EngineConfig:
             raise ValueError(f"grammar_process=True with speculative_method="
                              f"{self.speculative_method!r} is not supported: drafts are "
                              "checked against grammars on the step loop")
+        if not 2 <= self.w8a16_tensor_core_rows <= 64:
+            raise ValueError(f"w8a16_tensor_core_rows must be in [2, 64] (kernels/rows_mma.py "
+                             f"MAX_ROWS), got {self.w8a16_tensor_core_rows}")
         if not 1 <= self.gemv_max_rows <= 16:
-            raise ValueError(f"gemv_max_rows must be in [1, 16] (kernels/rows_mma.py MAX_ROWS), "
+            raise ValueError(f"gemv_max_rows must be in [1, 16], "
                              f"got {self.gemv_max_rows}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(

@@ -49,7 +49,8 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
 
 def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: str) -> None:
     """Which kernels `model`'s decode-sized matmuls take: infer's GEMV for 16-bit weights
-    (`triton_gemv`, `gemv_max_rows`), tensor cores for 8-bit ones (`w8a16_tensor_cores`),
+    (`triton_gemv`, `gemv_max_rows`), tensor cores for 8-bit ones (`w8a16_tensor_cores`,
+    `w8a16_tensor_core_rows`),
     FP8 by FP8 for FP8 ones (`fp8_decode_activations`)."""
     triton = kernel_backend == "triton"
     set_triton_gemv(model, config.triton_gemv and triton, config.gemv_max_rows)
@@ -58,7 +59,8 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
         log.warning("fp8_decode_activations needs a GPU with FP8 tensor cores (compute "
                     "capability 8.9+); left off")
         fp8_x = False
-    set_8bit_kernels(model, config.w8a16_tensor_cores and triton, fp8_x)
+    tensor_core_rows = config.w8a16_tensor_core_rows if config.w8a16_tensor_cores else 0
+    set_8bit_kernels(model, tensor_core_rows if triton else 0, fp8_x)
 
 
 def _has_fp8_mma() -> bool:

@@ -1,4 +1,4 @@
-"""A few rows times a weight on tensor cores: `y [M, N] = x [M, K] @ W^T` for M up to 16,
+"""A few rows times a weight on tensor cores: `y [M, N] = x [M, K] @ W^T` for M up to 64,
 float32 accumulation, W either 16-bit (x's dtype) or 8-bit (int8, or FP8 e4m3 on a GPU)
 with `W = w * scale[:, None]`, a scale per output channel or per tile of the weight (as
 block-wise FP8 checkpoints store it: each K step's sums scaled by its tile's). With `act`,
@@ -10,7 +10,8 @@ for every weight: the one-row GEMV (`gemv.py`) issues 1.7 a weight byte, the W8A
 (`w8a16_matmul.py`) 4.25 for INT8 (each weight made a float32 first), and a CUDA-core
 kernel for 5 rows 8.6 (`benchmarks/sass_mix.py`): past the issue rate the SMs have at the
 copy rate. Here an MMA multiplies a [16, BLOCK_K] tile of x (the real rows, zeros below; one
-row is broadcast from a vector, so it is loaded and converted once) by the weight tile: a
+row is broadcast from a vector, so it is loaded and converted once; 32 or 64 rows for more
+than 16) by the weight tile: a
 16-bit weight as it is (~0.5 instructions a byte), an 8-bit one made float16 two at a time
 (INT8: a byte under the bits of 1024 and 1024 + 128 taken off, both exact in float16; FP8:
 the hardware's pairwise convert), with x made float16 too (~3.1 and ~2.3 a byte).
@@ -25,7 +26,7 @@ is multiplied again on the CUDA cores in float32, so no overflow reaches y.
 FP8 by FP8 (`fp8_x`, FP8 weights scaled per channel): x is quantized per row here, as
 `fp8_quant.py` quantizes it (a first pass over the row for its largest |x|), and both
 operands go to the MMA as FP8, no weight converted (~1.2 instructions a byte). Hopper's
-FP8 MMA takes 64 rows on its first operand, so the weight tile is that operand and x's 16
+FP8 MMA takes 64 rows on its first operand, so the weight tile is that operand and x's
 rows the other (the sums come out transposed); its sums are promoted to float32 each K
 step (it keeps fewer bits across steps).
 
@@ -48,7 +49,7 @@ from infer.kernels.fp8_quant import fp8_scales, to_fp8
 from infer.kernels.gemv import _row, _weights
 from infer.kernels.w8a16_matmul import _to_float
 
-MAX_ROWS = 16
+MAX_ROWS = 64
 BLOCK_N, BLOCK_K = 128, 128  # the default launch
 F16_MAX = tl.constexpr(65504.0)  # float16's largest finite value
 
@@ -171,7 +172,7 @@ def _rows_mma_kernel(
                                                          EVEN_K, BLOCK_M, ACT).to(tl.float32)))
         x_scale, x_inv = fp8_scales(tl.max(x_max, axis=0 if ONE_ROW else 1))
         # The weight tile is the MMA's first operand (Hopper's warp-group FP8 MMA: 64 of
-        # its rows at a time, x's 16 as the second operand's columns): acc transposed.
+        # its rows at a time, x's rows as the second operand's columns): acc transposed.
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         kk = k0 + rk
@@ -252,6 +253,11 @@ def splits_for(n: int, k: int, device: torch.device, block_n: int, block_k: int)
     return max(1, min(wanted, steps // 4))
 
 
+def block_rows(m: int) -> int:
+    """The rows of x's tile: 16, 32 or 64, the fewest that hold `m`."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
 def takes(scale_block: tuple[int, int] | None, block_n: int = BLOCK_N,
           block_k: int = BLOCK_K) -> bool:
     """Whether the kernel takes a weight with these scales: per channel, or tiles whose
@@ -308,7 +314,7 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
         x, weight, y if scale is None else scale, y, parts, _counts(x.device, blocks),
         m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         1 if scale is None else scale.stride(0), per_split, splits,
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_rows(m), BLOCK_N=block_n, BLOCK_K=block_k,
         SCALE=scale is not None, SCALE_ROWS=scale_rows or 1, SCALE_COLS=scale_cols,
         EVEN_K=k % block_k == 0, ONE_ROW=m == 1, ACT=act,
         PTX=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", FP8_X=fp8_x,

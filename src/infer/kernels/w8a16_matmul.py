@@ -151,17 +151,19 @@ TENSOR_CORES_ONE_ROW_MIN_N = 16384
 
 def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                  scale_block: tuple[int, int] | None = None,
-                 tensor_cores: bool = False) -> torch.Tensor:
+                 tensor_core_rows: int = 0) -> torch.Tensor:
     """`x [M, K]` (float16 / bfloat16 / float32, unit column stride), `weight [N, K]` int8
     or float8_e4m3fn, contiguous, `scale [N]`, or with `scale_block = (rows, cols)` one
     float32 scale per tile of the weight, `scale [ceil(N / rows), ceil(K / cols)]`
-    (block-wise FP8 checkpoints): `[M, N]` in x's dtype. `tensor_cores`: where
-    `rows_mma.py` takes the case (up to 16 rows of 16-bit x) and gained on an H200, there:
-    from 2 rows on, or one row of a layer at least TENSOR_CORES_ONE_ROW_MIN_N wide."""
+    (block-wise FP8 checkpoints): `[M, N]` in x's dtype. With `tensor_core_rows` (0: off)
+    the steps `rows_mma.py` takes (16-bit x, up to its MAX_ROWS) go there where they gained
+    on an H200: 2 to `tensor_core_rows` rows, or one row of a layer at least
+    TENSOR_CORES_ONE_ROW_MIN_N wide."""
     from infer.kernels import rows_mma
 
     rows = x.shape[0]
-    if (tensor_cores and rows_mma.takes(scale_block) and rows <= rows_mma.MAX_ROWS
+    if (tensor_core_rows and rows_mma.takes(scale_block)
+            and rows <= min(tensor_core_rows, rows_mma.MAX_ROWS)
             and x.dtype in (torch.float16, torch.bfloat16)
             and (rows > 1 or weight.shape[0] >= TENSOR_CORES_ONE_ROW_MIN_N)):
         return rows_mma.rows_mma(x, weight, scale, scale_block)

@@ -27,7 +27,8 @@ from infer.quantization.stored import channel_scale, quantized_as_loaded, stored
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 # On CUDA, steps of at most this many rows read the weight through the W8A16 kernel
-# (8B shape on the H100: faster than the FP8 GEMM at 1 row, slower at 32).
+# (8B shape on the H100: faster than the FP8 GEMM at 1 row, slower at 32), or more where
+# the layer's `w8a16_tensor_core_rows` sends more to the tensor cores.
 WEIGHT_ONLY_ROWS = 16
 
 
@@ -74,7 +75,8 @@ class Fp8LinearMethod(LinearMethod):
               ) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.is_cuda and len(x2) <= WEIGHT_ONLY_ROWS:
+        tensor_core_rows = getattr(layer, "w8a16_tensor_core_rows", 0)
+        if x2.is_cuda and len(x2) <= max(WEIGHT_ONLY_ROWS, tensor_core_rows):
             if getattr(layer, "fp8_decode_activations", False) and x2.dtype != torch.float32:
                 from infer.kernels.rows_mma import rows_mma
 
@@ -83,7 +85,7 @@ class Fp8LinearMethod(LinearMethod):
                 from infer.kernels.w8a16_matmul import w8a16_matmul
 
                 y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale,
-                                 tensor_cores=getattr(layer, "w8a16_tensor_cores", False))
+                                 tensor_core_rows=tensor_core_rows)
         else:
             if x2.is_cuda:
                 from infer.kernels.fp8_quant import fp8_quantize_rows

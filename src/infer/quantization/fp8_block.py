@@ -91,12 +91,12 @@ class Fp8BlockLinearMethod(LinearMethod):
               ) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.is_cuda and len(x2) <= WEIGHT_ONLY_ROWS:
+        tensor_core_rows = getattr(layer, "w8a16_tensor_core_rows", 0)
+        if x2.is_cuda and len(x2) <= max(WEIGHT_ONLY_ROWS, tensor_core_rows):
             from infer.kernels.w8a16_matmul import w8a16_matmul
 
             y = w8a16_matmul(x2.contiguous(), layer.weight, getattr(layer, self.scale_name),
-                             self.block,
-                             tensor_cores=getattr(layer, "w8a16_tensor_cores", False))
+                             self.block, tensor_core_rows=tensor_core_rows)
         else:
             y = F.linear(x2, self.dequantize(layer).to(x.dtype))
         y = y.reshape(*shape[:-1], y.shape[-1])
