@@ -50,8 +50,7 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
 def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: str) -> None:
     """Which kernels `model`'s decode-sized matmuls take: infer's GEMV for 16-bit weights
     (`triton_gemv`, `gemv_max_rows`), tensor cores for 8-bit ones (`w8a16_tensor_cores`,
-    `w8a16_tensor_core_rows`),
-    FP8 by FP8 for FP8 ones (`fp8_decode_activations`)."""
+    `w8a16_tensor_core_rows`), FP8 by FP8 for FP8 ones (`fp8_decode_activations`)."""
     triton = kernel_backend == "triton"
     set_triton_gemv(model, config.triton_gemv and triton, config.gemv_max_rows)
     fp8_x = config.fp8_decode_activations and triton

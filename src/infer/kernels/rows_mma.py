@@ -9,12 +9,12 @@ Decode's matmuls read each weight once per step. On the CUDA cores that costs in
 for every weight: the one-row GEMV (`gemv.py`) issues 1.7 a weight byte, the W8A16 kernel
 (`w8a16_matmul.py`) 4.25 for INT8 (each weight made a float32 first), and a CUDA-core
 kernel for 5 rows 8.6 (`benchmarks/sass_mix.py`): past the issue rate the SMs have at the
-copy rate. Here an MMA multiplies a [16, BLOCK_K] tile of x (the real rows, zeros below; one
-row is broadcast from a vector, so it is loaded and converted once; 32 or 64 rows for more
-than 16) by the weight tile: a
-16-bit weight as it is (~0.5 instructions a byte), an 8-bit one made float16 two at a time
-(INT8: a byte under the bits of 1024 and 1024 + 128 taken off, both exact in float16; FP8:
-the hardware's pairwise convert), with x made float16 too (~3.1 and ~2.3 a byte).
+copy rate. Here an MMA multiplies a [16, BLOCK_K] tile of x (32 or 64 rows for more than
+16; the real rows, zeros below; one row is broadcast from a vector, so it is loaded and
+converted once) by the weight tile: a 16-bit weight as it is (~0.5 instructions a byte),
+an 8-bit one made float16 two at a time (INT8: a byte under the bits of 1024 and 1024 + 128
+taken off, both exact in float16; FP8: the hardware's pairwise convert), with x made
+float16 too (~3.1 and ~2.3 a byte).
 
 8-bit exactness: products of float16 weights (integers up to 128, or FP8 values) and x are
 exact in the MMA's float32 accumulator; x is exact in float16 for |x| between 2^-14 and
