@@ -89,9 +89,8 @@ def _cases() -> list[Case]:
             f"rows_mma {what} ({rows} row{'s' if rows > 1 else ''}, tensor cores)",
             "rows_mma:_rows_mma_kernel", {**mma_args, "w_ptr": pointer, "s_ptr": scales},
             {**dict(BLOCK_M=block_rows(rows), BLOCK_N=128, BLOCK_K=128, SCALE=size == 1,
-                    SCALE_ROWS=1,
-                    SCALE_COLS=0, EVEN_K=True, ONE_ROW=rows == 1, ACT="", PTX=True,
-                    FP8_X=False, PDL=False), **constexprs},
+                    SCALE_ROWS=1, SCALE_COLS=0, EVEN_K=True, ONE_ROW=rows == 1, ACT="",
+                    PTX=True, FP8_X=False, PDL=False), **constexprs},
             mma_multiples, 128 * 128, size, num_warps=4, num_stages=3,
             note="launch (128, 128, 4 warps)")
 

@@ -7,7 +7,7 @@ Each case is captured in a CUDA graph (quantized_gemv.py's timer) whose calls cy
 through enough copies of the weight to exceed the L2 cache three times over, as the
 layers of a decode step do (one weight called 20 times would be read from L2).
 
-With `--tensor-cores` the kernel swept is `rows_mma` (up to 16 rows on tensor cores,
+With `--tensor-cores` the kernel swept is `rows_mma` (up to 64 rows on tensor cores,
 `EngineConfig.w8a16_tensor_cores`), its default launch timed beside the CUDA-core one, and
 for FP8 weights its FP8 x FP8 mode (`fp8_decode_activations`; swept with `--fp8-x`).
 
@@ -97,6 +97,11 @@ def main() -> None:
                        .to(dtype) for _ in range(copies)]
             scale = torch.rand(n, device="cuda") * 1e-3
             moved = n * k + 4 * n + x.nbytes + rows * n * 2
+
+            def frac(us: float | None, moved: int = moved) -> float | None:
+                """The share of the copy rate that moving the step's bytes in `us` is."""
+                return moved / us / 1e3 / copy_gbs if us else None
+
             default_us = time_cycled(w8a16_matmul, x, weights, scale, replays=20)
             tensor_cores = args.tensor_cores and rows <= MAX_ROWS
             mma_us = (time_cycled(rows_mma, x, weights, scale, replays=20)
@@ -119,17 +124,17 @@ def main() -> None:
                     print(f"  {shape} {cfg}: {exc!r}"[:200])
                     continue
                 row = dict(shape=shape, rows=rows, dtype=str(dtype)[6:], **cfg, us=us,
-                           frac_copy=moved / us / 1e3 / copy_gbs)
+                           frac_copy=frac(us))
                 results.append(row)
                 if best is None or us < best["us"]:
                     best = row
             summary = dict(shape=shape, rows=rows, dtype=str(dtype)[6:], bf16_us=bf16_us,
                            default_us=default_us,
-                           default_frac=moved / default_us / 1e3 / copy_gbs,
+                           default_frac=frac(default_us),
                            tensor_cores_us=mma_us,
-                           tensor_cores_frac=moved / mma_us / 1e3 / copy_gbs if mma_us else None,
+                           tensor_cores_frac=frac(mma_us),
                            fp8_x_us=fp8_x_us,
-                           fp8_x_frac=moved / fp8_x_us / 1e3 / copy_gbs if fp8_x_us else None,
+                           fp8_x_frac=frac(fp8_x_us),
                            best_us=best["us"] if best else default_us,
                            best_frac=best["frac_copy"] if best else None,
                            best=({k: v for k, v in best.items()

@@ -109,7 +109,8 @@ class EngineConfig:
         "quantized per token for torch._scaled_mm; 16 until a device run says more rows gain")
     fp8_decode_activations: bool = knob(
         False, "FP8 layers (quantization=fp8, per-channel FP8 checkpoints) quantize x per "
-        "token at decode-sized steps too (up to 16 rows; larger steps always do) and "
+        "token at decode-sized steps too (those that read the weight as stored: up to 16 "
+        "rows, or w8a16_tensor_core_rows; larger steps always do) and "
         "multiply FP8 by FP8 on tensor cores, x quantized inside the matmul "
         "(kernels/rows_mma.py), instead of reading the FP8 weights into x's precision "
         "(W8A16); vLLM's FP8 quantizes x at every size. CUDA (compute capability 8.9+) with "

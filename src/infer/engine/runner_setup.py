@@ -58,8 +58,8 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
         log.warning("fp8_decode_activations needs a GPU with FP8 tensor cores (compute "
                     "capability 8.9+); left off")
         fp8_x = False
-    tensor_core_rows = config.w8a16_tensor_core_rows if config.w8a16_tensor_cores else 0
-    set_8bit_kernels(model, tensor_core_rows if triton else 0, fp8_x)
+    tensor_cores = config.w8a16_tensor_cores and triton
+    set_8bit_kernels(model, config.w8a16_tensor_core_rows if tensor_cores else 0, fp8_x)
 
 
 def _has_fp8_mma() -> bool:

@@ -27,9 +27,15 @@ from infer.quantization.stored import channel_scale, quantized_as_loaded, stored
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 # On CUDA, steps of at most this many rows read the weight through the W8A16 kernel
-# (8B shape on the H100: faster than the FP8 GEMM at 1 row, slower at 32), or more where
-# the layer's `w8a16_tensor_core_rows` sends more to the tensor cores.
+# (8B shape on the H100: faster than the FP8 GEMM at 1 row, slower at 32).
 WEIGHT_ONLY_ROWS = 16
+
+
+def reads_weight_only(x2: torch.Tensor, tensor_core_rows: int) -> bool:
+    """Whether a step of rows `x2` reads the FP8 weight as stored (the W8A16 kernels, on
+    CUDA): up to WEIGHT_ONLY_ROWS rows, or up to `tensor_core_rows` where the layer sends
+    more to the tensor cores."""
+    return x2.is_cuda and len(x2) <= max(WEIGHT_ONLY_ROWS, tensor_core_rows)
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +82,7 @@ class Fp8LinearMethod(LinearMethod):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         tensor_core_rows = getattr(layer, "w8a16_tensor_core_rows", 0)
-        if x2.is_cuda and len(x2) <= max(WEIGHT_ONLY_ROWS, tensor_core_rows):
+        if reads_weight_only(x2, tensor_core_rows):
             if getattr(layer, "fp8_decode_activations", False) and x2.dtype != torch.float32:
                 from infer.kernels.rows_mma import rows_mma
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from infer.models.linear import LinearMethod, with_loader
 from infer.models.weights import ShardId, WeightError, WeightLoader, check_shape
-from infer.quantization.fp8 import FP8, WEIGHT_ONLY_ROWS
+from infer.quantization.fp8 import FP8, reads_weight_only
 from infer.quantization.stored import stored_weight
 
 
@@ -92,7 +92,7 @@ class Fp8BlockLinearMethod(LinearMethod):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         tensor_core_rows = getattr(layer, "w8a16_tensor_core_rows", 0)
-        if x2.is_cuda and len(x2) <= max(WEIGHT_ONLY_ROWS, tensor_core_rows):
+        if reads_weight_only(x2, tensor_core_rows):
             from infer.kernels.w8a16_matmul import w8a16_matmul
 
             y = w8a16_matmul(x2.contiguous(), layer.weight, getattr(layer, self.scale_name),
