@@ -7,10 +7,13 @@ device's side of the handshake uses, on pinned host words."""
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +23,7 @@ import torch
 from engine_fixtures import drain, make_llm
 from reference_tokenizers import ours
 
-from infer.engine.grammar_worker import FED
+from infer.engine.grammar_worker import FED, FILLS, MASKS_READY, SharedLayout, map_shared, serve
 from infer.kernels.reference import apply_token_bitmask_ref
 from infer.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -226,6 +229,42 @@ def test_a_step_never_published_is_dropped_by_the_next_fill(worker):
     process.drop([remote])
 
 
+@pytest.mark.parametrize("spin", [False, True])
+def test_the_worker_makes_the_matchers_sent_before_a_fill_before_taking_it(spin):
+    """A fill (written to the shared block) names matchers whose "make" went down the
+    pipe before it: a worker that finds both waiting makes the matcher first, or the row
+    would allow every token."""
+    from infer.engine.structured_output import StructuredOutputs, library_tokenizer_json
+
+    tokenizer = ours("smollm2")
+    vocab, words = tokenizer.vocab_size, (tokenizer.vocab_size + 31) // 32
+    library = StructuredOutputs(tokenizer, vocab)
+    grammar = library.compile(StructuredOutputsParams(regex=r"ab|cd"))
+    name = f"infer-test-{os.getpid()}-{time.monotonic_ns()}"
+    block = map_shared(name, SharedLayout.size(1, words))
+    layout = SharedLayout(memoryview(block), 1, words)
+    layout.header[:] = 0
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    writer.send(("make", 7, grammar))
+    layout.request_ids[1, 0], layout.request_rows[1, 0] = 7, 0
+    layout.requests[1] = (1, 1, 0)  # one row, masked, nothing published
+    layout.header[FILLS] = 1
+    worker = threading.Thread(target=serve, args=(
+        name, 1, words, library_tokenizer_json(tokenizer), vocab,
+        list(tokenizer.eos_token_ids), spin, reader))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while layout.header[MASKS_READY] < 1 and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    writer.close()
+    worker.join(timeout=30)
+    assert not worker.is_alive() and layout.header[MASKS_READY] == 1
+    expected = library.allocate_masks(1)
+    library.fill_masks([library.matcher(grammar)], expected)
+    assert np.array_equal(layout.masks[0], expected[0].numpy())
+    assert (layout.masks[0] != -1).any()
+
+
 def test_a_script_without_a_main_guard_starts_the_worker_and_runs_once(tmp_path):
     """The worker starts in a fresh interpreter: a script that makes an engine at its top
     level (no `if __name__ == "__main__"`) is not run again inside it."""
@@ -304,5 +343,43 @@ def test_on_cuda_a_kernel_after_the_streams_wait_sees_that_steps_masks():
             assert local.accept(token)
             allowed_before = allowed if allowed_before is None else allowed_before
         assert not torch.equal(allowed, allowed_before)  # the masks changed on the way
+    finally:
+        process.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device waits, not the loop")
+def test_on_cuda_fills_asked_for_ahead_of_a_paused_worker_are_taken_in_order():
+    """The loop asks for more fills than the block has slots while the worker is stopped:
+    it waits for a slot, the worker takes every fill in order (those never published are
+    dropped), and the last step's masks and verdicts are right."""
+    import signal
+
+    from infer.engine.grammar_process import GrammarProcess
+    from infer.engine.grammar_worker import FILL_SLOTS
+    from infer.engine.structured_output import StructuredOutputs
+
+    tokenizer = ours("smollm2")
+    vocab = tokenizer.vocab_size
+    library = StructuredOutputs(tokenizer, vocab)
+    process = GrammarProcess(tokenizer, vocab, 2, torch.device("cuda"))
+    try:
+        grammar = library.compile(StructuredOutputsParams(regex=r"ab|cd"))
+        remote, local = process.matcher(grammar), library.matcher(grammar)
+        process.masks(2, [(0, remote)])  # the worker has made the matcher
+        torch.cuda.synchronize()
+        os.kill(process.process.pid, signal.SIGSTOP)
+        threading.Timer(0.5, os.kill, (process.process.pid, signal.SIGCONT)).start()
+        start = time.monotonic()
+        for _ in range(FILL_SLOTS + 1):
+            step, masks = process.masks(2, [(0, remote)])
+        assert time.monotonic() - start > 0.3  # waited for the worker to take a fill
+        expected = library.allocate_masks(2)
+        library.fill_masks([local], expected, [0])
+        expected[1] = -1  # a row no matcher names allows every token
+        assert torch.equal(masks.cpu(), expected)
+        token = tokenizer.encode("ab", add_special_tokens=False)[0]
+        process.publish(step, torch.tensor([token, 0], device="cuda"))
+        verdicts = process.verdicts(step, [(0, remote)])
+        assert verdicts.refused == [] and verdicts.failed == []
     finally:
         process.close()

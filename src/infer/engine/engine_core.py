@@ -748,9 +748,10 @@ class EngineCore:
         if step.grammars_advanced or not step.masked:
             return []
         step.grammars_advanced = True
-        token_ids = step.results.wait()[0].tolist()
+        token_ids = step.results.wait()[0]  # the worker feeds them once they are sampled
         failed = []
         if self._grammar_process is None:
+            token_ids = token_ids.tolist()
             refused = [row for row, matcher in step.masked if not matcher.accept(token_ids[row])]
         else:
             try:
@@ -763,7 +764,7 @@ class EngineCore:
         if refused:  # masked sampling only picks allowed tokens: a refusal is a bug
             row = refused[0]
             raise RuntimeError(f"sequence {step.seq_ids[row]}: sampled token "
-                               f"{token_ids[row]} is not allowed by its grammar")
+                               f"{int(token_ids[row])} is not allowed by its grammar")
         error = "ValueError: structured_outputs: the grammar library could not start on it"
         ended = [rid for rid in (step.seq_ids[row] for row in failed)
                  if rid in self.sequences and self.sequences[rid].request is step.requests[rid]]

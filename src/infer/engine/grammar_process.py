@@ -2,13 +2,16 @@
 matchers live in that process, and a constrained step costs the loop one message and a
 few queued device operations instead of the grammar work itself.
 
-A step s with constrained rows, on CUDA: `masks` sends ("fill", s) and queues a stream wait
-for the worker's `masks_ready >= s` (a CUDA stream memory operation on the shared block)
-and the masks' copy from the block; the sampler applies them in its own pass. After the
-sampling, `publish` queues the sampled ids' copy into the block and a stream write of the
-stamp s, which the worker watches for (no message). The loop reads the worker's verdicts
-on s (a grammar finished, a token refused, a matcher the library would not make) when it
-accounts s. On the CPU the loop waits for the masks itself and writes the ids.
+A step s with constrained rows, on CUDA: `masks` writes the fill of s into the shared block
+(no message: the worker watches for it) and queues a stream wait for the worker's
+`masks_ready >= s` (a CUDA stream memory operation on the block) and the masks' copy from
+the block; the sampler applies them in its own pass. After the sampling, `publish` queues
+the sampled ids' copy into the block and a stream write of the stamp s, which the worker
+watches for. The loop reads the worker's verdicts on s (a grammar finished, a token
+refused, a matcher the library would not make) when it accounts s. On the CPU the loop
+waits for the masks itself and writes the ids. The device's side goes through the
+driver's entry points directly: torch's copies and stream lookups cost the loop more
+than the work they queue.
 
 A stream wait has no time limit, so a watchdog thread ends a worker that has exited or
 left a step's masks unfilled for WORKER_WAIT_S, and then releases the device's waits.
@@ -34,10 +37,13 @@ import torch
 from infer.engine.grammar_worker import (
     FAILED,
     FED,
+    FILL_SLOTS,
+    FILLS,
     MASKS_READY,
     NOTED,
     REFUSED,
     STOPPED,
+    TAKEN,
     TOKENS_STAMP,
     SharedLayout,
     map_shared,
@@ -94,7 +100,7 @@ class GrammarProcess:
         self.process = _start_worker(reader)
         reader.close()
         self._steps.send((name, rows, words, library_tokenizer_json(tokenizer), vocab_size,
-                          list(tokenizer.eos_token_ids)))
+                          list(tokenizer.eos_token_ids), self._on_cuda))
         self._send_lock = threading.Lock()  # the loop and the compile thread both send
         self._published = 0  # the last step whose ids the device was asked to publish
         self._stream = 0  # the CUDA stream of the step being launched
@@ -120,6 +126,7 @@ class GrammarProcess:
             raise RuntimeError("the grammar worker's block is not pinned after registering")
         self._device_masks = torch.empty(self._host_masks.shape, dtype=torch.int32,
                                          device=self.device)
+        self._device_index = torch.cuda._utils._get_device_index(self.device, optional=True)
 
     # -- matchers (from the thread that compiles grammars) ----------------------------
     def matcher(self, grammar: str) -> RemoteMatcher:
@@ -143,17 +150,23 @@ class GrammarProcess:
         (row, matcher) rows' once the worker has filled them, every other row allowing
         every token; and the step's number, for `publish` and `verdicts`."""
         self._check_usable()
-        self._step += 1
-        step = self._step
-        self._send(("fill", step, rows, [m.id for _, m in masked], [row for row, _ in masked],
-                    self._published))
+        step = self._step + 1
+        layout = self.layout
+        self._wait_for(TAKEN, step - FILL_SLOTS, "fill's taking")  # its slot is free
+        slot = step % FILL_SLOTS
+        layout.request_ids[slot, :len(masked)] = [m.id for _, m in masked]
+        layout.request_rows[slot, :len(masked)] = [row for row, _ in masked]
+        layout.requests[slot] = (rows, len(masked), self._published)
+        self._step = step
+        layout.header[FILLS] = step
         if not self._on_cuda:
             self._wait_for(MASKS_READY, step, "masks")
-            return step, torch.from_numpy(self.layout.masks[:rows])
-        self._stream = torch.cuda.current_stream(self.device).cuda_stream
-        self._stream_ops.wait_at_least(self._stream, self._masks_ready, step)
-        masks = self._device_masks[:rows]
-        masks.copy_(self._host_masks[:rows], non_blocking=True)
+            return step, torch.from_numpy(layout.masks[:rows])
+        ops, masks = self._stream_ops, self._device_masks[:rows]
+        self._stream = stream = torch._C._cuda_getCurrentRawStream(self._device_index)
+        ops.wait_at_least(stream, self._masks_ready, step)
+        ops.copy_to_device(stream, masks.data_ptr(), self._host_masks.data_ptr(),
+                           masks.numel() * 4)
         return step, masks
 
     def publish(self, step: int, token_ids: torch.Tensor) -> None:
@@ -161,7 +174,11 @@ class GrammarProcess:
         matchers of the rows its `masks` named."""
         n = len(token_ids)
         if self._on_cuda:
-            self._host_tokens[:n].copy_(token_ids, non_blocking=True)
+            if token_ids.dtype == torch.int64 and token_ids.is_contiguous():
+                self._stream_ops.copy_to_host(self._stream, self._host_tokens.data_ptr(),
+                                              token_ids.data_ptr(), n * 8)
+            else:
+                self._host_tokens[:n].copy_(token_ids, non_blocking=True)
             self._stream_ops.write(self._stream, self._tokens_stamp, step)
         else:
             self.layout.tokens[:n] = token_ids.numpy()
@@ -279,8 +296,9 @@ def _start_worker(steps: Connection) -> subprocess.Popen:
 
 class StreamMemoryOps:
     """CUDA's stream memory operations (driver API, the V2 entry points every platform
-    has) on a stream (its handle): wait until a 64-bit word is at least a value, write one.
-    Addresses are of registered host memory (with unified addressing, the device's too)."""
+    has) on a stream (its handle): wait until a 64-bit word is at least a value, write one;
+    and asynchronous copies between the device and registered host memory. Addresses of
+    the words are of registered host memory (with unified addressing, the device's too)."""
 
     WAIT_GEQ = 0x0
     WRITE_DEFAULT = 0x0  # ordered after the stream's earlier work, with a memory barrier
@@ -289,6 +307,8 @@ class StreamMemoryOps:
         self._driver = driver = ctypes.CDLL("libcuda.so.1")
         self._wait = self._entry(driver, "cuStreamWaitValue64")
         self._write = self._entry(driver, "cuStreamWriteValue64")
+        self._to_device = self._copy_entry(driver, "cuMemcpyHtoDAsync_v2")
+        self._to_host = self._copy_entry(driver, "cuMemcpyDtoHAsync_v2")
 
     def device_pointer(self, host_address: int) -> int:
         """The device's address of registered host memory."""
@@ -305,6 +325,21 @@ class StreamMemoryOps:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
         fn.restype = ctypes.c_int
         return fn
+
+    @staticmethod
+    def _copy_entry(driver: ctypes.CDLL, name: str) -> ctypes._CFuncPtr:
+        fn = getattr(driver, name)  # (destination, source, bytes, stream)
+        fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        return fn
+
+    def copy_to_device(self, stream: int, device_address: int, host_address: int,
+                       nbytes: int) -> None:
+        self._check(self._to_device(device_address, host_address, nbytes, stream), "copy")
+
+    def copy_to_host(self, stream: int, host_address: int, device_address: int,
+                     nbytes: int) -> None:
+        self._check(self._to_host(host_address, device_address, nbytes, stream), "copy")
 
     def wait_at_least(self, stream: int, address: int, value: int) -> None:
         self._check(self._wait(stream, address, value, self.WAIT_GEQ), "wait")

@@ -8,25 +8,33 @@ They share one block of memory (`SharedLayout`), registered with CUDA by the loo
 - counters: `masks_ready` (the last step whose masks are filled; the device waits on it),
   `tokens_stamp` (the last step whose sampled ids are in `tokens`; the device writes it
   after the ids), `fed` (the last step whose ids the matchers have taken; `verdicts`
-  then holds its rows) and `noted`, by step parity like the verdicts (the last step of
-  that parity with a verdict other than "took it": the loop reads the rows only then);
+  then holds its rows), `noted`, by step parity like the verdicts (the last step of
+  that parity with a verdict other than "took it": the loop reads the rows only then),
+  `fills` (the last step whose fill the loop asked for) and `taken` (the last the worker
+  took);
+- `requests` [FILL_SLOTS, 3] int64 and `request_ids` / `request_rows` [FILL_SLOTS, rows]
+  int64: a step's fill in slot step % FILL_SLOTS (its rows, how many are masked, the last
+  published step; the masked rows' matcher ids and rows);
 - `tokens` [rows] int64, `verdicts` [2, rows] uint8 (by step parity), `masks` [rows, words]
   int32 in the grammar library's layout.
 
-Messages, on one pipe and in order: ("make", id, grammar) from the thread that compiles
-grammars (no answer: a matcher the library refuses gets the verdict FAILED), ("fill",
-step, rows, ids, masked rows, published) and ("drop", ids) from the loop. A step's rows
-that are not masked allow every token. A filled step's ids are taken, for the rows it
-named, once `tokens_stamp` reaches it: the worker watches the stamp between messages, so
-the step costs the loop one message. `published` is the last step whose ids the loop has
-had the device publish: a step filled but never published (its launch failed) is past it
-when the next fill comes, and is dropped.
+A step costs the loop no message: it writes the fill into its slot and then `fills`,
+which the worker watches, taking the steps in order. A filled step's ids are taken, for
+the rows it named, once `tokens_stamp` reaches it. Messages, on one pipe and in order,
+come from the thread that compiles grammars, ("make", id, grammar) (no answer: a matcher
+the library refuses gets the verdict FAILED), and from the loop, ("drop", ids); the worker
+reads every message sent before a fill before it takes the fill, so a fill never names a
+matcher the worker has not made. A step's rows that are not masked allow every token.
+`published` is the last step whose ids the loop has had the device publish: a step filled
+but never published (its launch failed) is past it when the next fill comes, and is
+dropped.
 
-Each area has one writer at a time: the worker fills the masks of step s only after it took
-step s-1's ids, which the device publishes after copying step s-1's masks; and it takes
-step s's ids only after the device published them, which it does after waiting for step
-s's masks. So one slot of each is enough (two of the verdicts and of `noted`: the loop
-reads step s's while the worker may have fed step s+1).
+Each area has one writer at a time: the loop writes slot s % FILL_SLOTS only once the
+worker has taken step s - FILL_SLOTS; the worker fills the masks of step s only after it
+took step s-1's ids, which the device publishes after copying step s-1's masks; and it
+takes step s's ids only after the device published them, which it does after waiting for
+step s's masks. So one slot of the tokens and masks is enough (two of the verdicts and of
+`noted`: the loop reads step s's while the worker may have fed step s+1).
 """
 
 from __future__ import annotations
@@ -42,13 +50,15 @@ import numpy as np
 # library refused its grammar)
 TAKEN, STOPPED, REFUSED, FAILED = 0, 1, 2, 3
 # int64 slots of the counters, each on a cache line of its own (`noted`: two, by parity)
-MASKS_READY, TOKENS_STAMP, FED, NOTED = 0, 8, 16, 24
-HEADER_WORDS = 32
+MASKS_READY, TOKENS_STAMP, FED, NOTED, FILLS, TAKEN = 0, 8, 16, 24, 32, 40
+HEADER_WORDS = 48
+# Fills the loop may ask for ahead of the worker's taking them.
+FILL_SLOTS = 4
 # How long the worker waits for a step's ids to be published before giving up on it.
 TOKENS_WAIT_S = 30.0
-# How often the worker looks at the stamp while a filled step waits for its ids, and
-# (after STAMP_IDLE_S) once the device has been slow to publish them.
-STAMP_POLL_S, STAMP_IDLE_POLL_S, STAMP_IDLE_S = 50e-6, 5e-3, 0.1
+# How often the worker looks for a fill or a stamp, and how often once nothing has come
+# for IDLE_S (the first fill after a pause waits up to IDLE_POLL_S).
+POLL_S, IDLE_POLL_S, IDLE_S = 50e-6, 2e-3, 0.1
 
 
 class SharedLayout:
@@ -56,6 +66,9 @@ class SharedLayout:
     starting on a cache line."""
 
     header: np.ndarray  # [HEADER_WORDS] int64: the counters
+    requests: np.ndarray  # [FILL_SLOTS, 3] int64: rows, masked rows, published
+    request_ids: np.ndarray  # [FILL_SLOTS, rows] int64: the masked rows' matcher ids
+    request_rows: np.ndarray  # [FILL_SLOTS, rows] int64: the masked rows
     tokens: np.ndarray  # [rows] int64
     verdicts: np.ndarray  # [2, rows] uint8
     masks: np.ndarray  # [rows, words] int32
@@ -75,6 +88,9 @@ class SharedLayout:
         """(name, dtype, shape, byte offset) of each area, and the block's size."""
         areas, at = [], 0
         for name, dtype, shape in (("header", np.int64, (HEADER_WORDS,)),
+                                   ("requests", np.int64, (FILL_SLOTS, 3)),
+                                   ("request_ids", np.int64, (FILL_SLOTS, rows)),
+                                   ("request_rows", np.int64, (FILL_SLOTS, rows)),
                                    ("tokens", np.int64, (rows,)),
                                    ("verdicts", np.uint8, (2, rows)),
                                    ("masks", np.int32, (rows, words))):
@@ -107,50 +123,66 @@ def main(fd: int) -> None:
 
 
 def serve(shm_name: str, rows: int, words: int, tokenizer_json: str, vocab_size: int,
-          eos_token_ids: list[int], steps: Connection) -> None:
-    """Serve `steps` for the shared block `shm_name` until they close."""
+          eos_token_ids: list[int], spin: bool, steps: Connection) -> None:
+    """Serve `steps` for the shared block `shm_name` until they close. `spin`: look at the
+    counters without sleeping while steps come (a core for the device's wait)."""
     import llguidance
 
     layout = SharedLayout(memoryview(map_shared(shm_name, unlink=True)), rows, words)
     tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                        eos_token=eos_token_ids)
-    Worker(layout, tokenizer, llguidance.LLExecutor(), steps).run()
+    Worker(layout, tokenizer, llguidance.LLExecutor(), steps, spin).run()
 
 
 class Worker:
     def __init__(self, layout: SharedLayout, tokenizer: object, executor: object,
-                 steps: Connection) -> None:
+                 steps: Connection, spin: bool = False) -> None:
         self.layout, self.tokenizer, self.executor = layout, tokenizer, executor
-        self.steps = steps
+        self.steps, self.spin = steps, spin
         self.matchers: dict[int, object] = {}
         self.failed: set[int] = set()  # matchers the library refused to make
-        # The last filled step whose ids are not taken yet: (step, ids, rows, filled at)
-        self.pending: tuple[int, list[int], list[int], float] | None = None
+        self.taken = 0  # the last step whose fill was taken
+        # The last filled step whose ids are not taken yet: (step, ids, rows)
+        self.pending: tuple[int, list[int], list[int]] | None = None
 
     def run(self) -> None:
-        """One thread: a second would wait for the GIL behind the watch on the stamp (up to
-        the interpreter's 5 ms switch interval a turn)."""
+        """One thread: a second would wait for the GIL behind the watch on the counters (up
+        to the interpreter's 5 ms switch interval a turn)."""
+        header, active = self.layout.header, time.monotonic()
         while True:
             pending = self.pending
-            if pending is not None:
-                if self.layout.header[TOKENS_STAMP] >= pending[0]:
-                    self.feed(*pending[:3])
-                    continue
-                idle = time.monotonic() - pending[3] > STAMP_IDLE_S
-                if not self.steps.poll(STAMP_IDLE_POLL_S if idle else STAMP_POLL_S):
-                    continue
-            try:
-                kind, *args = self.steps.recv()
-            except EOFError:
-                return
-            if kind == "make":
-                self.make(*args)
-            elif kind == "fill":
-                self.fill(*args)
-            elif kind == "drop":
-                for matcher_id in args[0]:
-                    self.matchers.pop(matcher_id, None)
-                    self.failed.discard(matcher_id)
+            if pending is not None and header[TOKENS_STAMP] >= pending[0]:
+                self.feed(*pending)
+            elif header[FILLS] > self.taken:
+                while self.steps.poll(0):  # the messages sent before the fill
+                    if not self.receive():
+                        return
+                self.fill(self.taken + 1)
+            else:
+                idle = time.monotonic() - active > IDLE_S
+                if self.spin and not idle:
+                    time.sleep(0)
+                    wait = 0.0
+                else:
+                    wait = IDLE_POLL_S if idle else POLL_S
+                if self.steps.poll(wait) and not self.receive():
+                    return
+                continue
+            active = time.monotonic()
+
+    def receive(self) -> bool:
+        """Act on one message; False once the pipe is closed."""
+        try:
+            kind, *args = self.steps.recv()
+        except EOFError:
+            return False
+        if kind == "make":
+            self.make(*args)
+        elif kind == "drop":
+            for matcher_id in args[0]:
+                self.matchers.pop(matcher_id, None)
+                self.failed.discard(matcher_id)
+        return True
 
     def make(self, matcher_id: int, grammar: str) -> None:
         """A matcher (0.2-1.3 ms, more for a large grammar) for a checked grammar."""
@@ -165,19 +197,24 @@ class Worker:
         else:
             self.matchers[matcher_id] = matcher
 
-    def fill(self, step: int, rows: int, ids: list[int], masked: list[int],
-             published: int) -> None:
-        """Masks of `step`'s first `rows` rows: the `masked` ones by their matchers, the
-        others (and a finished or failed matcher's, whose token is discarded with its
-        sequence) allowing every token. The step before is fed first if it was published
-        (its ids may still be on their way), else dropped."""
+    def fill(self, step: int) -> None:
+        """Masks of `step`'s first rows as its request says: the masked rows by their
+        matchers, the others (and a finished or failed matcher's, whose token is discarded
+        with its sequence) allowing every token. The step before is fed first if it was
+        published (its ids may still be on their way), else dropped."""
+        layout = self.layout
+        slot = step % FILL_SLOTS
+        rows, count, published = (int(v) for v in layout.requests[slot])
+        ids = layout.request_ids[slot, :count].tolist()
+        masked = layout.request_rows[slot, :count].tolist()
+        self.taken = step
+        layout.header[TAKEN] = step  # the slot is free again
         pending = self.pending
         if pending is not None:
             if pending[0] > published or not self._await_stamp(pending[0]):
                 self.pending = None
             else:
-                self.feed(*pending[:3])
-        layout = self.layout
+                self.feed(*pending)
         pairs = []
         for matcher_id, row in zip(ids, masked):
             matcher = self.matchers.get(matcher_id)
@@ -191,7 +228,7 @@ class Worker:
                 pairs, layout.masks.__array_interface__["data"][0], 4 * layout.words,
                 layout.rows)
         layout.header[MASKS_READY] = step
-        self.pending = (step, ids, masked, time.monotonic())
+        self.pending = (step, ids, masked)
 
     def _await_stamp(self, step: int) -> bool:
         """Whether the device published `step`'s ids within TOKENS_WAIT_S (if not, `fed`
