@@ -134,9 +134,10 @@ class EngineConfig:
     grammar_process: bool | None = knob(
         None, "hold constrained sequences' grammar matchers in a process of their own that "
         "feeds them each step's tokens and fills the next masks while the device waits for "
-        "them (the step loop only queues the wait); not with speculative decoding; default: "
-        "on with CUDA (a constrained step then costs the loop ~0.1 ms, docs/performance.md), "
-        "off on a CPU, where the loop would wait for the worker anyway")
+        "them (the step loop only queues the wait; the worker spins on a core of its own "
+        "while constrained steps come); not with speculative decoding; default: on with CUDA "
+        "(a constrained step then costs the loop ~0.07 ms, docs/performance.md), off on a "
+        "CPU, where the loop would wait for the worker anyway")
     max_waiting_requests: int | None = knob(
         None, "most requests waiting to be scheduled (the server answers 503 beyond); "
         "default: unbounded")
