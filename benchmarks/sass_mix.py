@@ -75,19 +75,22 @@ def _cases() -> list[Case]:
             ["x_ptr", "w_ptr", "s_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn",
              "stride_ym"],
             8 * 1024, 1, num_warps=4, num_stages=2, note="launch (8, 1024, 4 warps)"))
-    mma_args = dict(x_ptr="*bf16", w_ptr="", s_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32",
+    mma_args = dict(x_ptr="*bf16", w_ptr="", s_ptr="*bf16", xs_ptr="*bf16", y_ptr="*bf16",
+                    part_ptr="*fp32",
                     counts="*i32", M=i32, N=i32, K=i32, stride_xm=i32, stride_wn=i32,
                     stride_ym=i32, stride_sn=i32, steps_per_split=i32, splits=i32)
     mma_multiples = ["x_ptr", "w_ptr", "s_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm",
                      "stride_wn", "stride_ym"]
 
     def mma_case(what: str, rows: int, pointer: str, size: int, scales: str = "*bf16",
-                 **constexprs) -> Case:
-        """rows_mma's default launch on `rows` rows of a `pointer` weight, `scales` its
-        scales' type; `constexprs` in place of the plain case's."""
+                 x: str = "*bf16", **constexprs) -> Case:
+        """rows_mma's default launch on `rows` rows of x (`x` its type) times a `pointer`
+        weight, `scales` its scales' type; `constexprs` in place of the plain case's."""
         return Case(
             f"rows_mma {what} ({rows} row{'s' if rows > 1 else ''}, tensor cores)",
-            "rows_mma:_rows_mma_kernel", {**mma_args, "w_ptr": pointer, "s_ptr": scales},
+            "rows_mma:_rows_mma_kernel",
+            {**mma_args, "x_ptr": x, "w_ptr": pointer, "s_ptr": scales,
+             "xs_ptr": "*fp32" if x == "*i8" else "*bf16"},
             {**dict(BLOCK_M=block_rows(rows), BLOCK_N=128, BLOCK_K=128, SCALE=size == 1,
                     SCALE_ROWS=1, SCALE_COLS=0, EVEN_K=True, ONE_ROW=rows == 1, ACT="",
                     PTX=True, FP8_X=False, PDL=False), **constexprs},
@@ -98,9 +101,10 @@ def _cases() -> list[Case]:
                                    ("fp8", "*fp8e4nv", 1)):
         cases += [mma_case(weights, rows, pointer, size)
                   for rows in ((1, 5) if size == 2 else (1, 5, 32, 64))]
-    # FP8 x FP8: x quantized per row in the kernel
-    cases += [mma_case("fp8 x fp8", rows, "*fp8e4nv", 1, "*fp32", FP8_X=True)
-              for rows in (1, 5)]
+    # FP8 x FP8: x quantized per row before the kernel (its bytes)
+    cases += [mma_case("fp8 x fp8", rows, "*fp8e4nv", 1, "*fp32", x="*i8", FP8_X=True,
+                       ONE_ROW=False)
+              for rows in (1, 5, 32, 64)]
     cases.append(mma_case("fp8 with 128 x 128 scale tiles", 1, "*fp8e4nv", 1, "*fp32",
                           SCALE_ROWS=128, SCALE_COLS=128))
     return cases

@@ -9,7 +9,9 @@ layers of a decode step do (one weight called 20 times would be read from L2).
 
 With `--tensor-cores` the kernel swept is `rows_mma` (up to 64 rows on tensor cores,
 `EngineConfig.w8a16_tensor_cores`), its default launch timed beside the CUDA-core one, and
-for FP8 weights its FP8 x FP8 mode (`fp8_decode_activations`; swept with `--fp8-x`).
+for FP8 weights the FP8 x FP8 paths, x quantized per row first (`fp8_quant.py`): rows_mma's
+(`fp8_decode_activations`, `fp8_mma_rows`; swept with `--fp8-x`) and `torch._scaled_mm`'s
+(what FP8 layers take past the weight-only rows).
 
     python benchmarks/w8a16_sweep.py [--rows 1 32] [--shapes 8b 1b] [--one-row-kernel-only]
                                      [--tensor-cores [--fp8-x]] [--quick | --defaults-only]
@@ -72,13 +74,23 @@ def main() -> None:
     parser.add_argument("--tensor-cores", action="store_true",
                         help="sweep rows_mma (tensor cores) instead of w8a16_matmul")
     parser.add_argument("--fp8-x", action="store_true",
-                        help="with --tensor-cores, FP8 weights swept with x quantized to "
-                        "FP8 in the kernel (fp8_decode_activations)")
+                        help="with --tensor-cores, FP8 weights swept FP8 by FP8 (x "
+                        "quantized per row first: fp8_mma_rows)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("w8a16_sweep.py times CUDA kernels: no GPU here")
+    from infer.kernels.fp8_quant import fp8_quantize_rows
     from infer.kernels.rows_mma import MAX_ROWS, rows_mma
     from infer.kernels.w8a16_matmul import _matmul, w8a16_matmul
+
+    def fp8_by_fp8(x, weight, scale, **cfg):
+        xq, x_scale = fp8_quantize_rows(x)
+        return rows_mma(xq, weight, scale, x_scale=x_scale, out_dtype=x.dtype, **cfg)
+
+    def scaled_mm(x, weight, scale):
+        xq, x_scale = fp8_quantize_rows(x)
+        return torch._scaled_mm(xq, weight.t(), scale_a=x_scale[:, None],
+                                scale_b=scale[None, :], out_dtype=x.dtype)
 
     ceil = common.ceilings()
     copy_gbs = ceil["copy_GBps"]
@@ -107,8 +119,10 @@ def main() -> None:
             mma_us = (time_cycled(rows_mma, x, weights, scale, replays=20)
                       if tensor_cores else None)
             fp8_x = tensor_cores and dtype == torch.float8_e4m3fn
-            fp8_x_us = (time_cycled(partial(rows_mma, fp8_x=True), x, weights, scale,
-                                    replays=20) if fp8_x else None)
+            fp8_x_us = (time_cycled(fp8_by_fp8, x, weights, scale, replays=20)
+                        if fp8_x else None)
+            scaled_mm_us = (time_cycled(scaled_mm, x, weights, scale, replays=20)
+                            if dtype == torch.float8_e4m3fn else None)
             best = None
             swept = not shape.endswith("lm_head") and not args.defaults_only
             cases = ((mma_configs(args.quick) if tensor_cores else
@@ -116,8 +130,8 @@ def main() -> None:
             for cfg in cases:
                 try:
                     if tensor_cores:
-                        us = time_cycled(partial(rows_mma, fp8_x=fp8_x and args.fp8_x, **cfg),
-                                         x, weights, scale)
+                        swept_fn = fp8_by_fp8 if fp8_x and args.fp8_x else rows_mma
+                        us = time_cycled(partial(swept_fn, **cfg), x, weights, scale)
                     else:
                         us = time_cycled(partial(_matmul, **cfg), x, weights, scale, None)
                 except Exception as exc:  # a configuration that does not compile: skip it
@@ -135,6 +149,8 @@ def main() -> None:
                            tensor_cores_frac=frac(mma_us),
                            fp8_x_us=fp8_x_us,
                            fp8_x_frac=frac(fp8_x_us),
+                           scaled_mm_us=scaled_mm_us,
+                           scaled_mm_frac=frac(scaled_mm_us),
                            best_us=best["us"] if best else default_us,
                            best_frac=best["frac_copy"] if best else None,
                            best=({k: v for k, v in best.items()
@@ -154,6 +170,8 @@ def main() -> None:
                         ("tensor cores us", "tensor_cores_us", ".1f"),
                         ("%copy", "tensor_cores_frac", ".0%"),
                         ("fp8 x fp8 us", "fp8_x_us", ".1f"), ("%copy", "fp8_x_frac", ".0%"),
+                        ("_scaled_mm us", "scaled_mm_us", ".1f"),
+                        ("%copy", "scaled_mm_frac", ".0%"),
                         ("best us", "best_us", ".1f"),
                         ("%copy", "best_frac", ".0%"), ("best launch", "best", "")])
 

@@ -36,6 +36,8 @@ def test_defaults_are_valid():
         (dict(gemv_max_rows=17), ["gemv_max_rows", "16"]),
         (dict(w8a16_tensor_core_rows=1), ["w8a16_tensor_core_rows", "[2, 64]"]),
         (dict(w8a16_tensor_core_rows=65), ["w8a16_tensor_core_rows", "MAX_ROWS"]),
+        (dict(fp8_mma_rows=65), ["fp8_mma_rows", "[0, 64]"]),
+        (dict(fp8_mma_rows=-1), ["fp8_mma_rows", "MAX_ROWS"]),
         (dict(grammar_process=True, speculative_method="ngram"),
          ["grammar_process=True", "speculative_method='ngram'"]),
     ],

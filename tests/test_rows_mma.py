@@ -253,10 +253,12 @@ def test_8bit_weights_go_to_tensor_cores_where_they_gained(monkeypatch, rows, wi
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="FP8 needs a GPU (the interpreter has none)")
 @pytest.mark.parametrize(("rows", "k", "splits"), [(1, 640, 1), (1, 4096, 4), (5, 640, 1),
-                                                   (16, 4096, 3), (40, 640, 2)])
+                                                   (16, 4096, 3), (40, 640, 2),
+                                                   (64, 4096, 3)])
 def test_fp8_by_fp8_matches_float64_on_fp8_quants_values(rows, k, splits):
-    """x quantized in the kernel exactly as `fp8_quantize_rows` quantizes it (a float16
-    output: a value off by one FP8 step would show), rows of zeros and of large |x| too."""
+    """x quantized by `fp8_quantize_rows`, multiplied FP8 by FP8: the float64 product of
+    the same FP8 values and scales (a float16 output: a value off by one FP8 step would
+    show), rows of zeros and of large |x| too."""
     from infer.kernels.fp8_quant import fp8_quantize_rows
     from infer.kernels.rows_mma import rows_mma
 
@@ -266,14 +268,40 @@ def test_fp8_by_fp8_matches_float64_on_fp8_quants_values(rows, k, splits):
         x[1] = 0.0
     gen = torch.Generator().manual_seed(k)
     w8 = (torch.randn(384, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-    y = rows_mma(x.cuda(), w8.cuda(), scale.float().cuda(), fp8_x=True, splits=splits).cpu()
-    xq, xs = (t.cpu() for t in fp8_quantize_rows(x.cuda()))
-    ref = ((xq.double() * xs.double()[:, None])
+    xq, xs = fp8_quantize_rows(x.cuda())
+    y = rows_mma(xq, w8.cuda(), scale.float().cuda(), x_scale=xs, splits=splits,
+                 out_dtype=torch.float16).cpu()
+    ref = ((xq.cpu().double() * xs.cpu().double()[:, None])
            @ (w8.double() * scale.double()[:, None]).T)
     assert y.dtype == torch.float16
     assert ((y.double() - ref).abs() <= 2e-3 * ref.abs() + 1e-3 * ref.abs().max()).all()
     if rows > 1:
         assert (y[1] == 0).all()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="FP8 needs a GPU (the interpreter has none)")
+@pytest.mark.parametrize("rows", [17, 32, 64])
+def test_fp8_layers_with_mma_rows_match_the_scaled_mm_path(rows, monkeypatch):
+    """With `fp8_mma_rows`, an FP8 by FP8 step of up to that many rows gives what
+    `torch._scaled_mm` gives on the same rows, without calling it."""
+    from infer.models.linear import ColumnParallelLinear
+    from infer.quantization import fp8
+    from infer.quantization.fp8 import Fp8LinearMethod
+
+    gen = torch.Generator().manual_seed(rows)
+    layer = ColumnParallelLinear(512, 384, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(384, 512, generator=gen))
+    layer = layer.to(DEVICE, torch.bfloat16)
+    Fp8LinearMethod().quantize(layer)
+    x = torch.randn(rows, 512, generator=gen).to(DEVICE, torch.bfloat16)
+    reference = layer(x).float()  # fp8_mma_rows unset: torch._scaled_mm
+    layer.fp8_mma_rows = 64
+    calls = []
+    monkeypatch.setattr(fp8, "_scaled_mm", lambda *args: calls.append(args))
+    y = layer(x).float()
+    assert calls == []
+    assert (y - reference).abs().max().item() <= 1e-2 * reference.abs().max().item()
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="FP8 needs a GPU (the interpreter has none)")
@@ -306,8 +334,9 @@ def test_the_fp8_activations_knob_reaches_the_layers_only_where_fp8_mma_runs(cap
 
     llm = LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
               quantization="fp8", kernel_backend="triton", fp8_decode_activations=True,
-              cuda_graphs=False)
+              fp8_mma_rows=32, cuda_graphs=False)
     layers = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, LinearBase)]
     runs = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
     assert layers and all(m.fp8_decode_activations is runs for m in layers)
-    assert runs or "fp8_decode_activations needs a GPU" in caplog.text
+    assert all(m.fp8_mma_rows == (32 if runs else 0) for m in layers)
+    assert runs or "need a GPU with FP8 tensor cores" in caplog.text

@@ -111,11 +111,18 @@ class EngineConfig:
         False, "FP8 layers (quantization=fp8, per-channel FP8 checkpoints) quantize x per "
         "token at decode-sized steps too (those that read the weight as stored: up to 16 "
         "rows, or w8a16_tensor_core_rows; larger steps always do) and "
-        "multiply FP8 by FP8 on tensor cores, x quantized inside the matmul "
-        "(kernels/rows_mma.py), instead of reading the FP8 weights into x's precision "
+        "multiply FP8 by FP8 on tensor cores (kernels/rows_mma.py, x quantized by "
+        "kernels/fp8_quant.py), instead of reading the FP8 weights into x's precision "
         "(W8A16); vLLM's FP8 quantizes x at every size. CUDA (compute capability 8.9+) with "
-        "kernel_backend triton only; off: on an H200 it lost at batch 1 (8B shape 3.48 vs "
-        "2.83 ms) and to w8a16_tensor_cores at 2 to 16 rows (docs/performance.md)")
+        "kernel_backend triton only; off: on an H200 its first form (x quantized inside the "
+        "matmul) lost at batch 1 (8B shape 3.48 vs 2.83 ms) and to w8a16_tensor_cores at 2 "
+        "to 16 rows (docs/performance.md)")
+    fp8_mma_rows: int = knob(
+        0, "FP8 layers' steps of up to this many rows (at most 64) that multiply FP8 by FP8 "
+        "(those past the weight-only rows) go through infer's FP8 x FP8 tensor-core kernel "
+        "(kernels/rows_mma.py; x quantized once per step) instead of torch._scaled_mm, "
+        "whose FP8 GEMM reads its weights slowly at a few rows; 0: always torch._scaled_mm. "
+        "CUDA (compute capability 8.9+) with kernel_backend triton only")
     dependent_launch: bool = knob(
         True, "launch infer's decode kernels (GEMV, norms, RoPE + KV store, attention, "
         "W8A16) with programmatic dependent launch, so that each one's launch and first "
@@ -227,6 +234,9 @@ class EngineConfig:
             raise ValueError(f"grammar_process=True with speculative_method="
                              f"{self.speculative_method!r} is not supported: drafts are "
                              "checked against grammars on the step loop")
+        if not 0 <= self.fp8_mma_rows <= 64:
+            raise ValueError(f"fp8_mma_rows must be in [0, 64] (kernels/rows_mma.py "
+                             f"MAX_ROWS), got {self.fp8_mma_rows}")
         if not 2 <= self.w8a16_tensor_core_rows <= 64:
             raise ValueError(f"w8a16_tensor_core_rows must be in [2, 64] (kernels/rows_mma.py "
                              f"MAX_ROWS), got {self.w8a16_tensor_core_rows}")

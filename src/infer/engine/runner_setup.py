@@ -50,16 +50,18 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
 def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: str) -> None:
     """Which kernels `model`'s decode-sized matmuls take: infer's GEMV for 16-bit weights
     (`triton_gemv`, `gemv_max_rows`), tensor cores for 8-bit ones (`w8a16_tensor_cores`,
-    `w8a16_tensor_core_rows`), FP8 by FP8 for FP8 ones (`fp8_decode_activations`)."""
+    `w8a16_tensor_core_rows`), FP8 by FP8 in infer's kernel for FP8 ones
+    (`fp8_decode_activations`, `fp8_mma_rows`)."""
     triton = kernel_backend == "triton"
     set_triton_gemv(model, config.triton_gemv and triton, config.gemv_max_rows)
-    fp8_x = config.fp8_decode_activations and triton
-    if fp8_x and not _has_fp8_mma():
-        log.warning("fp8_decode_activations needs a GPU with FP8 tensor cores (compute "
-                    "capability 8.9+); left off")
-        fp8_x = False
+    fp8_x, fp8_rows = config.fp8_decode_activations and triton, config.fp8_mma_rows * triton
+    if (fp8_x or fp8_rows) and not _has_fp8_mma():
+        log.warning("fp8_decode_activations and fp8_mma_rows need a GPU with FP8 tensor "
+                    "cores (compute capability 8.9+); left off")
+        fp8_x, fp8_rows = False, 0
     tensor_cores = config.w8a16_tensor_cores and triton
-    set_8bit_kernels(model, config.w8a16_tensor_core_rows if tensor_cores else 0, fp8_x)
+    set_8bit_kernels(model, config.w8a16_tensor_core_rows if tensor_cores else 0, fp8_x,
+                     fp8_rows)
 
 
 def _has_fp8_mma() -> bool:

@@ -23,12 +23,13 @@ most 2^-25 (a float16 subnormal's half step): a dot product moves by at most
 2^-25 * sum |w|, below the output's rounding. A row block whose x has any |x| above 65504
 is multiplied again on the CUDA cores in float32, so no overflow reaches y.
 
-FP8 by FP8 (`fp8_x`, FP8 weights scaled per channel): x is quantized per row here, as
-`fp8_quant.py` quantizes it (a first pass over the row for its largest |x|), and both
-operands go to the MMA as FP8, no weight converted (~1.2 instructions a byte). Hopper's
-FP8 MMA takes 64 rows on its first operand, so the weight tile is that operand and x's
-rows the other (the sums come out transposed); its sums are promoted to float32 each K
-step (it keeps fewer bits across steps).
+FP8 by FP8 (`x_scale`: x given in FP8, quantized per row by `fp8_quant.py` once per step,
+and FP8 weights scaled per channel): both operands go to the MMA as FP8, no weight
+converted (~1.2 instructions a byte). Hopper's FP8 MMA takes 64 rows on its first operand,
+so the weight tile is that operand and x's rows the other (the sums come out transposed);
+its sums are promoted to float32 each K step (it keeps fewer bits across steps). (A first
+form quantized x inside the kernel: every program then passed over all of x for its rows'
+scales, which cost more than the MMA saved.)
 
 A program owns BLOCK_N output channels and one of `splits` slices of K; the last program of a
 row block to finish adds the slices' float32 parts, scales and stores them (a counter per row
@@ -45,7 +46,6 @@ import triton.language as tl
 
 from infer.kernels import dependent_launch, sm_count
 from infer.kernels.activation import gated
-from infer.kernels.fp8_quant import fp8_scales, to_fp8
 from infer.kernels.gemv import _row, _weights
 from infer.kernels.w8a16_matmul import _to_float
 
@@ -121,19 +121,19 @@ def _cuda_core_rows(x_ptr, w_rows, s_row, stride_xm, M, k_begin, k_end, K,
 
 @triton.jit
 def _scaled(acc, s_ptr, rn, N, x_scale, SCALE: tl.constexpr, SCALE_COLS: tl.constexpr,
-            FP8_X: tl.constexpr, ONE_ROW: tl.constexpr):
+            FP8_X: tl.constexpr):
     """The float32 sums times what is left of their scales: the channels' (tile scales
-    were applied each K step) and, with FP8_X, the rows' (one for the single row)."""
+    were applied each K step) and, with FP8_X, the rows'."""
     if SCALE and SCALE_COLS == 0:
         acc *= tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     if FP8_X:
-        acc = acc * x_scale if ONE_ROW else acc * x_scale[:, None]
+        acc = acc * x_scale[:, None]
     return acc
 
 
 @triton.jit
 def _rows_mma_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, counts,
+    x_ptr, w_ptr, s_ptr, xs_ptr, y_ptr, part_ptr, counts,
     M, N, K, stride_xm, stride_wn, stride_ym, stride_sn, steps_per_split, splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
@@ -141,8 +141,8 @@ def _rows_mma_kernel(
     FP8_X: tl.constexpr, PDL: tl.constexpr,
 ):
     """SCALE: the weight is 8-bit, scaled per channel (SCALE_COLS 0) or per tile; else it
-    is 16-bit, x's dtype, unscaled. FP8_X (FP8 weights scaled per channel): x quantized
-    per row to FP8 here, as `fp8_quant.py` does, and multiplied FP8 by FP8."""
+    is 16-bit, x's dtype, unscaled. FP8_X (FP8 weights scaled per channel): x is FP8 (its
+    bytes, as int8), scaled per row by `xs_ptr`'s, and multiplied FP8 by FP8."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -162,28 +162,17 @@ def _rows_mma_kernel(
     else:
         x_max = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     x_scale = 1.0
-    if FP8_X:  # each row's largest |x| over all of K, for its scale
-        for k0 in range(0, K, BLOCK_K):
-            if ONE_ROW:
-                x_max = tl.maximum(x_max, tl.abs(_row(x_ptr, k0 + rk, K, EVEN_K, ACT)
-                                                 .to(tl.float32)))
-            else:
-                x_max = tl.maximum(x_max, tl.abs(_x_rows(x_ptr, stride_xm, M, k0 + rk, K,
-                                                         EVEN_K, BLOCK_M, ACT).to(tl.float32)))
-        x_scale, x_inv = fp8_scales(tl.max(x_max, axis=0 if ONE_ROW else 1))
+    if FP8_X:
+        x_scale = tl.load(xs_ptr + rm, mask=rm < M, other=0.0)
         # The weight tile is the MMA's first operand (Hopper's warp-group FP8 MMA: 64 of
         # its rows at a time, x's rows as the second operand's columns): acc transposed.
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         kk = k0 + rk
         w = _weights(w_rows, kk, K, EVEN_K)
-        if FP8_X:
-            if ONE_ROW:  # zeros below the row, as bytes
-                x1 = to_fp8(_row(x_ptr, kk, K, EVEN_K, ACT), x_inv).to(tl.int8, bitcast=True)
-                x = tl.where(rm[:, None] == 0, x1[None, :], 0).to(tl.float8e4nv, bitcast=True)
-            else:
-                x = to_fp8(_x_rows(x_ptr, stride_xm, M, kk, K, EVEN_K, BLOCK_M, ACT),
-                           x_inv[:, None])
+        if FP8_X:  # bytes, zeros past the rows
+            x = _x_rows(x_ptr, stride_xm, M, kk, K, EVEN_K, BLOCK_M, ACT)
+            x = x.to(tl.float8e4nv, bitcast=True)
         elif ONE_ROW:  # one vector, broadcast: loaded and converted once, not per padded row
             x1 = _row(x_ptr, kk, K, EVEN_K, ACT)
             if SCALE:
@@ -212,7 +201,7 @@ def _rows_mma_kernel(
     y_rows = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if splits == 1:
-        acc = _scaled(acc, s_ptr, rn, N, x_scale, SCALE, SCALE_COLS, FP8_X, ONE_ROW)
+        acc = _scaled(acc, s_ptr, rn, N, x_scale, SCALE, SCALE_COLS, FP8_X)
         tl.store(y_rows, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         parts = part_ptr + rm[:, None] * N + rn[None, :]  # [splits, M, N] float32
@@ -223,7 +212,7 @@ def _rows_mma_kernel(
             total = tl.load(parts, mask=mask, other=0.0, cache_modifier=".cg")
             for s in range(1, splits):
                 total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            total = _scaled(total, s_ptr, rn, N, x_scale, SCALE, SCALE_COLS, FP8_X, ONE_ROW)
+            total = _scaled(total, s_ptr, rn, N, x_scale, SCALE, SCALE_COLS, FP8_X)
             tl.store(y_rows, total.to(y_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(counter, 0, sem="relaxed")
 
@@ -268,20 +257,24 @@ def takes(scale_block: tuple[int, int] | None, block_n: int = BLOCK_N,
 
 def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
              scale_block: tuple[int, int] | None = None, act: str = "", *,
-             fp8_x: bool = False, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
-             splits: int | None = None, num_warps: int = 4, num_stages: int = 3
-             ) -> torch.Tensor:
+             x_scale: torch.Tensor | None = None, block_n: int = BLOCK_N,
+             block_k: int = BLOCK_K,
+             splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`x [M, K]` (M <= MAX_ROWS; float16 / bfloat16, unit column stride) times the
     transpose of `weight [N, K]` (contiguous): x's dtype, unscaled (`scale` None), or int8 /
     float8_e4m3fn scaled by `scale [N]`, or with `scale_block = (rows, cols)` (`takes` it)
     by one float32 scale per tile, `scale [ceil(N / rows), ceil(K / cols)]`. With `act`
     ("silu" / "gelu_tanh"), `x` is `[M, 2K]` (gate | up) and each row multiplied is
-    `act(gate) * up`. `[M, N]` in x's dtype. `fp8_x` (FP8 weights scaled per channel, on a
-    GPU): x is quantized per row to FP8 inside the kernel (`fp8_quant.py`'s values) and
-    multiplied FP8 by FP8, as the FP8 layers do for larger steps."""
+    `act(gate) * up`. `[M, N]` in x's dtype. With `x_scale [M]` (float32; FP8 weights
+    scaled per channel, on a GPU): x is float8_e4m3fn, `x * x_scale[:, None]` the rows (as
+    `fp8_quant.fp8_quantize_rows` gives them), multiplied FP8 by FP8; `out_dtype` (16-bit)
+    then names y's dtype."""
+    fp8_x = x_scale is not None
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, x.shape
     assert x.shape[0] == 1 or x.stride(0) >= x.shape[1], x.stride()
-    assert x.dtype in (torch.float16, torch.bfloat16), x.dtype
+    assert x.dtype == torch.float8_e4m3fn if fp8_x else x.dtype in (torch.float16,
+                                                                    torch.bfloat16), x.dtype
     assert act in ("", "silu", "gelu_tanh"), act
     assert weight.dim() == 2 and weight.is_contiguous()
     assert weight.shape[1] * (2 if act else 1) == x.shape[1], (weight.shape, x.shape)
@@ -300,7 +293,10 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
             assert scale.stride(1) == 1
     if fp8_x:
         assert weight.dtype == torch.float8_e4m3fn and scale_block is None, weight.dtype
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        assert not act and x_scale.shape == (m,) and x_scale.dtype == torch.float32
+        assert out_dtype in (torch.float16, torch.bfloat16), out_dtype
+        x = x.view(torch.int8)  # its bytes: loads with zeros past the rows
+    y = torch.empty((m, n), dtype=out_dtype if fp8_x else x.dtype, device=x.device)
     if n == 0 or k == 0:
         return y.zero_()
     steps = triton.cdiv(k, block_k)
@@ -311,12 +307,13 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
     parts = (torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
              if splits > 1 else y)
     _rows_mma_kernel[(blocks, splits)](
-        x, weight, y if scale is None else scale, y, parts, _counts(x.device, blocks),
+        x, weight, y if scale is None else scale, x_scale if fp8_x else y, y, parts,
+        _counts(x.device, blocks),
         m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         1 if scale is None else scale.stride(0), per_split, splits,
         BLOCK_M=block_rows(m), BLOCK_N=block_n, BLOCK_K=block_k,
         SCALE=scale is not None, SCALE_ROWS=scale_rows or 1, SCALE_COLS=scale_cols,
-        EVEN_K=k % block_k == 0, ONE_ROW=m == 1, ACT=act,
+        EVEN_K=k % block_k == 0, ONE_ROW=m == 1 and not fp8_x, ACT=act,
         PTX=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", FP8_X=fp8_x,
         num_warps=num_warps, num_stages=num_stages, **dependent_launch.launch_options(),
     )

@@ -6,13 +6,13 @@ per-channel or per-tensor weight scales; `checkpoint.py`).
 
 Decode-sized steps on CUDA read the FP8 weight as stored through our W8A16 kernel
 (`kernels/w8a16_matmul.py`; 16-bit activations: the bytes read are what bounds a decode
-step), or with `EngineConfig.fp8_decode_activations` quantize x per token inside an FP8 x
-FP8 tensor-core kernel (`kernels/rows_mma.py`'s `fp8_x`: no conversion per weight). Larger
-steps, and the CPU, quantize the activations too, one scale per token
+step). Larger steps, and the CPU, quantize the activations too, one scale per token
 (dynamic: the row's largest magnitude maps to 448; on CUDA in one kernel,
-`kernels/fp8_quant.py`), and multiply in FP8 with
-`torch._scaled_mm` (per-row activation and per-column weight scales, float32 in the
-product): Hopper's FP8 tensor cores run it at twice the bfloat16 rate.
+`kernels/fp8_quant.py`), and multiply in FP8 with `torch._scaled_mm` (per-row activation
+and per-column weight scales, float32 in the product): Hopper's FP8 tensor cores run it at
+twice the bfloat16 rate. On CUDA, FP8 by FP8 steps of up to `EngineConfig.fp8_mma_rows`
+rows, and decode-sized ones with `fp8_decode_activations`, multiply in infer's FP8 x FP8
+tensor-core kernel (`kernels/rows_mma.py` with `x_scale`) instead.
 """
 
 from __future__ import annotations
@@ -81,27 +81,34 @@ class Fp8LinearMethod(LinearMethod):
               ) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        out_dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
         tensor_core_rows = getattr(layer, "w8a16_tensor_core_rows", 0)
-        if reads_weight_only(x2, tensor_core_rows):
-            if getattr(layer, "fp8_decode_activations", False) and x2.dtype != torch.float32:
+        weight_only = reads_weight_only(x2, tensor_core_rows)
+        fp8_x_here = weight_only and getattr(layer, "fp8_decode_activations", False)
+        if weight_only and not fp8_x_here:
+            from infer.kernels.w8a16_matmul import w8a16_matmul
+
+            y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale,
+                             tensor_core_rows=tensor_core_rows)
+        elif x2.is_cuda:
+            from infer.kernels.fp8_quant import fp8_quantize_rows
+
+            xq, x_scale = fp8_quantize_rows(x2.contiguous())
+            if fp8_x_here or len(x2) <= getattr(layer, "fp8_mma_rows", 0):
                 from infer.kernels.rows_mma import rows_mma
 
-                y = rows_mma(x2.contiguous(), layer.weight, layer.weight_scale, fp8_x=True)
+                y = rows_mma(xq, layer.weight, layer.weight_scale, x_scale=x_scale,
+                             out_dtype=out_dtype)
             else:
-                from infer.kernels.w8a16_matmul import w8a16_matmul
-
-                y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale,
-                                 tensor_core_rows=tensor_core_rows)
+                y = _scaled_mm(xq, x_scale, layer, out_dtype)
         else:
-            if x2.is_cuda:
-                from infer.kernels.fp8_quant import fp8_quantize_rows
-
-                xq, x_scale = fp8_quantize_rows(x2.contiguous())
-            else:
-                xq, x_scale = quantize_fp8(x2)
-            y = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale[:, None],
-                                 scale_b=layer.weight_scale[None, :],
-                                 out_dtype=torch.bfloat16 if x.dtype == torch.float32
-                                 else x.dtype)
+            y = _scaled_mm(*quantize_fp8(x2), layer, out_dtype)
         y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
         return y if bias is None else y + bias
+
+
+def _scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, layer: nn.Module,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """FP8 rows (a scale each) times the layer's FP8 weight (a scale per channel)."""
+    return torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale[:, None],
+                            scale_b=layer.weight_scale[None, :], out_dtype=out_dtype)
