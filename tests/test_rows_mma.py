@@ -339,4 +339,4 @@ def test_the_fp8_activations_knob_reaches_the_layers_only_where_fp8_mma_runs(cap
     runs = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
     assert layers and all(m.fp8_decode_activations is runs for m in layers)
     assert all(m.fp8_mma_rows == (32 if runs else 0) for m in layers)
-    assert runs or "need a GPU with FP8 tensor cores" in caplog.text
+    assert runs or "fp8_decode_activations needs a GPU" in caplog.text

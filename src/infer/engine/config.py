@@ -118,11 +118,13 @@ class EngineConfig:
         "matmul) lost at batch 1 (8B shape 3.48 vs 2.83 ms) and to w8a16_tensor_cores at 2 "
         "to 16 rows (docs/performance.md)")
     fp8_mma_rows: int = knob(
-        0, "FP8 layers' steps of up to this many rows (at most 64) that multiply FP8 by FP8 "
+        32, "FP8 layers' steps of up to this many rows (at most 64) that multiply FP8 by FP8 "
         "(those past the weight-only rows) go through infer's FP8 x FP8 tensor-core kernel "
         "(kernels/rows_mma.py; x quantized once per step) instead of torch._scaled_mm, "
         "whose FP8 GEMM reads its weights slowly at a few rows; 0: always torch._scaled_mm. "
-        "CUDA (compute capability 8.9+) with kernel_backend triton only")
+        "Where the GPU has FP8 tensor cores (compute capability 8.9+), with kernel_backend "
+        "triton; on an H200, 8B shape, batch 32 decode 4.89 vs 5.08 ms, batch 64 6.46 vs "
+        "5.36 with 64 (docs/performance.md)")
     dependent_launch: bool = knob(
         True, "launch infer's decode kernels (GEMV, norms, RoPE + KV store, attention, "
         "W8A16) with programmatic dependent launch, so that each one's launch and first "

@@ -54,11 +54,12 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
     (`fp8_decode_activations`, `fp8_mma_rows`)."""
     triton = kernel_backend == "triton"
     set_triton_gemv(model, config.triton_gemv and triton, config.gemv_max_rows)
-    fp8_x, fp8_rows = config.fp8_decode_activations and triton, config.fp8_mma_rows * triton
-    if (fp8_x or fp8_rows) and not _has_fp8_mma():
-        log.warning("fp8_decode_activations and fp8_mma_rows need a GPU with FP8 tensor "
-                    "cores (compute capability 8.9+); left off")
-        fp8_x, fp8_rows = False, 0
+    fp8_mma = triton and _has_fp8_mma()
+    fp8_x = config.fp8_decode_activations and fp8_mma
+    if config.fp8_decode_activations and triton and not fp8_x:
+        log.warning("fp8_decode_activations needs a GPU with FP8 tensor cores (compute "
+                    "capability 8.9+); left off")
+    fp8_rows = config.fp8_mma_rows if fp8_mma else 0
     tensor_cores = config.w8a16_tensor_cores and triton
     set_8bit_kernels(model, config.w8a16_tensor_core_rows if tensor_cores else 0, fp8_x,
                      fp8_rows)
