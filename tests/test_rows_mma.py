@@ -279,13 +279,9 @@ def test_fp8_by_fp8_matches_float64_on_fp8_quants_values(rows, k, splits):
         assert (y[1] == 0).all()
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="FP8 needs a GPU (the interpreter has none)")
-@pytest.mark.parametrize("rows", [17, 32, 64])
-def test_fp8_layers_with_mma_rows_match_the_scaled_mm_path(rows, monkeypatch):
-    """With `fp8_mma_rows`, an FP8 by FP8 step of up to that many rows gives what
-    `torch._scaled_mm` gives on the same rows, without calling it."""
+def _fp8_layer_and_rows(rows: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A 512 -> 384 layer made FP8 per channel on the device, and `rows` bf16 rows for it."""
     from infer.models.linear import ColumnParallelLinear
-    from infer.quantization import fp8
     from infer.quantization.fp8 import Fp8LinearMethod
 
     gen = torch.Generator().manual_seed(rows)
@@ -294,7 +290,17 @@ def test_fp8_layers_with_mma_rows_match_the_scaled_mm_path(rows, monkeypatch):
         layer.weight.copy_(torch.randn(384, 512, generator=gen))
     layer = layer.to(DEVICE, torch.bfloat16)
     Fp8LinearMethod().quantize(layer)
-    x = torch.randn(rows, 512, generator=gen).to(DEVICE, torch.bfloat16)
+    return layer, torch.randn(rows, 512, generator=gen).to(DEVICE, torch.bfloat16)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="FP8 needs a GPU (the interpreter has none)")
+@pytest.mark.parametrize("rows", [17, 32, 64])
+def test_fp8_layers_with_mma_rows_match_the_scaled_mm_path(rows, monkeypatch):
+    """With `fp8_mma_rows`, an FP8 by FP8 step of up to that many rows gives what
+    `torch._scaled_mm` gives on the same rows, without calling it."""
+    from infer.quantization import fp8
+
+    layer, x = _fp8_layer_and_rows(rows)
     reference = layer(x).float()  # fp8_mma_rows unset: torch._scaled_mm
     layer.fp8_mma_rows = 64
     calls = []
@@ -309,17 +315,10 @@ def test_fp8_layers_with_mma_rows_match_the_scaled_mm_path(rows, monkeypatch):
 def test_fp8_layers_with_decode_activations_match_the_scaled_mm_path(rows):
     """With the knob, a decode-sized step gives what a large step's `torch._scaled_mm`
     gives on the same rows (both quantize x per token)."""
-    from infer.models.linear import ColumnParallelLinear
-    from infer.quantization.fp8 import WEIGHT_ONLY_ROWS, Fp8LinearMethod
+    from infer.quantization.fp8 import WEIGHT_ONLY_ROWS
 
-    gen = torch.Generator().manual_seed(rows)
-    layer = ColumnParallelLinear(512, 384, bias=False)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(384, 512, generator=gen))
-    layer = layer.to(DEVICE, torch.bfloat16)
-    Fp8LinearMethod().quantize(layer)
+    layer, x = _fp8_layer_and_rows(rows)
     layer.fp8_decode_activations = True
-    x = torch.randn(rows, 512, generator=gen).to(DEVICE, torch.bfloat16)
     y = layer(x).float()
     padded = torch.cat([x, x.new_zeros(WEIGHT_ONLY_ROWS + 1 - rows, 512)])
     large = layer(padded).float()[:rows]  # the _scaled_mm path
