@@ -39,11 +39,11 @@ from infer.engine.grammar_worker import (
     FED,
     FILL_SLOTS,
     FILLS,
+    FILLS_TAKEN,
     MASKS_READY,
     NOTED,
     REFUSED,
     STOPPED,
-    TAKEN,
     TOKENS_STAMP,
     SharedLayout,
     map_shared,
@@ -152,7 +152,7 @@ class GrammarProcess:
         self._check_usable()
         step = self._step + 1
         layout = self.layout
-        self._wait_for(TAKEN, step - FILL_SLOTS, "fill's taking")  # its slot is free
+        self._wait_for(FILLS_TAKEN, step - FILL_SLOTS, "fill's taking")  # its slot is free
         slot = step % FILL_SLOTS
         layout.request_ids[slot, :len(masked)] = [m.id for _, m in masked]
         layout.request_rows[slot, :len(masked)] = [row for row, _ in masked]

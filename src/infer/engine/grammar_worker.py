@@ -10,8 +10,8 @@ They share one block of memory (`SharedLayout`), registered with CUDA by the loo
   after the ids), `fed` (the last step whose ids the matchers have taken; `verdicts`
   then holds its rows), `noted`, by step parity like the verdicts (the last step of
   that parity with a verdict other than "took it": the loop reads the rows only then),
-  `fills` (the last step whose fill the loop asked for) and `taken` (the last the worker
-  took);
+  `fills` (the last step whose fill the loop asked for) and `fills_taken` (the last the
+  worker took);
 - `requests` [FILL_SLOTS, 3] int64 and `request_ids` / `request_rows` [FILL_SLOTS, rows]
   int64: a step's fill in slot step % FILL_SLOTS (its rows, how many are masked, the last
   published step; the masked rows' matcher ids and rows);
@@ -50,7 +50,7 @@ import numpy as np
 # library refused its grammar)
 TAKEN, STOPPED, REFUSED, FAILED = 0, 1, 2, 3
 # int64 slots of the counters, each on a cache line of its own (`noted`: two, by parity)
-MASKS_READY, TOKENS_STAMP, FED, NOTED, FILLS, TAKEN = 0, 8, 16, 24, 32, 40
+MASKS_READY, TOKENS_STAMP, FED, NOTED, FILLS, FILLS_TAKEN = 0, 8, 16, 24, 32, 40
 HEADER_WORDS = 48
 # Fills the loop may ask for ahead of the worker's taking them.
 FILL_SLOTS = 4
@@ -208,7 +208,7 @@ class Worker:
         ids = layout.request_ids[slot, :count].tolist()
         masked = layout.request_rows[slot, :count].tolist()
         self.taken = step
-        layout.header[TAKEN] = step  # the slot is free again
+        layout.header[FILLS_TAKEN] = step  # the slot is free again
         pending = self.pending
         if pending is not None:
             if pending[0] > published or not self._await_stamp(pending[0]):
