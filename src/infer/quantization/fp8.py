@@ -84,8 +84,8 @@ class Fp8LinearMethod(LinearMethod):
         out_dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
         tensor_core_rows = getattr(layer, "w8a16_tensor_core_rows", 0)
         weight_only = reads_weight_only(x2, tensor_core_rows)
-        fp8_x_here = weight_only and getattr(layer, "fp8_decode_activations", False)
-        if weight_only and not fp8_x_here:
+        fp8_at_decode = weight_only and getattr(layer, "fp8_decode_activations", False)
+        if weight_only and not fp8_at_decode:
             from infer.kernels.w8a16_matmul import w8a16_matmul
 
             y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale,
@@ -94,7 +94,7 @@ class Fp8LinearMethod(LinearMethod):
             from infer.kernels.fp8_quant import fp8_quantize_rows
 
             xq, x_scale = fp8_quantize_rows(x2.contiguous())
-            if fp8_x_here or len(x2) <= getattr(layer, "fp8_mma_rows", 0):
+            if fp8_at_decode or 0 < len(x2) <= getattr(layer, "fp8_mma_rows", 0):
                 from infer.kernels.rows_mma import rows_mma
 
                 y = rows_mma(xq, layer.weight, layer.weight_scale, x_scale=x_scale,
