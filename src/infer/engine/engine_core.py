@@ -106,6 +106,11 @@ class _Sequence:
     params: SamplingParams
     # structured output: where it stands (in the grammar worker: `grammar_process`)
     grammar: GrammarMatcher | RemoteMatcher | None = None
+    # `params.reads_output`, asked of every sequence every step: taken once
+    reads_output: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reads_output = self.params.reads_output
 
 
 @dataclass
@@ -614,7 +619,7 @@ class EngineCore:
             return None
         if self.drafter is not None and len(self.sequences) <= self.config.speculative_max_batch:
             return None  # drafts come from prev's tokens: the next step waits for them
-        if any(seq.params.reads_output for seq in self.sequences.values()):
+        if any(seq.reads_output for seq in self.sequences.values()):
             return None
         plan = self.scheduler.schedule_ahead(prev.out)
         if plan is None:
