@@ -106,7 +106,8 @@ class EngineConfig:
         16, "with w8a16_tensor_cores, the most rows an 8-bit weight-only matmul sends to "
         "the tensor cores (2 to 64, kernels/rows_mma.py MAX_ROWS); past it INT8 takes "
         "kernels/w8a16_matmul.py up to 64 rows, then cuBLAS over a dequantized copy, FP8 x "
-        "quantized per token for torch._scaled_mm; 16 until a device run says more rows gain")
+        "quantized per token for torch._scaled_mm; 16: on an H200 (8B shape) 64 lost at batch "
+        "32 and 64 (INT8 9.35 vs 7.31 ms at 64, docs/performance.md)")
     fp8_decode_activations: bool = knob(
         False, "FP8 layers (quantization=fp8, per-channel FP8 checkpoints) quantize x per "
         "token at decode-sized steps too (those that read the weight as stored: up to 16 "

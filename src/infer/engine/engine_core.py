@@ -753,7 +753,7 @@ class EngineCore:
         if step.grammars_advanced or not step.masked:
             return []
         step.grammars_advanced = True
-        token_ids = step.results.wait()[0]  # the worker feeds them once they are sampled
+        token_ids = step.results.wait()[0]  # sampled: the worker's verdicts follow
         failed = []
         if self._grammar_process is None:
             token_ids = token_ids.tolist()
