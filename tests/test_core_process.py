@@ -50,6 +50,16 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
+def _descendants_holding(pid: int, expected: set[int], timeout: float = 10.0) -> set[int]:
+    """`_descendants(pid)` once it holds `expected`: a process whose spawning thread has
+    just ended is, for a moment, being handed to another thread and listed by none."""
+    deadline = time.monotonic() + timeout
+    while not expected <= (found := _descendants(pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert expected <= found, (expected, found)
+    return found
+
+
 def _running(pid: int) -> bool:
     """Alive and not a zombie waiting to be reaped."""
     try:
@@ -356,8 +366,7 @@ def test_further_api_processes_serve_the_port_and_any_death_stops_all():
                 break
             assert time.monotonic() < deadline, (tokens, requests)
             time.sleep(0.5)
-        descendants = _descendants(proc.pid)
-        assert {core, api} <= descendants
+        descendants = _descendants_holding(proc.pid, {core, api})
         os.kill(api, signal.SIGKILL)
         assert proc.wait(30) == 1
         assert "an API server process died" in proc.stdout.read()
@@ -375,8 +384,7 @@ def test_once_health_is_200_every_api_process_answers():
 
 def test_a_server_with_further_api_processes_stops_them_all():
     with _serve("--api-server-count", "2", spawned=2) as (proc, _, spawned):
-        descendants = _descendants(proc.pid)
-        assert set(spawned) <= descendants
+        descendants = _descendants_holding(proc.pid, set(spawned))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == -15
         _wait_gone(descendants)
@@ -384,8 +392,7 @@ def test_a_server_with_further_api_processes_stops_them_all():
 
 def test_a_killed_server_leaves_no_further_api_process_behind():
     with _serve("--api-server-count", "2", spawned=2) as (proc, _, spawned):
-        descendants = _descendants(proc.pid)
-        assert set(spawned) <= descendants
+        descendants = _descendants_holding(proc.pid, set(spawned))
         proc.kill()
         proc.wait(10)
         _wait_gone(descendants)
