@@ -12,6 +12,7 @@ import torch
 from checkpoints import save_random_checkpoint
 
 from infer.attention import GraphMetadata, make_attention_backend
+from infer.attention.varlen_graph_metadata import VarlenGraphMetadata
 from infer.kernels import triton_available
 
 if not triton_available():
@@ -28,8 +29,8 @@ def test_prepare_replay_fills_slots_lengths_and_padding() -> None:
     meta = GraphMetadata(max_batch=4, query_len=2, max_blocks_per_seq=3, block_size=BLOCK,
                          device=torch.device("cpu"))
     tables = [[5, 2], [7, 1, 3]]
-    rows = meta.prepare_replay(4, [6, 9], tables, [[11] * 8, [12] * 8])
-    assert rows.tolist() == [[11] * 8, [12] * 8]
+    meta.prepare_replay(4, [6, 9], tables, [[11] * 8, [12] * 8])
+    assert meta.token_rows.tolist() == [[11] * 8, [12] * 8]
     # positions 4, 5 of the first sequence (block 2), 7, 8 of the second (blocks 1, 3)
     assert meta.slot_mapping.tolist() == [8, 9, 7, 12, -1, -1, -1, -1]
     assert meta.seq_lens.tolist() == [6, 9, 2, 2]
@@ -38,6 +39,34 @@ def test_prepare_replay_fills_slots_lengths_and_padding() -> None:
     assert view.query_start_loc.tolist() == [0, 2, 4]
     assert view.query_lens_host == [2, 2] and view.num_tokens == 4
     assert view.decode_splits is None
+
+
+def test_a_smaller_step_after_a_larger_one_leaves_nothing_of_it_read() -> None:
+    meta = GraphMetadata(max_batch=4, query_len=1, max_blocks_per_seq=3, block_size=BLOCK,
+                         device=torch.device("cpu"))
+    meta.prepare_replay(4, [9, 5, 12, 3], [[4, 6, 8], [1, 2], [3, 5, 7], [9]],
+                        [[1, 2, 3, 4], [8, 4, 11, 2]])
+    meta.prepare_replay(2, [2], [[6]], [None, [1, 0]])
+    # what a graph of two rows reads: the new step, its padding row, no row of the old one
+    assert meta.token_rows[:, :2].tolist() == [[0, 0], [1, 0]]
+    assert meta.slot_mapping[:2].tolist() == [25, -1]
+    assert meta.seq_lens[:2].tolist() == [2, 1]
+    assert meta.block_tables[:2, :1].tolist() == [[6], [0]]
+
+
+def test_varlen_prepare_replay_fills_starts_tiles_lengths_and_padding() -> None:
+    meta = VarlenGraphMetadata(max_tokens=8, max_seqs=3, max_blocks_per_seq=3,
+                               block_size=BLOCK, block_q=2, max_query_len=8,
+                               device=torch.device("cpu"))
+    meta.prepare_replay(8, [3, 1], [5, 9], [[2, 6], [7, 1, 3]],
+                        [[5, 6, 7, 8, 0, 0, 0, 0], [2, 3, 4, 8, 0, 0, 0, 0]])
+    assert meta.token_rows.tolist() == [[5, 6, 7, 8, 0, 0, 0, 0], [2, 3, 4, 8, 0, 0, 0, 0]]
+    # the first sequence's positions 2-4 (blocks 2, 2, 6), the second's position 8 (block 3)
+    assert meta.slot_mapping.tolist() == [10, 11, 24, 12, -1, -1, -1, -1]
+    assert meta.query_start_loc.tolist() == [0, 3, 4, 4]
+    assert meta.tile_start.tolist() == [0, 2, 3, 3]
+    assert meta.seq_lens.tolist() == [5, 9, 0]
+    assert meta.block_tables[:2].tolist() == [[2, 6, 0], [7, 1, 3]]
 
 
 def test_torch_backend_refuses_graphs() -> None:

@@ -15,17 +15,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
-from infer.attention.metadata import AttentionMetadata, new_token_slots, padded_block_tables
-from infer.transfer import to_device
+from infer.attention.metadata import AttentionMetadata, new_token_slots, pack_block_tables
+from infer.attention.step_staging import StepStaging
 
 
 class GraphMetadata:
     def __init__(
         self, max_batch: int, query_len: int, max_blocks_per_seq: int, block_size: int,
         device: torch.device, decode_splits: Callable[[int], int] | None = None,
-        num_kv_heads: int = 0,
+        num_kv_heads: int = 0, token_rows: int = 2,
     ) -> None:
         if query_len < 1:
             raise ValueError(f"query_len must be >= 1, got {query_len}")
@@ -38,8 +39,15 @@ class GraphMetadata:
         self.split_counters = (torch.zeros(max_batch * num_kv_heads, dtype=torch.int32,
                                            device=device) if decode_splits else None)
         tokens = max_batch * query_len
-        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.long, device=device)
-        self.seq_lens = torch.full((max_batch,), query_len, dtype=torch.int32, device=device)
+        # int64 rows: the slots, then `token_rows` of the model's own inputs (e.g. ids and
+        # positions); int32: the lengths, then the step's packed block tables.
+        self.staging = StepStaging(1 + token_rows, tokens, max_batch * (1 + max_blocks_per_seq),
+                                   device)
+        self.slot_mapping = self.staging.i64[0]
+        self.slot_mapping.fill_(-1)
+        self.token_rows = self.staging.i64[1:]
+        self.seq_lens = self.staging.i32[:max_batch]
+        self.seq_lens.fill_(query_len)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32,
                                             device=device) * query_len
         self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32,
@@ -61,27 +69,26 @@ class GraphMetadata:
 
     def prepare_replay(
         self, batch: int, seq_lens: list[int], block_tables: list[list[int]],
-        token_rows: list[list[int]],
-    ) -> torch.Tensor:
+        token_rows: list[list[int] | None],
+    ) -> None:
         """Write one step of `len(seq_lens) <= batch` sequences into the buffers of a graph
-        of `batch` rows. `token_rows` (host ints, `batch * query_len` each: the model's
-        own inputs, e.g. ids and positions) ride in the same host-to-device copy; they come
-        back on the device as `[len(token_rows), batch * query_len]`."""
+        of `batch` rows, and `token_rows[i]` (host ints, `batch * query_len` of them) into
+        `self.token_rows[i]`; a None row is zeroed, for the caller to fill on the device."""
         q, bs = self.query_len, self.block_size
-        tokens, pad = batch * q, batch - len(seq_lens)
-        if q == 1:  # the common case, without the inner loop
-            slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(block_tables, seq_lens)]
+        tokens, n = batch * q, len(seq_lens)
+        i64, i32 = self.staging.host()
+        for dst, row in zip(i64[1:], token_rows):
+            dst[:tokens] = 0 if row is None else row
+        i32[:n] = seq_lens
+        i32[n:batch] = q
+        width = pack_block_tables(block_tables, batch, i32[self.max_batch:])
+        if q == 1:  # the common case, in numpy
+            tables = i32[self.max_batch:self.max_batch + batch * width].reshape(batch, width)
+            last = i32[:n].astype(np.int64) - 1
+            i64[0, :n] = tables[np.arange(n), last // bs] * bs + last % bs
         else:
-            slots = new_token_slots([q] * len(seq_lens), seq_lens, block_tables, bs)
-        host: list[int] = []
-        for row in token_rows:
-            host += row
-        host += slots + [-1] * (pad * q)
-        host += seq_lens + [q] * pad
-        rows = to_device(torch.tensor(host, dtype=torch.long), self.device)
-        tables = to_device(padded_block_tables(block_tables, batch), self.device)
-        at = len(token_rows) * tokens
-        self.slot_mapping[:tokens].copy_(rows[at:at + tokens])
-        self.seq_lens[:batch].copy_(rows[at + tokens:])
-        self.block_tables[:batch, :tables.shape[1]].copy_(tables)
-        return rows[:at].view(len(token_rows), tokens)
+            i64[0, :n * q] = new_token_slots([q] * n, seq_lens, block_tables, bs)
+        i64[0, n * q:tokens] = -1
+        self.staging.send(self.max_batch + batch * width)
+        packed = self.staging.i32[self.max_batch:self.max_batch + batch * width]
+        self.block_tables[:batch, :width].copy_(packed.view(batch, width))

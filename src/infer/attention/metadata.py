@@ -102,16 +102,26 @@ def new_token_slots(query_lens: list[int], seq_lens: list[int],
 
 def padded_block_tables(block_tables: list[list[int]], rows: int | None = None
                         ) -> torch.Tensor:
-    """Host int32 `[rows, longest table]`, zero-padded (rows past the tables are all zero).
+    """Host int32 `[rows, longest table]`, zero-padded (rows past the tables are all zero)."""
+    rows = len(block_tables) if rows is None else rows
+    width = max(map(len, block_tables), default=0)
+    out = np.empty(rows * width, dtype=np.int32)
+    pack_block_tables(block_tables, rows, out)
+    return torch.from_numpy(out.reshape(rows, width))
+
+
+def pack_block_tables(block_tables: list[list[int]], rows: int, out: np.ndarray) -> int:
+    """Write the tables into `out` as int32 `[rows, longest table]`, row-major and
+    zero-padded (rows past the tables are all zero); returns the width.
 
     Built through numpy from one flat copy: a step's tables hold batch x context / block
     size ids, and a nested-list torch.tensor of them costs milliseconds at batch 256."""
-    rows = len(block_tables) if rows is None else rows
     lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
     width = int(lens.max()) if len(lens) else 0
-    out = np.zeros((rows, width), dtype=np.int32)
+    view = out[:rows * width].reshape(rows, width)
+    view.fill(0)
     if width:
         flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32,
                            count=int(lens.sum()))
-        out[:len(block_tables)][np.arange(width) < lens[:, None]] = flat
-    return torch.from_numpy(out)
+        view[:len(block_tables)][np.arange(width) < lens[:, None]] = flat
+    return width

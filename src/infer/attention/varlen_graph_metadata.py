@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from infer.attention.metadata import AttentionMetadata, new_token_slots, padded_block_tables
-from infer.transfer import to_device
+from infer.attention.metadata import AttentionMetadata, new_token_slots, pack_block_tables
+from infer.attention.step_staging import StepStaging
 
 
 class VarlenGraphMetadata:
     def __init__(
         self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
-        block_q: int, max_query_len: int, device: torch.device,
+        block_q: int, max_query_len: int, device: torch.device, token_rows: int = 2,
     ) -> None:
         self.max_tokens = max_tokens
         self.max_seqs = max_seqs
@@ -33,12 +33,19 @@ class VarlenGraphMetadata:
         # Longest query a graph takes (longer ones take another path of the backend).
         self.max_query_len = max_query_len
         self.device = device
-        self.query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
-        self.tile_start = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        # int64 rows: the slots, then `token_rows` of the model's own inputs (e.g. ids and
+        # positions); int32: query starts, tile starts, lengths, the step's packed tables.
+        seqs = max_seqs
+        self.staging = StepStaging(1 + token_rows, max_tokens,
+                                   3 * seqs + 2 + seqs * max_blocks_per_seq, device)
+        self.slot_mapping = self.staging.i64[0]
+        self.slot_mapping.fill_(-1)
+        self.token_rows = self.staging.i64[1:]
+        self.query_start_loc = self.staging.i32[:seqs + 1]
+        self.tile_start = self.staging.i32[seqs + 1:2 * seqs + 2]
+        self.seq_lens = self.staging.i32[2 * seqs + 2:3 * seqs + 2]
         self.block_tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32,
                                         device=device)
-        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
 
     def fits(self, query_lens: list[int]) -> bool:
         return (0 < len(query_lens) <= self.max_seqs and sum(query_lens) <= self.max_tokens
@@ -62,32 +69,29 @@ class VarlenGraphMetadata:
 
     def prepare_replay(
         self, tokens: int, query_lens: list[int], seq_lens: list[int],
-        block_tables: list[list[int]], token_rows: list[list[int]],
-    ) -> torch.Tensor:
-        """Write one step into the buffers of a graph of `tokens` rows. `token_rows` (host
-        ints, `tokens` each: the model's own inputs) ride in the same host-to-device copy;
-        they come back on the device as `[len(token_rows), tokens]`."""
-        bs, bq, pad = self.block_size, self.block_q, self.max_seqs - len(query_lens)
+        block_tables: list[list[int]], token_rows: list[list[int] | None],
+    ) -> None:
+        """Write one step into the buffers of a graph of `tokens` rows, and `token_rows[i]`
+        (host ints, `tokens` of them) into `self.token_rows[i]`; a None row is zeroed, for the
+        caller to fill on the device."""
+        bs, bq, seqs, n = self.block_size, self.block_q, self.max_seqs, len(query_lens)
         starts, tiles = [0], [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
             tiles.append(tiles[-1] + -(-q // bq))
-        slots = new_token_slots(query_lens, seq_lens, block_tables, bs)
-        host: list[int] = []
-        for row in token_rows:
-            host += row
-        host += slots + [-1] * (tokens - len(slots))
-        host += starts + [starts[-1]] * pad
-        host += tiles + [tiles[-1]] * pad
-        host += seq_lens + [0] * pad
-        rows = to_device(torch.tensor(host, dtype=torch.long), self.device)
-        tables = to_device(padded_block_tables(block_tables), self.device)
-        at = len(token_rows) * tokens
-        seqs = self.max_seqs
-        self.slot_mapping[:tokens].copy_(rows[at:at + tokens])
-        at += tokens
-        self.query_start_loc.copy_(rows[at:at + seqs + 1])
-        self.tile_start.copy_(rows[at + seqs + 1:at + 2 * seqs + 2])
-        self.seq_lens.copy_(rows[at + 2 * seqs + 2:])
-        self.block_tables[:len(block_tables), :tables.shape[1]].copy_(tables)
-        return rows[:len(token_rows) * tokens].view(len(token_rows), tokens)
+        i64, i32 = self.staging.host()
+        for dst, row in zip(i64[1:], token_rows):
+            dst[:tokens] = 0 if row is None else row
+        i64[0, :starts[-1]] = new_token_slots(query_lens, seq_lens, block_tables, bs)
+        i64[0, starts[-1]:tokens] = -1
+        i32[:n + 1] = starts
+        i32[n + 1:seqs + 1] = starts[-1]
+        i32[seqs + 1:seqs + n + 2] = tiles
+        i32[seqs + n + 2:2 * seqs + 2] = tiles[-1]
+        i32[2 * seqs + 2:2 * seqs + 2 + n] = seq_lens
+        i32[2 * seqs + 2 + n:3 * seqs + 2] = 0
+        at = 3 * seqs + 2
+        width = pack_block_tables(block_tables, n, i32[at:])
+        self.staging.send(at + n * width)
+        packed = self.staging.i32[at:at + n * width]
+        self.block_tables[:n, :width].copy_(packed.view(n, width))

@@ -87,9 +87,7 @@ class DecodeGraphs:
         self.tokens_per_seq = attn.query_len
         self.device = device
         self.sizes = graph_batch_sizes(attn.max_batch)
-        n = self.sizes[-1] * self.tokens_per_seq
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.input_ids, self.positions = attn.token_rows  # filled by attn.prepare_replay
         self.hidden: dict[int, torch.Tensor] = {}  # graph outputs (or eager results)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = pool  # the graphs' memory pool (other graphs may share it)
@@ -124,16 +122,12 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= n)
         self.steps += 1
         tokens, real = size * self.tokens_per_seq, n * self.tokens_per_seq
-        pad = tokens - real
+        pad = [0] * (tokens - real)
         on_device = isinstance(input_ids, torch.Tensor)
-        host_ids = [0] * tokens if on_device else input_ids + [0] * pad
-        ids, pos = self.attn.prepare_replay(size, seq_lens, block_tables,
-                                            [host_ids, positions + [0] * pad])
+        self.attn.prepare_replay(size, seq_lens, block_tables,
+                                 [None if on_device else input_ids + pad, positions + pad])
         if on_device:
             self.input_ids[:real].copy_(input_ids)
-        else:
-            self.input_ids[:tokens].copy_(ids)
-        self.positions[:tokens].copy_(pos)
         if size in self.graphs:
             self.graphs[size].replay()
             return self.hidden[size][:real]
@@ -153,8 +147,7 @@ class MixedGraphs:
         self.attn = attn
         self.device = device
         self.sizes = token_buckets(attn.max_tokens)
-        # Row 0: token ids, row 1: positions.
-        self.tokens = torch.zeros(2, self.sizes[-1], dtype=torch.long, device=device)
+        self.tokens = attn.token_rows  # row 0: token ids, row 1: positions
         self.hidden: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = pool
@@ -182,10 +175,8 @@ class MixedGraphs:
         self.steps += 1
         pad = [0] * (size - n)
         on_device = isinstance(input_ids, torch.Tensor)
-        rows = self.attn.prepare_replay(
-            size, query_lens, seq_lens, block_tables,
-            [[0] * size if on_device else input_ids + pad, positions + pad])
-        self.tokens[:, :size].copy_(rows)
+        self.attn.prepare_replay(size, query_lens, seq_lens, block_tables,
+                                 [None if on_device else input_ids + pad, positions + pad])
         if on_device:
             self.tokens[0, :n].copy_(input_ids)
         if size in self.graphs:
