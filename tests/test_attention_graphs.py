@@ -208,3 +208,29 @@ def test_mixed_step_graphs_match_ordinary_path(model, kind: str, max_tokens: int
                                equal_nan=True)
     assert runner.kv_pool[:, :, 0].isnan().all()
     assert graphs.steps == 2
+
+
+@pytest.mark.parametrize("in_graph", [True, False])
+def test_decode_graphs_give_the_lm_heads_logits(model, in_graph: bool) -> None:
+    from infer.engine.model_runner import ModelRunner, StepInputs
+
+    net, config = model
+    runner = ModelRunner(net, config, NUM_BLOCKS, BLOCK, DEVICE, torch.float32,
+                         attention_backend="triton", kernel_backend="torch")
+    graphs = runner.enable_decode_graphs(4, MAX_LEN, capture=DEVICE.type == "cuda",
+                                         logits=in_graph)
+    seq_lens, tables = [3, 6, 2], [[3, 9], [6, 1], [8]]
+    inputs = StepInputs([5, 17, 40], [n - 1 for n in seq_lens], [1, 1, 1], seq_lens, tables,
+                        [0, 1, 2], ["a", "b", "c"], [1, 1, 1])
+    hidden = runner.forward(inputs)
+    logits = runner.sample_logits(hidden, inputs)
+    assert (graphs.last_logits is logits) == in_graph
+    assert (4 in graphs.logits) == in_graph
+    with torch.inference_mode():
+        expected = net.compute_logits(hidden.clone())
+    torch.testing.assert_close(logits, expected)
+    # Rows that are not the graph's output, or only some rows: the head runs on them.
+    two = StepInputs(*([] for _ in range(5)), [0, 2], ["a", "c"], [1, 1])
+    torch.testing.assert_close(runner.sample_logits(hidden, two), expected[[0, 2]])
+    copy = hidden.clone()
+    assert runner.sample_logits(copy, inputs).data_ptr() != logits.data_ptr()

@@ -133,6 +133,9 @@ class EngineConfig:
         "kernel_backend triton only)")
     cuda_graphs: bool = knob(True, "replay captured decode steps (CUDA with triton attention "
                              "only; ignored elsewhere)")
+    logits_in_graphs: bool = knob(
+        True, "with cuda_graphs, decode graphs end with the LM head and its float32 cast, "
+        "which then cost the host nothing a step (they are launched by the replay)")
     mixed_step_graphs: str = knob(
         "full", "with cuda_graphs, the steps that carry prompt tokens: full = whole-step "
         "graphs (and piecewise ones for steps with a sequence too long for their attention "

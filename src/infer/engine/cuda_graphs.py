@@ -80,10 +80,14 @@ class DecodeGraphs:
 
     def __init__(
         self, model: nn.Module, attn: GraphMetadata, device: torch.device,
-        capture: bool = True, pool: object = None,
+        capture: bool = True, pool: object = None, logits: bool = False,
     ) -> None:
+        """`logits`: the graphs compute every row's float32 logits too (`last_logits`)."""
         self.model = model
         self.attn = attn
+        self.with_logits = logits
+        self.logits: dict[int, torch.Tensor] = {}  # captured with `hidden`, when with_logits
+        self.last_logits: torch.Tensor | None = None  # the last run's, when with_logits
         self.tokens_per_seq = attn.query_len
         self.device = device
         self.sizes = graph_batch_sizes(attn.max_batch)
@@ -108,8 +112,11 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         tokens = size * self.tokens_per_seq
-        return self.model(self.input_ids[:tokens], self.positions[:tokens],
-                          self.attn.metadata(size))
+        hidden = self.model(self.input_ids[:tokens], self.positions[:tokens],
+                            self.attn.metadata(size))
+        if self.with_logits:  # the captured call is the last, so its buffer stays
+            self.logits[size] = self.model.compute_logits(hidden)
+        return hidden
 
     def run(
         self, input_ids: list[int] | torch.Tensor, positions: list[int], seq_lens: list[int],
@@ -130,9 +137,12 @@ class DecodeGraphs:
             self.input_ids[:real].copy_(input_ids)
         if size in self.graphs:
             self.graphs[size].replay()
-            return self.hidden[size][:real]
-        with torch.inference_mode():
-            return self._forward(size)[:real]
+            hidden = self.hidden[size]
+        else:
+            with torch.inference_mode():
+                hidden = self._forward(size)
+        self.last_logits = self.logits[size][:real] if self.with_logits else None
+        return hidden[:real]
 
 
 class MixedGraphs:

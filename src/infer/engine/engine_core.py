@@ -254,7 +254,8 @@ class EngineCore:
             proposing = config.max_num_seqs
         if self.graphs_on:
             graphs = runner.enable_decode_graphs(min(proposing, config.max_num_seqs),
-                                                 self.max_model_len)
+                                                 self.max_model_len,
+                                                 logits=config.logits_in_graphs)
             self.graph_capture_seconds += graphs.capture_seconds
             if method == "draft" and config.mixed_step_graphs != "off":
                 pieces = runner.enable_piecewise_graphs(config.max_num_batched_tokens)

@@ -76,19 +76,23 @@ class ModelRunner:
         self.verify_graphs: DecodeGraphs | None = None
         self.mixed: MixedGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
+        # The last forward's hidden states and their logits, where its graph computed them.
+        self._graph_logits: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int,
-                             capture: bool = True, tokens_per_seq: int = 1) -> DecodeGraphs:
+                             capture: bool = True, tokens_per_seq: int = 1,
+                             logits: bool = False) -> DecodeGraphs:
         """Capture graphs for steps whose sequences each bring `tokens_per_seq` tokens (if
         the backend allows: Triton attention only): decode steps (1), or steps that verify
-        k drafts of every sequence (k + 1; `verify_graphs`). `capture=False` runs the
+        k drafts of every sequence (k + 1; `verify_graphs`). `logits`: the graphs end with
+        the LM head (`sample_logits` then reads their output). `capture=False` runs the
         same static-buffer path eagerly (CPU tests)."""
         attn = self.backend.init_graph_metadata(
             max_num_seqs, tokens_per_seq, max_model_len, self.block_size,
             self._layers[0].num_kv_heads, self.device)
         self._bind()
         graphs = DecodeGraphs(self.model, attn, self.device, capture=capture,
-                              pool=self._graph_pool())
+                              pool=self._graph_pool(), logits=logits)
         if tokens_per_seq == 1:
             self.graphs = graphs
         else:
@@ -178,8 +182,11 @@ class ModelRunner:
         ids = inputs.input_ids if device_input_ids is None else device_input_ids
         decode = next((g for g in (self.graphs, self.verify_graphs)
                        if g is not None and g.fits(inputs.query_lens)), None)
+        self._graph_logits = None
         if decode is not None:
             hidden = decode.run(ids, inputs.positions, inputs.seq_lens, inputs.block_tables)
+            if decode.last_logits is not None:
+                self._graph_logits = hidden, decode.last_logits
         elif self.mixed is not None and self.mixed.fits(inputs.query_lens):
             hidden = self.mixed.run(ids, inputs.positions, inputs.query_lens,
                                     inputs.seq_lens, inputs.block_tables)
@@ -203,8 +210,11 @@ class ModelRunner:
         """Float32 logits of the rows that sample, `[len(sample_rows), vocab]`."""
         if not inputs.sample_rows:
             return hidden[:0]
-        if inputs.sample_rows != list(range(len(inputs.sample_rows))) or \
-                len(inputs.sample_rows) != hidden.shape[0]:
+        every_row = (len(inputs.sample_rows) == hidden.shape[0]
+                     and inputs.sample_rows == list(range(len(inputs.sample_rows))))
+        if every_row and self._graph_logits is not None and self._graph_logits[0] is hidden:
+            return self._graph_logits[1]
+        if not every_row:
             rows = to_device(torch.tensor(inputs.sample_rows), self.device)
             hidden = hidden[rows]
         return self.model.compute_logits(hidden)

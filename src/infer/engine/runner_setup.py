@@ -98,7 +98,8 @@ def capture_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: int
                    verify: bool = False) -> float:
     """Capture the graphs `config` asks for: decode steps, steps that verify k drafts of
     every sequence (`verify`), mixed steps (whole or cut at attention). Seconds spent."""
-    seconds = runner.enable_decode_graphs(config.max_num_seqs, max_model_len).capture_seconds
+    seconds = runner.enable_decode_graphs(config.max_num_seqs, max_model_len,
+                                          logits=config.logits_in_graphs).capture_seconds
     if verify:
         seconds += runner.enable_decode_graphs(
             min(config.speculative_max_batch, config.max_num_seqs), max_model_len,
