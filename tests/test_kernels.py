@@ -201,6 +201,17 @@ def test_argmax_rows(dtype: torch.dtype) -> None:
         assert torch.equal(argmax_rows(x), x.float().argmax(dim=-1))
 
 
+def test_argmax_rows_leaves_its_counters_at_zero_launch_after_launch() -> None:
+    """Each row's last part picks the row's best (a counter per row): launches of other
+    sizes back to back, each right, the counters zero after each."""
+    from infer.kernels import argmax as argmax_module
+
+    for rows in [3, 40, 3, 17] * (5 if DEVICE != "cpu" else 1):
+        x = randn(rows, 3 * BLOCK + 11)
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+        assert not argmax_module._COUNTS[x.device].any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_argmax_rows_among_the_tokens_masks_allow(dtype: torch.dtype) -> None:
     rows, cols = 5, 2 * BLOCK + 7

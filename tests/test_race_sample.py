@@ -161,6 +161,50 @@ def test_the_samplers_fused_draw_keys_each_row_as_the_batch_says():
         assert margin[row] < 1e-4 or got[row] == want[row], (row, got, want)
 
 
+def test_a_seeded_rows_position_is_its_entry_plus_the_shift():
+    gen = torch.Generator().manual_seed(6)
+    x = (torch.randn(3, 700, generator=gen) * 2).to(DEVICE)
+    key = 31337
+
+    def table(positions: list[int], unseeded_seed: int) -> torch.Tensor:
+        modes = [(SEEDED.value, 7, positions[0]), (UNSEEDED.value, unseeded_seed, 1),
+                 (SEEDED.value, 11, positions[2])]
+        return torch.tensor([list(c) for c in zip(*modes)], dtype=torch.int64, device=DEVICE)
+
+    shifted = race_sample(x, key, None, table([3, 1, 0], 0), position_shift=5).cpu()
+    direct = race_sample(x, key, None, table([8, 1, 5], 123), position_shift=0).cpu()
+    assert torch.equal(shifted, direct)  # and an unseeded row's seed entry is not read
+    want, margin = _expected(x.cpu(), [(SEEDED.value, 7, 8), (UNSEEDED.value, key, 1),
+                                       (SEEDED.value, 11, 5)], key)
+    clear = margin > 1e-4
+    assert clear.sum() >= 2 and (shifted.numpy()[clear] == want[clear]).all()
+    unshifted = race_sample(x, key, None, table([3, 1, 0], 0)).cpu()
+    assert not torch.equal(unshifted[[0, 2]], shifted[[0, 2]])
+
+
+def test_a_reused_batch_draws_what_a_new_one_would():
+    """The engine's next step takes the same rows' batch again (`at_positions`): its modes
+    stay on the device, shifted; the tokens are those of a batch built afresh there."""
+    from infer.engine.sampler import SamplingBatch, _fused_race
+    from infer.sampling_params import SamplingParams as P
+
+    v = 3000
+    x = (torch.randn(3, v, generator=torch.Generator().manual_seed(8)) * 2).to(DEVICE)
+    params = [P(temperature=1.0, seed=5), P(temperature=0.0), P(temperature=0.8, seed=9)]
+    first = SamplingBatch.build(params, [[]] * 3, [[1] * 4, [], [2] * 7], v, DEVICE)
+    _fused_race(x, first)
+    for step in (1, 2, 9):
+        reused = first.at_positions([4 + step, 0, 7 + step])
+        assert reused.modes is first.modes and reused.position_shift == step
+        fresh = SamplingBatch.build(params, [[]] * 3, [[1] * (4 + step), [], [2] * (7 + step)],
+                                    v, DEVICE)
+        torch.manual_seed(step)
+        got = _fused_race(x, reused).cpu()
+        torch.manual_seed(step)
+        assert torch.equal(got, _fused_race(x, fresh).cpu()), step
+    assert first.at_positions([6, 0, 8]).modes is None  # rows that moved apart: made again
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="kernels compile on a GPU only")
 def test_sampling_compiles_no_kernel_after_the_warm_up(monkeypatch):
     """The engine warms the sampler at start (`warm_up_sampler`): a step's sampling, of any

@@ -89,15 +89,24 @@ class SamplingBatch:
     # Nothing in it depends on the rows' outputs (no bans, no penalties): the same rows'
     # next step may take it again, with their new positions (`at_positions`).
     reusable: bool = False
+    # The fused race's per-row (mode, seed, position) on the device, made by its first
+    # step; a seeded row's position there plus `position_shift` is its position now.
+    modes: torch.Tensor | None = None
+    position_shift: int = 0
 
     def at_positions(self, positions: list[int]) -> SamplingBatch:
         """This batch for the same rows generating the tokens at `positions` (a reusable
-        batch: only its seeded rows' positions change)."""
+        batch: only its seeded rows' positions change; where all move by as much, the
+        modes on the device stay, shifted)."""
         assert self.reusable
         if not self.seeded_rows:
             return self
+        moves = {positions[row] - position for row, _, position in self.seeded_rows}
+        shift = self.position_shift + moves.pop() if len(moves) == 1 else -1
+        kept = self.modes is not None and 0 <= shift < 2**31
         return replace(self, seeded_rows=[(row, seed, positions[row])
-                                          for row, seed, _ in self.seeded_rows])
+                                          for row, seed, _ in self.seeded_rows],
+                       modes=self.modes if kept else None, position_shift=shift if kept else 0)
 
     @classmethod
     def build(
@@ -394,17 +403,19 @@ def _fused_race(x: torch.Tensor, batch: SamplingBatch,
     from infer.kernels.race_sample import GREEDY, SEEDED, UNSEEDED, race_sample
 
     step_key = int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64))
-    modes = None
-    if batch.seeded_rows or batch.greedy_rows:
+    if (batch.seeded_rows or batch.greedy_rows) and batch.modes is None:
         n = len(x)
-        mode, seed, position = [UNSEEDED.value] * n, [step_key] * n, list(range(n))
+        mode, seed, position = [UNSEEDED.value] * n, [0] * n, list(range(n))
         for row in batch.greedy_rows:
             mode[row] = GREEDY.value
         for row, row_seed, row_position in batch.seeded_rows:
             mode[row], seed[row] = SEEDED.value, _seed_word(row_seed)
             position[row] = row_position
-        modes = to_device(torch.tensor([mode, seed, position], dtype=torch.int64), x.device)
-    return race_sample(x, step_key, temperature, modes, masks=masks)
+        batch.modes = to_device(torch.tensor([mode, seed, position], dtype=torch.int64),
+                                x.device)
+        batch.position_shift = 0
+    return race_sample(x, step_key, temperature, batch.modes, masks=masks,
+                       position_shift=batch.position_shift)
 
 
 def argmax(x: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,10 +1,10 @@
-"""Row-wise argmax of `[rows, vocab]` logits in two short launches.
+"""Row-wise argmax of `[rows, vocab]` logits in one short launch.
 
 torch's argmax of a single row reduces it in one thread block (~28 µs for 128k columns on
 an H100); here every row is cut into parts of `BLOCK` columns, each part reduced by its
-own program, then one program per row picks the best part. Ties go to the lowest index,
-as torch's; a NaN counts as +inf (torch ranks it above +inf: the two differ only on a
-row holding both).
+own program, and the row's last program to finish (a counter per row, left at zero)
+picks the best part. Ties go to the lowest index, as torch's; a NaN counts as +inf
+(torch ranks it above +inf: the two differ only on a row holding both).
 
 Optional `masks`, a grammar's token bitmask per row in `token_bitmask.py`'s layout, take
 part in the same pass: a token they do not allow counts as -inf (`masked_out`, shared with
@@ -34,7 +34,8 @@ def masked_out(row_masks_ptr, cols, n_words):
 
 @triton.jit
 def _part_kernel(x_ptr, stride_x, n_cols, n_parts, masks_ptr, stride_masks, n_words,
-                 val_ptr, idx_ptr, HAS_MASKS: tl.constexpr, BLOCK: tl.constexpr):
+                 val_ptr, idx_ptr, out_ptr, counts_ptr, HAS_MASKS: tl.constexpr,
+                 BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     cols = part * BLOCK + tl.arange(0, BLOCK)
@@ -45,33 +46,48 @@ def _part_kernel(x_ptr, stride_x, n_cols, n_parts, masks_ptr, stride_masks, n_wo
         x = tl.where(masked_out(masks_ptr + row * stride_masks, cols, n_words),
                      float("-inf"), x)
     best, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(val_ptr + row * n_parts + part, best)
-    tl.store(idx_ptr + row * n_parts + part, part * BLOCK + at)
+    store_part(best, part * BLOCK + at, val_ptr, idx_ptr, out_ptr, counts_ptr, row, part,
+               n_parts, BLOCK_P)
 
 
 @triton.jit
-def _pick_kernel(val_ptr, idx_ptr, out_ptr, n_parts, BLOCK_P: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    parts = tl.arange(0, BLOCK_P)
-    vals = tl.load(val_ptr + row * n_parts + parts, mask=parts < n_parts,
-                   other=float("-inf"))
-    _, at = tl.max(vals, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(out_ptr + row, tl.load(idx_ptr + row * n_parts + at).to(tl.int64))
+def store_part(best, at, val_ptr, idx_ptr, out_ptr, counts_ptr, row, part, n_parts,
+               BLOCK_P: tl.constexpr):
+    """Store a part's best value and its column; the row's last part to get here writes
+    the row's best column to `out` and sets its counter back to zero."""
+    tl.store(val_ptr + row * n_parts + part, best)
+    tl.store(idx_ptr + row * n_parts + part, at)
+    tl.debug_barrier()  # the part stored before the count releases it
+    if tl.atomic_add(counts_ptr + row, 1, sem="acq_rel") == n_parts - 1:
+        parts = tl.arange(0, BLOCK_P)
+        vals = tl.load(val_ptr + row * n_parts + parts, mask=parts < n_parts,
+                       other=float("-inf"), cache_modifier=".cg")
+        _, k = tl.max(vals, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        column = tl.load(idx_ptr + row * n_parts + k, cache_modifier=".cg")
+        tl.store(out_ptr + row, column.to(tl.int64))
+        tl.atomic_xchg(counts_ptr + row, 0, sem="relaxed")
+
+
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+MAX_ROWS = 1 << 16  # rows a launch may have: one counter each, made once per device
 
 
 def best_of_parts(rows: int, n_parts: int, device: torch.device,
-                  parts: Callable[[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
-    """int64 `[rows]`: each row's best column, where `parts(vals, idx)` launches a kernel
-    that writes every row's best value `vals [rows, n_parts]` (float32) in each part and
-    its column `idx` (int32); one program per row then picks the best part."""
+                  parts: Callable[..., None]) -> torch.Tensor:
+    """int64 `[rows]`: each row's best column, where `parts(vals, idx, out, counts,
+    BLOCK_P=...)` launches a kernel whose programs each reduce one part of a row and end
+    in `store_part` (`vals [rows, n_parts]` float32, `idx` int32: scratch; `counts` the
+    rows' counters, zero, and zero again after the launch)."""
     out = torch.empty(rows, dtype=torch.int64, device=device)
     if rows == 0:
         return out
+    if rows > MAX_ROWS:
+        raise ValueError(f"{rows} rows, more than one launch's {MAX_ROWS}")
+    if device not in _COUNTS:
+        _COUNTS[device] = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
     vals = torch.empty(rows, n_parts, dtype=torch.float32, device=device)
     idx = torch.empty(rows, n_parts, dtype=torch.int32, device=device)
-    parts(vals, idx)
-    _pick_kernel[(rows,)](vals, idx, out, n_parts,
-                          BLOCK_P=max(16, triton.next_power_of_2(n_parts)), num_warps=1)
+    parts(vals, idx, out, _COUNTS[device], BLOCK_P=max(16, triton.next_power_of_2(n_parts)))
     return out
 
 
@@ -96,10 +112,12 @@ def argmax_rows(x: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Ten
     rows, n_cols = x.shape
     n_parts = triton.cdiv(n_cols, BLOCK)
 
-    def parts(vals: torch.Tensor, idx: torch.Tensor) -> None:
+    def parts(vals: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, counts: torch.Tensor,
+              BLOCK_P: int) -> None:
         _part_kernel[(rows, n_parts)](x, x.stride(0), n_cols, n_parts,
                                       masks if masks is not None else vals,
-                                      *mask_strides(masks), vals, idx,
-                                      HAS_MASKS=masks is not None, BLOCK=BLOCK, num_warps=8)
+                                      *mask_strides(masks), vals, idx, out, counts,
+                                      HAS_MASKS=masks is not None, BLOCK=BLOCK,
+                                      BLOCK_P=BLOCK_P, num_warps=8)
 
     return best_of_parts(rows, n_parts, x.device, parts)
