@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ import torch
 from engine_fixtures import drain, make_llm
 from reference_tokenizers import ours
 
-from infer.engine.grammar_worker import FED, FILLS, MASKS_READY, SharedLayout, map_shared, serve
+from infer.engine.grammar_worker import FED, FILLS, MASKS_READY, SharedLayout, make_shared, serve
 from infer.kernels.reference import apply_token_bitmask_ref
 from infer.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -241,7 +242,7 @@ def test_the_worker_makes_the_matchers_sent_before_a_fill_before_taking_it(spin)
     library = StructuredOutputs(tokenizer, vocab)
     grammar = library.compile(StructuredOutputsParams(regex=r"ab|cd"))
     name = f"infer-test-{os.getpid()}-{time.monotonic_ns()}"
-    block = map_shared(name, SharedLayout.size(1, words))
+    block, _ = make_shared(name, SharedLayout.size(1, words))
     layout = SharedLayout(memoryview(block), 1, words)
     layout.header[:] = 0
     reader, writer = multiprocessing.Pipe(duplex=False)
@@ -263,13 +264,18 @@ def test_the_worker_makes_the_matchers_sent_before_a_fill_before_taking_it(spin)
     library.fill_masks([library.matcher(grammar)], expected)
     assert np.array_equal(layout.masks[0], expected[0].numpy())
     assert (layout.masks[0] != -1).any()
+    # The worker (a thread here) had this process's resource tracker forget the name:
+    # opened again it is registered, and unlinked by the object that opened it.
+    shared_memory.SharedMemory(name=name).unlink()
 
 
 def test_a_script_without_a_main_guard_starts_the_worker_and_runs_once(tmp_path):
     """The worker starts in a fresh interpreter: a script that makes an engine at its top
-    level (no `if __name__ == "__main__"`) is not run again inside it."""
+    level (no `if __name__ == "__main__"`) is not run again inside it. Closed, the process
+    leaves no shared block behind and no resource tracker warns of one."""
     script = tmp_path / "unguarded.py"
     script.write_text(textwrap.dedent(f"""
+        import os
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import torch
@@ -280,13 +286,17 @@ def test_a_script_without_a_main_guard_starts_the_worker_and_runs_once(tmp_path)
         process = GrammarProcess(tokenizer, tokenizer.vocab_size, 1, torch.device("cpu"))
         step, masks = process.masks(1, [])
         print("masks", step, int(masks[0, 0]), flush=True)
+        name = process._shm.name
         process.close()
+        print("left behind:", os.path.exists("/dev/shm/" + name), flush=True)
     """))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("script body") == 1, done.stdout
     assert "masks 1 -1" in done.stdout  # a row no matcher names allows every token
+    assert "left behind: False" in done.stdout
+    assert "shared_memory" not in done.stderr, done.stderr
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA stream memory operations")

@@ -46,7 +46,7 @@ from infer.engine.grammar_worker import (
     STOPPED,
     TOKENS_STAMP,
     SharedLayout,
-    map_shared,
+    make_shared,
 )
 from infer.engine.structured_output import library_tokenizer_json
 from infer.loader.tokenizer import Tokenizer
@@ -87,9 +87,8 @@ class GrammarProcess:
                  device: torch.device) -> None:
         self.vocab_size, self.rows, self.device = vocab_size, rows, device
         words = (vocab_size + 31) // 32
-        # The worker unlinks the block's name once it has mapped it too.
         name = f"infer-grammar-{os.getpid()}-{id(self):x}"
-        self._block = map_shared(name, SharedLayout.size(rows, words))
+        self._block, self._shm = make_shared(name, SharedLayout.size(rows, words))
         self.layout = SharedLayout(memoryview(self._block), rows, words)
         self.layout.header[:] = 0
         self._on_cuda = device.type == "cuda"
@@ -266,7 +265,7 @@ class GrammarProcess:
         raise GrammarWorkerError(self.failure)
 
     def close(self) -> None:
-        """Stop the worker (and release the block's registration)."""
+        """Stop the worker, unlink the block's name (and release its registration)."""
         self._closed.set()
         self._steps.close()
         try:
@@ -274,6 +273,7 @@ class GrammarProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        self._shm.unlink()  # the mappings live on until unmapped
         if self._on_cuda:
             torch.cuda.synchronize(self.device)  # nothing queued uses the block any more
             torch.cuda.cudart().cudaHostUnregister(self._registered)

@@ -40,8 +40,9 @@ step s's masks. So one slot of the tokens and masks is enough (two of the verdic
 from __future__ import annotations
 
 import mmap
+import sys
 import time
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -99,15 +100,27 @@ class SharedLayout:
         return areas, at
 
 
-def map_shared(name: str, size: int = 0, unlink: bool = False) -> mmap.mmap:
-    """A mapping of the shared block `name` (made, of `size` bytes, unless it exists)
-    that no SharedMemory object holds: that one refuses to close while views of it exist.
-    `unlink`: the name goes (both sides have mapped it; it lives on until unmapped)."""
-    shm = shared_memory.SharedMemory(name=name, create=size > 0, size=size)
+def make_shared(name: str, size: int) -> tuple[mmap.mmap, shared_memory.SharedMemory]:
+    """A new shared block `name` of `size` bytes: a mapping that no SharedMemory object
+    holds (that one refuses to close while views of it exist), and the closed object, whose
+    `unlink()` the maker calls once done (its resource tracker does, should it die first)."""
+    shm = shared_memory.SharedMemory(name=name, create=True, size=size)
     block = mmap.mmap(shm._fd, shm.size)  # type: ignore[attr-defined]
     shm.close()
-    if unlink:
-        shm.unlink()
+    return block, shm
+
+
+def map_shared(name: str) -> mmap.mmap:
+    """A mapping of the existing block `name`, whose name stays the maker's to unlink: this
+    process's resource tracker is told to forget it (before Python 3.13 opening a block
+    registers it, and the tracker would unlink it when this process ends)."""
+    if sys.version_info >= (3, 13):
+        shm = shared_memory.SharedMemory(name=name, track=False)
+    else:
+        shm = shared_memory.SharedMemory(name=name)
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    block = mmap.mmap(shm._fd, shm.size)  # type: ignore[attr-defined]
+    shm.close()
     return block
 
 
@@ -128,7 +141,7 @@ def serve(shm_name: str, rows: int, words: int, tokenizer_json: str, vocab_size:
     counters without sleeping while steps come (a core for the device's wait)."""
     import llguidance
 
-    layout = SharedLayout(memoryview(map_shared(shm_name, unlink=True)), rows, words)
+    layout = SharedLayout(memoryview(map_shared(shm_name)), rows, words)
     tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                        eos_token=eos_token_ids)
     Worker(layout, tokenizer, llguidance.LLExecutor(), steps, spin).run()
