@@ -30,6 +30,9 @@ class StepStaging:
         cuda = self.device.type == "cuda"
         self._host = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
                       for _ in range(RING if cuda else 1)]
+        self._views = [(raw[:self.bytes64].view(np.int64).reshape(self.i64.shape),
+                        raw[self.bytes64:].view(np.int32))
+                       for raw in (host.numpy() for host in self._host)]
         self._events: list[torch.cuda.Event | None] = [None] * len(self._host)
         self._next = 0
 
@@ -39,9 +42,7 @@ class StepStaging:
         i = self._next
         if self._events[i] is not None:
             self._events[i].synchronize()
-        raw = self._host[i].numpy()
-        return (raw[:self.bytes64].view(np.int64).reshape(self.i64.shape),
-                raw[self.bytes64:].view(np.int32))
+        return self._views[i]
 
     def send(self, words32: int) -> None:
         """Queue the copy of the host buffer `host` gave: every int64 row, and the first
