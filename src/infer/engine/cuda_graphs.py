@@ -6,8 +6,8 @@ size `>= n`: the step's inputs are copied into static buffers sized for
 `max_batch * tokens_per_seq` tokens; rows `n..size-1` are padding (see
 `infer.attention.graph_metadata`: nothing is written to the cache, their outputs are
 ignored). Graphs of all sizes share one memory pool and the same static buffers, captured
-from the largest down. The attention backend supplies the attention buffers
-(`init_graph_metadata`); this file owns the token ids and positions.
+from the largest down. The attention backend supplies the buffers, token ids and
+positions included (`init_graph_metadata`: one host-to-device copy a step).
 
 Capture needs a backend whose launches never synchronise with the host or change shape
 with the sequence lengths: the Triton backend, with a fixed split-K factor per size for
