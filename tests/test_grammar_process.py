@@ -24,7 +24,19 @@ import torch
 from engine_fixtures import drain, make_llm
 from reference_tokenizers import ours
 
-from infer.engine.grammar_worker import FED, FILLS, MASKS_READY, SharedLayout, make_shared, serve
+from infer.engine.grammar_worker import (
+    FAILED,
+    FED,
+    FILLS,
+    MASKS_READY,
+    NOTED,
+    REFUSED,
+    STOPPED,
+    TAKEN,
+    SharedLayout,
+    make_shared,
+    serve,
+)
 from infer.kernels.reference import apply_token_bitmask_ref
 from infer.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -207,6 +219,40 @@ def test_a_steps_verdicts_survive_the_worker_feeding_the_next_step(worker):
     assert verdicts.refused == [] and finishing.terminated and not going_on.terminated
     assert process.verdicts(next_step, second).refused == [1]
     process.drop([finishing, going_on])
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_steps_tokens_reach_the_matchers_as_one_by_one(monkeypatch, parallel):
+    """Fed on the executor's threads (many rows) or one by one, each row's verdict is its
+    matcher's: finished, taken, refused, finished a step before, or without a matcher."""
+    import llguidance
+
+    from infer.engine import grammar_worker
+    from infer.engine.structured_output import StructuredOutputs, library_tokenizer_json
+
+    monkeypatch.setattr(grammar_worker, "FEED_PAR_ROWS", 1 if parallel else 10**6)
+    tokenizer = ours("smollm2")
+    vocab, words, rows = tokenizer.vocab_size, (tokenizer.vocab_size + 31) // 32, 80
+    grammar = StructuredOutputs(tokenizer, vocab).compile(StructuredOutputsParams(regex=r"ab|cd"))
+    lib_tokenizer = llguidance.LLTokenizer(library_tokenizer_json(tokenizer), n_vocab=vocab,
+                                           eos_token=list(tokenizer.eos_token_ids))
+    layout = SharedLayout(memoryview(bytearray(SharedLayout.size(rows, words))), rows, words)
+    worker = grammar_worker.Worker(layout, lib_tokenizer, llguidance.LLExecutor(), None, False)
+    [ab], [a], [bad] = (tokenizer.encode(t, add_special_tokens=False) for t in ("ab", "a", "zz"))
+    for matcher_id in range(rows):
+        worker.matchers[matcher_id] = llguidance.LLMatcher(lib_tokenizer, grammar, log_level=0)
+    del worker.matchers[5]
+    worker.failed.add(5)  # the library refused its grammar
+    assert worker.matchers[7].consume_token(ab)  # finished a step before
+    ids = list(range(rows))
+    row_of = [rows - 1 - m for m in ids]  # a matcher's row is not its id
+    for m in ids:
+        layout.tokens[row_of[m]] = (ab, a, bad)[m % 3]
+    want = [(STOPPED, TAKEN, REFUSED)[m % 3] for m in ids]
+    want[5], want[7] = FAILED, STOPPED
+    worker.feed(3, ids, row_of)
+    assert [int(layout.verdicts[1][row_of[m]]) for m in ids] == want
+    assert layout.header[FED] == 3 and layout.header[NOTED + 1] == 3
 
 
 def test_a_step_never_published_is_dropped_by_the_next_fill(worker):
