@@ -80,6 +80,9 @@ class KVCacheManager:
     def allocate(self, request_id: str, total_tokens: int) -> bool:
         """Grow the request's table to hold `total_tokens`; False (and no change) if the
         pool has too few free blocks."""
+        table = self.tables.get(request_id)
+        if table is not None and len(table) * self.block_size >= total_tokens:
+            return True  # the common case (a decode step inside its last block), first
         table = self.tables.setdefault(request_id, [])
         self._keys.setdefault(request_id, [])
         need = self.blocks_needed(total_tokens) - len(table)

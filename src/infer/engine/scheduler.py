@@ -228,20 +228,23 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         out: list[ScheduledRequest] = []
         prev_end: dict[str, int] = {}
-        for item in prev.scheduled:
-            request = self.requests.get(item.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+        sampled: set[str] = set()
+        requests, allocate, running = self.requests, self.kv.allocate, RequestStatus.RUNNING
+        for rid, start, num_new, samples, _, spec in prev.scheduled:
+            if samples:
+                sampled.add(rid)
+            request = requests.get(rid)
+            if request is None or request.status is not running:
                 continue  # finished or aborted while prev ran (its id may be reused)
-            if item.spec_token_ids:
+            if spec:
                 return None
-            pos = prev_end[item.request_id] = item.start + item.num_new_tokens
-            if not item.samples or len(request.output_token_ids) + 1 >= request.max_new_tokens:
+            pos = prev_end[rid] = start + num_new
+            if not samples or len(request.output_token_ids) + 1 >= request.max_new_tokens:
                 continue
-            if budget == 0 or not self.kv.allocate(item.request_id, pos + 1):
+            if budget == 0 or not allocate(rid, pos + 1):
                 return None
-            out.append(ScheduledRequest(item.request_id, pos, 1, True, None))
+            out.append(ScheduledRequest(rid, pos, 1, True, None))
             budget -= 1
-        sampled = {item.request_id for item in prev.scheduled if item.samples}
         rest = [(r, prev_end.get(r.request_id, r.num_computed_tokens)) for r in self.running
                 if r.request_id not in sampled]
         rest.sort(key=lambda rc: rc[0].num_tokens - rc[1] > 1)  # decodes, then prefills
