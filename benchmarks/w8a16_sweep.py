@@ -80,12 +80,13 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("w8a16_sweep.py times CUDA kernels: no GPU here")
     from infer.kernels.fp8_quant import fp8_quantize_rows
-    from infer.kernels.rows_mma import MAX_ROWS, rows_mma
+    from infer.kernels.rows_mma import MAX_ROWS, fp8_x_launch, rows_mma
     from infer.kernels.w8a16_matmul import _matmul, w8a16_matmul
 
-    def fp8_by_fp8(x, weight, scale, **cfg):
+    def fp8_by_fp8(x, weight, scale, **cfg):  # without cfg: the engine's launch
         xq, x_scale = fp8_quantize_rows(x)
-        return rows_mma(xq, weight, scale, x_scale=x_scale, out_dtype=x.dtype, **cfg)
+        return rows_mma(xq, weight, scale, x_scale=x_scale, out_dtype=x.dtype,
+                        **(cfg or fp8_x_launch(*weight.shape, x.device)))
 
     def scaled_mm(x, weight, scale):
         xq, x_scale = fp8_quantize_rows(x)

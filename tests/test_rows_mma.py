@@ -279,6 +279,28 @@ def test_fp8_by_fp8_matches_float64_on_fp8_quants_values(rows, k, splits):
         assert (y[1] == 0).all()
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="FP8 needs a GPU (the interpreter has none)")
+@pytest.mark.parametrize(("rows", "n", "k"), [(17, 384, 4096), (32, 6144, 640),
+                                              (32, 16384, 512), (64, 4096, 14336)])
+def test_fp8_by_fp8_at_the_engines_launches_matches_float64(rows, n, k):
+    """The launches FP8 layers take (`fp8_x_launch`: 64 x 256 tiles in K slices or not,
+    128 x 128 tiles for wide layers) give the float64 product of the same FP8 values."""
+    from infer.kernels.fp8_quant import fp8_quantize_rows
+    from infer.kernels.rows_mma import fp8_x_launch, rows_mma
+
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    w8 = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, generator=gen) * 1e-3 + 1e-4
+    launch = fp8_x_launch(n, k, torch.device("cuda"))
+    xq, xs = fp8_quantize_rows(x.cuda())
+    y = rows_mma(xq, w8.cuda(), scale.cuda(), x_scale=xs, out_dtype=torch.bfloat16,
+                 **launch).cpu()
+    ref = ((xq.cpu().double() * xs.cpu().double()[:, None])
+           @ (w8.double() * scale.double()[:, None]).T)
+    assert ((y.double() - ref).abs() <= 8e-3 * ref.abs() + 1e-3 * ref.abs().max()).all(), launch
+
+
 def _fp8_layer_and_rows(rows: int) -> tuple[torch.nn.Module, torch.Tensor]:
     """A 512 -> 384 layer made FP8 per channel on the device, and `rows` bf16 rows for it."""
     from infer.models.linear import ColumnParallelLinear

@@ -242,6 +242,22 @@ def splits_for(n: int, k: int, device: torch.device, block_n: int, block_k: int)
     return max(1, min(wanted, steps // 4))
 
 
+def fp8_x_launch(n: int, k: int, device: torch.device) -> dict[str, int | None]:
+    """The launch of an FP8 x FP8 product with a weight `[n, k]`, as swept on an H200 (the
+    8B shape's projections at 17-64 rows, `benchmarks/w8a16_sweep.py --fp8-x`): tiles of
+    64 channels by 256 of K, in four K slices where those tiles are fewer than ~0.7 per SM
+    (qkv at 32 rows 18.9 -> 12.4 µs, o 17.7 -> 11.4, down 31.9 -> 24.2), 128 by 128 without
+    slices for wide layers (gate_up 49.1 -> 34.7); an LM head-sized one (already ~97 % of
+    the copy rate) keeps the default launch."""
+    if n >= 65536:
+        return dict(block_n=BLOCK_N, block_k=BLOCK_K, splits=None, num_warps=4, num_stages=3)
+    if n >= 16384:
+        return dict(block_n=128, block_k=128, splits=1, num_warps=4, num_stages=4)
+    few = triton.cdiv(n, 64) < 0.7 * sm_count(device)
+    splits = max(1, min(4, triton.cdiv(k, 256) // 4)) if few else 1
+    return dict(block_n=64, block_k=256, splits=splits, num_warps=4, num_stages=4)
+
+
 def block_rows(m: int) -> int:
     """The rows of x's tile: 16, 32 or 64, the fewest that hold `m`."""
     return 16 if m <= 16 else 32 if m <= 32 else 64

@@ -95,10 +95,10 @@ class Fp8LinearMethod(LinearMethod):
 
             xq, x_scale = fp8_quantize_rows(x2.contiguous())
             if fp8_at_decode or 0 < len(x2) <= getattr(layer, "fp8_mma_rows", 0):
-                from infer.kernels.rows_mma import rows_mma
+                from infer.kernels.rows_mma import fp8_x_launch, rows_mma
 
                 y = rows_mma(xq, layer.weight, layer.weight_scale, x_scale=x_scale,
-                             out_dtype=out_dtype)
+                             out_dtype=out_dtype, **fp8_x_launch(*layer.weight.shape, x2.device))
             else:
                 y = _scaled_mm(xq, x_scale, layer, out_dtype)
         else:
