@@ -204,12 +204,13 @@ def test_argmax_rows(dtype: torch.dtype) -> None:
 def test_argmax_rows_leaves_its_counters_at_zero_launch_after_launch() -> None:
     """Each row's last part picks the row's best (a counter per row): launches of other
     sizes back to back, each right, the counters zero after each."""
-    from infer.kernels import argmax as argmax_module
+    from infer.kernels import launch_counters
+    from infer.kernels.argmax import MAX_ROWS
 
     for rows in [3, 40, 3, 17] * (5 if DEVICE != "cpu" else 1):
         x = randn(rows, 3 * BLOCK + 11)
         assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
-        assert not argmax_module._COUNTS[x.device].any()
+        assert not launch_counters("argmax", x.device, MAX_ROWS).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

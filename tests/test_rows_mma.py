@@ -114,11 +114,13 @@ def test_a_scale_per_tile_matches_float64(m, n, k, block, splits, big):
 
 
 def test_counters_are_left_at_zero_and_a_second_launch_agrees():
-    from infer.kernels.rows_mma import _COUNTS
+    from infer.kernels import launch_counters
+    from infer.kernels.rows_mma import MAX_BLOCKS
 
     x, w, scale = _case(1, 300, 1024, torch.float16, seed=7)
     first = _run(x, w, scale, splits=4)
-    assert int(_COUNTS[torch.empty(0, device=DEVICE).device].abs().sum()) == 0  # cuda:0, not cuda
+    device = torch.empty(0, device=DEVICE).device  # cuda:0, not cuda
+    assert int(launch_counters("rows_mma", device, MAX_BLOCKS).abs().sum()) == 0
     assert torch.equal(_run(x, w, scale, splits=4), first)
 
 
@@ -206,7 +208,8 @@ def test_fp8_weights_match_float64(block, rows):
 def test_a_captured_graph_replays_with_its_counters_left_at_zero():
     """K slices under graph replay: every replay gives the eager result, and the counters
     the last program of each row block resets are at 0 after each."""
-    from infer.kernels.rows_mma import _COUNTS, rows_mma
+    from infer.kernels import launch_counters
+    from infer.kernels.rows_mma import MAX_BLOCKS, rows_mma
 
     x, w, scale = _case(3, 640, 2048, torch.bfloat16, seed=21)
     x, w, scale = x.cuda(), w.cuda(), scale.cuda()
@@ -226,7 +229,7 @@ def test_a_captured_graph_replays_with_its_counters_left_at_zero():
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(captured, eager))
-        assert int(_COUNTS[x.device].abs().sum()) == 0
+        assert int(launch_counters("rows_mma", x.device, MAX_BLOCKS).abs().sum()) == 0
 
 
 @pytest.mark.parametrize(("rows", "width", "most", "wanted"), [

@@ -26,3 +26,20 @@ def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+_COUNTERS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def launch_counters(kernel: str, device: torch.device, size: int, used: int = 0
+                    ) -> torch.Tensor:
+    """`kernel`'s `size` int32 counters on `device`, of which a launch uses the first `used`
+    (the last program of a group counts itself in and resets its counter): zeros, which
+    every launch leaves as it found them. One buffer per kernel and device, made once and
+    never replaced, since captured graphs hold its address."""
+    if used > size:
+        raise ValueError(f"{kernel}: a launch of {used} counters, more than its {size}")
+    key = (kernel, device)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return _COUNTERS[key]

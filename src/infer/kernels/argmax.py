@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from infer.kernels import launch_counters
+
 BLOCK = 4096
 
 
@@ -68,8 +70,7 @@ def store_part(best, at, val_ptr, idx_ptr, out_ptr, counts_ptr, row, part, n_par
         tl.atomic_xchg(counts_ptr + row, 0, sem="relaxed")
 
 
-_COUNTS: dict[torch.device, torch.Tensor] = {}
-MAX_ROWS = 1 << 16  # rows a launch may have: one counter each, made once per device
+MAX_ROWS = 1 << 16  # rows a launch may have: a counter each
 
 
 def best_of_parts(rows: int, n_parts: int, device: torch.device,
@@ -81,13 +82,10 @@ def best_of_parts(rows: int, n_parts: int, device: torch.device,
     out = torch.empty(rows, dtype=torch.int64, device=device)
     if rows == 0:
         return out
-    if rows > MAX_ROWS:
-        raise ValueError(f"{rows} rows, more than one launch's {MAX_ROWS}")
-    if device not in _COUNTS:
-        _COUNTS[device] = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
+    counts = launch_counters("argmax", device, MAX_ROWS, rows)
     vals = torch.empty(rows, n_parts, dtype=torch.float32, device=device)
     idx = torch.empty(rows, n_parts, dtype=torch.int32, device=device)
-    parts(vals, idx, out, _COUNTS[device], BLOCK_P=max(16, triton.next_power_of_2(n_parts)))
+    parts(vals, idx, out, counts, BLOCK_P=max(16, triton.next_power_of_2(n_parts)))
     return out
 
 

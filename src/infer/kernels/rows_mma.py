@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import dependent_launch, sm_count
+from infer.kernels import dependent_launch, launch_counters, sm_count
 from infer.kernels.activation import gated
 from infer.kernels.gemv import _row, _weights
 from infer.kernels.w8a16_matmul import _to_float
@@ -217,20 +217,8 @@ def _rows_mma_kernel(
             tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
-_COUNTS: dict[torch.device, torch.Tensor] = {}
-# Row blocks a launch may have (8M output channels at 128 a block): one buffer per device,
-# made once and never replaced, since captured graphs hold its address.
+# Row blocks a launch may have (8M output channels at 128 a block): a counter each.
 MAX_BLOCKS = 1 << 16
-
-
-def _counts(device: torch.device, blocks: int) -> torch.Tensor:
-    """The row blocks' counters on `device`: zeros, which every launch leaves as it found
-    them."""
-    if blocks > MAX_BLOCKS:
-        raise ValueError(f"rows_mma: {blocks} row blocks, more than {MAX_BLOCKS}")
-    if device not in _COUNTS:
-        _COUNTS[device] = torch.zeros(MAX_BLOCKS, dtype=torch.int32, device=device)
-    return _COUNTS[device]
 
 
 def splits_for(n: int, k: int, device: torch.device, block_n: int, block_k: int) -> int:
@@ -250,7 +238,7 @@ def fp8_x_launch(n: int, k: int, device: torch.device) -> dict[str, int | None]:
     slices for wide layers (gate_up 49.1 -> 34.7); an LM head-sized one (already ~97 % of
     the copy rate) keeps the default launch."""
     if n >= 65536:
-        return dict(block_n=BLOCK_N, block_k=BLOCK_K, splits=None, num_warps=4, num_stages=3)
+        return {}  # rows_mma's own
     if n >= 16384:
         return dict(block_n=128, block_k=128, splits=1, num_warps=4, num_stages=4)
     few = triton.cdiv(n, 64) < 0.7 * sm_count(device)
@@ -324,7 +312,7 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
              if splits > 1 else y)
     _rows_mma_kernel[(blocks, splits)](
         x, weight, y if scale is None else scale, x_scale if fp8_x else y, y, parts,
-        _counts(x.device, blocks),
+        launch_counters("rows_mma", x.device, MAX_BLOCKS, blocks),
         m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         1 if scale is None else scale.stride(0), per_split, splits,
         BLOCK_M=block_rows(m), BLOCK_N=block_n, BLOCK_K=block_k,
