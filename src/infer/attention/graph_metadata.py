@@ -72,13 +72,16 @@ class GraphMetadata:
         token_rows: list[list[int] | None],
     ) -> None:
         """Write one step of `len(seq_lens) <= batch` sequences into the buffers of a graph
-        of `batch` rows, and `token_rows[i]` (host ints, `batch * query_len` of them) into
-        `self.token_rows[i]`; a None row is zeroed, for the caller to fill on the device."""
+        of `batch` rows, and `token_rows[i]` (host ints, at most `batch * query_len`, the
+        rest zero) into `self.token_rows[i]`; a None row is zeroed, for the caller to fill
+        on the device."""
         q, bs = self.query_len, self.block_size
         tokens, n = batch * q, len(seq_lens)
         i64, i32 = self.staging.host()
         for dst, row in zip(i64[1:], token_rows):
-            dst[:tokens] = 0 if row is None else row
+            row = row or ()
+            dst[:len(row)] = row
+            dst[len(row):tokens] = 0
         i32[:n] = seq_lens
         i32[n:batch] = q
         width = pack_block_tables(block_tables, batch, i32[self.max_batch:])

@@ -72,8 +72,8 @@ class VarlenGraphMetadata:
         block_tables: list[list[int]], token_rows: list[list[int] | None],
     ) -> None:
         """Write one step into the buffers of a graph of `tokens` rows, and `token_rows[i]`
-        (host ints, `tokens` of them) into `self.token_rows[i]`; a None row is zeroed, for the
-        caller to fill on the device."""
+        (host ints, at most `tokens`, the rest zero) into `self.token_rows[i]`; a None row is
+        zeroed, for the caller to fill on the device."""
         bs, bq, seqs, n = self.block_size, self.block_q, self.max_seqs, len(query_lens)
         starts, tiles = [0], [0]
         for q in query_lens:
@@ -81,7 +81,9 @@ class VarlenGraphMetadata:
             tiles.append(tiles[-1] + -(-q // bq))
         i64, i32 = self.staging.host()
         for dst, row in zip(i64[1:], token_rows):
-            dst[:tokens] = 0 if row is None else row
+            row = row or ()
+            dst[:len(row)] = row
+            dst[len(row):tokens] = 0
         i64[0, :starts[-1]] = new_token_slots(query_lens, seq_lens, block_tables, bs)
         i64[0, starts[-1]:tokens] = -1
         i32[:n + 1] = starts

@@ -128,11 +128,10 @@ class DecodeGraphs:
         n = len(seq_lens)
         size = next(s for s in self.sizes if s >= n)
         self.steps += 1
-        tokens, real = size * self.tokens_per_seq, n * self.tokens_per_seq
-        pad = [0] * (tokens - real)
+        real = n * self.tokens_per_seq
         on_device = isinstance(input_ids, torch.Tensor)
         self.attn.prepare_replay(size, seq_lens, block_tables,
-                                 [None if on_device else input_ids + pad, positions + pad])
+                                 [None if on_device else input_ids, positions])
         if on_device:
             self.input_ids[:real].copy_(input_ids)
         if size in self.graphs:
@@ -183,10 +182,9 @@ class MixedGraphs:
         n = len(positions)
         size = next(s for s in self.sizes if s >= n)
         self.steps += 1
-        pad = [0] * (size - n)
         on_device = isinstance(input_ids, torch.Tensor)
         self.attn.prepare_replay(size, query_lens, seq_lens, block_tables,
-                                 [None if on_device else input_ids + pad, positions + pad])
+                                 [None if on_device else input_ids, positions])
         if on_device:
             self.tokens[0, :n].copy_(input_ids)
         if size in self.graphs:
