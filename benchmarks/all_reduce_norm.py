@@ -9,11 +9,11 @@ on one residual stream, updated in place by each call, so that one wrong call an
 shows in the final residual. On every rank, for every row count:
 - `eager`: the chain launched op by op, outputs and final residual equal to NCCL's chain;
 - `skewed`: the same with rank 1 sleeping on its GPU a different time before each call
-  (`torch.cuda._sleep`), so that the ranks arrive at each flag out of step, as in an engine
+  (`torch.cuda._sleep`), so that the ranks arrive at each call out of step, as in an engine
   where one rank's GEMVs run late;
 - `graph`: the chain captured in one CUDA graph, replayed `--replays` times, each replay
-  from the same inputs and checked (the flags' call counts carry over from replay to
-  replay, as in the engine);
+  from the same inputs and checked (the call counts, and so the tags, carry over from
+  replay to replay, as in the engine);
 - latency per call: both chains captured in graphs, median replay over `--reps` / `--ops`.
 Dependent launch as the engine sets it (on for compute capability >= 9; `--no-pdl`).
 `--gemma`: Gemma 3's form (a norm of the sum alone, `x * (1 + w)`); the residual then
