@@ -345,6 +345,29 @@ def test_a_script_without_a_main_guard_starts_the_worker_and_runs_once(tmp_path)
     assert "shared_memory" not in done.stderr, done.stderr
 
 
+def test_a_script_that_never_closes_the_process_leaves_no_block_and_no_warning(tmp_path):
+    """As `LLM(...)` scripts end, without shutting their engine down: the block's name is
+    unlinked when the interpreter exits, not left for the resource tracker to warn of."""
+    script = tmp_path / "unclosed.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import torch
+        from reference_tokenizers import ours
+        from infer.engine.grammar_process import GrammarProcess
+        tokenizer = ours("smollm2")
+        process = GrammarProcess(tokenizer, tokenizer.vocab_size, 1, torch.device("cpu"))
+        process.masks(1, [])
+        print("name", process._shm.name, flush=True)
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    name = done.stdout.split("name ", 1)[1].split()[0]
+    assert not os.path.exists("/dev/shm/" + name.lstrip("/"))
+    assert "shared_memory" not in done.stderr, done.stderr
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA stream memory operations")
 def test_the_stream_waits_for_a_host_word_and_writes_one():
     from infer.engine.grammar_process import StreamMemoryOps

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -89,6 +90,9 @@ class GrammarProcess:
         words = (vocab_size + 31) // 32
         name = f"infer-grammar-{os.getpid()}-{id(self):x}"
         self._block, self._shm = make_shared(name, SharedLayout.size(rows, words))
+        # At the latest when the interpreter exits: a script that never shuts its engine
+        # down leaves no name behind for the resource tracker to warn of.
+        self._unlink = weakref.finalize(self, self._shm.unlink)
         self.layout = SharedLayout(memoryview(self._block), rows, words)
         self.layout.header[:] = 0
         self._on_cuda = device.type == "cuda"
@@ -273,7 +277,7 @@ class GrammarProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        self._shm.unlink()  # the mappings live on until unmapped
+        self._unlink()  # the mappings live on until unmapped
         if self._on_cuda:
             torch.cuda.synchronize(self.device)  # nothing queued uses the block any more
             torch.cuda.cudart().cudaHostUnregister(self._registered)
