@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from infer.attention.metadata import AttentionMetadata, new_token_slots, pack_block_tables
-from infer.attention.step_staging import StepStaging
+from infer.attention.step_staging import StepStaging, write_rows
 
 
 class GraphMetadata:
@@ -78,10 +78,7 @@ class GraphMetadata:
         q, bs = self.query_len, self.block_size
         tokens, n = batch * q, len(seq_lens)
         i64, i32 = self.staging.host()
-        for dst, row in zip(i64[1:], token_rows):
-            row = row or ()
-            dst[:len(row)] = row
-            dst[len(row):tokens] = 0
+        write_rows(i64[1:], token_rows, tokens)
         i32[:n] = seq_lens
         i32[n:batch] = q
         width = pack_block_tables(block_tables, batch, i32[self.max_batch:])
@@ -92,6 +89,4 @@ class GraphMetadata:
         else:
             i64[0, :n * q] = new_token_slots([q] * n, seq_lens, block_tables, bs)
         i64[0, n * q:tokens] = -1
-        self.staging.send(self.max_batch + batch * width)
-        packed = self.staging.i32[self.max_batch:self.max_batch + batch * width]
-        self.block_tables[:batch, :width].copy_(packed.view(batch, width))
+        self.staging.send_with_tables(self.max_batch, batch, width, self.block_tables)

@@ -44,6 +44,13 @@ class StepStaging:
             self._events[i].synchronize()
         return self._views[i]
 
+    def send_with_tables(self, at: int, rows: int, width: int, tables: torch.Tensor) -> None:
+        """`send` up to the tables packed `[rows, width]` at int32 word `at`, then spread
+        them into the wide device table `tables` (its first `rows` rows, `width` columns)."""
+        self.send(at + rows * width)
+        packed = self.i32[at:at + rows * width]
+        tables[:rows, :width].copy_(packed.view(rows, width))
+
     def send(self, words32: int) -> None:
         """Queue the copy of the host buffer `host` gave: every int64 row, and the first
         `words32` int32 words."""
@@ -55,3 +62,12 @@ class StepStaging:
             event.record()
             self._events[i] = event
         self._next = (i + 1) % len(self._host)
+
+
+def write_rows(dst: np.ndarray, rows: list[list[int] | None], length: int) -> None:
+    """Each of `rows` (host ints, at most `length`; None: none) into the row of `dst` at
+    its index, zeroed past it up to `length`."""
+    for out, row in zip(dst, rows):
+        row = row or ()
+        out[:len(row)] = row
+        out[len(row):length] = 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from infer.attention.metadata import AttentionMetadata, new_token_slots, pack_block_tables
-from infer.attention.step_staging import StepStaging
+from infer.attention.step_staging import StepStaging, write_rows
 
 
 class VarlenGraphMetadata:
@@ -80,10 +80,7 @@ class VarlenGraphMetadata:
             starts.append(starts[-1] + q)
             tiles.append(tiles[-1] + -(-q // bq))
         i64, i32 = self.staging.host()
-        for dst, row in zip(i64[1:], token_rows):
-            row = row or ()
-            dst[:len(row)] = row
-            dst[len(row):tokens] = 0
+        write_rows(i64[1:], token_rows, tokens)
         i64[0, :starts[-1]] = new_token_slots(query_lens, seq_lens, block_tables, bs)
         i64[0, starts[-1]:tokens] = -1
         i32[:n + 1] = starts
@@ -94,6 +91,4 @@ class VarlenGraphMetadata:
         i32[2 * seqs + 2 + n:3 * seqs + 2] = 0
         at = 3 * seqs + 2
         width = pack_block_tables(block_tables, n, i32[at:])
-        self.staging.send(at + n * width)
-        packed = self.staging.i32[at:at + n * width]
-        self.block_tables[:n, :width].copy_(packed.view(n, width))
+        self.staging.send_with_tables(at, n, width, self.block_tables)
