@@ -184,6 +184,9 @@ def main() -> None:
                         default=default_gpt_fast if default_gpt_fast.is_dir() else None,
                         help="a gpt-fast tree (its model.py) to run as a second peer "
                         "(default: .peers/gpt-fast when present)")
+    parser.add_argument("--peer-batches", type=int, nargs="+", default=None,
+                        help="the batch sizes the peers run (default: --batches); their "
+                        "compiles take minutes per batch size")
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed runs per batch size; the median step time is reported")
     parser.add_argument("--seed", type=int, default=0)
@@ -194,6 +197,7 @@ def main() -> None:
     args = parser.parse_args()
     tiny = args.tiny
     args.batches = args.batches or ([1, 4] if tiny else [1, 8, 32])
+    args.peer_batches = args.peer_batches or args.batches
     args.prompt_len = args.prompt_len or (16 if tiny else 128)
     args.new_tokens = args.new_tokens or (16 if tiny else 256)
     user_flags = common.parse_engine_flags(args.engine)
@@ -249,7 +253,7 @@ def main() -> None:
             try:
                 model = common.load_hf(path, dtype)
                 rng = random.Random(args.seed)
-                run_hf(model, args.batches, args.prompt_len, args.new_tokens, vocab, rng,
+                run_hf(model, args.peer_batches, args.prompt_len, args.new_tokens, vocab, rng,
                        args.hf_compile, args.repeats, emit)
                 del model
             except Exception as exc:  # the peer must not sink the run; say why
@@ -261,7 +265,7 @@ def main() -> None:
             try:
                 rng = random.Random(args.seed)
                 gpt_fast_peer.run_gpt_fast(
-                    args.gpt_fast, shape, path, dtype, args.batches, args.prompt_len,
+                    args.gpt_fast, shape, path, dtype, args.peer_batches, args.prompt_len,
                     args.new_tokens, vocab, rng, args.repeats, emit)
             except Exception as exc:  # the peer must not sink the run; say why
                 print(f"[gpt-fast] FAILED on {name}: {type(exc).__name__}: {exc}", flush=True)
