@@ -106,7 +106,12 @@ def main() -> None:
                          "ms_per_step": decode[len(decode) // 2], "ms_per_step_runs": decode,
                          "whole_run_ms_per_step": whole[len(whole) // 2],
                          "out_tok_per_s": sorted(m["tok_per_s"]
-                                                 for m in measured)[len(measured) // 2]})
+                                                 for m in measured)[len(measured) // 2],
+                         # per run: requests the grammar ended early, its slowest and
+                         # median decode step (a stall shows in the first against the second)
+                         "stopped_runs": [m["stopped"] for m in measured],
+                         "slowest_step_ms_runs": [m["slowest_step_ms"] for m in measured],
+                         "median_step_ms_runs": [m["median_step_ms"] for m in measured]})
     ttft = _first_token_times(llm, SamplingParams, StructuredOutputsParams)
     plain = {r["batch"]: r for r in rows if r["constraint"] == "none"}
     print("| batch | constraint | decode ms/step (median) | runs | vs none | whole run ms/step "
@@ -119,6 +124,12 @@ def main() -> None:
         print(f"| {r['batch']} | {r['constraint']} | {r['ms_per_step']:.2f} | {runs} "
               f"| {r['vs_none']:.2f}x | {r['whole_run_ms_per_step']:.2f} "
               f"| {r['whole_run_vs_none']:.2f}x | {r['out_tok_per_s']:,.0f} |")
+    print("| batch | constraint | each run in order: median step / slowest step ms "
+          "(requests stopped by their grammar) |\n|---:|---|---|")
+    for r in rows:
+        runs = ", ".join(f"{m:.2f} / {x:.2f} ({n})" for m, x, n in zip(
+            r["median_step_ms_runs"], r["slowest_step_ms_runs"], r["stopped_runs"]))
+        print(f"| {r['batch']} | {r['constraint']} | {runs} |")
     print("| first token of one request | ms (median of 5) |\n|---|---:|")
     for name, ms in ttft.items():
         print(f"| {name} | {ms:.2f} |")
@@ -138,15 +149,16 @@ def _timed_run(engine, prompts: list, params: list, decode_steps: int) -> dict:
     common.sync()
     start = time.perf_counter()
     ids = [engine.add_request(None, prompt, p) for prompt, p in zip(prompts, params)]
-    tokens = 0
+    tokens = stopped = 0
 
     def step() -> None:
-        nonlocal tokens
+        nonlocal tokens, stopped
         finished = [o for o in engine.step() if o.finished]
         tokens += sum(len(o.outputs[0].token_ids) for o in finished)
         for o in finished:  # a failed request would leave the loop below waiting forever
             if o.outputs[0].finish_reason in ("error", "abort"):
                 raise RuntimeError(f"request {o.request_id} failed: {o.error}")
+            stopped += o.outputs[0].finish_reason == "stop"
 
     while not (len(engine.scheduler.running) == len(ids)
                and all(r.output_token_ids for r in engine.scheduler.running)):
@@ -155,9 +167,13 @@ def _timed_run(engine, prompts: list, params: list, decode_steps: int) -> dict:
             raise RuntimeError(f"a request finished before all {len(ids)} were decoding "
                                "(their grammars' matchers came slower than a whole answer)")
     common.sync()
-    decode_start = time.perf_counter()
+    decode_start = last = time.perf_counter()
+    step_ms = []  # each decode step's wall time, as the loop saw it (the device not awaited)
     for _ in range(decode_steps):
         step()
+        now = time.perf_counter()
+        step_ms.append((now - last) * 1e3)
+        last = now
     common.sync()
     decode = time.perf_counter() - decode_start
     while engine.has_unfinished_requests():
@@ -165,8 +181,10 @@ def _timed_run(engine, prompts: list, params: list, decode_steps: int) -> dict:
     common.sync()
     seconds = time.perf_counter() - start
     steps = engine.stats()["num_steps"] - steps_before
+    step_ms.sort()
     return {"decode_ms": decode / decode_steps * 1e3, "whole_ms": seconds / steps * 1e3,
-            "tok_per_s": tokens / seconds, "tokens": tokens}
+            "tok_per_s": tokens / seconds, "tokens": tokens, "stopped": stopped,
+            "slowest_step_ms": step_ms[-1], "median_step_ms": step_ms[len(step_ms) // 2]}
 
 
 def _time_worker_calls() -> list[tuple[str, int, float]]:
