@@ -47,7 +47,10 @@ class Case:
 
 
 def _cases() -> list[Case]:
+    from gguf import GGMLQuantizationType as QType
+
     from infer.kernels.gemv import default_launch
+    from infer.kernels.gguf_gemv import gemv_launch
     from infer.kernels.rows_mma import block_rows
 
     i32 = "i32"
@@ -107,6 +110,28 @@ def _cases() -> list[Case]:
               for rows in (1, 5, 32, 64)]
     cases.append(mma_case("fp8 with 128 x 128 scale tiles", 1, "*fp8e4nv", 1, "*fp32",
                           SCALE_ROWS=128, SCALE_COLS=128))
+    # GGUF Q4_K at one row (144 bytes a super-block of 256): the exact float path's launch
+    # (gguf_gemv.gemv_launch, 128 rows a program) and x rounded to int8 for dp4a
+    launch = gemv_launch(QType.Q4_K, 28672, 4096, "cpu")
+    cases.append(Case(
+        "gguf_gemv q4_k (one row, floats)", "gguf_gemv:_gguf_gemv_kernel",
+        dict(xs="*fp32", q_ptr="*i32", y_ptr="*bf16", part_ptr="*fp32", counts="*i32", N=i32,
+             K=i32, nv=i32, stride_qw=i32, splits=i32, units_per_split=i32, magic=i32),
+        dict(QTYPE=int(QType.Q4_K), UNIT_K=256, UNIT_WORDS=36, UNIT_DATA=32, GROUPS=4,
+             UNITS=launch["units"], BLOCK_N=launch["block_n"]),
+        ["xs", "q_ptr", "y_ptr", "part_ptr", "counts", "stride_qw"],  # 8B rows: 16 x 36 words
+        launch["block_n"] * launch["units"] * 256, 144 / 256, num_warps=launch["num_warps"],
+        note=f"launch ({launch['block_n']} rows, {launch['num_warps']} warps)"))
+    for block_n, units in ((16, 2), (32, 2), (64, 2), (128, 1)):
+        cases.append(Case(
+            f"gguf q4_k x int8 (one row, dp4a, {block_n} rows a program)",
+            "gguf_q4k_int8x:_q4k_int8x_kernel",
+            dict(words="*i32", xq="*i32", dx="*fp32", xsum="*fp32", y_ptr="*bf16", N=i32,
+                 units=i32, stride_w=i32),
+            dict(BLOCK_N=block_n, UNITS=units, EVEN=True, PTX=True),
+            ["words", "xq", "dx", "xsum", "y_ptr", "stride_w"],
+            block_n * units * 256, 144 / 256, num_warps=4,
+            note=f"launch ({block_n} rows, {units} super-blocks, 4 warps)"))
     return cases
 
 
@@ -178,7 +203,8 @@ def innermost_loop(sass: str) -> list[str]:
     def opcodes(span: tuple[int, int]) -> list[str]:
         return [opcode for address, opcode, _ in instructions if span[0] <= address <= span[1]]
 
-    with_mma = [span for span in innermost if any("MMA" in op for op in opcodes(span))]
+    with_mma = [span for span in innermost  # HMMA, QGMMA, ...: not HFMA2.MMA (a move)
+                if any(op.split(".")[0].endswith("MMA") for op in opcodes(span))]
     return opcodes(max(with_mma or innermost, key=lambda span: span[1] - span[0]))
 
 

@@ -22,6 +22,7 @@ from infer.engine.model_runner import ModelRunner
 from infer.engine.setup import pick_backend
 from infer.models.layers import set_kernel_backend
 from infer.models.linear import set_8bit_kernels, set_triton_gemv
+from infer.quantization.gguf_gpu import set_gguf_int8_activations
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,8 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
     """Which kernels `model`'s decode-sized matmuls take: infer's GEMV for 16-bit weights
     (`triton_gemv`, `gemv_max_rows`), tensor cores for 8-bit ones (`w8a16_tensor_cores`,
     `w8a16_tensor_core_rows`), FP8 by FP8 in infer's kernel for FP8 ones
-    (`fp8_decode_activations`, `fp8_mma_rows`)."""
+    (`fp8_decode_activations`, `fp8_mma_rows`), dp4a for GGUF Q4_K blocks
+    (`gguf_int8_activations`)."""
     triton = kernel_backend == "triton"
     set_triton_gemv(model, config.triton_gemv and triton, config.gemv_max_rows)
     fp8_mma = triton and _has_fp8_mma()
@@ -63,6 +65,7 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
     tensor_cores = config.w8a16_tensor_cores and triton
     set_8bit_kernels(model, config.w8a16_tensor_core_rows if tensor_cores else 0, fp8_x,
                      fp8_rows)
+    set_gguf_int8_activations(model, config.gguf_int8_activations and triton)
 
 
 def _has_fp8_mma() -> bool:

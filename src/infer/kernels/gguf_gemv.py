@@ -128,6 +128,16 @@ def _q4_k_words(p, c, ok):
 
 
 @triton.jit
+def _q4_k_scales(s0, s1, s2, c):
+    """`(scales, mins)` of sub-blocks 2c (byte 0) and 2c + 1 (byte 1, 6 bits each; the
+    bits above are junk) of Q4_K super-blocks, from their three words of packed scales."""
+    sh = c % 2 * 16
+    sc = tl.where(c < 2, s0 >> sh, ((s2 >> sh) & 0x0F0F) | ((s0 >> (sh + 2)) & 0x3030))
+    mn = tl.where(c < 2, s1 >> sh, ((s2 >> (sh + 4)) & 0x0F0F) | ((s1 >> (sh + 2)) & 0x3030))
+    return sc, mn
+
+
+@triton.jit
 def _q4_k(magic, acc, words, c, v, xs, nv):
     """Chunk c of Q4_K super-blocks, `words` from _q4_k_words: words 4 + 8c.. (data words
     v.. of the row) hold sub-block 2c in their low nibbles, 2c + 1 in their high ones.
@@ -136,10 +146,7 @@ def _q4_k(magic, acc, words, c, v, xs, nv):
     j = tl.arange(0, 4)[None, None, :]
     lo, hi = _nibbles_dot(magic, 0.0, 0.0, wa, xs, v + j, nv, True)
     lo, hi = _nibbles_dot(magic, lo, hi, wb, xs, v + 4 + j, nv, False)
-    # Bytes 0 and 1: the 6-bit scales (mins) of sub-blocks 2c and 2c + 1.
-    sh = c % 2 * 16
-    sc = tl.where(c < 2, s0 >> sh, ((s2 >> sh) & 0x0F0F) | ((s0 >> (sh + 2)) & 0x3030))
-    mn = tl.where(c < 2, s1 >> sh, ((s2 >> (sh + 4)) & 0x0F0F) | ((s1 >> (sh + 2)) & 0x3030))
+    sc, mn = _q4_k_scales(s0, s1, s2, c)
     d = _f16_lo(head)
     acc += tl.sum(lo, axis=2, keep_dims=True) * (d * _float(magic, sc & 0x3F, 0, 0))
     acc += tl.sum(hi, axis=2, keep_dims=True) * (d * _float(magic, (sc >> 8) & 0x3F, 0, 0))

@@ -29,6 +29,13 @@ from infer.quantization.gguf_blocks import GGUFBlocks
 FUSED_ROWS: dict[QType, int] = {QType.Q4_K: 64, QType.Q6_K: 64, QType.Q8_0: 64}
 
 
+def set_gguf_int8_activations(model: nn.Module, on: bool) -> None:
+    """Whether `model`'s GGUF Q4_K layers multiply one row by x rounded to int8 (dp4a)."""
+    for m in model.modules():
+        if isinstance(getattr(m, "quant_method", None), GGUFBlocksLinearMethod):
+            m.gguf_int8_activations = on
+
+
 def gpu_types() -> tuple[QType, ...]:
     """The GGUF types the GPU kernels decode."""
     from infer.kernels.gguf_matmul import SUPPORTED
@@ -81,12 +88,32 @@ class GGUFBlocksLinearMethod(LinearMethod):
         x2 = x.reshape(-1, shape[-1]).contiguous()
         if len(x2) > 1 and not self._fused(layer, len(x2)):
             y = F.linear(x2, self._dequantized(layer, x.dtype))
+        elif len(x2) == 1 and getattr(layer, "gguf_int8_activations", False):
+            y = self._int8_x_row(layer, x2)
         else:
             parts = [gguf_matmul(x2, getattr(layer, name), qtype, layer.cols)
                      for name, qtype in layer.gguf_runs]
             y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         y = y.reshape(*shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
+
+    def _int8_x_row(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """One row: the Q4_K runs by x rounded to int8 (once for all of them), dp4a."""
+        from infer.kernels import gguf_q4k_int8x as q4k
+        from infer.kernels.gguf_gemv import gemv_words
+        from infer.kernels.gguf_matmul import gguf_matmul
+
+        quantized, parts = None, []
+        for name, qtype in layer.gguf_runs:
+            data = getattr(layer, name)
+            words = gemv_words(data, qtype) if qtype == QType.Q4_K else None
+            if words is None or layer.cols % q4k.SUPER_K:
+                parts.append(gguf_matmul(x, data, qtype, layer.cols))
+                continue
+            quantized = quantized or q4k.quantize_x(x)
+            parts.append(q4k.q4k_gemv_int8x(x, words, layer.cols, quantized=quantized,
+                                            **q4k.launch(len(words), x.device)))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _fused(self, layer: nn.Module, rows: int) -> bool:
         """Whether `rows` (> 1) rows multiply by every run of `layer`'s blocks directly."""
