@@ -11,10 +11,12 @@ fraction of the copy bandwidth measured in the same run. `--sweep` also times th
 GGUF kernel's launch configurations, `--gemm-sweep` those of the few-row GGUF kernel
 (gguf_gemm.py) at each of `--rows` beside bf16 and the dequantize-then-cuBLAS path
 (`Q4_K-deq`: what the engine ran from two rows up before), weights cycled past L2 as in
-the table. `--gguf-only`: the table's bf16 and GGUF rows alone.
+the table. `--gguf-only`: the table's bf16 and GGUF rows alone. `Q4_K-int8x` (one row):
+Q4_K with x rounded to int8 (gguf_q4k_int8x.py, `gguf_int8_activations`); `--int8x-sweep`
+its launches.
 
     python benchmarks/quantized_gemv.py [--rows 1 8 32] [--sweep | --sweep-only]
-        [--gemm-sweep [--gemm-grid]] [--gguf-only]
+        [--gemm-sweep [--gemm-grid]] [--gguf-only] [--int8x-sweep]
 """
 
 from __future__ import annotations
@@ -103,6 +105,8 @@ def cases(n: int, k: int, gguf_only: bool = False
         out[name] = (lambda x, b=blocks, q=Q[name]: gguf_matmul(x, b, q, k), blocks.nbytes)
         out[f"{name}-deq"] = (partial(_deq_of, blocks=blocks, qtype=Q[name], cols=k),
                               blocks.nbytes)
+        if name == "Q4_K":  # one row only: x rounded to int8 (its launch included), dp4a
+            out[ONE_ROW_INT8X] = (partial(_int8x_of, blocks=blocks, cols=k), blocks.nbytes)
     if gguf_only:
         return out
     w8 = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
@@ -116,6 +120,59 @@ def cases(n: int, k: int, gguf_only: bool = False
                       wf8.nbytes + tiles.nbytes),
     })
     return out
+
+
+ONE_ROW_INT8X = "Q4_K-int8x"
+
+
+def _int8x_of(x: torch.Tensor, *, blocks: torch.Tensor, cols: int, **launch) -> torch.Tensor:
+    """The engine's one-row Q4_K path with `gguf_int8_activations` (launch: its rule's
+    unless given)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from infer.kernels import gguf_q4k_int8x as q4k
+    from infer.kernels.gguf_gemv import gemv_words
+
+    words = gemv_words(blocks, Q.Q4_K)
+    return q4k.q4k_gemv_int8x(x, words, cols, **(launch or q4k.launch(len(words), x.device)))
+
+
+def int8x_sweep(copy_gbs: float) -> list[dict]:
+    """The x-rounded Q4_K kernel's launches at one row, per shape: rows a program, super-
+    blocks a step, warps; weights cycled past L2, x rounded in each call (as the engine
+    does a layer)."""
+    from infer.kernels import gguf_q4k_int8x as q4k
+
+    results = []
+    for shape, n, k in SHAPES:
+        copies = [gguf_blocks(n, k, "Q4_K")
+                  for _ in range(max(1, -(-3 * L2_BYTES // (n * k * 9 // 16))))]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        chosen = q4k.launch(n, x.device)
+        configs = [chosen] + [dict(block_n=b, units=u, num_warps=w)
+                              for b, u, w in itertools.product((8, 16, 32, 64, 128), (1, 2, 4),
+                                                               (4, 8))]
+        best = chosen_row = None
+        for config in configs:
+            try:
+                us = graph_time_us(cycling([partial(_int8x_of, x, blocks=b, cols=k, **config)
+                                            for b in copies]), replays=5)
+            except Exception as exc:  # a configuration that does not compile: skip it
+                print(f"  {shape} {config}: {exc!r}"[:200])
+                continue
+            row = dict(shape=shape, kernel=ONE_ROW_INT8X, **config, us=us,
+                       frac_copy=copies[0].nbytes / us / 1e3 / copy_gbs,
+                       chosen=config is chosen)
+            results.append(row)
+            chosen_row = chosen_row or row
+            if best is None or us < best["us"]:
+                best = row
+        x_us = graph_time_us(partial(q4k.quantize_x, x), replays=5)
+        print(f"[int8x sweep] {shape}: chosen {chosen_row and chosen_row['us']} us, best "
+              f"{best}; rounding x alone {x_us:.1f} us", flush=True)
+        del copies
+        torch.cuda.empty_cache()
+    return results
 
 
 def _deq_of(x: torch.Tensor, *, blocks: torch.Tensor, qtype, cols: int) -> torch.Tensor:
@@ -263,6 +320,8 @@ def main() -> None:
     parser.add_argument("--gemm-grid", action="store_true",
                         help="--gemm-sweep: also the grid of GEMM_CONFIGS and splits")
     parser.add_argument("--gguf-only", action="store_true", help="table: bf16 and GGUF only")
+    parser.add_argument("--int8x-sweep", action="store_true",
+                        help="the launches of Q4_K with x rounded to int8 (first, no table)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("quantized_gemv.py times CUDA kernels: no GPU here")
@@ -270,6 +329,10 @@ def main() -> None:
     payload: dict = {"ceilings": ceil}
     if args.gemm_sweep:
         gemm_sweep(args.rows, args, payload)
+        return
+    if args.int8x_sweep:
+        payload["int8x_sweep"] = int8x_sweep(ceil["copy_GBps"])
+        common.write_results("quantized_gemv", args, payload)
         return
     rows_out: list[dict] = []
     payload["rows"] = rows_out
@@ -280,6 +343,8 @@ def main() -> None:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             bf16_us = None
             for name, (_, weight_bytes) in copies[0].items():
+                if name == ONE_ROW_INT8X and rows > 1:
+                    continue
                 us = graph_time_us(cycling([partial(case[name][0], x) for case in copies]))
                 bf16_us = us if name == "bf16" else bf16_us
                 moved = weight_bytes + x.nbytes + rows * n * 2
