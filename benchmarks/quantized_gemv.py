@@ -134,12 +134,13 @@ def _int8x_of(x: torch.Tensor, *, blocks: torch.Tensor, cols: int, **launch) -> 
     from infer.kernels.gguf_gemv import gemv_words
 
     words = gemv_words(blocks, Q.Q4_K)
-    return q4k.q4k_gemv_int8x(x, words, cols, **(launch or q4k.launch(len(words), x.device)))
+    return q4k.q4k_gemv_int8x(
+        x, words, cols, **(launch or q4k.launch(len(words), cols, x.device)))
 
 
 def int8x_sweep(copy_gbs: float) -> list[dict]:
     """The x-rounded Q4_K kernel's launches at one row, per shape: rows a program, super-
-    blocks a step, warps; weights cycled past L2, x rounded in each call (as the engine
+    blocks a step, K splits; weights cycled past L2, x rounded in each call (as the engine
     does a layer)."""
     from infer.kernels import gguf_q4k_int8x as q4k
 
@@ -148,10 +149,10 @@ def int8x_sweep(copy_gbs: float) -> list[dict]:
         copies = [gguf_blocks(n, k, "Q4_K")
                   for _ in range(max(1, -(-3 * L2_BYTES // (n * k * 9 // 16))))]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        chosen = q4k.launch(n, x.device)
-        configs = [chosen] + [dict(block_n=b, units=u, num_warps=w)
-                              for b, u, w in itertools.product((8, 16, 32, 64, 128), (1, 2, 4),
-                                                               (4, 8))]
+        chosen = q4k.launch(n, k, x.device)
+        configs = [chosen] + [dict(block_n=b, units=u, split=s, num_warps=4)
+                              for b, u, s in itertools.product((16, 32, 64, 128), (1, 2),
+                                                               (1, 2, 4, 8))]
         best = chosen_row = None
         for config in configs:
             try:

@@ -126,8 +126,9 @@ def _cases() -> list[Case]:
         cases.append(Case(
             f"gguf q4_k x int8 (one row, dp4a, {block_n} rows a program)",
             "gguf_q4k_int8x:_q4k_int8x_kernel",
-            dict(words="*i32", xq="*i32", dx="*fp32", xsum="*fp32", y_ptr="*bf16", N=i32,
-                 units=i32, stride_w=i32),
+            dict(words="*i32", xq="*i32", dx="*fp32", xsum="*fp32", y_ptr="*bf16",
+                 part_ptr="*fp32", counts="*i32", N=i32, units=i32, stride_w=i32, splits=i32,
+                 per_split=i32),
             dict(BLOCK_N=block_n, UNITS=units, EVEN=True, PTX=True),
             ["words", "xq", "dx", "xsum", "y_ptr", "stride_w"],
             block_n * units * 256, 144 / 256, num_warps=4,

@@ -60,11 +60,13 @@ def test_quantize_x_rounds_each_block_of_32_to_int8_steps():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16]
                          + ([] if INTERPRETED else [torch.bfloat16]))
-# rows not a multiple of the program's; K ending mid step (3 and 5 super-blocks)
-@pytest.mark.parametrize(("n", "k", "block_n", "units"),
-                         [(37, 768, 16, 2), (64, 512, 32, 1), (5, 1280, 8, 4)])
-def test_q4k_int8x_is_the_product_with_its_rounded_x_and_within_the_rounding(n, k, block_n,
-                                                                            units, dtype):
+# rows not a multiple of the program's; K ending mid step (3 and 5 super-blocks), K split
+# (the last split short, or mid step)
+@pytest.mark.parametrize(("n", "k", "block_n", "units", "split"),
+                         [(37, 768, 16, 2, 1), (64, 512, 32, 1, 1), (5, 1280, 8, 4, 1),
+                          (37, 1280, 16, 1, 2), (70, 1792, 32, 2, 3)])
+def test_q4k_int8x_is_the_product_with_its_rounded_x_and_within_the_rounding(
+        n, k, block_n, units, split, dtype):
     from infer.kernels.gguf_gemv import gemv_words
     from infer.kernels.gguf_q4k_int8x import q4k_gemv_int8x, quantize_x
 
@@ -73,7 +75,7 @@ def test_q4k_int8x_is_the_product_with_its_rounded_x_and_within_the_rounding(n, 
     gen = torch.Generator().manual_seed(k)
     x = (torch.randn(1, k, generator=gen) * 3).to(dtype)
     quantized = quantize_x(x.to(DEVICE))
-    y = q4k_gemv_int8x(x.to(DEVICE), words, k, block_n=block_n, units=units,
+    y = q4k_gemv_int8x(x.to(DEVICE), words, k, block_n=block_n, units=units, split=split,
                        quantized=quantized).cpu()
     assert y.shape == (1, n) and y.dtype == dtype and torch.isfinite(y).all()
     xq, dx, _ = (t.cpu().double() for t in quantized)
@@ -90,6 +92,21 @@ def test_q4k_int8x_is_the_product_with_its_rounded_x_and_within_the_rounding(n, 
     bound = (steps / 2) @ (w - w0).abs().T
     assert ((y.double() - exact).abs() <= bound + tolerance * scale).all()
     assert (y.double() - exact).abs().max() > 0  # x was rounded: not the exact product
+
+
+def test_q4k_int8x_splits_of_k_made_here_and_called_twice():
+    """Counts zeroed by the rounding of x (made here), twice in a row: the same result."""
+    from infer.kernels.gguf_gemv import gemv_words
+    from infer.kernels.gguf_q4k_int8x import q4k_gemv_int8x
+
+    n, k = 45, 2048
+    raw = blocks(n, k, seed=3)
+    words = gemv_words(torch.from_numpy(raw).to(DEVICE), Q.Q4_K)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    whole = q4k_gemv_int8x(x, words, k, block_n=16, units=2, split=1).cpu()
+    for _ in range(2):
+        split = q4k_gemv_int8x(x, words, k, block_n=16, units=2, split=4).cpu()
+        assert (split - whole).abs().max() <= 1e-5 * whole.abs().max()
 
 
 def test_q4k_int8x_writes_every_row_and_only_those():

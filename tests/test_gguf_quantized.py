@@ -266,31 +266,34 @@ def test_a_fused_layer_of_mixed_types_keeps_a_run_per_type():
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_gguf_int8_activations_take_the_q4_k_runs_of_one_row_only():
-    """With the knob, one row's Q4_K runs go to the dp4a kernel (x rounded to int8), the
-    Q6_K run and larger steps stay exact."""
+    """With the knob, one row's Q4_K runs go to the dp4a kernel (x rounded to int8; its
+    launch splits K here), the Q6_K run and larger steps stay exact."""
     from infer.kernels.gguf_gemv import gemv_words
-    from infer.kernels.gguf_q4k_int8x import q4k_gemv_int8x
+    from infer.kernels.gguf_q4k_int8x import launch, q4k_gemv_int8x
     from infer.quantization.gguf_gpu import set_gguf_int8_activations
 
     rng = np.random.default_rng(1)
-    layer = QKVParallelLinear(512, 64, 4, 2).to(DEVICE)
+    layer = QKVParallelLinear(2048, 64, 4, 2).to(DEVICE)
     shards, parts = [], []
     for name, qtype, rows in (("q", Q.Q4_K, 256), ("k", Q.Q4_K, 128), ("v", Q.Q6_K, 128)):
-        raw = random_kquant_blocks(rows * 512, qtype, rng).reshape(rows, -1)
-        shards.append(GGUFBlocks.of(name, qtype, (rows, 512), raw))
-        parts.append(torch.from_numpy(dequantize(raw, qtype).reshape(rows, 512)).double())
+        raw = random_kquant_blocks(rows * 2048, qtype, rng).reshape(rows, -1)
+        shards.append(GGUFBlocks.of(name, qtype, (rows, 2048), raw))
+        parts.append(torch.from_numpy(dequantize(raw, qtype).reshape(rows, 2048)).double())
     GGUFBlocksLinearMethod().load(layer, shards)
     set_gguf_int8_activations(layer, True)
-    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     y = layer(x).cpu().double()
-    rounded = q4k_gemv_int8x(x, gemv_words(layer.weight, Q.Q4_K), 512).cpu().double()
+    words = gemv_words(layer.weight, Q.Q4_K)
+    the_launch = launch(len(words), 2048, x.device)
+    assert the_launch["split"] > 1
+    rounded = q4k_gemv_int8x(x, words, 2048, **the_launch).cpu().double()
     assert torch.equal(y[:, :384], rounded)
     ref = x.cpu().double() @ torch.cat(parts).T
     scale = ref.abs().max().item()
     assert (y[:, 384:] - ref[:, 384:]).abs().max().item() < 1e-5 * scale  # Q6_K: exact
     assert (y[:, :384] - ref[:, :384]).abs().max().item() < 2e-2 * scale
     assert (y[:, :384] - ref[:, :384]).abs().max().item() > 1e-5 * scale  # rounded x
-    forty = torch.randn(40, 512).to(DEVICE)  # more rows: dequantized, exact
+    forty = torch.randn(40, 2048).to(DEVICE)  # more rows: dequantized, exact
     ref = forty.cpu().double() @ torch.cat(parts).T
     assert (layer(forty).cpu().double() - ref).abs().max().item() < 1e-5 * ref.abs().max()
     set_gguf_int8_activations(layer, False)

@@ -52,27 +52,32 @@ def _runs_of_4(v):
 
 
 @triton.jit
-def _q4k_int8x_kernel(words, xq, dx, xsum, y_ptr, N, units, stride_w,
-                      BLOCK_N: tl.constexpr, UNITS: tl.constexpr, EVEN: tl.constexpr,
-                      PTX: tl.constexpr):
-    """Program n owns rows `n * BLOCK_N..` and walks all of K, UNITS super-blocks a step:
-    `[BLOCK_N, UNITS * 4 chunks, 4]` words of nibbles (a chunk's 8 words as two runs of 4,
-    16-byte loads) against `[1, UNITS * 4, 4]` of int8 x, shared by the rows a thread
-    holds."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
+def _q4k_int8x_kernel(words, xq, dx, xsum, y_ptr, part_ptr, counts, N, units, stride_w,
+                      splits, per_split, BLOCK_N: tl.constexpr, UNITS: tl.constexpr,
+                      EVEN: tl.constexpr, PTX: tl.constexpr):
+    """Program (n, s) owns rows `n * BLOCK_N..` and super-blocks `s * per_split..` of K,
+    UNITS a step: `[BLOCK_N, UNITS * 4 chunks, 4]` words of nibbles (a chunk's 8 words as
+    two runs of 4, 16-byte loads) against `[1, UNITS * 4, 4]` of int8 x, shared by the rows
+    a thread holds. With `splits` > 1 each writes its float32 sums to `part_ptr [splits,
+    N]` and counts itself in `counts[n]` (zeroed before): the last of a row block adds the
+    parts, in split order, into `y`."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
     g = tl.arange(0, UNITS * 4)[None, :, None]
     c = g % 4  # the chunk in its super-block
     j = tl.arange(0, 4)[None, None, :]
     stride_w = tl.multiple_of(stride_w, 4)  # 144-byte super-blocks: 16-byte aligned rows
     row = words + tl.minimum(rn, N - 1).to(tl.int64) * stride_w  # rows past N: the last
     acc = tl.zeros((BLOCK_N, UNITS * 4, 1), dtype=tl.float32)
-    for u0 in range(0, units, UNITS):
+    u_end = tl.minimum(pid_s * per_split + per_split, units)
+    for u0 in range(pid_s * per_split, u_end, UNITS):
         u = u0 + g // 4
         if EVEN:
             ok = True
-        else:  # past the last super-block: the last again, its scale taken as 0
-            ok = u < units
-            u = tl.minimum(u, units - 1)
+        else:  # past the split's last super-block: that one again, its scale taken as 0
+            ok = u < u_end
+            u = tl.minimum(u, u_end - 1)
         p = row + u * 36
         wa = tl.load(p + _runs_of_4(4 + c * 8 + j))
         wb = tl.load(p + _runs_of_4(8 + c * 8 + j))
@@ -93,14 +98,26 @@ def _q4k_int8x_kernel(words, xq, dx, xsum, y_ptr, N, units, stride_w,
                 + ((mn >> 8) & 0x3F).to(tl.float32) * tl.load(xsum + sub + 1))
         acc += _f16_lo(head) * scaled - _f16_hi(head) * mins
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if splits == 1:
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+    else:
+        tl.store(part_ptr + pid_s * N + rows, y, mask=rows < N)
+        tl.debug_barrier()  # every thread's part stored before the count releases them
+        if tl.atomic_add(counts + pid_n, 1, sem="acq_rel") == splits - 1:
+            y = tl.load(part_ptr + rows, mask=rows < N, other=0.0, cache_modifier=".cg")
+            for s in range(1, splits):
+                y += tl.load(part_ptr + s * N + rows, mask=rows < N, other=0.0,
+                             cache_modifier=".cg")
+            tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
 
 
 @triton.jit
-def _quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, xsum_ptr, blocks, BLOCKS: tl.constexpr):
+def _quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, xsum_ptr, blocks, counts, n_counts,
+                       BLOCKS: tl.constexpr):
     """Blocks of 32 values of x: int8 `round(x / step)` (half away from zero), the step
-    `amax / 127` (0 for a block of zeros), and the block's exact sum."""
+    `amax / 127` (0 for a block of zeros), and the block's exact sum; program 0 zeroes
+    `counts[:n_counts]`."""
     b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
     at = b * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + at, mask=b < blocks, other=0.0).to(tl.float32)
@@ -111,11 +128,16 @@ def _quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, xsum_ptr, blocks, BLOCKS: tl.const
     tl.store(xq_ptr + at, q.to(tl.int8), mask=b < blocks)
     tl.store(dx_ptr + b, amax / 127.0, mask=b < blocks)
     tl.store(xsum_ptr + b, tl.sum(x, axis=1, keep_dims=True), mask=b < blocks)
+    if tl.program_id(0) == 0:
+        for i in range(0, n_counts, BLOCKS):
+            at = i + tl.arange(0, BLOCKS)
+            tl.store(counts + at, 0, mask=at < n_counts)
 
 
-def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_x(x: torch.Tensor, counts: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`x [1, K]` (K a multiple of 32) as `(int8 [K], step [K / 32], sum [K / 32])`, the
-    steps and sums float32."""
+    steps and sums float32; `counts` (int32), if given, zeroed (for K splits)."""
     k = x.shape[-1]
     assert k % SUB_K == 0 and x.stride(-1) == 1, (x.shape, x.stride())
     blocks = k // SUB_K
@@ -123,41 +145,60 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     dx = torch.empty(blocks, dtype=torch.float32, device=x.device)
     xsum = torch.empty(blocks, dtype=torch.float32, device=x.device)
     per_program = 32
+    n_counts = 0 if counts is None else counts.numel()
     _quantize_x_kernel[(triton.cdiv(blocks, per_program),)](
-        x, xq, dx, xsum, blocks, BLOCKS=per_program, num_warps=4)
+        x, xq, dx, xsum, blocks, xq if counts is None else counts, n_counts,
+        BLOCKS=per_program, num_warps=4)
     return xq, dx, xsum
 
 
-def launch(rows: int, device: torch.device) -> dict:
-    """The launch for `rows` output rows, not measured yet (docs/performance.md): the most
-    rows a program (up to 128, x's words shared by more of them) that still gives every
-    multiprocessor two programs, two super-blocks a step."""
+def launch(rows: int, cols: int, device: torch.device) -> dict:
+    """The launch for `rows x cols` weights, not measured yet (docs/performance.md): 64
+    rows a program (a thread's x words shared by several rows), two super-blocks a step, K
+    split while that keeps two programs a multiprocessor or fewer, up to 8 splits."""
     from infer.kernels.gguf_gemv import multiprocessors
 
-    block_n = 128
-    while block_n > 8 and triton.cdiv(rows, block_n) < 2 * multiprocessors(device):
-        block_n //= 2
-    return dict(block_n=block_n, units=2, num_warps=4)
+    block_n, units = 64, 2
+    programs, steps = triton.cdiv(rows, block_n), cols // SUPER_K // units
+    split = 1
+    while split < 8 and 2 * split <= steps and 2 * split * programs <= 2 * multiprocessors(
+            device):
+        split *= 2
+    return dict(block_n=block_n, units=units, split=split, num_warps=4)
 
 
 def q4k_gemv_int8x(x: torch.Tensor, words: torch.Tensor, cols: int, *, block_n: int = 32,
-                   units: int = 2, num_warps: int = 4,
-                   quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                   ) -> torch.Tensor:
+                   units: int = 2, split: int = 1, num_warps: int = 4,
+                   quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                   counts: torch.Tensor | None = None) -> torch.Tensor:
     """`x [1, cols]` times the transpose of the Q4_K weight `words [N, cols / 256 * 36]`
     (gguf_gemv.gemv_words), x rounded to int8 per 32 values (`quantized`: quantize_x(x),
-    made here if not given), `units` (a power of 2) super-blocks a step: `[1, N]` in x's
-    dtype."""
+    made here if not given), `units` (a power of 2) super-blocks a step, K split over
+    `split` programs a row block (`counts`: int32 zeros, one a row block, when `quantized`
+    is given; made here if not): `[1, N]` in x's dtype."""
     assert cols % SUPER_K == 0 and words.shape[1] == cols // SUPER_K * SUPER_WORDS, (
         cols, words.shape)
     n = words.shape[0]
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return y
-    xq, dx, xsum = quantized if quantized is not None else quantize_x(x)
+    supers = cols // SUPER_K
+    per_split = triton.cdiv(triton.cdiv(supers, max(1, split)), units) * units
+    split = triton.cdiv(supers, per_split)
+    row_blocks = triton.cdiv(n, block_n)
+    part = y
+    if split > 1:
+        part = torch.empty((split, n), dtype=torch.float32, device=x.device)
+        if counts is None and quantized is not None:
+            counts = torch.zeros(row_blocks, dtype=torch.int32, device=x.device)
+        elif counts is None:
+            counts = torch.empty(row_blocks, dtype=torch.int32, device=x.device)
+    if quantized is None:
+        quantized = quantize_x(x, counts)
+    xq, dx, xsum = quantized
     ptx = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-    _q4k_int8x_kernel[(triton.cdiv(n, block_n),)](
-        words, xq.view(torch.int32), dx, xsum, y, n, cols // SUPER_K, words.stride(0),
-        BLOCK_N=block_n, UNITS=units, EVEN=cols // SUPER_K % units == 0, PTX=ptx,
-        num_warps=num_warps)
+    _q4k_int8x_kernel[(row_blocks, split)](
+        words, xq.view(torch.int32), dx, xsum, y, part, xq if counts is None else counts, n,
+        supers, words.stride(0), split, per_split, BLOCK_N=block_n, UNITS=units,
+        EVEN=supers % units == 0, PTX=ptx, num_warps=num_warps)
     return y
