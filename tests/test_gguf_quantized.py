@@ -245,6 +245,25 @@ def test_a_model_kept_as_blocks_gives_the_dequantized_logits(tmp_path, llama_sou
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_a_q4_k_model_with_x_rounded_to_int8_stays_near_the_dequantized_logits(
+        tmp_path, llama_source):
+    """`gguf_int8_activations` through a whole model: its decode steps' logits move by x's
+    rounding only (the prefill, more than one row, stays exact)."""
+    from infer.quantization.gguf_gpu import set_gguf_int8_activations
+
+    path = write_gguf(tmp_path / "llama-Q4_K.gguf", "llama", llama_source, Q.Q4_K)
+    reference, cfg = load_gguf(path)
+    model, _ = load_gguf(path, device=DEVICE)
+    assert keep_gguf_quantized(model, quantized_blocks(open_gguf(path), cfg), as_blocks=True)
+    set_gguf_int8_activations(model, True)
+    seq = list(range(30, 50))
+    [got] = run_paged(model, [seq], [18])
+    [want] = run_paged(reference, [seq], [18])
+    error = (got.cpu() - want).abs().max().item() / want.abs().max().item()
+    assert 1e-6 < error < 3e-2, error  # rounded (not the exact path), and near it
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_a_fused_layer_of_mixed_types_keeps_a_run_per_type():
     """Q4_K_M's way: q and k in Q4_K, v in Q6_K, one fused q/k/v layer."""
 
