@@ -115,7 +115,8 @@ class GGUFBlocksLinearMethod(LinearMethod):
         # one count a row block of each run that splits K, zeroed as x is rounded
         blocks = [-(-len(words) // launch["block_n"]) if words is not None
                   and launch["split"] > 1 else 0 for _, _, words, launch in runs]
-        counts = torch.empty(sum(blocks), dtype=torch.int32, device=x.device)
+        counts = torch.empty(sum(blocks), dtype=torch.int32, device=x.device) \
+            if any(blocks) else None
         quantized = q4k.quantize_x(x, counts) if any(w is not None for *_, w, _ in runs) \
             else None
         parts, at = [], 0
@@ -124,7 +125,8 @@ class GGUFBlocksLinearMethod(LinearMethod):
                 parts.append(gguf_matmul(x, data, qtype, layer.cols))
             else:
                 parts.append(q4k.q4k_gemv_int8x(x, words, layer.cols, quantized=quantized,
-                                                counts=counts[at:at + n] if n else None,
+                                                counts=None if counts is None or not n
+                                                else counts[at:at + n],
                                                 **launch))
             at += n
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
