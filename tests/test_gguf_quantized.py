@@ -263,18 +263,25 @@ def test_a_q4_k_model_with_x_rounded_to_int8_stays_near_the_dequantized_logits(
     assert 1e-6 < error < 3e-2, error  # rounded (not the exact path), and near it
 
 
+def _q4_k_m_qkv_layer(cols: int, seed: int) -> tuple[QKVParallelLinear, list[torch.Tensor]]:
+    """A fused q/k/v layer of `cols` inputs kept in GGUF blocks as Q4_K_M stores it (q and
+    k in Q4_K, v in Q6_K), and its three weights dequantized by gguf (float64)."""
+    rng = np.random.default_rng(seed)
+    layer = QKVParallelLinear(cols, 64, 4, 2).to(DEVICE)
+    shards, parts = [], []
+    for name, qtype, rows in (("q", Q.Q4_K, 256), ("k", Q.Q4_K, 128), ("v", Q.Q6_K, 128)):
+        raw = random_kquant_blocks(rows * cols, qtype, rng).reshape(rows, -1)
+        shards.append(GGUFBlocks.of(name, qtype, (rows, cols), raw))
+        parts.append(torch.from_numpy(dequantize(raw, qtype).reshape(rows, cols)).double())
+    GGUFBlocksLinearMethod().load(layer, shards)
+    return layer, parts
+
+
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_a_fused_layer_of_mixed_types_keeps_a_run_per_type():
     """Q4_K_M's way: q and k in Q4_K, v in Q6_K, one fused q/k/v layer."""
 
-    rng = np.random.default_rng(0)
-    layer = QKVParallelLinear(256, 64, 4, 2).to(DEVICE)
-    shards, parts = [], []
-    for name, qtype, rows in (("q", Q.Q4_K, 256), ("k", Q.Q4_K, 128), ("v", Q.Q6_K, 128)):
-        raw = random_kquant_blocks(rows * 256, qtype, rng).reshape(rows, -1)
-        shards.append(GGUFBlocks.of(name, qtype, (rows, 256), raw))
-        parts.append(torch.from_numpy(dequantize(raw, qtype).reshape(rows, 256)).double())
-    GGUFBlocksLinearMethod().load(layer, shards)
+    layer, parts = _q4_k_m_qkv_layer(256, seed=0)
     assert [qtype for _, qtype in layer.gguf_runs] == [Q.Q4_K, Q.Q6_K]
     for rows in (1, 40):  # the kernels, then the dequantized weight
         x = torch.randn(rows, 256)
@@ -291,14 +298,7 @@ def test_gguf_int8_activations_take_the_q4_k_runs_of_one_row_only():
     from infer.kernels.gguf_q4k_int8x import launch, q4k_gemv_int8x
     from infer.quantization.gguf_gpu import set_gguf_int8_activations
 
-    rng = np.random.default_rng(1)
-    layer = QKVParallelLinear(2048, 64, 4, 2).to(DEVICE)
-    shards, parts = [], []
-    for name, qtype, rows in (("q", Q.Q4_K, 256), ("k", Q.Q4_K, 128), ("v", Q.Q6_K, 128)):
-        raw = random_kquant_blocks(rows * 2048, qtype, rng).reshape(rows, -1)
-        shards.append(GGUFBlocks.of(name, qtype, (rows, 2048), raw))
-        parts.append(torch.from_numpy(dequantize(raw, qtype).reshape(rows, 2048)).double())
-    GGUFBlocksLinearMethod().load(layer, shards)
+    layer, parts = _q4_k_m_qkv_layer(2048, seed=1)
     set_gguf_int8_activations(layer, True)
     x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     y = layer(x).cpu().double()

@@ -205,6 +205,24 @@ def _q6_k(magic, acc, p, g, xs, nv, ok, SHIFTED: tl.constexpr):
 
 
 @triton.jit
+def _store_rows(y, rows, y_ptr, part_ptr, counts, pid_n, pid_s, N, splits):
+    """Program (pid_n, pid_s)'s float32 sums `y` of `rows`: stored in `y`'s dtype when K is
+    not split; else into `part_ptr [splits, N]`, counted in `counts[pid_n]` (zeroed before),
+    and the last program of the row block adds the parts, in split order, into `y`."""
+    if splits == 1:
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+    else:
+        tl.store(part_ptr + pid_s * N + rows, y, mask=rows < N)
+        tl.debug_barrier()  # every thread's part stored before the count releases them
+        if tl.atomic_add(counts + pid_n, 1, sem="acq_rel") == splits - 1:
+            y = tl.load(part_ptr + rows, mask=rows < N, other=0.0, cache_modifier=".cg")
+            for s in range(1, splits):
+                y += tl.load(part_ptr + s * N + rows, mask=rows < N, other=0.0,
+                             cache_modifier=".cg")
+            tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
 def _gguf_gemv_kernel(
     xs, q_ptr, y_ptr, part_ptr, counts, N, K, nv, stride_qw, splits, units_per_split, magic,
     QTYPE: tl.constexpr, UNIT_K: tl.constexpr, UNIT_WORDS: tl.constexpr,
@@ -240,18 +258,8 @@ def _gguf_gemv_kernel(
             acc = _q6_k(magic, acc, p, sub, x, nv, ok, False)
             acc = _q6_k(magic, acc, p + 52, sub, x + 8, nv, ok, True)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if splits == 1:
-        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
-    else:
-        tl.store(part_ptr + pid_s * N + rows, y, mask=rows < N)
-        tl.debug_barrier()  # every thread's part stored before the count releases them
-        if tl.atomic_add(counts + pid_n, 1, sem="acq_rel") == splits - 1:
-            y = tl.load(part_ptr + rows, mask=rows < N, other=0.0, cache_modifier=".cg")
-            for s in range(1, splits):
-                y += tl.load(part_ptr + s * N + rows, mask=rows < N, other=0.0,
-                             cache_modifier=".cg")
-            tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+    _store_rows(y, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), y_ptr, part_ptr, counts, pid_n,
+                pid_s, N, splits)
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels.gguf_gemv import _f16_hi, _f16_lo, _q4_k_scales, _word
+from infer.kernels.gguf_gemv import _f16_hi, _f16_lo, _q4_k_scales, _store_rows, _word
 
 SUPER_K, SUPER_WORDS, SUB_K = 256, 36, 32
 _HIGH_NIBBLES = tl.constexpr(-0x0F0F0F10)  # 0xF0F0F0F0 as an int32
@@ -58,9 +58,7 @@ def _q4k_int8x_kernel(words, xq, dx, xsum, y_ptr, part_ptr, counts, N, units, st
     """Program (n, s) owns rows `n * BLOCK_N..` and super-blocks `s * per_split..` of K,
     UNITS a step: `[BLOCK_N, UNITS * 4 chunks, 4]` words of nibbles (a chunk's 8 words as
     two runs of 4, 16-byte loads) against `[1, UNITS * 4, 4]` of int8 x, shared by the rows
-    a thread holds. With `splits` > 1 each writes its float32 sums to `part_ptr [splits,
-    N]` and counts itself in `counts[n]` (zeroed before): the last of a row block adds the
-    parts, in split order, into `y`."""
+    a thread holds. K split over `splits` programs: gguf_gemv._store_rows."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
@@ -98,18 +96,8 @@ def _q4k_int8x_kernel(words, xq, dx, xsum, y_ptr, part_ptr, counts, N, units, st
                 + ((mn >> 8) & 0x3F).to(tl.float32) * tl.load(xsum + sub + 1))
         acc += _f16_lo(head) * scaled - _f16_hi(head) * mins
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if splits == 1:
-        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
-    else:
-        tl.store(part_ptr + pid_s * N + rows, y, mask=rows < N)
-        tl.debug_barrier()  # every thread's part stored before the count releases them
-        if tl.atomic_add(counts + pid_n, 1, sem="acq_rel") == splits - 1:
-            y = tl.load(part_ptr + rows, mask=rows < N, other=0.0, cache_modifier=".cg")
-            for s in range(1, splits):
-                y += tl.load(part_ptr + s * N + rows, mask=rows < N, other=0.0,
-                             cache_modifier=".cg")
-            tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+    _store_rows(y, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), y_ptr, part_ptr, counts, pid_n,
+                pid_s, N, splits)
 
 
 @triton.jit
