@@ -95,7 +95,8 @@ def test_q4k_int8x_is_the_product_with_its_rounded_x_and_within_the_rounding(
 
 
 def test_q4k_int8x_splits_of_k_made_here_and_called_twice():
-    """Counts zeroed by the rounding of x (made here), twice in a row: the same result."""
+    """K split over programs, twice in a row: the counters the first launch used are left
+    at zero for the second, which gives the same result as the first and as no split."""
     from infer.kernels.gguf_gemv import gemv_words
     from infer.kernels.gguf_q4k_int8x import q4k_gemv_int8x
 

@@ -34,12 +34,16 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as QType
 
+from infer.kernels import launch_counters
+
 # Weights, 32-bit words, data words (those `xs` covers) and scale groups per unit.
 UNITS_OF: dict[QType, tuple[int, int, int, int]] = {
     QType.Q4_K: (256, 36, 32, 4), QType.Q6_K: (512, 105, 64, 8),
 }
 _Q4_K = tl.constexpr(int(QType.Q4_K))
 _Q6_K = tl.constexpr(int(QType.Q6_K))
+# Row blocks a launch that splits K may have: a counter each (launch_counters).
+MAX_BLOCKS = 1 << 16
 MAGIC = 0x4B000000  # 2^23 as float32 bits: a kernel argument, so that it sits in a register
 
 
@@ -207,8 +211,9 @@ def _q6_k(magic, acc, p, g, xs, nv, ok, SHIFTED: tl.constexpr):
 @triton.jit
 def _store_rows(y, rows, y_ptr, part_ptr, counts, pid_n, pid_s, N, splits):
     """Program (pid_n, pid_s)'s float32 sums `y` of `rows`: stored in `y`'s dtype when K is
-    not split; else into `part_ptr [splits, N]`, counted in `counts[pid_n]` (zeroed before),
-    and the last program of the row block adds the parts, in split order, into `y`."""
+    not split; else into `part_ptr [splits, N]`, counted in `counts[pid_n]` (a
+    `launch_counters` counter: zero before, and set back to zero by the last program of
+    the row block, which adds the parts, in split order, into `y`)."""
     if splits == 1:
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
     else:
@@ -220,6 +225,7 @@ def _store_rows(y, rows, y_ptr, part_ptr, counts, pid_n, pid_s, N, splits):
                 y += tl.load(part_ptr + s * N + rows, mask=rows < N, other=0.0,
                              cache_modifier=".cg")
             tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+            tl.atomic_xchg(counts + pid_n, 0, sem="relaxed")
 
 
 @triton.jit
@@ -230,9 +236,8 @@ def _gguf_gemv_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """Program (n, s) owns rows `n * BLOCK_N..` and units `s * units_per_split..` of K
-    (`units_per_split` a multiple of UNITS). With `splits` > 1 each writes its float32 sums
-    to `part_ptr [splits, N]` and counts itself in `counts[n]` (zeroed by _gemv_x_kernel):
-    the last of a row block adds the parts, in split order, into `y`."""
+    (`units_per_split` a multiple of UNITS). With `splits` > 1 the parts are added as
+    `_store_rows` says."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
@@ -263,9 +268,9 @@ def _gguf_gemv_kernel(
 
 
 @triton.jit
-def _gemv_x_kernel(x_ptr, xs, nv, counts, n_counts, QTYPE: tl.constexpr, BLOCK: tl.constexpr):
+def _gemv_x_kernel(x_ptr, xs, nv, QTYPE: tl.constexpr, BLOCK: tl.constexpr):
     """`xs[e, v]` for data words v of a program's block (module docstring), then Q4_K's sums
-    of x over sub-blocks at `xs[8 * nv + s]`; program 0 zeroes `counts[:n_counts]`."""
+    of x over sub-blocks at `xs[8 * nv + s]`."""
     v = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = v < nv
     for e in tl.static_range(8):
@@ -296,23 +301,16 @@ def _gemv_x_kernel(x_ptr, xs, nv, counts, n_counts, QTYPE: tl.constexpr, BLOCK: 
         x = tl.load(x_ptr + s * 32 + tl.arange(0, 32)[None, :], mask=s < nv // 4, other=0.0)
         tl.store(xs + 8 * nv + s, tl.sum(x.to(tl.float32), axis=1, keep_dims=True),
                  mask=s < nv // 4)
-    if tl.program_id(0) == 0:
-        for c in range(0, n_counts, BLOCK):
-            tl.store(counts + c + tl.arange(0, BLOCK), 0, mask=c + tl.arange(0, BLOCK) < n_counts)
 
 
-def gemv_x(x: torch.Tensor, qtype: QType, cols: int, counts: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, int]:
-    """`(xs, data words per row)` for `x [1, cols]` and weights of `qtype`; `counts`
-    (int32), if given, zeroed."""
+def gemv_x(x: torch.Tensor, qtype: QType, cols: int) -> tuple[torch.Tensor, int]:
+    """`(xs, data words per row)` for `x [1, cols]` and weights of `qtype`."""
     unit_k, _, unit_data, _ = UNITS_OF[qtype]
     nv = cols * unit_data // unit_k
     xs = torch.empty(9 * nv, dtype=torch.float32, device=x.device)
-    n_counts = 0 if counts is None else counts.numel()
     block = 256
-    _gemv_x_kernel[(triton.cdiv(nv, block),)](
-        x, xs, nv, xs if counts is None else counts, n_counts, QTYPE=int(qtype), BLOCK=block,
-        num_warps=4)
+    _gemv_x_kernel[(triton.cdiv(nv, block),)](x, xs, nv, QTYPE=int(qtype), BLOCK=block,
+                                              num_warps=4)
     return xs, nv
 
 
@@ -368,10 +366,10 @@ def gguf_gemv(x: torch.Tensor, words: torch.Tensor, qtype: QType, cols: int, *, 
     split = triton.cdiv(steps, per_split)
     row_blocks = triton.cdiv(n, block_n)
     part = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    counts = torch.empty(row_blocks, dtype=torch.int32, device=x.device) if split > 1 else None
-    xs, nv = gemv_x(x, qtype, cols, counts)
+    counts = launch_counters("gguf_gemv", x.device, MAX_BLOCKS, row_blocks * (split > 1))
+    xs, nv = gemv_x(x, qtype, cols)
     _gguf_gemv_kernel[(row_blocks, split)](
-        xs, words, y, part, xs if counts is None else counts, n, cols, nv, words.stride(0),
+        xs, words, y, part, counts, n, cols, nv, words.stride(0),
         split, per_split, MAGIC, QTYPE=int(qtype), UNIT_K=unit_k, UNIT_WORDS=unit_words,
         UNIT_DATA=unit_data, GROUPS=groups, UNITS=units, BLOCK_N=block_n,
         num_warps=num_warps, **({} if maxnreg is None else dict(maxnreg=maxnreg)),

@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels.gguf_gemv import _f16_hi, _f16_lo, _q4_k_scales, _store_rows, _word
+from infer.kernels import launch_counters
+from infer.kernels.gguf_gemv import MAX_BLOCKS, _f16_hi, _f16_lo, _q4_k_scales, _store_rows, _word
 
 SUPER_K, SUPER_WORDS, SUB_K = 256, 36, 32
 _HIGH_NIBBLES = tl.constexpr(-0x0F0F0F10)  # 0xF0F0F0F0 as an int32
@@ -101,11 +102,9 @@ def _q4k_int8x_kernel(words, xq, dx, xsum, y_ptr, part_ptr, counts, N, units, st
 
 
 @triton.jit
-def _quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, xsum_ptr, blocks, counts, n_counts,
-                       BLOCKS: tl.constexpr):
+def _quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, xsum_ptr, blocks, BLOCKS: tl.constexpr):
     """Blocks of 32 values of x: int8 `round(x / step)` (half away from zero), the step
-    `amax / 127` (0 for a block of zeros), and the block's exact sum; program 0 zeroes
-    `counts[:n_counts]`."""
+    `amax / 127` (0 for a block of zeros), and the block's exact sum."""
     b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
     at = b * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + at, mask=b < blocks, other=0.0).to(tl.float32)
@@ -116,16 +115,11 @@ def _quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, xsum_ptr, blocks, counts, n_counts
     tl.store(xq_ptr + at, q.to(tl.int8), mask=b < blocks)
     tl.store(dx_ptr + b, amax / 127.0, mask=b < blocks)
     tl.store(xsum_ptr + b, tl.sum(x, axis=1, keep_dims=True), mask=b < blocks)
-    if tl.program_id(0) == 0:
-        for i in range(0, n_counts, BLOCKS):
-            at = i + tl.arange(0, BLOCKS)
-            tl.store(counts + at, 0, mask=at < n_counts)
 
 
-def quantize_x(x: torch.Tensor, counts: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`x [1, K]` (K a multiple of 32) as `(int8 [K], step [K / 32], sum [K / 32])`, the
-    steps and sums float32; `counts` (int32), if given, zeroed (for K splits)."""
+    steps and sums float32."""
     k = x.shape[-1]
     assert k % SUB_K == 0 and x.stride(-1) == 1, (x.shape, x.stride())
     blocks = k // SUB_K
@@ -133,10 +127,8 @@ def quantize_x(x: torch.Tensor, counts: torch.Tensor | None = None
     dx = torch.empty(blocks, dtype=torch.float32, device=x.device)
     xsum = torch.empty(blocks, dtype=torch.float32, device=x.device)
     per_program = 32
-    n_counts = 0 if counts is None else counts.numel()
     _quantize_x_kernel[(triton.cdiv(blocks, per_program),)](
-        x, xq, dx, xsum, blocks, xq if counts is None else counts, n_counts,
-        BLOCKS=per_program, num_warps=4)
+        x, xq, dx, xsum, blocks, BLOCKS=per_program, num_warps=4)
     return xq, dx, xsum
 
 
@@ -157,13 +149,12 @@ def launch(rows: int, cols: int, device: torch.device) -> dict:
 
 def q4k_gemv_int8x(x: torch.Tensor, words: torch.Tensor, cols: int, *, block_n: int = 32,
                    units: int = 2, split: int = 1, num_warps: int = 4,
-                   quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                   counts: torch.Tensor | None = None) -> torch.Tensor:
+                   quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                   ) -> torch.Tensor:
     """`x [1, cols]` times the transpose of the Q4_K weight `words [N, cols / 256 * 36]`
     (gguf_gemv.gemv_words), x rounded to int8 per 32 values (`quantized`: quantize_x(x),
     made here if not given), `units` (a power of 2) super-blocks a step, K split over
-    `split` programs a row block (`counts`: int32 zeros, one a row block, when `quantized`
-    is given; made here if not): `[1, N]` in x's dtype."""
+    `split` programs a row block: `[1, N]` in x's dtype."""
     assert cols % SUPER_K == 0 and words.shape[1] == cols // SUPER_K * SUPER_WORDS, (
         cols, words.shape)
     n = words.shape[0]
@@ -174,19 +165,12 @@ def q4k_gemv_int8x(x: torch.Tensor, words: torch.Tensor, cols: int, *, block_n: 
     per_split = triton.cdiv(triton.cdiv(supers, max(1, split)), units) * units
     split = triton.cdiv(supers, per_split)
     row_blocks = triton.cdiv(n, block_n)
-    part = y
-    if split > 1:
-        part = torch.empty((split, n), dtype=torch.float32, device=x.device)
-        if counts is None and quantized is not None:
-            counts = torch.zeros(row_blocks, dtype=torch.int32, device=x.device)
-        elif counts is None:
-            counts = torch.empty(row_blocks, dtype=torch.int32, device=x.device)
-    if quantized is None:
-        quantized = quantize_x(x, counts)
-    xq, dx, xsum = quantized
+    part = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    counts = launch_counters("gguf_q4k_int8x", x.device, MAX_BLOCKS, row_blocks * (split > 1))
+    xq, dx, xsum = quantized if quantized is not None else quantize_x(x)
     ptx = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     _q4k_int8x_kernel[(row_blocks, split)](
-        words, xq.view(torch.int32), dx, xsum, y, part, xq if counts is None else counts, n,
-        supers, words.stride(0), split, per_split, BLOCK_N=block_n, UNITS=units,
-        EVEN=supers % units == 0, PTX=ptx, num_warps=num_warps)
+        words, xq.view(torch.int32), dx, xsum, y, part, counts, n, supers, words.stride(0),
+        split, per_split, BLOCK_N=block_n, UNITS=units, EVEN=supers % units == 0, PTX=ptx,
+        num_warps=num_warps)
     return y

@@ -98,37 +98,22 @@ class GGUFBlocksLinearMethod(LinearMethod):
         return y if bias is None else y + bias
 
     def _int8_x_row(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """One row: the Q4_K runs by x rounded to int8 (once for all of them), dp4a."""
+        """One row: the Q4_K runs by x rounded to int8 (once for all of them), dp4a; the
+        other runs as gguf_matmul multiplies them."""
         from infer.kernels import gguf_q4k_int8x as q4k
         from infer.kernels.gguf_gemv import gemv_words
         from infer.kernels.gguf_matmul import gguf_matmul
 
-        runs = []  # (data, qtype, words, launch): words None for the exact path
+        quantized, parts = None, []
         for name, qtype in layer.gguf_runs:
             data = getattr(layer, name)
             words = gemv_words(data, qtype) if qtype == QType.Q4_K else None
-            if words is None or layer.cols % q4k.SUPER_K:
-                runs.append((data, qtype, None, None))
-            else:
-                runs.append((data, qtype, words, q4k.launch(len(words), layer.cols,
-                                                           x.device)))
-        # one count a row block of each run that splits K, zeroed as x is rounded
-        blocks = [-(-len(words) // launch["block_n"]) if words is not None
-                  and launch["split"] > 1 else 0 for _, _, words, launch in runs]
-        counts = torch.empty(sum(blocks), dtype=torch.int32, device=x.device) \
-            if any(blocks) else None
-        quantized = q4k.quantize_x(x, counts) if any(w is not None for *_, w, _ in runs) \
-            else None
-        parts, at = [], 0
-        for (data, qtype, words, launch), n in zip(runs, blocks):
             if words is None:
                 parts.append(gguf_matmul(x, data, qtype, layer.cols))
-            else:
-                parts.append(q4k.q4k_gemv_int8x(x, words, layer.cols, quantized=quantized,
-                                                counts=None if counts is None or not n
-                                                else counts[at:at + n],
-                                                **launch))
-            at += n
+                continue
+            quantized = quantized or q4k.quantize_x(x)
+            parts.append(q4k.q4k_gemv_int8x(x, words, layer.cols, quantized=quantized,
+                                            **q4k.launch(len(words), layer.cols, x.device)))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _fused(self, layer: nn.Module, rows: int) -> bool:
