@@ -151,7 +151,7 @@ def int8x_sweep(copy_gbs: float) -> list[dict]:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         chosen = q4k.launch(n, k, x.device)
         configs = [chosen] + [dict(block_n=b, units=u, split=s, num_warps=4)
-                              for b, u, s in itertools.product((16, 32, 64, 128), (1, 2),
+                              for b, u, s in itertools.product((8, 16, 32, 64, 128), (1, 2),
                                                                (1, 2, 4, 8))]
         best = chosen_row = None
         for config in configs:

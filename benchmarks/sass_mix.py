@@ -122,15 +122,15 @@ def _cases() -> list[Case]:
         ["xs", "q_ptr", "y_ptr", "part_ptr", "counts", "stride_qw"],  # 8B rows: 16 x 36 words
         launch["block_n"] * launch["units"] * 256, 144 / 256, num_warps=launch["num_warps"],
         note=f"launch ({launch['block_n']} rows, {launch['num_warps']} warps)"))
-    for block_n, units in ((16, 2), (32, 2), (64, 2), (128, 1)):
+    for block_n, units in ((16, 2), (32, 2), (64, 2), (64, 1)):
         cases.append(Case(
             f"gguf q4_k x int8 (one row, dp4a, {block_n} rows a program)",
             "gguf_q4k_int8x:_q4k_int8x_kernel",
-            dict(words="*i32", xq="*i32", dx="*fp32", xsum="*fp32", y_ptr="*bf16",
+            dict(words="*i32", xq="*i32", side="*fp32", y_ptr="*bf16",
                  part_ptr="*fp32", counts="*i32", N=i32, units=i32, stride_w=i32, splits=i32,
                  per_split=i32),
             dict(BLOCK_N=block_n, UNITS=units, EVEN=True, PTX=True),
-            ["words", "xq", "dx", "xsum", "y_ptr", "stride_w"],
+            ["words", "xq", "side", "y_ptr", "stride_w"],
             block_n * units * 256, 144 / 256, num_warps=4,
             note=f"launch ({block_n} rows, {units} super-blocks, 4 warps)"))
     return cases

@@ -46,7 +46,8 @@ def test_quantize_x_rounds_each_block_of_32_to_int8_steps():
     x[0, 32:64] = 0  # a block of zeros: step 0, values 0
     x[0, 64:96] *= 1e4  # large values
     x[0, 100] = -x[0, 96:128].abs().max() * 2  # the block's largest is negative
-    xq, dx, xsum = (t.cpu() for t in quantize_x(x.to(DEVICE)))
+    xq, side = (t.cpu() for t in quantize_x(x.to(DEVICE)))
+    dx, xsum = side[:, :2].reshape(-1), side[:, 2:].reshape(-1)  # steps, sums of each pair
     blocks_x = x.reshape(8, 32).double()
     amax = blocks_x.abs().amax(dim=1)
     assert torch.allclose(dx.double(), amax / 127, rtol=1e-6, atol=0)
@@ -78,7 +79,8 @@ def test_q4k_int8x_is_the_product_with_its_rounded_x_and_within_the_rounding(
     y = q4k_gemv_int8x(x.to(DEVICE), words, k, block_n=block_n, units=units, split=split,
                        quantized=quantized).cpu()
     assert y.shape == (1, n) and y.dtype == dtype and torch.isfinite(y).all()
-    xq, dx, _ = (t.cpu().double() for t in quantized)
+    xq, side = (t.cpu().double() for t in quantized)
+    dx = side[:, :2].reshape(-1)
     rounded = (xq.reshape(-1, 32) * dx[:, None]).reshape(1, k)
     w, w0, exact_x = dequantized(raw), min_terms(raw), x.double()
     # The kernel's sum: the int8 products by sub-block scale, the min term by exact sums.

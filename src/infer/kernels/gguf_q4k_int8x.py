@@ -15,6 +15,12 @@ scales `d` (low half) and `dmin`, words 1-3 the 6-bit sub-block scales and mins,
 4 + 8c + j (chunk c < 4, j < 8) weights 64c + 4j.. in their low nibbles (sub-block 2c) and
 64c + 32 + 4j.. in their high ones (sub-block 2c + 1): x's int8 words 16c + j and
 16c + 8 + j of the super-block.
+
+What bounds it on an H200 is the L1's throughput, not the instructions or DRAM (Nsight
+Compute, docs/performance.md): the threads of a warp lie along the rows' bytes (8 a
+super-block, 4 rows a warp), so that its 16-byte loads of nibbles cover whole runs, its
+loads of x serve 4 rows at once, and a super-block's header and a chunk's steps and sums
+of x each come in one 16-byte load.
 """
 
 from __future__ import annotations
@@ -49,62 +55,91 @@ def _dp4a(a, b, acc, PTX: tl.constexpr):
 
 @triton.jit
 def _runs_of_4(v):
-    return tl.max_contiguous(tl.multiple_of(v, [1, 1, 4]), [1, 1, 4])
+    """`v [.., 4]`: runs of 4 consecutive words from multiples of 4 (16-byte loads)."""
+    return tl.max_contiguous(tl.multiple_of(v, [1, 1, 1, 4]), [1, 1, 1, 4])
 
 
 @triton.jit
-def _q4k_int8x_kernel(words, xq, dx, xsum, y_ptr, part_ptr, counts, N, units, stride_w,
-                      splits, per_split, BLOCK_N: tl.constexpr, UNITS: tl.constexpr,
+def _header(p, ok, EVEN: tl.constexpr, PTX: tl.constexpr):
+    """A super-block's words 0-3 (`d | dmin`, the packed scales), `d | dmin` 0 where not
+    `ok`: on a GPU one 16-byte load (the 8 threads of a super-block ask the same address)."""
+    if PTX:
+        head, s0, s1, s2 = tl.inline_asm_elementwise(
+            asm="ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", constraints="=r,=r,=r,=r,l",
+            args=[p.to(tl.int64, bitcast=True)], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True, pack=1)
+        head, s0 = head.to(tl.uint32, bitcast=True), s0.to(tl.uint32, bitcast=True)
+        s1, s2 = s1.to(tl.uint32, bitcast=True), s2.to(tl.uint32, bitcast=True)
+    else:
+        head, s0, s1, s2 = _word(p), _word(p + 1), _word(p + 2), _word(p + 3)
+    if not EVEN:
+        head = tl.where(ok, head, 0)
+    return head, s0, s1, s2
+
+
+@triton.jit
+def _four(p, PTX: tl.constexpr):
+    """The four float32 at `p` (16-byte aligned): on a GPU one 16-byte load."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            asm="ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", constraints="=r,=r,=r,=r,l",
+            args=[p.to(tl.int64, bitcast=True)],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3)
+
+
+@triton.jit
+def _q4k_int8x_kernel(words, xq, side, y_ptr, part_ptr, counts, N, units, stride_w, splits,
+                      per_split, BLOCK_N: tl.constexpr, UNITS: tl.constexpr,
                       EVEN: tl.constexpr, PTX: tl.constexpr):
     """Program (n, s) owns rows `n * BLOCK_N..` and super-blocks `s * per_split..` of K,
-    UNITS a step: `[BLOCK_N, UNITS * 4 chunks, 4]` words of nibbles (a chunk's 8 words as
-    two runs of 4, 16-byte loads) against `[1, UNITS * 4, 4]` of int8 x, shared by the rows
-    a thread holds. K split over `splits` programs: gguf_gemv._store_rows."""
+    UNITS a step: `[UNITS, BLOCK_N, 8, 4]` words of nibbles, a thread 4 of them (half a
+    chunk) and their 8 words of x (shared by the rows a warp holds); a chunk's two halves
+    each add half its min term. Scales apply to `[UNITS, BLOCK_N, 8]` sums (a size-1
+    dimension would have its own layout, converted through shared memory every step). K
+    split over `splits` programs: gguf_gemv._store_rows."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
-    g = tl.arange(0, UNITS * 4)[None, :, None]
-    c = g % 4  # the chunk in its super-block
-    j = tl.arange(0, 4)[None, None, :]
+    ui = tl.arange(0, UNITS)[:, None, None]
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
+    h = tl.arange(0, 8)[None, None, :]  # a half chunk: words 4h.. of the nibbles
+    j = tl.arange(0, 4)[None, None, None, :]
+    c = h // 2  # its chunk
     stride_w = tl.multiple_of(stride_w, 4)  # 144-byte super-blocks: 16-byte aligned rows
     row = words + tl.minimum(rn, N - 1).to(tl.int64) * stride_w  # rows past N: the last
-    acc = tl.zeros((BLOCK_N, UNITS * 4, 1), dtype=tl.float32)
+    acc = tl.zeros((UNITS, BLOCK_N, 8), dtype=tl.float32)
     u_end = tl.minimum(pid_s * per_split + per_split, units)
     for u0 in range(pid_s * per_split, u_end, UNITS):
-        u = u0 + g // 4
+        u = u0 + ui
         if EVEN:
             ok = True
         else:  # past the split's last super-block: that one again, its scale taken as 0
             ok = u < u_end
             u = tl.minimum(u, u_end - 1)
         p = row + u * 36
-        wa = tl.load(p + _runs_of_4(4 + c * 8 + j))
-        wb = tl.load(p + _runs_of_4(8 + c * 8 + j))
-        x = xq + u * 64 + c * 16
-        lo = _dp4a(wa & 0x0F0F0F0F, tl.load(x + _runs_of_4(j)), 0, PTX)
-        lo = _dp4a(wb & 0x0F0F0F0F, tl.load(x + _runs_of_4(4 + j)), lo, PTX)
-        # the high nibbles where they lie (16 times their value): no shift
-        hi = _dp4a(wa & _HIGH_NIBBLES, tl.load(x + _runs_of_4(8 + j)), 0, PTX)
-        hi = _dp4a(wb & _HIGH_NIBBLES, tl.load(x + _runs_of_4(12 + j)), hi, PTX)
-        lo = tl.sum(lo, axis=2, keep_dims=True).to(tl.float32)
-        hi = tl.sum(hi, axis=2, keep_dims=True).to(tl.float32)
-        head = _word(p) if EVEN else tl.load(p, mask=ok, other=0).to(tl.uint32, bitcast=True)
-        sc, mn = _q4_k_scales(_word(p + 1), _word(p + 2), _word(p + 3), c)
+        w = tl.load(p[:, :, :, None] + _runs_of_4((4 + h * 4)[:, :, :, None] + j))
+        # low nibbles: x words 16c + 4(h % 2) + j = 8c + 4h + j; high ones: 8 further
+        x = xq + u[:, :, :, None] * 64 + _runs_of_4((c * 8 + h * 4)[:, :, :, None] + j)
+        lo = tl.sum(_dp4a(w & 0x0F0F0F0F, tl.load(x), 0, PTX), axis=3)
+        hi = tl.sum(_dp4a(w & _HIGH_NIBBLES, tl.load(x + 8), 0, PTX), axis=3)
+        head, s0, s1, s2 = _header(p, ok, EVEN, PTX)
+        sc, mn = _q4_k_scales(s0, s1, s2, c)
         sub = u * 8 + c * 2  # sub-blocks 2c and 2c + 1 of the super-block
-        scaled = ((sc & 0x3F).to(tl.float32) * tl.load(dx + sub)) * lo
-        scaled += (((sc >> 8) & 0x3F).to(tl.float32) * (tl.load(dx + sub + 1) * 0.0625)) * hi
-        mins = ((mn & 0x3F).to(tl.float32) * tl.load(xsum + sub)
-                + ((mn >> 8) & 0x3F).to(tl.float32) * tl.load(xsum + sub + 1))
-        acc += _f16_lo(head) * scaled - _f16_hi(head) * mins
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+        dx0, dx1, sum0, sum1 = _four(side + sub * 2, PTX)  # x's of sub-blocks 2c, 2c + 1
+        scaled = ((sc & 0x3F).to(tl.float32) * dx0) * lo.to(tl.float32)
+        scaled += (((sc >> 8) & 0x3F).to(tl.float32) * (dx1 * 0.0625)) * hi.to(tl.float32)
+        mins = (mn & 0x3F).to(tl.float32) * sum0 + ((mn >> 8) & 0x3F).to(tl.float32) * sum1
+        acc += _f16_lo(head) * scaled - (0.5 * _f16_hi(head)) * mins
+    y = tl.sum(tl.sum(acc, axis=2), axis=0)
     _store_rows(y, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), y_ptr, part_ptr, counts, pid_n,
                 pid_s, N, splits)
 
 
 @triton.jit
-def _quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, xsum_ptr, blocks, BLOCKS: tl.constexpr):
+def _quantize_x_kernel(x_ptr, xq_ptr, side_ptr, blocks, BLOCKS: tl.constexpr):
     """Blocks of 32 values of x: int8 `round(x / step)` (half away from zero), the step
-    `amax / 127` (0 for a block of zeros), and the block's exact sum."""
+    `amax / 127` (0 for a block of zeros), and the block's exact sum: block b's step at
+    `side[b // 2 * 4 + b % 2]`, its sum 2 further."""
     b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
     at = b * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + at, mask=b < blocks, other=0.0).to(tl.float32)
@@ -113,35 +148,36 @@ def _quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, xsum_ptr, blocks, BLOCKS: tl.const
     q = (x * inverse + tl.where(x < 0, -0.5, 0.5)).to(tl.int32)
     q = tl.minimum(tl.maximum(q, -127), 127)
     tl.store(xq_ptr + at, q.to(tl.int8), mask=b < blocks)
-    tl.store(dx_ptr + b, amax / 127.0, mask=b < blocks)
-    tl.store(xsum_ptr + b, tl.sum(x, axis=1, keep_dims=True), mask=b < blocks)
+    at = side_ptr + b // 2 * 4 + b % 2
+    tl.store(at, amax / 127.0, mask=b < blocks)
+    tl.store(at + 2, tl.sum(x, axis=1, keep_dims=True), mask=b < blocks)
 
 
-def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`x [1, K]` (K a multiple of 32) as `(int8 [K], step [K / 32], sum [K / 32])`, the
-    steps and sums float32."""
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x [1, K]` (K a multiple of 64) as `(int8 [K], side [K / 64, 4])`: for each pair of
+    blocks of 32, `side` holds their steps, then their sums (float32)."""
     k = x.shape[-1]
-    assert k % SUB_K == 0 and x.stride(-1) == 1, (x.shape, x.stride())
+    assert k % (2 * SUB_K) == 0 and x.stride(-1) == 1, (x.shape, x.stride())
     blocks = k // SUB_K
     xq = torch.empty(k, dtype=torch.int8, device=x.device)
-    dx = torch.empty(blocks, dtype=torch.float32, device=x.device)
-    xsum = torch.empty(blocks, dtype=torch.float32, device=x.device)
+    side = torch.empty((blocks // 2, 4), dtype=torch.float32, device=x.device)
     per_program = 32
     _quantize_x_kernel[(triton.cdiv(blocks, per_program),)](
-        x, xq, dx, xsum, blocks, BLOCKS=per_program, num_warps=4)
-    return xq, dx, xsum
+        x, xq, side, blocks, BLOCKS=per_program, num_warps=4)
+    return xq, side
 
 
 def launch(rows: int, cols: int, device: torch.device) -> dict:
-    """The launch for `rows x cols` weights, not measured yet (docs/performance.md): 64
-    rows a program (a thread's x words shared by several rows), two super-blocks a step, K
-    split while that keeps two programs a multiprocessor or fewer, up to 8 splits."""
+    """The launch for `rows x cols` weights: 64 rows a program, two super-blocks a step, K
+    split in two while that keeps the programs within four a multiprocessor (up to 8
+    splits). On an H200 (`quantized_gemv.py --int8x-sweep`, 8B shapes) it picks each
+    shape's fastest launch of those swept but for qkv's (its second, 1 % slower)."""
     from infer.kernels.gguf_gemv import multiprocessors
 
     block_n, units = 64, 2
     programs, steps = triton.cdiv(rows, block_n), cols // SUPER_K // units
     split = 1
-    while split < 8 and 2 * split <= steps and 2 * split * programs <= 2 * multiprocessors(
+    while split < 8 and 2 * split <= steps and 2 * split * programs <= 4 * multiprocessors(
             device):
         split *= 2
     return dict(block_n=block_n, units=units, split=split, num_warps=4)
@@ -149,7 +185,7 @@ def launch(rows: int, cols: int, device: torch.device) -> dict:
 
 def q4k_gemv_int8x(x: torch.Tensor, words: torch.Tensor, cols: int, *, block_n: int = 32,
                    units: int = 2, split: int = 1, num_warps: int = 4,
-                   quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                   quantized: tuple[torch.Tensor, torch.Tensor] | None = None
                    ) -> torch.Tensor:
     """`x [1, cols]` times the transpose of the Q4_K weight `words [N, cols / 256 * 36]`
     (gguf_gemv.gemv_words), x rounded to int8 per 32 values (`quantized`: quantize_x(x),
@@ -167,10 +203,10 @@ def q4k_gemv_int8x(x: torch.Tensor, words: torch.Tensor, cols: int, *, block_n: 
     row_blocks = triton.cdiv(n, block_n)
     part = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else y
     counts = launch_counters("gguf_q4k_int8x", x.device, MAX_BLOCKS, row_blocks * (split > 1))
-    xq, dx, xsum = quantized if quantized is not None else quantize_x(x)
+    xq, side = quantized if quantized is not None else quantize_x(x)
     ptx = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     _q4k_int8x_kernel[(row_blocks, split)](
-        words, xq.view(torch.int32), dx, xsum, y, part, counts, n, supers, words.stride(0),
+        words, xq.view(torch.int32), side, y, part, counts, n, supers, words.stride(0),
         split, per_split, BLOCK_N=block_n, UNITS=units, EVEN=supers % units == 0, PTX=ptx,
         num_warps=num_warps)
     return y
