@@ -124,7 +124,7 @@ def _cases() -> list[Case]:
         note=f"launch ({launch['block_n']} rows, {launch['num_warps']} warps)"))
     for block_n, units in ((16, 2), (32, 2), (64, 2), (64, 1)):
         cases.append(Case(
-            f"gguf q4_k x int8 (one row, dp4a, {block_n} rows a program)",
+            f"gguf q4_k x int8 (one row, dp4a, {block_n} rows x {units} super-blocks)",
             "gguf_q4k_int8x:_q4k_int8x_kernel",
             dict(words="*i32", xq="*i32", side="*fp32", y_ptr="*bf16",
                  part_ptr="*fp32", counts="*i32", N=i32, units=i32, stride_w=i32, splits=i32,
