@@ -14,7 +14,13 @@ issues per byte, the more of the SMs' issue slots the copy rate needs (an H200 i
 full issue rate, fewer in practice), which is where an 8-bit weight's conversion to float
 shows.
 
-    python benchmarks/sass_mix.py [--kernels gemv_bf16 w8a16_int8 ...] [--suffix S]
+Compile with the device's Triton version: the layout Triton picks for a tile, and so
+which thread loads which bytes, differs between versions (Triton 3.6, the device's, gave
+each thread a whole Q4_K super-block where 3.9 spread it over 8 threads; docs/performance
+.md). The table's first line says which version compiled it.
+
+    pip install --target /tmp/t36 triton==3.6.0   # once: the device's version
+    PYTHONPATH=/tmp/t36:src python benchmarks/sass_mix.py [--kernels gemv_bf16 ...] [--suffix S]
 """
 
 from __future__ import annotations
@@ -245,6 +251,9 @@ def main() -> None:
     cases = [case for case in _cases()
              if not args.kernels or any(case.name.startswith(k) for k in args.kernels)]
     rows = [analyse(case) for case in cases]
+    import triton
+
+    print(f"[sass_mix] Triton {triton.__version__}, sm_90")
     print("| kernel | launch | regs | loop instr. | weights / thread | instr. / weight "
           "| instr. / weight byte | issue share at the copy rate | main opcodes |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
@@ -261,7 +270,8 @@ def main() -> None:
               f"| {row['kernel']} | {row['note']} | {row['registers']} | no loop | | | | | |")
     # Named for the target, whatever machine compiled it.
     args.tiny, args.suffix = False, "_sm90" + args.suffix
-    out = common.write_results("sass_mix", args, dict(target="sm_90", rows=rows))
+    out = common.write_results("sass_mix", args, dict(target="sm_90", triton=triton.__version__,
+                                                       rows=rows))
     print(f"\n{out}")
 
 

@@ -71,6 +71,7 @@ def main() -> None:
     flags = {"max_num_seqs": max(args.batches), **common.parse_engine_flags(args.engine)}
     llm, _ = common.build_llm(path, flags)
     worker_calls = _time_worker_calls()  # stays empty where the worker is off
+    _watch_compiles()
     person = [SamplingParams(max_tokens=64, temperature=0.8, seed=i,
                              structured_outputs=StructuredOutputsParams(json=PERSON))
               for i in range(64)]
@@ -111,7 +112,12 @@ def main() -> None:
                          # median decode step (a stall shows in the first against the second)
                          "stopped_runs": [m["stopped"] for m in measured],
                          "slowest_step_ms_runs": [m["slowest_step_ms"] for m in measured],
-                         "median_step_ms_runs": [m["median_step_ms"] for m in measured]})
+                         "median_step_ms_runs": [m["median_step_ms"] for m in measured],
+                         # which decode step was slowest, in which one a request first
+                         # stopped (None: none did), and the Triton compiles of the run
+                         "slowest_step_runs": [m["slowest_step"] for m in measured],
+                         "first_stop_step_runs": [m["first_stop_step"] for m in measured],
+                         "compiled_runs": [m["compiled"] for m in measured]})
     ttft = _first_token_times(llm, SamplingParams, StructuredOutputsParams)
     plain = {r["batch"]: r for r in rows if r["constraint"] == "none"}
     print("| batch | constraint | decode ms/step (median) | runs | vs none | whole run ms/step "
@@ -130,6 +136,12 @@ def main() -> None:
         runs = ", ".join(f"{m:.2f} / {x:.2f} ({n})" for m, x, n in zip(
             r["median_step_ms_runs"], r["slowest_step_ms_runs"], r["stopped_runs"]))
         print(f"| {r['batch']} | {r['constraint']} | {runs} |")
+    print("| batch | constraint | each run: slowest step's index, first stop's, Triton "
+          "compiles |\n|---:|---|---|")
+    for r in rows:
+        runs = "; ".join(f"{i}, {j}, {','.join(c) or '-'}" for i, j, c in zip(
+            r["slowest_step_runs"], r["first_stop_step_runs"], r["compiled_runs"]))
+        print(f"| {r['batch']} | {r['constraint']} | {runs} |")
     print("| first token of one request | ms (median of 5) |\n|---|---:|")
     for name, ms in ttft.items():
         print(f"| {name} | {ms:.2f} |")
@@ -139,6 +151,22 @@ def main() -> None:
         "grammar_worker_calls": calls})
 
 
+COMPILED: list[str] = []  # Triton kernels compiled in this process, in order
+
+
+def _watch_compiles() -> None:
+    """Record each Triton compile (a launch's first of a new specialization: a few hundred
+    ms on the step loop) in COMPILED."""
+    try:
+        import triton
+    except ImportError:
+        return
+
+    def hook(*, fn, **_) -> None:
+        COMPILED.append(fn.name)
+    triton.knobs.runtime.jit_post_compile_hook = hook
+
+
 def _timed_run(engine, prompts: list, params: list, decode_steps: int) -> dict:
     """One batch through the engine's step loop: the decode steps timed apart (once every
     request has a token, `decode_steps` of them), and the whole run."""
@@ -146,19 +174,24 @@ def _timed_run(engine, prompts: list, params: list, decode_steps: int) -> dict:
 
     params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
     steps_before = engine.stats()["num_steps"]
+    compiled_before = len(COMPILED)
     common.sync()
     start = time.perf_counter()
     ids = [engine.add_request(None, prompt, p) for prompt, p in zip(prompts, params)]
     tokens = stopped = 0
+    step_ms: list[float] = []  # each decode step's wall time, as the loop saw it
+    first_stop = None  # the decode step in which a request first stopped
 
     def step() -> None:
-        nonlocal tokens, stopped
+        nonlocal tokens, stopped, first_stop
         finished = [o for o in engine.step() if o.finished]
         tokens += sum(len(o.outputs[0].token_ids) for o in finished)
         for o in finished:  # a failed request would leave the loop below waiting forever
             if o.outputs[0].finish_reason in ("error", "abort"):
                 raise RuntimeError(f"request {o.request_id} failed: {o.error}")
             stopped += o.outputs[0].finish_reason == "stop"
+            if stopped and first_stop is None:
+                first_stop = len(step_ms)
 
     while not (len(engine.scheduler.running) == len(ids)
                and all(r.output_token_ids for r in engine.scheduler.running)):
@@ -168,8 +201,7 @@ def _timed_run(engine, prompts: list, params: list, decode_steps: int) -> dict:
                                "(their grammars' matchers came slower than a whole answer)")
     common.sync()
     decode_start = last = time.perf_counter()
-    step_ms = []  # each decode step's wall time, as the loop saw it (the device not awaited)
-    for _ in range(decode_steps):
+    for _ in range(decode_steps):  # the device not awaited
         step()
         now = time.perf_counter()
         step_ms.append((now - last) * 1e3)
@@ -181,10 +213,13 @@ def _timed_run(engine, prompts: list, params: list, decode_steps: int) -> dict:
     common.sync()
     seconds = time.perf_counter() - start
     steps = engine.stats()["num_steps"] - steps_before
-    step_ms.sort()
+    slowest = max(range(len(step_ms)), key=step_ms.__getitem__)
     return {"decode_ms": decode / decode_steps * 1e3, "whole_ms": seconds / steps * 1e3,
             "tok_per_s": tokens / seconds, "tokens": tokens, "stopped": stopped,
-            "slowest_step_ms": step_ms[-1], "median_step_ms": step_ms[len(step_ms) // 2]}
+            "slowest_step_ms": step_ms[slowest], "slowest_step": slowest,
+            "first_stop_step": first_stop,
+            "median_step_ms": sorted(step_ms)[len(step_ms) // 2],
+            "compiled": COMPILED[compiled_before:]}
 
 
 def _time_worker_calls() -> list[tuple[str, int, float]]:
