@@ -13,7 +13,7 @@ from the first request added to the last finished, admission and prefill include
 its steps.
 
     python benchmarks/structured_output.py --tokenizer DIR [--batches 1 32 256] [--rounds 5]
-        [--engine grammar_process=true]
+        [--engine grammar_process=true] [--stall-dump-ms 150]
 
 With the grammar worker on (the default with CUDA), the loop's own time in its calls
 (queueing a step's masks, handing over its ids, reading the verdicts) is printed as well.
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import random
 import sys
@@ -62,8 +63,13 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=5,
                    help="runs of each constraint, interleaved; the median is reported")
+    p.add_argument("--stall-dump-ms", type=float, default=0,
+                   help="print every thread's Python stack when a timed decode step has "
+                   "run this long (faulthandler; 0: off)")
     common.add_common_args(p)
     args = p.parse_args()
+    global STALL_DUMP_S
+    STALL_DUMP_S = args.stall_dump_ms / 1e3
     from infer import SamplingParams, StructuredOutputsParams
 
     path = common.get_checkpoint(args.model_shape, args.tiny, args.ckpt_root,
@@ -152,6 +158,7 @@ def main() -> None:
 
 
 COMPILED: list[str] = []  # Triton kernels compiled in this process, in order
+STALL_DUMP_S = 0.0  # --stall-dump-ms
 
 
 def _watch_compiles() -> None:
@@ -202,7 +209,11 @@ def _timed_run(engine, prompts: list, params: list, decode_steps: int) -> dict:
     common.sync()
     decode_start = last = time.perf_counter()
     for _ in range(decode_steps):  # the device not awaited
+        if STALL_DUMP_S:
+            faulthandler.dump_traceback_later(STALL_DUMP_S)
         step()
+        if STALL_DUMP_S:
+            faulthandler.cancel_dump_traceback_later()
         now = time.perf_counter()
         step_ms.append((now - last) * 1e3)
         last = now
