@@ -11,9 +11,9 @@ fraction of the copy bandwidth measured in the same run. `--sweep` also times th
 GGUF kernel's launch configurations, `--gemm-sweep` those of the few-row GGUF kernel
 (gguf_gemm.py) at each of `--rows` beside bf16 and the dequantize-then-cuBLAS path
 (`Q4_K-deq`: what the engine ran from two rows up before), weights cycled past L2 as in
-the table. `--gguf-only`: the table's bf16 and GGUF rows alone. `Q4_K-int8x` (one row):
-Q4_K with x rounded to int8 (gguf_q4k_int8x.py, `gguf_int8_activations`); `--int8x-sweep`
-its launches.
+the table. `--gguf-only`: the table's bf16 and GGUF rows alone. `Q4_K-int8x`, `Q6_K-int8x`
+(one row): x rounded to int8 (gguf_q4k_int8x.py, gguf_q6k_int8x.py,
+`gguf_int8_activations`); `--int8x-sweep` their launches.
 
     python benchmarks/quantized_gemv.py [--rows 1 8 32] [--sweep | --sweep-only]
         [--gemm-sweep [--gemm-grid]] [--gguf-only] [--int8x-sweep]
@@ -105,8 +105,10 @@ def cases(n: int, k: int, gguf_only: bool = False
         out[name] = (lambda x, b=blocks, q=Q[name]: gguf_matmul(x, b, q, k), blocks.nbytes)
         out[f"{name}-deq"] = (partial(_deq_of, blocks=blocks, qtype=Q[name], cols=k),
                               blocks.nbytes)
-        if name == "Q4_K":  # one row only: x rounded to int8 (its launch included), dp4a
-            out[ONE_ROW_INT8X] = (partial(_int8x_of, blocks=blocks, cols=k), blocks.nbytes)
+        if name in ("Q4_K", "Q6_K"):  # one row only: x rounded to int8 (its launch
+            # included), dp4a
+            out[f"{name}-int8x"] = (partial(_int8x_of, blocks=blocks, cols=k, qtype=name),
+                                    blocks.nbytes)
     if gguf_only:
         return out
     w8 = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
@@ -122,46 +124,49 @@ def cases(n: int, k: int, gguf_only: bool = False
     return out
 
 
-ONE_ROW_INT8X = "Q4_K-int8x"
-
-
-def _int8x_of(x: torch.Tensor, *, blocks: torch.Tensor, cols: int, **launch) -> torch.Tensor:
-    """The engine's one-row Q4_K path with `gguf_int8_activations` (launch: its rule's
-    unless given)."""
+def _int8x_of(x: torch.Tensor, *, blocks: torch.Tensor, cols: int, qtype: str,
+              **launch) -> torch.Tensor:
+    """The engine's one-row Q4_K / Q6_K path with `gguf_int8_activations` (launch: its
+    rule's unless given)."""
     from gguf import GGMLQuantizationType as Q
 
     from infer.kernels import gguf_q4k_int8x as q4k
+    from infer.kernels import gguf_q6k_int8x as q6k
     from infer.kernels.gguf_gemv import gemv_words
 
-    words = gemv_words(blocks, Q.Q4_K)
-    return q4k.q4k_gemv_int8x(
-        x, words, cols, **(launch or q4k.launch(len(words), cols, x.device)))
+    module, gemv = ((q4k, q4k.q4k_gemv_int8x) if qtype == "Q4_K" else
+                    (q6k, q6k.q6k_gemv_int8x))
+    words = gemv_words(blocks, Q[qtype])
+    return gemv(x, words, cols, **(launch or module.launch(len(words), cols, x.device)))
 
 
 def int8x_sweep(copy_gbs: float) -> list[dict]:
-    """The x-rounded Q4_K kernel's launches at one row, per shape: rows a program, super-
-    blocks a step, K splits; weights cycled past L2, x rounded in each call (as the engine
-    does a layer)."""
+    """The x-rounded Q4_K and Q6_K kernels' launches at one row, per shape: rows a program,
+    super-blocks a step, K splits; weights cycled past L2, x rounded in each call (as the
+    engine does a layer)."""
     from infer.kernels import gguf_q4k_int8x as q4k
+    from infer.kernels import gguf_q6k_int8x as q6k
 
     results = []
-    for shape, n, k in SHAPES:
-        copies = [gguf_blocks(n, k, "Q4_K")
+    for (shape, n, k), (qtype, module, units) in itertools.product(
+            SHAPES, (("Q4_K", q4k, (1, 2)), ("Q6_K", q6k, (2, 4)))):
+        copies = [gguf_blocks(n, k, qtype)
                   for _ in range(max(1, -(-3 * L2_BYTES // (n * k * 9 // 16))))]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        chosen = q4k.launch(n, k, x.device)
+        chosen = module.launch(n, k, x.device)
         configs = [chosen] + [dict(block_n=b, units=u, split=s, num_warps=4)
-                              for b, u, s in itertools.product((8, 16, 32, 64, 128), (1, 2),
+                              for b, u, s in itertools.product((8, 16, 32, 64, 128), units,
                                                                (1, 2, 4, 8))]
         best = chosen_row = None
         for config in configs:
             try:
-                us = graph_time_us(cycling([partial(_int8x_of, x, blocks=b, cols=k, **config)
+                us = graph_time_us(cycling([partial(_int8x_of, x, blocks=b, cols=k,
+                                                    qtype=qtype, **config)
                                             for b in copies]), replays=5)
             except Exception as exc:  # a configuration that does not compile: skip it
-                print(f"  {shape} {config}: {exc!r}"[:200])
+                print(f"  {shape} {qtype} {config}: {exc!r}"[:200])
                 continue
-            row = dict(shape=shape, kernel=ONE_ROW_INT8X, **config, us=us,
+            row = dict(shape=shape, kernel=f"{qtype}-int8x", **config, us=us,
                        frac_copy=copies[0].nbytes / us / 1e3 / copy_gbs,
                        chosen=config is chosen)
             results.append(row)
@@ -169,8 +174,8 @@ def int8x_sweep(copy_gbs: float) -> list[dict]:
             if best is None or us < best["us"]:
                 best = row
         x_us = graph_time_us(partial(q4k.quantize_x, x), replays=5)
-        print(f"[int8x sweep] {shape}: chosen {chosen_row and chosen_row['us']} us, best "
-              f"{best}; rounding x alone {x_us:.1f} us", flush=True)
+        print(f"[int8x sweep] {shape} {qtype}: chosen {chosen_row and chosen_row['us']} us, "
+              f"best {best}; rounding x alone {x_us:.1f} us", flush=True)
         del copies
         torch.cuda.empty_cache()
     return results
@@ -344,7 +349,7 @@ def main() -> None:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             bf16_us = None
             for name, (_, weight_bytes) in copies[0].items():
-                if name == ONE_ROW_INT8X and rows > 1:
+                if name.endswith("-int8x") and rows > 1:
                     continue
                 us = graph_time_us(cycling([partial(case[name][0], x) for case in copies]))
                 bf16_us = us if name == "bf16" else bf16_us

@@ -139,6 +139,17 @@ def _cases() -> list[Case]:
             ["words", "xq", "side", "y_ptr", "stride_w"],
             block_n * units * 256, 144 / 256, num_warps=4,
             note=f"launch ({block_n} rows, {units} super-blocks, 4 warps)"))
+    for block_n, units in ((16, 2), (32, 2), (64, 2)):  # Q6_K: 210 bytes a super-block
+        cases.append(Case(
+            f"gguf q6_k x int8 (one row, dp4a, {block_n} rows x {units} super-blocks)",
+            "gguf_q6k_int8x:_q6k_int8x_kernel",
+            dict(words="*i32", xq="*i32", side="*fp32", y_ptr="*bf16",
+                 part_ptr="*fp32", counts="*i32", N=i32, units=i32, stride_w=i32, splits=i32,
+                 per_split=i32),
+            dict(BLOCK_N=block_n, UNITS=units, EVEN=True, PTX=True),
+            ["words", "xq", "side", "y_ptr"],  # 8B rows: 16 x 52.5 words, not 16s
+            block_n * units * 256, 210 / 256, num_warps=4,
+            note=f"launch ({block_n} rows, {units} super-blocks, 4 warps)"))
     return cases
 
 

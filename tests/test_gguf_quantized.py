@@ -245,13 +245,14 @@ def test_a_model_kept_as_blocks_gives_the_dequantized_logits(tmp_path, llama_sou
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-def test_a_q4_k_model_with_x_rounded_to_int8_stays_near_the_dequantized_logits(
-        tmp_path, llama_source):
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_a_k_quant_model_with_x_rounded_to_int8_stays_near_the_dequantized_logits(
+        tmp_path, llama_source, qtype):
     """`gguf_int8_activations` through a whole model: its decode steps' logits move by x's
     rounding only (the prefill, more than one row, stays exact)."""
     from infer.quantization.gguf_gpu import set_gguf_int8_activations
 
-    path = write_gguf(tmp_path / "llama-Q4_K.gguf", "llama", llama_source, Q.Q4_K)
+    path = write_gguf(tmp_path / f"llama-{qtype.name}.gguf", "llama", llama_source, qtype)
     reference, cfg = load_gguf(path)
     model, _ = load_gguf(path, device=DEVICE)
     assert keep_gguf_quantized(model, quantized_blocks(open_gguf(path), cfg), as_blocks=True)
@@ -291,27 +292,36 @@ def test_a_fused_layer_of_mixed_types_keeps_a_run_per_type():
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-def test_gguf_int8_activations_take_the_q4_k_runs_of_one_row_only():
-    """With the knob, one row's Q4_K runs go to the dp4a kernel (x rounded to int8; its
-    launch splits K here), the Q6_K run and larger steps stay exact."""
+def test_gguf_int8_activations_take_the_k_quant_runs_of_one_row_only():
+    """With the knob, one row's Q4_K runs go to their dp4a kernel (x rounded to int8; its
+    launch splits K here) and the Q6_K run to its own, x rounded once for both; larger
+    steps stay exact."""
+    from infer.kernels import gguf_q4k_int8x as q4k
+    from infer.kernels import gguf_q6k_int8x as q6k
     from infer.kernels.gguf_gemv import gemv_words
-    from infer.kernels.gguf_q4k_int8x import launch, q4k_gemv_int8x
     from infer.quantization.gguf_gpu import set_gguf_int8_activations
 
     layer, parts = _q4_k_m_qkv_layer(2048, seed=1)
     set_gguf_int8_activations(layer, True)
     x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     y = layer(x).cpu().double()
-    words = gemv_words(layer.weight, Q.Q4_K)
-    the_launch = launch(len(words), 2048, x.device)
+    (q4_name, q4_type), (q6_name, q6_type) = layer.gguf_runs
+    assert (q4_type, q6_type) == (Q.Q4_K, Q.Q6_K)
+    words = gemv_words(getattr(layer, q4_name), Q.Q4_K)
+    the_launch = q4k.launch(len(words), 2048, x.device)
     assert the_launch["split"] > 1
-    rounded = q4k_gemv_int8x(x, words, 2048, **the_launch).cpu().double()
-    assert torch.equal(y[:, :384], rounded)
+    quantized = q4k.quantize_x(x)
+    rounded = q4k.q4k_gemv_int8x(x, words, 2048, quantized=quantized, **the_launch)
+    assert torch.equal(y[:, :384], rounded.cpu().double())
+    words = gemv_words(getattr(layer, q6_name), Q.Q6_K)
+    rounded = q6k.q6k_gemv_int8x(x, words, 2048, quantized=quantized,
+                                 **q6k.launch(len(words), 2048, x.device))
+    assert torch.equal(y[:, 384:], rounded.cpu().double())
     ref = x.cpu().double() @ torch.cat(parts).T
     scale = ref.abs().max().item()
-    assert (y[:, 384:] - ref[:, 384:]).abs().max().item() < 1e-5 * scale  # Q6_K: exact
-    assert (y[:, :384] - ref[:, :384]).abs().max().item() < 2e-2 * scale
+    assert (y - ref).abs().max().item() < 2e-2 * scale
     assert (y[:, :384] - ref[:, :384]).abs().max().item() > 1e-5 * scale  # rounded x
+    assert (y[:, 384:] - ref[:, 384:]).abs().max().item() > 1e-5 * scale
     forty = torch.randn(40, 2048).to(DEVICE)  # more rows: dequantized, exact
     ref = forty.cpu().double() @ torch.cat(parts).T
     assert (layer(forty).cpu().double() - ref).abs().max().item() < 1e-5 * ref.abs().max()

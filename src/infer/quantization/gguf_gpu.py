@@ -30,7 +30,8 @@ FUSED_ROWS: dict[QType, int] = {QType.Q4_K: 64, QType.Q6_K: 64, QType.Q8_0: 64}
 
 
 def set_gguf_int8_activations(model: nn.Module, on: bool) -> None:
-    """Whether `model`'s GGUF Q4_K layers multiply one row by x rounded to int8 (dp4a)."""
+    """Whether `model`'s GGUF Q4_K / Q6_K layers multiply one row by x rounded to int8
+    (dp4a)."""
     for m in model.modules():
         if isinstance(getattr(m, "quant_method", None), GGUFBlocksLinearMethod):
             m.gguf_int8_activations = on
@@ -98,22 +99,26 @@ class GGUFBlocksLinearMethod(LinearMethod):
         return y if bias is None else y + bias
 
     def _int8_x_row(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """One row: the Q4_K runs by x rounded to int8 (once for all of them), dp4a; the
-        other runs as gguf_matmul multiplies them."""
+        """One row: the Q4_K and Q6_K runs by x rounded to int8 (once for all of them),
+        dp4a; the other runs as gguf_matmul multiplies them."""
         from infer.kernels import gguf_q4k_int8x as q4k
+        from infer.kernels import gguf_q6k_int8x as q6k
         from infer.kernels.gguf_gemv import gemv_words
         from infer.kernels.gguf_matmul import gguf_matmul
 
+        kernels = {QType.Q4_K: (q4k.launch, q4k.q4k_gemv_int8x),
+                   QType.Q6_K: (q6k.launch, q6k.q6k_gemv_int8x)}  # Q6_K: K % 512 == 0
         quantized, parts = None, []
         for name, qtype in layer.gguf_runs:
             data = getattr(layer, name)
-            words = gemv_words(data, qtype) if qtype == QType.Q4_K else None
-            if words is None:
+            words = gemv_words(data, qtype) if qtype in kernels else None
+            if words is None or (qtype == QType.Q6_K and layer.cols % 512):
                 parts.append(gguf_matmul(x, data, qtype, layer.cols))
                 continue
             quantized = quantized or q4k.quantize_x(x)
-            parts.append(q4k.q4k_gemv_int8x(x, words, layer.cols, quantized=quantized,
-                                            **q4k.launch(len(words), layer.cols, x.device)))
+            launch, gemv = kernels[qtype]
+            parts.append(gemv(x, words, layer.cols, quantized=quantized,
+                              **launch(len(words), layer.cols, x.device)))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _fused(self, layer: nn.Module, rows: int) -> bool:
