@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels import launch_counters
-from infer.kernels.gguf_gemv import MAX_BLOCKS, _f16_hi, _f16_lo, _q4_k_scales, _store_rows, _word
+from infer.kernels.gguf_gemv import MAX_BLOCKS, _f16_hi, _f16_lo, _q4_k_scales, _store_rows
 
 SUPER_K, SUPER_WORDS, SUB_K = 256, 36, 32
 _HIGH_NIBBLES = tl.constexpr(-0x0F0F0F10)  # 0xF0F0F0F0 as an int32
@@ -55,32 +55,28 @@ def _dp4a(a, b, acc, PTX: tl.constexpr):
 
 
 @triton.jit
-def _header(p, ok, EVEN: tl.constexpr, PTX: tl.constexpr):
-    """A super-block's words 0-3 (`d | dmin`, the packed scales), `d | dmin` 0 where not
-    `ok`: on a GPU one 16-byte load (the 8 threads of a super-block ask the same address)."""
+def _four(p, PTX: tl.constexpr):
+    """The four 32-bit values at `p` (16-byte aligned), of p's type: on a GPU one 16-byte
+    load."""
     if PTX:
-        head, s0, s1, s2 = tl.inline_asm_elementwise(
-            asm="ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", constraints="=r,=r,=r,=r,l",
-            args=[p.to(tl.int64, bitcast=True)], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-            is_pure=True, pack=1)
-        head, s0 = head.to(tl.uint32, bitcast=True), s0.to(tl.uint32, bitcast=True)
-        s1, s2 = s1.to(tl.uint32, bitcast=True), s2.to(tl.uint32, bitcast=True)
-    else:
-        head, s0, s1, s2 = _word(p), _word(p + 1), _word(p + 2), _word(p + 3)
-    if not EVEN:
-        head = tl.where(ok, head, 0)
-    return head, s0, s1, s2
+        ty = p.dtype.element_ty
+        return tl.inline_asm_elementwise(
+            asm="ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", constraints="=r,=r,=r,=r,l",
+            args=[p.to(tl.int64, bitcast=True)], dtype=(ty, ty, ty, ty), is_pure=True,
+            pack=1)
+    return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3)
 
 
 @triton.jit
-def _four(p, PTX: tl.constexpr):
-    """The four float32 at `p` (16-byte aligned): on a GPU one 16-byte load."""
-    if PTX:
-        return tl.inline_asm_elementwise(
-            asm="ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", constraints="=r,=r,=r,=r,l",
-            args=[p.to(tl.int64, bitcast=True)],
-            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-    return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3)
+def _header(p, ok, EVEN: tl.constexpr, PTX: tl.constexpr):
+    """A super-block's words 0-3 (`d | dmin`, the packed scales), `d | dmin` 0 where not
+    `ok`: on a GPU one 16-byte load (the 8 threads of a super-block ask the same address)."""
+    head, s0, s1, s2 = _four(p, PTX)
+    head = head.to(tl.uint32, bitcast=True)
+    if not EVEN:
+        head = tl.where(ok, head, 0)
+    return (head, s0.to(tl.uint32, bitcast=True), s1.to(tl.uint32, bitcast=True),
+            s2.to(tl.uint32, bitcast=True))
 
 
 @triton.jit

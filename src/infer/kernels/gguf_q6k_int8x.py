@@ -12,9 +12,12 @@ high 2 bits), 16 int8 scales (one per 16 weights) and `d` (float16). Its 32-bit 
 
 Every other super-block starts two bytes into a word: its words are funnel-shifted from
 two loads (`shf.r.clamp`, the second load an L1 hit). Rows must be whole words: K a
-multiple of 512. The tile is `[units, rows, 32]`, a warp on one super-block's 32 words of
-`ql` (4-byte loads: 210-byte blocks are not 16-byte aligned), every thread applying its
-own two scales. The error is x's rounding only, as for Q4_K.
+multiple of 512. A thread holds one scale group's four words of `ql` (loaded one by one:
+the blocks are 4-byte aligned only) and applies its two scales once. The tile is
+`[group, rows, units]` in that order because no load of it is contiguous, and Triton 3.6
+(the device's) then gives a warp's lanes to a tile's dimensions first to last (3.9 last
+to first): 8 lanes on a super-block's groups, 4 on rows. The error is x's rounding only,
+as for Q4_K.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import triton.language as tl
 
 from infer.kernels import launch_counters
 from infer.kernels.gguf_gemv import MAX_BLOCKS, _f16_hi, _f16_lo, _store_rows
-from infer.kernels.gguf_q4k_int8x import quantize_x
+from infer.kernels.gguf_q4k_int8x import _four, quantize_x
 
 SUPER_K, SUPER_BYTES = 256, 210
 _SIGN_BITS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as an int32
@@ -68,17 +71,6 @@ def _field(start, f, shift, PTX: tl.constexpr):
 
 
 @triton.jit
-def _x_words(p, PTX: tl.constexpr):
-    """The four int32 at `p` (16-byte aligned): on a GPU one 16-byte load."""
-    if PTX:
-        return tl.inline_asm_elementwise(
-            asm="ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", constraints="=r,=r,=r,=r,l",
-            args=[p.to(tl.int64, bitcast=True)], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-            is_pure=True, pack=1)
-    return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3)
-
-
-@triton.jit
 def _signed_six(ql, qh, b, HIGH: tl.constexpr):
     """The four 6-bit values of a `ql` word's low (or HIGH) nibbles and their two bits of
     `qh`, each as the signed byte q - 32."""
@@ -95,9 +87,8 @@ def _q6k_int8x_kernel(words, xq, side, y_ptr, part_ptr, counts, N, units, stride
                       EVEN: tl.constexpr, PTX: tl.constexpr):
     """Program (n, s) owns rows `n * BLOCK_N..` and super-blocks `s * per_split..` of K
     (`per_split` and UNITS even: a step starts on an even super-block), UNITS a step:
-    `[UNITS, BLOCK_N, 8]` quarters of `ql` (h: words 4h..4h + 3, one scale group), a
-    thread's four words loaded one by one (4-byte aligned: no vector load) so that it
-    applies its two scales once for 32 weights. K split over `splits` programs:
+    `[8, BLOCK_N, UNITS]` quarters of `ql` (h: words 4h..4h + 3, one scale group, 32
+    weights with the high nibbles'). K split over `splits` programs:
     gguf_gemv._store_rows."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -122,8 +113,8 @@ def _q6k_int8x_kernel(words, xq, side, y_ptr, part_ptr, counts, N, units, stride
         start = row + u // 2 * 105 + odd * 52  # 420 bytes a pair
         # x words of the low nibbles' weights: 32n + 8b + t = 4h + 16n + j; 16 further
         x = xq + u * 64 + 4 * h + 16 * n
-        x_lo = _x_words(x, PTX)
-        x_hi = _x_words(x + 16, PTX)
+        x_lo = _four(x, PTX)
+        x_hi = _four(x + 16, PTX)
         at = start + 4 * h
         at_qh = start + 32 + 8 * n + 4 * (h % 2)
         ql_next = tl.load(at)
