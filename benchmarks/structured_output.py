@@ -68,8 +68,6 @@ def main() -> None:
                    "run this long (faulthandler; 0: off)")
     common.add_common_args(p)
     args = p.parse_args()
-    global STALL_DUMP_S
-    STALL_DUMP_S = args.stall_dump_ms / 1e3
     from infer import SamplingParams, StructuredOutputsParams
 
     path = common.get_checkpoint(args.model_shape, args.tiny, args.ckpt_root,
@@ -105,7 +103,7 @@ def main() -> None:
         for r in range(args.rounds):  # interleaved, the order turned each round
             for name in names[r % len(names):] + names[:r % len(names)]:
                 runs[name].append(_timed_run(llm.engine, prompts, params[name],
-                                             args.output_len // 2))
+                                             args.output_len // 2, args.stall_dump_ms / 1e3))
         for name, measured in runs.items():
             decode = sorted(m["decode_ms"] for m in measured)
             whole = sorted(m["whole_ms"] for m in measured)
@@ -158,7 +156,6 @@ def main() -> None:
 
 
 COMPILED: list[str] = []  # Triton kernels compiled in this process, in order
-STALL_DUMP_S = 0.0  # --stall-dump-ms
 
 
 def _watch_compiles() -> None:
@@ -174,9 +171,11 @@ def _watch_compiles() -> None:
     triton.knobs.runtime.jit_post_compile_hook = hook
 
 
-def _timed_run(engine, prompts: list, params: list, decode_steps: int) -> dict:
+def _timed_run(engine, prompts: list, params: list, decode_steps: int,
+               stall_dump_s: float = 0) -> dict:
     """One batch through the engine's step loop: the decode steps timed apart (once every
-    request has a token, `decode_steps` of them), and the whole run."""
+    request has a token, `decode_steps` of them), and the whole run. With `stall_dump_s`,
+    every thread's stack is printed when a timed step has run that long."""
     from infer import RequestOutputKind
 
     params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
@@ -209,10 +208,10 @@ def _timed_run(engine, prompts: list, params: list, decode_steps: int) -> dict:
     common.sync()
     decode_start = last = time.perf_counter()
     for _ in range(decode_steps):  # the device not awaited
-        if STALL_DUMP_S:
-            faulthandler.dump_traceback_later(STALL_DUMP_S)
+        if stall_dump_s:
+            faulthandler.dump_traceback_later(stall_dump_s)
         step()
-        if STALL_DUMP_S:
+        if stall_dump_s:
             faulthandler.cancel_dump_traceback_later()
         now = time.perf_counter()
         step_ms.append((now - last) * 1e3)
