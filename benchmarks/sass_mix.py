@@ -124,7 +124,7 @@ def _cases() -> list[Case]:
         dict(xs="*fp32", q_ptr="*i32", y_ptr="*bf16", part_ptr="*fp32", counts="*i32", N=i32,
              K=i32, nv=i32, stride_qw=i32, splits=i32, units_per_split=i32, magic=i32),
         dict(QTYPE=int(QType.Q4_K), UNIT_K=256, UNIT_WORDS=36, UNIT_DATA=32, GROUPS=4,
-             UNITS=launch["units"], BLOCK_N=launch["block_n"]),
+             UNITS=launch["units"], BLOCK_N=launch["block_n"], PDL=False),
         ["xs", "q_ptr", "y_ptr", "part_ptr", "counts", "stride_qw"],  # 8B rows: 16 x 36 words
         launch["block_n"] * launch["units"] * 256, 144 / 256, num_warps=launch["num_warps"],
         note=f"launch ({launch['block_n']} rows, {launch['num_warps']} warps)"))
@@ -135,7 +135,7 @@ def _cases() -> list[Case]:
             dict(words="*i32", xq="*i32", side="*fp32", y_ptr="*bf16",
                  part_ptr="*fp32", counts="*i32", N=i32, units=i32, stride_w=i32, splits=i32,
                  per_split=i32),
-            dict(BLOCK_N=block_n, UNITS=units, EVEN=True, PTX=True),
+            dict(BLOCK_N=block_n, UNITS=units, EVEN=True, PTX=True, PDL=False),
             ["words", "xq", "side", "y_ptr", "stride_w"],
             block_n * units * 256, 144 / 256, num_warps=4,
             note=f"launch ({block_n} rows, {units} super-blocks, 4 warps)"))
@@ -146,7 +146,7 @@ def _cases() -> list[Case]:
             dict(words="*i32", xq="*i32", side="*fp32", y_ptr="*bf16",
                  part_ptr="*fp32", counts="*i32", N=i32, units=i32, stride_w=i32, splits=i32,
                  per_split=i32),
-            dict(BLOCK_N=block_n, UNITS=units, EVEN=True, PTX=True),
+            dict(BLOCK_N=block_n, UNITS=units, EVEN=True, PTX=True, PDL=False),
             ["words", "xq", "side", "y_ptr"],  # 8B rows: 16 x 52.5 words, not 16s
             block_n * units * 256, 210 / 256, num_warps=4,
             note=f"launch ({block_n} rows, {units} super-blocks, 4 warps)"))

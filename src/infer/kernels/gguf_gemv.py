@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as QType
 
-from infer.kernels import launch_counters
+from infer.kernels import dependent_launch, launch_counters
 
 # Weights, 32-bit words, data words (those `xs` covers) and scale groups per unit.
 UNITS_OF: dict[QType, tuple[int, int, int, int]] = {
@@ -233,11 +233,13 @@ def _gguf_gemv_kernel(
     xs, q_ptr, y_ptr, part_ptr, counts, N, K, nv, stride_qw, splits, units_per_split, magic,
     QTYPE: tl.constexpr, UNIT_K: tl.constexpr, UNIT_WORDS: tl.constexpr,
     UNIT_DATA: tl.constexpr, GROUPS: tl.constexpr, UNITS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (n, s) owns rows `n * BLOCK_N..` and units `s * units_per_split..` of K
     (`units_per_split` a multiple of UNITS). With `splits` > 1 the parts are added as
     `_store_rows` says."""
+    dependent_launch.wait(PDL)  # `xs`, and the split counters, of the kernels before
+    dependent_launch.release(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
@@ -268,9 +270,12 @@ def _gguf_gemv_kernel(
 
 
 @triton.jit
-def _gemv_x_kernel(x_ptr, xs, nv, QTYPE: tl.constexpr, BLOCK: tl.constexpr):
+def _gemv_x_kernel(x_ptr, xs, nv, QTYPE: tl.constexpr, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr):
     """`xs[e, v]` for data words v of a program's block (module docstring), then Q4_K's sums
     of x over sub-blocks at `xs[8 * nv + s]`."""
+    dependent_launch.wait(PDL)
+    dependent_launch.release(PDL)
     v = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = v < nv
     for e in tl.static_range(8):
@@ -310,7 +315,7 @@ def gemv_x(x: torch.Tensor, qtype: QType, cols: int) -> tuple[torch.Tensor, int]
     xs = torch.empty(9 * nv, dtype=torch.float32, device=x.device)
     block = 256
     _gemv_x_kernel[(triton.cdiv(nv, block),)](x, xs, nv, QTYPE=int(qtype), BLOCK=block,
-                                              num_warps=4)
+                                              num_warps=4, **dependent_launch.launch_options())
     return xs, nv
 
 
@@ -373,5 +378,6 @@ def gguf_gemv(x: torch.Tensor, words: torch.Tensor, qtype: QType, cols: int, *, 
         split, per_split, MAGIC, QTYPE=int(qtype), UNIT_K=unit_k, UNIT_WORDS=unit_words,
         UNIT_DATA=unit_data, GROUPS=groups, UNITS=units, BLOCK_N=block_n,
         num_warps=num_warps, **({} if maxnreg is None else dict(maxnreg=maxnreg)),
+        **dependent_launch.launch_options(),
     )
     return y

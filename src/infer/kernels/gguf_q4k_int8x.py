@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import launch_counters
+from infer.kernels import dependent_launch, launch_counters
 from infer.kernels.gguf_gemv import MAX_BLOCKS, _f16_hi, _f16_lo, _q4_k_scales, _store_rows
 
 SUPER_K, SUPER_WORDS, SUB_K = 256, 36, 32
@@ -82,13 +82,15 @@ def _header(p, ok, EVEN: tl.constexpr, PTX: tl.constexpr):
 @triton.jit
 def _q4k_int8x_kernel(words, xq, side, y_ptr, part_ptr, counts, N, units, stride_w, splits,
                       per_split, BLOCK_N: tl.constexpr, UNITS: tl.constexpr,
-                      EVEN: tl.constexpr, PTX: tl.constexpr):
+                      EVEN: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
     """Program (n, s) owns rows `n * BLOCK_N..` and super-blocks `s * per_split..` of K,
     UNITS a step: `[UNITS, BLOCK_N, 32]` words of nibbles, a thread 4 of them (half a
     chunk) and their 8 words of x; a chunk's two halves each add half its min term. Scales
     apply to `[UNITS, BLOCK_N, 8]` sums (a size-1 dimension would take a layout of its own,
     converted through shared memory every step). K split over `splits` programs:
     gguf_gemv._store_rows."""
+    dependent_launch.wait(PDL)  # x's rounding, and the split counters, of the kernels before
+    dependent_launch.release(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     ui = tl.arange(0, UNITS)[:, None, None]
@@ -129,10 +131,13 @@ def _q4k_int8x_kernel(words, xq, side, y_ptr, part_ptr, counts, N, units, stride
 
 
 @triton.jit
-def _quantize_x_kernel(x_ptr, xq_ptr, side_ptr, blocks, BLOCKS: tl.constexpr):
+def _quantize_x_kernel(x_ptr, xq_ptr, side_ptr, blocks, BLOCKS: tl.constexpr,
+                       PDL: tl.constexpr):
     """Blocks of 32 values of x: int8 `round(x / step)` (half away from zero), the step
     `amax / 127` (0 for a block of zeros), and the block's exact sum: block b's step at
     `side[b // 2 * 4 + b % 2]`, its sum 2 further."""
+    dependent_launch.wait(PDL)
+    dependent_launch.release(PDL)
     b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
     at = b * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + at, mask=b < blocks, other=0.0).to(tl.float32)
@@ -156,7 +161,8 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     side = torch.empty((blocks // 2, 4), dtype=torch.float32, device=x.device)
     per_program = 32
     _quantize_x_kernel[(triton.cdiv(blocks, per_program),)](
-        x, xq, side, blocks, BLOCKS=per_program, num_warps=4)
+        x, xq, side, blocks, BLOCKS=per_program, num_warps=4,
+        **dependent_launch.launch_options())
     return xq, side
 
 
@@ -201,5 +207,5 @@ def q4k_gemv_int8x(x: torch.Tensor, words: torch.Tensor, cols: int, *, block_n: 
     _q4k_int8x_kernel[(row_blocks, split)](
         words, xq.view(torch.int32), side, y, part, counts, n, supers, words.stride(0),
         split, per_split, BLOCK_N=block_n, UNITS=units, EVEN=supers % units == 0, PTX=ptx,
-        num_warps=num_warps)
+        num_warps=num_warps, **dependent_launch.launch_options())
     return y

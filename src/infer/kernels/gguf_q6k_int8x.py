@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import launch_counters
+from infer.kernels import dependent_launch, launch_counters
 from infer.kernels.gguf_gemv import MAX_BLOCKS, _f16_hi, _f16_lo, _store_rows
 from infer.kernels.gguf_q4k_int8x import _four, quantize_x
 
@@ -84,12 +84,14 @@ def _signed_six(ql, qh, b, HIGH: tl.constexpr):
 @triton.jit
 def _q6k_int8x_kernel(words, xq, side, y_ptr, part_ptr, counts, N, units, stride_w, splits,
                       per_split, BLOCK_N: tl.constexpr, UNITS: tl.constexpr,
-                      EVEN: tl.constexpr, PTX: tl.constexpr):
+                      EVEN: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
     """Program (n, s) owns rows `n * BLOCK_N..` and super-blocks `s * per_split..` of K
     (`per_split` and UNITS even: a step starts on an even super-block), UNITS a step:
     `[8, BLOCK_N, UNITS]` quarters of `ql` (h: words 4h..4h + 3, one scale group, 32
     weights with the high nibbles'). K split over `splits` programs:
     gguf_gemv._store_rows."""
+    dependent_launch.wait(PDL)  # x's rounding, and the split counters, of the kernels before
+    dependent_launch.release(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     h = tl.arange(0, 8)[:, None, None]
@@ -188,5 +190,5 @@ def q6k_gemv_int8x(x: torch.Tensor, words: torch.Tensor, cols: int, *, block_n: 
     _q6k_int8x_kernel[(row_blocks, split)](
         words, xq.view(torch.int32), side, y, part, counts, n, supers, words.stride(0),
         split, per_split, BLOCK_N=block_n, UNITS=units, EVEN=supers % units == 0, PTX=ptx,
-        num_warps=num_warps)
+        num_warps=num_warps, **dependent_launch.launch_options())
     return y
