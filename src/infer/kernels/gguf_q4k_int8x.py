@@ -168,12 +168,18 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def launch(rows: int, cols: int, device: torch.device) -> dict:
     """The launch for `rows x cols` weights: 64 rows a program, two super-blocks a step, K
-    split in two while that keeps the programs within four a multiprocessor (up to 8
-    splits). On an H200 (`quantized_gemv.py --int8x-sweep`, 8B shapes, 40 launches) a
-    layer's four projections take 56.4 µs this way, 54.1 with each shape's fastest."""
+    split as `split_launch` splits it. On an H200 (`quantized_gemv.py --int8x-sweep`, 8B
+    shapes, 40 launches) a layer's four projections take 56.4 µs this way, 54.1 with each
+    shape's fastest."""
+    return split_launch(rows, cols, device, block_n=64, units=2)
+
+
+def split_launch(rows: int, cols: int, device: torch.device, *, block_n: int,
+                 units: int) -> dict:
+    """`block_n` rows a program, `units` super-blocks a step, K split in two while that
+    keeps the programs within four a multiprocessor (up to 8 splits)."""
     from infer.kernels.gguf_gemv import multiprocessors
 
-    block_n, units = 64, 2
     programs, steps = triton.cdiv(rows, block_n), cols // SUPER_K // units
     split = 1
     while split < 8 and 2 * split <= steps and 2 * split * programs <= 4 * multiprocessors(
@@ -192,6 +198,16 @@ def q4k_gemv_int8x(x: torch.Tensor, words: torch.Tensor, cols: int, *, block_n: 
     `split` programs a row block: `[1, N]` in x's dtype."""
     assert cols % SUPER_K == 0 and words.shape[1] == cols // SUPER_K * SUPER_WORDS, (
         cols, words.shape)
+    return run_int8x(_q4k_int8x_kernel, x, words, cols, block_n=block_n, units=units,
+                     split=split, num_warps=num_warps, quantized=quantized)
+
+
+def run_int8x(kernel, x: torch.Tensor, words: torch.Tensor, cols: int, *, block_n: int,
+              units: int, split: int, num_warps: int,
+              quantized: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """Launch an int8-x kernel of this module's signature (the Q4_K one, gguf_q6k_int8x's):
+    x rounded here unless `quantized`, K split over `split` programs a row block (their
+    counters per kernel in `launch_counters`)."""
     n = words.shape[0]
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if n == 0:
@@ -201,10 +217,11 @@ def q4k_gemv_int8x(x: torch.Tensor, words: torch.Tensor, cols: int, *, block_n: 
     split = triton.cdiv(supers, per_split)
     row_blocks = triton.cdiv(n, block_n)
     part = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    counts = launch_counters("gguf_q4k_int8x", x.device, MAX_BLOCKS, row_blocks * (split > 1))
+    counts = launch_counters(kernel.fn.__name__, x.device, MAX_BLOCKS,
+                             row_blocks * (split > 1))
     xq, side = quantized if quantized is not None else quantize_x(x)
     ptx = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-    _q4k_int8x_kernel[(row_blocks, split)](
+    kernel[(row_blocks, split)](
         words, xq.view(torch.int32), side, y, part, counts, n, supers, words.stride(0),
         split, per_split, BLOCK_N=block_n, UNITS=units, EVEN=supers % units == 0, PTX=ptx,
         num_warps=num_warps, **dependent_launch.launch_options())

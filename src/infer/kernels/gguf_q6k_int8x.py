@@ -22,15 +22,13 @@ as for Q4_K.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import dependent_launch, launch_counters
-from infer.kernels.gguf_gemv import MAX_BLOCKS, _f16_hi, _f16_lo, _store_rows
-from infer.kernels.gguf_q4k_int8x import _four, quantize_x
+from infer.kernels import dependent_launch
+from infer.kernels.gguf_gemv import _f16_hi, _f16_lo, _store_rows
+from infer.kernels.gguf_q4k_int8x import _four, run_int8x, split_launch
 
 SUPER_K, SUPER_BYTES = 256, 210
 _SIGN_BITS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as an int32
@@ -152,16 +150,8 @@ def _q6k_int8x_kernel(words, xq, side, y_ptr, part_ptr, counts, N, units, stride
 
 def launch(rows: int, cols: int, device: torch.device) -> dict:
     """The launch for `rows x cols` weights, not measured yet (docs/performance.md): 32
-    rows a program, two super-blocks a step, K split as gguf_q4k_int8x.launch splits it."""
-    from infer.kernels.gguf_gemv import multiprocessors
-
-    block_n, units = 32, 2
-    programs, steps = triton.cdiv(rows, block_n), cols // SUPER_K // units
-    split = 1
-    while split < 8 and 2 * split <= steps and 2 * split * programs <= 4 * multiprocessors(
-            device):
-        split *= 2
-    return dict(block_n=block_n, units=units, split=split, num_warps=4)
+    rows a program, two super-blocks a step, K split as Q4_K's."""
+    return split_launch(rows, cols, device, block_n=32, units=2)
 
 
 def q6k_gemv_int8x(x: torch.Tensor, words: torch.Tensor, cols: int, *, block_n: int = 32,
@@ -175,20 +165,5 @@ def q6k_gemv_int8x(x: torch.Tensor, words: torch.Tensor, cols: int, *, block_n: 
     dtype."""
     assert cols % (2 * SUPER_K) == 0 and units % 2 == 0, (cols, units)
     assert words.shape[1] * 4 == cols // SUPER_K * SUPER_BYTES, (cols, words.shape)
-    n = words.shape[0]
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    if n == 0:
-        return y
-    supers = cols // SUPER_K
-    per_split = triton.cdiv(triton.cdiv(supers, max(1, split)), units) * units
-    split = triton.cdiv(supers, per_split)
-    row_blocks = triton.cdiv(n, block_n)
-    part = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    counts = launch_counters("gguf_q6k_int8x", x.device, MAX_BLOCKS, row_blocks * (split > 1))
-    xq, side = quantized if quantized is not None else quantize_x(x)
-    ptx = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-    _q6k_int8x_kernel[(row_blocks, split)](
-        words, xq.view(torch.int32), side, y, part, counts, n, supers, words.stride(0),
-        split, per_split, BLOCK_N=block_n, UNITS=units, EVEN=supers % units == 0, PTX=ptx,
-        num_warps=num_warps, **dependent_launch.launch_options())
-    return y
+    return run_int8x(_q6k_int8x_kernel, x, words, cols, block_n=block_n, units=units,
+                     split=split, num_warps=num_warps, quantized=quantized)
