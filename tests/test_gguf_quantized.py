@@ -329,3 +329,19 @@ def test_gguf_int8_activations_take_the_k_quant_runs_of_one_row_only():
     y = layer(x).cpu().double()
     ref = x.cpu().double() @ torch.cat(parts).T
     assert (y - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_gguf_int8_activations_leave_q6_k_rows_of_odd_super_blocks_exact():
+    """Q6_K rows of an odd number of 210-byte super-blocks are no whole number of words
+    (K = 768): the int8-x Q6_K kernel cannot read them, the exact path multiplies them."""
+    from infer.quantization.gguf_gpu import set_gguf_int8_activations
+
+    layer, parts = _q4_k_m_qkv_layer(768, seed=2)
+    set_gguf_int8_activations(layer, True)
+    x = torch.randn(1, 768, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    y = layer(x).cpu().double()
+    ref = x.cpu().double() @ torch.cat(parts).T
+    scale = ref.abs().max().item()
+    assert (y[:, 384:] - ref[:, 384:]).abs().max().item() < 1e-5 * scale  # Q6_K: exact
+    assert (y[:, :384] - ref[:, :384]).abs().max().item() > 1e-5 * scale  # Q4_K: rounded x

@@ -107,12 +107,13 @@ class GGUFBlocksLinearMethod(LinearMethod):
         from infer.kernels.gguf_matmul import gguf_matmul
 
         kernels = {QType.Q4_K: (q4k.launch, q4k.q4k_gemv_int8x),
-                   QType.Q6_K: (q6k.launch, q6k.q6k_gemv_int8x)}  # Q6_K: K % 512 == 0
+                   QType.Q6_K: (q6k.launch, q6k.q6k_gemv_int8x)}
         quantized, parts = None, []
         for name, qtype in layer.gguf_runs:
             data = getattr(layer, name)
+            # whole words a row (Q6_K: K a multiple of 512), else the exact path
             words = gemv_words(data, qtype) if qtype in kernels else None
-            if words is None or (qtype == QType.Q6_K and layer.cols % 512):
+            if words is None:
                 parts.append(gguf_matmul(x, data, qtype, layer.cols))
                 continue
             quantized = quantized or q4k.quantize_x(x)
