@@ -130,30 +130,31 @@ def _int8x_of(x: torch.Tensor, *, blocks: torch.Tensor, cols: int, qtype: str,
     rule's unless given)."""
     from gguf import GGMLQuantizationType as Q
 
-    from infer.kernels import gguf_q4k_int8x as q4k
-    from infer.kernels import gguf_q6k_int8x as q6k
     from infer.kernels.gguf_gemv import gemv_words
+    from infer.quantization.gguf_gpu import int8x_kernels
 
-    module, gemv = ((q4k, q4k.q4k_gemv_int8x) if qtype == "Q4_K" else
-                    (q6k, q6k.q6k_gemv_int8x))
+    rule, gemv = int8x_kernels()[Q[qtype]]
     words = gemv_words(blocks, Q[qtype])
-    return gemv(x, words, cols, **(launch or module.launch(len(words), cols, x.device)))
+    return gemv(x, words, cols, **(launch or rule(len(words), cols, x.device)))
 
 
 def int8x_sweep(copy_gbs: float) -> list[dict]:
     """The x-rounded Q4_K and Q6_K kernels' launches at one row, per shape: rows a program,
     super-blocks a step, K splits; weights cycled past L2, x rounded in each call (as the
     engine does a layer)."""
-    from infer.kernels import gguf_q4k_int8x as q4k
-    from infer.kernels import gguf_q6k_int8x as q6k
+    from gguf import GGMLQuantizationType as Q
+
+    from infer.kernels.gguf_q4k_int8x import quantize_x
+    from infer.quantization.gguf_gpu import int8x_kernels
 
     results = []
-    for (shape, n, k), (qtype, module, units) in itertools.product(
-            SHAPES, (("Q4_K", q4k, (1, 2)), ("Q6_K", q6k, (2, 4)))):
+    for (shape, n, k), (qtype, units) in itertools.product(
+            SHAPES, (("Q4_K", (1, 2)), ("Q6_K", (2, 4)))):  # Q6_K: an even number a step
         copies = [gguf_blocks(n, k, qtype)
                   for _ in range(max(1, -(-3 * L2_BYTES // (n * k * 9 // 16))))]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        chosen = module.launch(n, k, x.device)
+        rule, _ = int8x_kernels()[Q[qtype]]
+        chosen = rule(n, k, x.device)
         configs = [chosen] + [dict(block_n=b, units=u, split=s, num_warps=4)
                               for b, u, s in itertools.product((8, 16, 32, 64, 128), units,
                                                                (1, 2, 4, 8))]
@@ -173,7 +174,7 @@ def int8x_sweep(copy_gbs: float) -> list[dict]:
             chosen_row = chosen_row or row
             if best is None or us < best["us"]:
                 best = row
-        x_us = graph_time_us(partial(q4k.quantize_x, x), replays=5)
+        x_us = graph_time_us(partial(quantize_x, x), replays=5)
         print(f"[int8x sweep] {shape} {qtype}: chosen {chosen_row and chosen_row['us']} us, "
               f"best {best}; rounding x alone {x_us:.1f} us", flush=True)
         del copies
@@ -327,7 +328,8 @@ def main() -> None:
                         help="--gemm-sweep: also the grid of GEMM_CONFIGS and splits")
     parser.add_argument("--gguf-only", action="store_true", help="table: bf16 and GGUF only")
     parser.add_argument("--int8x-sweep", action="store_true",
-                        help="the launches of Q4_K with x rounded to int8 (first, no table)")
+                        help="the launches of Q4_K and Q6_K with x rounded to int8 (first, no "
+                        "table)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("quantized_gemv.py times CUDA kernels: no GPU here")

@@ -40,18 +40,29 @@ _HIGH_NIBBLES = tl.constexpr(-0x0F0F0F10)  # 0xF0F0F0F0 as an int32
 
 
 @triton.jit
-def _dp4a(a, b, acc, PTX: tl.constexpr):
-    """`acc + sum_i byte_i(a) * byte_i(b)`, a's bytes unsigned, b's signed. With PTX (a GPU;
-    the interpreter has no inline assembly) one instruction."""
+def _dp4a(a, b, acc, PTX: tl.constexpr, SIGNED: tl.constexpr = False):
+    """`acc + sum_i byte_i(a) * byte_i(b)`, b's bytes signed, a's unsigned (or SIGNED).
+    With PTX (a GPU; the interpreter has no inline assembly) one instruction."""
     if PTX:
         return tl.inline_asm_elementwise(
-            asm="dp4a.u32.s32 $0, $1, $2, $3;", constraints="=r,r,r,r", args=[a, b, acc],
-            dtype=tl.int32, is_pure=True, pack=1)
+            asm="dp4a.s32.s32 $0, $1, $2, $3;" if SIGNED else "dp4a.u32.s32 $0, $1, $2, $3;",
+            constraints="=r,r,r,r", args=[a, b, acc], dtype=tl.int32, is_pure=True, pack=1)
     else:
-        acc += (a & 0xFF) * ((b << 24) >> 24)
-        acc += ((a >> 8) & 0xFF) * ((b << 16) >> 24)
-        acc += ((a >> 16) & 0xFF) * ((b << 8) >> 24)
-        return acc + ((a >> 24) & 0xFF) * (b >> 24)
+        for k in tl.static_range(4):
+            byte = ((a << (24 - 8 * k)) >> 24) if SIGNED else ((a >> (8 * k)) & 0xFF)
+            acc += byte * ((b << (24 - 8 * k)) >> 24)
+        return acc
+
+
+@triton.jit
+def _step_units(u0, ui, u_end, EVEN: tl.constexpr):
+    """A step's super-blocks `u0 + ui` and whether each is one of the split's: past its
+    last (unless EVEN), that last one again, to be taken as 0."""
+    u = u0 + ui
+    ok = u < u_end  # with EVEN always, and left unused
+    if not EVEN:
+        u = tl.minimum(u, u_end - 1)
+    return u, ok
 
 
 @triton.jit
@@ -104,12 +115,7 @@ def _q4k_int8x_kernel(words, xq, side, y_ptr, part_ptr, counts, N, units, stride
     acc = tl.zeros((UNITS, BLOCK_N, 8), dtype=tl.float32)
     u_end = tl.minimum(pid_s * per_split + per_split, units)
     for u0 in range(pid_s * per_split, u_end, UNITS):
-        u = u0 + ui
-        if EVEN:
-            ok = True
-        else:  # past the split's last super-block: that one again, its scale taken as 0
-            ok = u < u_end
-            u = tl.minimum(u, u_end - 1)
+        u, ok = _step_units(u0, ui, u_end, EVEN)  # the scale 0 where not ok
         p = row + u * 36
         w = tl.load(p + 4 + wd)
         x = xq + u * 64 + xw

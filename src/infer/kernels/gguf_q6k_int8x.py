@@ -28,23 +28,10 @@ import triton.language as tl
 
 from infer.kernels import dependent_launch
 from infer.kernels.gguf_gemv import _f16_hi, _f16_lo, _store_rows
-from infer.kernels.gguf_q4k_int8x import _four, run_int8x, split_launch
+from infer.kernels.gguf_q4k_int8x import _dp4a, _four, _step_units, run_int8x, split_launch
 
 SUPER_K, SUPER_BYTES = 256, 210
 _SIGN_BITS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as an int32
-
-
-@triton.jit
-def _dp4a_signed(a, b, acc, PTX: tl.constexpr):
-    """`acc + sum_i byte_i(a) * byte_i(b)`, both signed. With PTX one instruction."""
-    if PTX:
-        return tl.inline_asm_elementwise(
-            asm="dp4a.s32.s32 $0, $1, $2, $3;", constraints="=r,r,r,r", args=[a, b, acc],
-            dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        for k in tl.static_range(4):
-            acc += ((a << (24 - 8 * k)) >> 24) * ((b << (24 - 8 * k)) >> 24)
-        return acc
 
 
 @triton.jit
@@ -102,12 +89,7 @@ def _q6k_int8x_kernel(words, xq, side, y_ptr, part_ptr, counts, N, units, stride
     acc = tl.zeros((8, BLOCK_N, UNITS), dtype=tl.float32)
     u_end = tl.minimum(pid_s * per_split + per_split, units)
     for u0 in range(pid_s * per_split, u_end, UNITS):
-        u = u0 + ui
-        if EVEN:
-            ok = True
-        else:  # past the split's last super-block: that one again, its d taken as 0
-            ok = u < u_end
-            u = tl.minimum(u, u_end - 1)
+        u, ok = _step_units(u0, ui, u_end, EVEN)  # d 0 where not ok
         odd = u % 2
         shift = odd * 16
         start = row + u // 2 * 105 + odd * 52  # 420 bytes a pair
@@ -131,8 +113,8 @@ def _q6k_int8x_kernel(words, xq, side, y_ptr, part_ptr, counts, N, units, stride
                 qh_next = tl.load(at_qh + 4, mask=shift != 0, other=0)
             ql = _from_halfword(ql_word, ql_next, shift, PTX)
             qh = _from_halfword(qh_word, qh_next, shift, PTX)
-            lo = _dp4a_signed(_signed_six(ql, qh, b, False), x_lo[j], lo, PTX)
-            hi = _dp4a_signed(_signed_six(ql, qh, b, True), x_hi[j], hi, PTX)
+            lo = _dp4a(_signed_six(ql, qh, b, False), x_lo[j], lo, PTX, SIGNED=True)
+            hi = _dp4a(_signed_six(ql, qh, b, True), x_hi[j], hi, PTX, SIGNED=True)
         sc_lo = (_field(start, 48 + 2 * n, shift, PTX) << (24 - 8 * byte)) >> 24
         sc_hi = (_field(start, 49 + 2 * n, shift, PTX) << (24 - 8 * byte)) >> 24
         block = u * 8 + 4 * n + b  # x's block of 32 of the low nibbles' weights; 2 further

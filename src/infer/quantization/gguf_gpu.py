@@ -11,6 +11,8 @@ dequantizing only the rows asked for.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,16 @@ def set_gguf_int8_activations(model: nn.Module, on: bool) -> None:
     for m in model.modules():
         if isinstance(getattr(m, "quant_method", None), GGUFBlocksLinearMethod):
             m.gguf_int8_activations = on
+
+
+def int8x_kernels() -> dict[QType, tuple[Callable, Callable]]:
+    """The types one row multiplies with x rounded to int8 (`gguf_int8_activations`): each
+    kernel's launch rule and its matmul."""
+    from infer.kernels import gguf_q4k_int8x as q4k
+    from infer.kernels import gguf_q6k_int8x as q6k
+
+    return {QType.Q4_K: (q4k.launch, q4k.q4k_gemv_int8x),
+            QType.Q6_K: (q6k.launch, q6k.q6k_gemv_int8x)}
 
 
 def gpu_types() -> tuple[QType, ...]:
@@ -89,25 +101,24 @@ class GGUFBlocksLinearMethod(LinearMethod):
         x2 = x.reshape(-1, shape[-1]).contiguous()
         if len(x2) > 1 and not self._fused(layer, len(x2)):
             y = F.linear(x2, self._dequantized(layer, x.dtype))
-        elif len(x2) == 1 and getattr(layer, "gguf_int8_activations", False):
-            y = self._int8_x_row(layer, x2)
         else:
-            parts = [gguf_matmul(x2, getattr(layer, name), qtype, layer.cols)
-                     for name, qtype in layer.gguf_runs]
+            if len(x2) == 1 and getattr(layer, "gguf_int8_activations", False):
+                parts = self._int8_x_row(layer, x2)
+            else:
+                parts = [gguf_matmul(x2, getattr(layer, name), qtype, layer.cols)
+                         for name, qtype in layer.gguf_runs]
             y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         y = y.reshape(*shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
 
-    def _int8_x_row(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """One row: the Q4_K and Q6_K runs by x rounded to int8 (once for all of them),
-        dp4a; the other runs as gguf_matmul multiplies them."""
-        from infer.kernels import gguf_q4k_int8x as q4k
-        from infer.kernels import gguf_q6k_int8x as q6k
+    def _int8_x_row(self, layer: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+        """One row by each run: the Q4_K and Q6_K runs by x rounded to int8 (once for all
+        of them), dp4a; the other runs as gguf_matmul multiplies them."""
         from infer.kernels.gguf_gemv import gemv_words
         from infer.kernels.gguf_matmul import gguf_matmul
+        from infer.kernels.gguf_q4k_int8x import quantize_x
 
-        kernels = {QType.Q4_K: (q4k.launch, q4k.q4k_gemv_int8x),
-                   QType.Q6_K: (q6k.launch, q6k.q6k_gemv_int8x)}
+        kernels = int8x_kernels()
         quantized, parts = None, []
         for name, qtype in layer.gguf_runs:
             data = getattr(layer, name)
@@ -116,11 +127,11 @@ class GGUFBlocksLinearMethod(LinearMethod):
             if words is None:
                 parts.append(gguf_matmul(x, data, qtype, layer.cols))
                 continue
-            quantized = quantized or q4k.quantize_x(x)
+            quantized = quantized or quantize_x(x)
             launch, gemv = kernels[qtype]
             parts.append(gemv(x, words, layer.cols, quantized=quantized,
                               **launch(len(words), layer.cols, x.device)))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return parts
 
     def _fused(self, layer: nn.Module, rows: int) -> bool:
         """Whether `rows` (> 1) rows multiply by every run of `layer`'s blocks directly."""
