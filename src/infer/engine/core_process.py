@@ -264,8 +264,8 @@ def run_core_process(config: EngineConfig, conns: list[Connection]) -> None:
         return
     for conn in conns:
         conn.send(("ready", CoreInfo.of(core, model_name)))
-    freeze_startup_objects()
     warming = core.warm_structured_outputs()
+    freeze_startup_objects()
     went_on = CoreLoop(core, conns).run()
     core.shutdown()
     if warming is not None:  # a thread still in native code at exit aborts the process

@@ -360,10 +360,11 @@ class EngineCore:
         at a time to the GIL)."""
         if self.tokenizer is None:
             return None
-        # Imported here, not in the thread: torch's lazy submodules do not import safely
-        # beside a running model (a missing library is reported by the first request).
+        # Imported here, not in the thread, so that a caller's freeze of the start-up heap
+        # (setup.freeze_startup_objects) takes its modules (a missing library is reported
+        # by the first request).
         with contextlib.suppress(ImportError):
-            import llguidance.torch  # noqa: F401
+            import llguidance.gbnf_to_lark  # noqa: F401
 
         def warm() -> None:
             try:

@@ -113,11 +113,13 @@ class StructuredOutputs:
     Masks are filled in the library's own threads, without the GIL."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        # Not llguidance.torch: its import compiles a function with torch.compile, which
+        # brings in sympy and ~80k objects that every full garbage collection then walks
+        # (0.2-0.5 s a collection, a decode step's stall).
         import llguidance
         import llguidance.gbnf_to_lark
-        import llguidance.torch
 
-        self._llg, self._llg_torch = llguidance, llguidance.torch
+        self._llg = llguidance
         self._tokenizer = llguidance.LLTokenizer(library_tokenizer_json(tokenizer),
                                                  n_vocab=vocab_size,
                                                  eos_token=list(tokenizer.eos_token_ids))
@@ -209,16 +211,20 @@ class StructuredOutputs:
         """Row rows[i] (default: i) of `masks` := the tokens `matchers[i]` allows next,
         filled in parallel."""
         rows = rows if rows is not None else list(range(len(matchers)))
-        self._llg_torch.fill_next_token_bitmask_par(
-            self._executor, [(m._matcher, row) for m, row in zip(matchers, rows)], masks)
+        _check_mask_buffer(masks)
+        self._executor.unsafe_compute_mask_ptr(
+            [(m._matcher, row) for m, row in zip(matchers, rows)], masks.data_ptr(),
+            masks.shape[1] * 4, masks.shape[0])
 
     def fill_masks_with_drafts(self, entries: list[tuple[int, GrammarMatcher, list[int]]],
                                masks: torch.Tensor) -> None:
         """For each (row, matcher, drafts): row `row` := what the matcher allows next, row
         `row + j` := what it allows after the first j drafts (each allowed), in parallel;
         matchers are left where they were."""
-        self._llg_torch.fill_next_token_bitmask_par_with_draft_tokens(
-            self._executor, [(m._matcher, row, drafts) for row, m, drafts in entries], masks)
+        _check_mask_buffer(masks)
+        self._executor.unsafe_compute_mask_ptr_with_draft_token(
+            [(m._matcher, row, drafts) for row, m, drafts in entries], masks.data_ptr(),
+            masks.shape[1] * 4, masks.shape[0])
 
     def apply_masks(self, logits: torch.Tensor, masks: torch.Tensor,
                     rows: list[int] | None = None) -> None:
@@ -301,3 +307,12 @@ def _after_reasoning(grammar: str, start: str, end: str) -> str:
     lark = "\n".join(rules) + "\n"
     first = {"name": "after_reasoning", "lark_grammar": lark, "json_schema": None}
     return json.dumps({"grammars": [first, *inner], "max_tokens": None})
+
+
+def _check_mask_buffer(masks: torch.Tensor) -> None:
+    """The library writes `masks` through its pointer: it must be a whole CPU int32
+    matrix laid out row after row."""
+    if not (masks.dtype == torch.int32 and masks.device.type == "cpu" and masks.dim() == 2
+            and masks.is_contiguous()):
+        raise ValueError(f"token masks must be a contiguous 2-D int32 CPU tensor, not "
+                         f"{masks.dtype} {tuple(masks.shape)} on {masks.device}")
