@@ -4,7 +4,8 @@ stop checks, outputs). It is the same Python on a CPU as next to a GPU, where it
 the GPU idles, so it is measured here on a tiny model whose forward is timed apart.
 
     python benchmarks/host_overhead.py --batch 256 --output-len 512 [--output-kind delta]
-        [--temperature 0.6 [--seeded]]
+        [--temperature 0.6 [--seeded]] [--tokenizer DIR --constraint regex|json]
+        [--engine NAME=VALUE ...]
 
 Prints the split per phase and writes benchmarks/results/host_overhead_<device>.json.
 """
@@ -32,20 +33,34 @@ def main() -> None:
                    help="final: LLM.generate's; delta: the server's; cumulative: LLM.stream's")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--seeded", action="store_true", help="a seed per request")
+    p.add_argument("--tokenizer", help="a directory with tokenizer.json (a real vocabulary, "
+                   "which --constraint needs)")
+    p.add_argument("--constraint", choices=["none", "regex", "json"], default="none",
+                   help="every request under structured_output.py's regex or JSON schema")
+    p.add_argument("--engine", action="append", default=[], metavar="NAME=VALUE",
+                   help="engine flag passed to LLM(...) (repeatable)")
     p.add_argument("--ckpt-root")
     p.add_argument("--suffix", default="")
     p.add_argument("--results-dir", default=str(common.RESULTS))
     p.set_defaults(tiny=True)  # the model is always the tiny one (results_path says so)
     args = p.parse_args()
     torch.set_num_threads(1)
-    from infer import RequestOutputKind, SamplingParams
+    from structured_output import NOTES
+
+    from infer import RequestOutputKind, SamplingParams, StructuredOutputsParams
     from infer.engine import engine_core
 
-    path = common.get_checkpoint("llama-3.2-1b", True, args.ckpt_root)
+    if args.constraint != "none" and not args.tokenizer:
+        p.error("--constraint needs --tokenizer (a real vocabulary)")
+    path = common.get_checkpoint("llama-3.2-1b", True, args.ckpt_root,
+                                 tokenizer_dir=Path(args.tokenizer) if args.tokenizer else None)
     blocks = args.batch * -(-(args.prompt_len + args.output_len) // 16)
-    llm, _ = common.build_llm(path, dict(max_model_len=args.prompt_len + args.output_len,
-                                         max_num_seqs=args.batch, device="cpu",
-                                         dtype="float32", num_blocks=blocks))
+    llm, _ = common.build_llm(path, {
+        "max_model_len": args.prompt_len + args.output_len, "max_num_seqs": args.batch,
+        "device": "cpu", "dtype": "float32", "num_blocks": blocks,
+        **common.parse_engine_flags(args.engine)})
+    constraint = {"none": None, "regex": StructuredOutputsParams(regex="[a-z ]+"),
+                  "json": StructuredOutputsParams(json=NOTES)}[args.constraint]
     engine = llm.engine
     phases: collections.Counter[str] = collections.Counter()
 
@@ -70,13 +85,21 @@ def main() -> None:
     timed(engine_core, "sample", "sample")
     timed(engine.output_processor, "_apply", "detokenize + stop strings")
     timed(engine.output_processor, "_output", "build outputs")
+    if constraint is not None:
+        from infer.engine.grammar_process import GrammarProcess
+        from infer.engine.structured_output import StructuredOutputs
+        timed(engine.core, "_advance_grammars", "grammars: advance (+ verdicts)")
+        timed(StructuredOutputs, "sampler_masks", "grammars: masks on the loop")
+        timed(GrammarProcess, "masks", "grammars: worker's masks")
+        timed(GrammarProcess, "publish", "grammars: publish tokens")
     vocab = engine.model_config.vocab_size
     kind = {"final": RequestOutputKind.FINAL_ONLY, "delta": RequestOutputKind.DELTA,
             "cumulative": RequestOutputKind.CUMULATIVE}[args.output_kind]
     for i in range(args.batch):
         params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
                                 ignore_eos=True, output_kind=kind,
-                                seed=i if args.seeded else None)
+                                seed=i if args.seeded else None,
+                                structured_outputs=constraint)
         engine.add_request(f"r{i}", [(11 * i + j) % vocab for j in range(args.prompt_len)],
                            params)
     while any(not s.request.output_token_ids for s in engine.core.sequences.values()):
@@ -94,10 +117,11 @@ def main() -> None:
     common.write_results("host_overhead", args, {
         "batch": args.batch, "prompt_len": args.prompt_len, "output_len": args.output_len,
         "output_kind": args.output_kind, "temperature": args.temperature,
-        "seeded": args.seeded, "steps": steps,
+        "seeded": args.seeded, "constraint": args.constraint, "steps": steps,
         "host_us_per_seq_step": per_seq,
         "phases_ms_per_step": {label: ms for label, ms, _ in rows}})
-    print(f"\nbatch {args.batch}, {steps} decode steps, {args.output_kind} outputs: host "
+    print(f"\nbatch {args.batch}, {steps} decode steps, {args.output_kind} outputs, "
+          f"constraint {args.constraint}: host "
           f"{host / steps * 1e3:.2f} ms/step = {per_seq:.1f} us per sequence per step")
     print("| phase | ms/step | us/seq/step |\n|---|---:|---:|")
     for label, ms, us in rows:
