@@ -11,9 +11,9 @@ fraction of the copy bandwidth measured in the same run. `--sweep` also times th
 GGUF kernel's launch configurations, `--gemm-sweep` those of the few-row GGUF kernel
 (gguf_gemm.py) at each of `--rows` beside bf16 and the dequantize-then-cuBLAS path
 (`Q4_K-deq`: what the engine ran from two rows up before), weights cycled past L2 as in
-the table. `--gguf-only`: the table's bf16 and GGUF rows alone. `Q4_K-int8x`, `Q6_K-int8x`
-(one row): x rounded to int8 (gguf_q4k_int8x.py, gguf_q6k_int8x.py,
-`gguf_int8_activations`); `--int8x-sweep` their launches.
+the table. `--gguf-only`: the table's bf16 and GGUF rows alone. `Q4_K-int8x`, `Q6_K-int8x`,
+`Q8_0-int8x` (one row): x rounded to int8 (gguf_q4k_int8x.py, gguf_q6k_int8x.py,
+gguf_q8_0_int8x.py, `gguf_int8_activations`); `--int8x-sweep` their launches.
 
     python benchmarks/quantized_gemv.py [--rows 1 8 32] [--sweep | --sweep-only]
         [--gemm-sweep [--gemm-grid]] [--gguf-only] [--int8x-sweep]
@@ -105,10 +105,9 @@ def cases(n: int, k: int, gguf_only: bool = False
         out[name] = (lambda x, b=blocks, q=Q[name]: gguf_matmul(x, b, q, k), blocks.nbytes)
         out[f"{name}-deq"] = (partial(_deq_of, blocks=blocks, qtype=Q[name], cols=k),
                               blocks.nbytes)
-        if name in ("Q4_K", "Q6_K"):  # one row only: x rounded to int8 (its launch
-            # included), dp4a
-            out[f"{name}-int8x"] = (partial(_int8x_of, blocks=blocks, cols=k, qtype=name),
-                                    blocks.nbytes)
+        # one row only: x rounded to int8 (its launch included), dp4a
+        out[f"{name}-int8x"] = (partial(_int8x_of, blocks=blocks, cols=k, qtype=name),
+                                blocks.nbytes)
     if gguf_only:
         return out
     w8 = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
@@ -126,22 +125,22 @@ def cases(n: int, k: int, gguf_only: bool = False
 
 def _int8x_of(x: torch.Tensor, *, blocks: torch.Tensor, cols: int, qtype: str,
               **launch) -> torch.Tensor:
-    """The engine's one-row Q4_K / Q6_K path with `gguf_int8_activations` (launch: its
-    rule's unless given)."""
+    """The engine's one-row Q4_K / Q6_K / Q8_0 path with `gguf_int8_activations` (launch:
+    its rule's unless given)."""
     from gguf import GGMLQuantizationType as Q
 
-    from infer.kernels.gguf_gemv import gemv_words
+    from infer.kernels.gguf_gemv import row_words
     from infer.quantization.gguf_gpu import int8x_kernels
 
     rule, gemv = int8x_kernels()[Q[qtype]]
-    words = gemv_words(blocks, Q[qtype])
+    words = row_words(blocks)
     return gemv(x, words, cols, **(launch or rule(len(words), cols, x.device)))
 
 
 def int8x_sweep(copy_gbs: float) -> list[dict]:
-    """The x-rounded Q4_K and Q6_K kernels' launches at one row, per shape: rows a program,
-    super-blocks a step, K splits; weights cycled past L2, x rounded in each call (as the
-    engine does a layer)."""
+    """The x-rounded Q4_K, Q6_K and Q8_0 kernels' launches at one row, per shape: rows a
+    program, units (super-blocks; Q8_0 pairs of blocks) a step, K splits; weights cycled
+    past L2, x rounded in each call (as the engine does a layer)."""
     from gguf import GGMLQuantizationType as Q
 
     from infer.kernels.gguf_q4k_int8x import quantize_x
@@ -149,7 +148,8 @@ def int8x_sweep(copy_gbs: float) -> list[dict]:
 
     results = []
     for (shape, n, k), (qtype, units) in itertools.product(
-            SHAPES, (("Q4_K", (1, 2)), ("Q6_K", (2, 4)))):  # Q6_K: an even number a step
+            SHAPES, (("Q4_K", (1, 2)), ("Q6_K", (2, 4)), ("Q8_0", (2, 4, 8)))):
+        # Q6_K: an even number a step
         copies = [gguf_blocks(n, k, qtype)
                   for _ in range(max(1, -(-3 * L2_BYTES // (n * k * 9 // 16))))]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -328,8 +328,8 @@ def main() -> None:
                         help="--gemm-sweep: also the grid of GEMM_CONFIGS and splits")
     parser.add_argument("--gguf-only", action="store_true", help="table: bf16 and GGUF only")
     parser.add_argument("--int8x-sweep", action="store_true",
-                        help="the launches of Q4_K and Q6_K with x rounded to int8 (first, no "
-                        "table)")
+                        help="the launches of Q4_K, Q6_K and Q8_0 with x rounded to int8 "
+                        "(first, no table)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("quantized_gemv.py times CUDA kernels: no GPU here")

@@ -128,21 +128,25 @@ def _cases() -> list[Case]:
         ["xs", "q_ptr", "y_ptr", "part_ptr", "counts", "stride_qw"],  # 8B rows: 16 x 36 words
         launch["block_n"] * launch["units"] * 256, 144 / 256, num_warps=launch["num_warps"],
         note=f"launch ({launch['block_n']} rows, {launch['num_warps']} warps)"))
-    # x rounded to int8, dp4a: Q4_K (144-byte super-blocks; 8B rows 16 x 36 words, a
-    # multiple of 16) and Q6_K (210 bytes; rows 16 x 52.5 words, not)
+    # x rounded to int8, dp4a: Q4_K (144-byte super-blocks of 256; 8B rows 16 x 36 words, a
+    # multiple of 16), Q6_K (210 bytes of 256; rows 16 x 52.5 words, not) and Q8_0 (pairs
+    # of 34-byte blocks, 64 weights; rows 64 x 17 words, not)
     int8x_args = dict(words="*i32", xq="*i32", side="*fp32", y_ptr="*bf16", part_ptr="*fp32",
                       counts="*i32", N=i32, units=i32, stride_w=i32, splits=i32,
                       per_split=i32)
-    for qtype, stored, strides, launches in (
-            ("q4_k", 144, ["stride_w"], ((16, 2), (32, 2), (64, 2), (64, 1))),
-            ("q6_k", 210, [], ((16, 2), (32, 2), (64, 2)))):
+    for qtype, module, unit_k, stored, strides, launches in (
+            ("q4_k", "gguf_q4k_int8x:_q4k", 256, 144, ["stride_w"],
+             ((16, 2), (32, 2), (64, 2), (64, 1))),
+            ("q6_k", "gguf_q6k_int8x:_q6k", 256, 210, [], ((16, 2), (32, 2), (64, 2))),
+            ("q8_0", "gguf_q8_0_int8x:_q8_0", 64, 68, [], ((16, 4), (32, 4), (64, 2)))):
         for block_n, units in launches:
             cases.append(Case(
-                f"gguf {qtype} x int8 (one row, dp4a, {block_n} rows x {units} super-blocks)",
-                f"gguf_{qtype.replace('_', '')}_int8x:_{qtype.replace('_', '')}_int8x_kernel",
-                int8x_args, dict(BLOCK_N=block_n, UNITS=units, EVEN=True, PTX=True, PDL=False),
-                ["words", "xq", "side", "y_ptr", *strides], block_n * units * 256, stored / 256,
-                num_warps=4, note=f"launch ({block_n} rows, {units} super-blocks, 4 warps)"))
+                f"gguf {qtype} x int8 (one row, dp4a, {block_n} rows x {units} units)",
+                f"{module}_int8x_kernel", int8x_args,
+                dict(BLOCK_N=block_n, UNITS=units, EVEN=True, PTX=True, PDL=False),
+                ["words", "xq", "side", "y_ptr", *strides], block_n * units * unit_k,
+                stored / unit_k, num_warps=4,
+                note=f"launch ({block_n} rows, {units} units of {unit_k}, 4 warps)"))
     return cases
 
 

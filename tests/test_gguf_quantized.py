@@ -245,8 +245,8 @@ def test_a_model_kept_as_blocks_gives_the_dequantized_logits(tmp_path, llama_sou
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
-def test_a_k_quant_model_with_x_rounded_to_int8_stays_near_the_dequantized_logits(
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda q: q.name)
+def test_a_quantized_model_with_x_rounded_to_int8_stays_near_the_dequantized_logits(
         tmp_path, llama_source, qtype):
     """`gguf_int8_activations` through a whole model: its decode steps' logits move by x's
     rounding only (the prefill, more than one row, stays exact)."""

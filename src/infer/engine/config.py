@@ -127,9 +127,10 @@ class EngineConfig:
         "triton; on an H200, 8B shape, batch 32 decode 4.89 vs 5.08 ms, batch 64 6.46 vs "
         "5.36 with 64 (docs/performance.md)")
     gguf_int8_activations: bool = knob(
-        True, "one-row matmuls by GGUF Q4_K and Q6_K weights kept in their blocks "
+        True, "one-row matmuls by GGUF Q4_K, Q6_K and Q8_0 weights kept in their blocks "
         "(quantization=gguf) round x to int8 per 32 values and multiply with dp4a, as "
-        "llama.cpp does on a GPU (kernels/gguf_q4k_int8x.py, gguf_q6k_int8x.py), for x's "
+        "llama.cpp does on a GPU (kernels/gguf_q4k_int8x.py, gguf_q6k_int8x.py, "
+        "gguf_q8_0_int8x.py), for x's "
         "rounding error; CUDA with kernel_backend triton only; on an H200 the 8B Q4_K_M "
         "batch-1 step 2.48 ms, 4.24 without; the real Gemma 3 270M Q4_K_M's greedy text "
         "the same either way (docs/performance.md)")

@@ -322,7 +322,13 @@ def gemv_x(x: torch.Tensor, qtype: QType, cols: int) -> tuple[torch.Tensor, int]
 def gemv_words(data: torch.Tensor, qtype: QType) -> torch.Tensor | None:
     """`data [N, bytes per row]` as int32 words when the kernel takes it (its type, rows a
     whole number of aligned words), else None."""
-    if qtype not in UNITS_OF or data.dim() != 2 or data.stride(1) != 1:
+    return row_words(data) if qtype in UNITS_OF else None
+
+
+def row_words(data: torch.Tensor) -> torch.Tensor | None:
+    """`data [N, bytes per row]` as int32 words where its rows are a whole number of
+    aligned words, else None."""
+    if data.dim() != 2 or data.stride(1) != 1:
         return None
     if data.shape[1] % 4 or data.stride(0) % 4 or data.storage_offset() % 4:
         return None

@@ -181,12 +181,13 @@ def launch(rows: int, cols: int, device: torch.device) -> dict:
 
 
 def split_launch(rows: int, cols: int, device: torch.device, *, block_n: int,
-                 units: int) -> dict:
-    """`block_n` rows a program, `units` super-blocks a step, K split in two while that
-    keeps the programs within four a multiprocessor (up to 8 splits)."""
+                 units: int, unit_k: int = SUPER_K) -> dict:
+    """`block_n` rows a program, `units` units (super-blocks; of `unit_k` weights) a step,
+    K split in two while that keeps the programs within four a multiprocessor (up to 8
+    splits)."""
     from infer.kernels.gguf_gemv import multiprocessors
 
-    programs, steps = triton.cdiv(rows, block_n), cols // SUPER_K // units
+    programs, steps = triton.cdiv(rows, block_n), cols // unit_k // units
     split = 1
     while split < 8 and 2 * split <= steps and 2 * split * programs <= 4 * multiprocessors(
             device):
@@ -210,15 +211,17 @@ def q4k_gemv_int8x(x: torch.Tensor, words: torch.Tensor, cols: int, *, block_n: 
 
 def run_int8x(kernel, x: torch.Tensor, words: torch.Tensor, cols: int, *, block_n: int,
               units: int, split: int, num_warps: int,
-              quantized: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """Launch an int8-x kernel of this module's signature (the Q4_K one, gguf_q6k_int8x's):
-    x rounded here unless `quantized`, K split over `split` programs a row block (their
-    counters per kernel in `launch_counters`)."""
+              quantized: tuple[torch.Tensor, torch.Tensor] | None,
+              unit_k: int = SUPER_K) -> torch.Tensor:
+    """Launch an int8-x kernel of this module's signature (the Q4_K one, gguf_q6k_int8x's,
+    gguf_q8_0_int8x's; its unit of K `unit_k` weights): x rounded here unless
+    `quantized`, K split over `split` programs a row block (their counters per kernel in
+    `launch_counters`)."""
     n = words.shape[0]
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return y
-    supers = cols // SUPER_K
+    supers = cols // unit_k
     per_split = triton.cdiv(triton.cdiv(supers, max(1, split)), units) * units
     split = triton.cdiv(supers, per_split)
     row_blocks = triton.cdiv(n, block_n)

@@ -32,8 +32,8 @@ FUSED_ROWS: dict[QType, int] = {QType.Q4_K: 64, QType.Q6_K: 64, QType.Q8_0: 64}
 
 
 def set_gguf_int8_activations(model: nn.Module, on: bool) -> None:
-    """Whether `model`'s GGUF Q4_K / Q6_K layers multiply one row by x rounded to int8
-    (dp4a)."""
+    """Whether `model`'s GGUF Q4_K / Q6_K / Q8_0 layers multiply one row by x rounded to
+    int8 (dp4a)."""
     for m in model.modules():
         if isinstance(getattr(m, "quant_method", None), GGUFBlocksLinearMethod):
             m.gguf_int8_activations = on
@@ -44,9 +44,11 @@ def int8x_kernels() -> dict[QType, tuple[Callable, Callable]]:
     kernel's launch rule and its matmul."""
     from infer.kernels import gguf_q4k_int8x as q4k
     from infer.kernels import gguf_q6k_int8x as q6k
+    from infer.kernels import gguf_q8_0_int8x as q8_0
 
     return {QType.Q4_K: (q4k.launch, q4k.q4k_gemv_int8x),
-            QType.Q6_K: (q6k.launch, q6k.q6k_gemv_int8x)}
+            QType.Q6_K: (q6k.launch, q6k.q6k_gemv_int8x),
+            QType.Q8_0: (q8_0.launch, q8_0.q8_0_gemv_int8x)}
 
 
 def gpu_types() -> tuple[QType, ...]:
@@ -112,9 +114,9 @@ class GGUFBlocksLinearMethod(LinearMethod):
         return y if bias is None else y + bias
 
     def _int8_x_row(self, layer: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
-        """One row by each run: the Q4_K and Q6_K runs by x rounded to int8 (once for all
-        of them), dp4a; the other runs as gguf_matmul multiplies them."""
-        from infer.kernels.gguf_gemv import gemv_words
+        """One row by each run: the Q4_K, Q6_K and Q8_0 runs by x rounded to int8 (once
+        for all of them), dp4a; the other runs as gguf_matmul multiplies them."""
+        from infer.kernels.gguf_gemv import row_words
         from infer.kernels.gguf_matmul import gguf_matmul
         from infer.kernels.gguf_q4k_int8x import quantize_x
 
@@ -122,8 +124,8 @@ class GGUFBlocksLinearMethod(LinearMethod):
         quantized, parts = None, []
         for name, qtype in layer.gguf_runs:
             data = getattr(layer, name)
-            # whole words a row (Q6_K: K a multiple of 512), else the exact path
-            words = gemv_words(data, qtype) if qtype in kernels else None
+            # whole words a row (Q6_K: K a multiple of 512, Q8_0: of 64), else the exact path
+            words = row_words(data) if qtype in kernels else None
             if words is None:
                 parts.append(gguf_matmul(x, data, qtype, layer.cols))
                 continue
