@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from int8x_checks import assert_rounded_product
 
 from infer.kernels import triton_available
 
@@ -58,20 +59,7 @@ def test_q8_0_int8x_is_the_product_with_its_rounded_x_and_within_the_rounding(
     quantized = quantize_x(x.to(DEVICE))
     y = q8_0_gemv_int8x(x.to(DEVICE), words_of(raw), k, block_n=block_n, units=units,
                         split=split, quantized=quantized).cpu()
-    assert y.shape == (1, n) and y.dtype == dtype and torch.isfinite(y).all()
-    xq, side = (t.cpu().double() for t in quantized)
-    steps = side[:, :2].reshape(-1)
-    rounded = (xq.reshape(-1, 32) * steps[:, None]).reshape(1, k)
-    w, exact_x = dequantized(raw), x.double()
-    ref = rounded @ w.T  # Q8_0 has no min term: the product with the rounded x
-    tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
-    scale = ref.abs().max().item()
-    assert (y.double() - ref).abs().max().item() <= tolerance * scale
-    # Against the exact product: within the rounding's bound, sum_i |w_i| step_i / 2.
-    exact = exact_x @ w.T
-    bound = (steps.repeat_interleave(32)[None, :] / 2) @ w.abs().T
-    assert ((y.double() - exact).abs() <= bound + tolerance * scale).all()
-    assert (y.double() - exact).abs().max() > 0  # x was rounded: not the exact product
+    assert_rounded_product(y, quantized, dequantized(raw), x)
 
 
 def test_q8_0_int8x_splits_of_k_called_twice_and_rows_past_n():
