@@ -1,6 +1,7 @@
 """What a constraint costs per decode step: the same requests plain and under a regex and a
 JSON-schema constraint, at several batch sizes, through the engine with `LLM` defaults
-(CUDA graphs, async scheduling). Random weights in a model shape, with a real vocabulary
+(CUDA graphs, async scheduling), its start-up heap frozen as the server's core freezes
+its own (`setup.freeze_startup_objects`). Random weights in a model shape, with a real vocabulary
 (`--tokenizer`, a directory with tokenizer.json) so that the grammars are real; 64
 constrained JSON answers are checked first (stopped ones must parse and fit the schema).
 Then the time to first token of one request under a JSON schema never seen before (its
@@ -74,6 +75,8 @@ def main() -> None:
                                  tokenizer_dir=Path(args.tokenizer))
     flags = {"max_num_seqs": max(args.batches), **common.parse_engine_flags(args.engine)}
     llm, _ = common.build_llm(path, flags)
+    from infer.engine.setup import freeze_startup_objects
+    freeze_startup_objects()  # as the server's core process does (no collection stalls)
     worker_calls = _time_worker_calls()  # stays empty where the worker is off
     _watch_compiles()
     person = [SamplingParams(max_tokens=64, temperature=0.8, seed=i,

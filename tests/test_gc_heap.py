@@ -1,7 +1,8 @@
-"""The garbage collector and an engine's process: what is loaded when an engine is built is
-frozen (a full collection no longer walks it), which is safe only while an engine let go
-is freed by reference counting alone; and the grammar library is used without the module
-that would add tens of thousands of objects to every later collection."""
+"""The garbage collector and an engine's process: a process that serves one engine freezes
+what it loaded (a full collection no longer walks it), which is safe only while an engine
+let go is freed by reference counting alone; an offline engine does not freeze; and the
+grammar library is used without the module that would add tens of thousands of objects to
+every later collection."""
 
 from __future__ import annotations
 
@@ -16,12 +17,27 @@ from server_fixtures import tiny_model_dir
 from infer import LLM, SamplingParams, StructuredOutputsParams
 
 
-def test_what_an_engine_loaded_is_left_out_of_collections():
+def test_an_offline_engine_leaves_the_collector_alone():
+    """Only a process that serves one engine for its life freezes its heap (the core's, the
+    server's): an offline `LLM` does not, since a process may build and drop many and a
+    frozen cycle is never collected."""
+    before = gc.get_freeze_count()
+    llm = LLM(str(tiny_model_dir()), device="cpu", num_blocks=32, block_size=8)
+    assert gc.get_freeze_count() == before
+    assert any(o is llm.engine.kv for o in gc.get_objects())
+
+
+def test_freezing_leaves_what_was_loaded_out_of_collections():
+    from infer.engine.setup import freeze_startup_objects
+
     llm = LLM(str(tiny_model_dir()), device="cpu", num_blocks=32, block_size=8)
     model, kv = llm.engine.model, llm.engine.kv
-    walked = gc.get_objects()  # every generation a collection walks; frozen ones are not
-    assert gc.get_freeze_count() > 0
-    assert not any(o is model or o is kv for o in walked)
+    freeze_startup_objects()
+    try:
+        walked = gc.get_objects()  # every generation a collection walks; frozen ones not
+        assert not any(o is model or o is kv for o in walked)
+    finally:
+        gc.unfreeze()
 
 
 def test_an_engine_let_go_is_freed_by_reference_counting_alone():
@@ -37,7 +53,7 @@ def test_an_engine_let_go_is_freed_by_reference_counting_alone():
              "kv": engine.kv, "scheduler": engine.scheduler}
     refs = {name: weakref.ref(part) for name, part in parts.items()}
     del llm, engine, parts, outs
-    gc.disable()  # a cycle left to the collector would stay forever once frozen
+    gc.disable()  # a cycle left to the collector would stay forever in a frozen heap
     try:
         alive = [name for name, ref in refs.items() if ref() is not None]
     finally:

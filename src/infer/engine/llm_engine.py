@@ -25,7 +25,7 @@ from infer.engine.engine_core import CoreInfo, EngineCore, load_core
 from infer.engine.input_processor import InputProcessor, RequestRejected, split_into_sequences
 from infer.engine.output_processor import OutputProcessor
 from infer.engine.outputs import RequestOutput
-from infer.engine.setup import freeze_startup_objects, load_tokenizer
+from infer.engine.setup import load_tokenizer
 from infer.sampling_params import SamplingParams
 
 __all__ = ["LLMEngine", "RequestRejected"]
@@ -61,7 +61,6 @@ class LLMEngine:
             self.input_processor.structured_outputs = self.core.structured_outputs
         self.output_processor = OutputProcessor(self.tokenizer)
         self._next_id = 0
-        freeze_startup_objects()
 
     # the parts' state, for callers and tests that look inside
     @property

@@ -100,15 +100,17 @@ def pick_backend(name: str, choice: str, device: torch.device) -> str:
 
 
 def freeze_startup_objects() -> None:
-    """Exempt everything loaded so far from garbage collection. A process that runs an
-    engine holds many long-lived objects (modules, tokenizer, model, schemas) that each
-    collection of the oldest generation would walk again: 0.1-0.2 s for the ~400k of a
-    tiny model's benchmark on the CPU machine, 0.3-0.5 s (one decode step's stall) on the
-    device's host. The per-token work allocates enough to trigger those often (measured on
-    a CPU: ~11 -> ~7 us of the server's output work per token).
+    """Exempt everything loaded so far from garbage collection, in a process that serves
+    one engine for its life (the server's, the core's). It holds many long-lived objects
+    (modules, tokenizer, model, schemas) that each collection of the oldest generation
+    would walk again: 0.1-0.2 s for the ~400k of a tiny model's benchmark on the CPU
+    machine, 0.3-0.5 s (one decode step's stall) on the device's host. The per-token work
+    allocates enough to trigger those often (measured on a CPU: ~11 -> ~7 us of the
+    server's output work per token).
 
-    Invariant: an engine let go is freed by reference counting alone (no cycle holds its
-    model or KV cache), since frozen cycles are never collected."""
+    Not for the offline `LLM`: a frozen cycle is never collected, and a process may build
+    and drop many engines. Invariant all the same: an engine let go is freed by reference
+    counting alone (no cycle holds its model or KV cache)."""
     gc.collect()
     if not gc.get_freeze_count():
         # Handed back at exit, so that the interpreter's last collection frees them
