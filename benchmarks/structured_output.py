@@ -25,8 +25,10 @@ Prints one table and writes benchmarks/results/structured_output_<device>.json.
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import faulthandler
+import gc
 import json
 import random
 import sys
@@ -77,6 +79,8 @@ def main() -> None:
     llm, _ = common.build_llm(path, flags)
     from infer.engine.setup import freeze_startup_objects
     freeze_startup_objects()  # as the server's core process does (no collection stalls)
+    # handed back at exit, so that Triton's bindings see their objects freed
+    atexit.register(gc.unfreeze)
     worker_calls = _time_worker_calls()  # stays empty where the worker is off
     _watch_compiles()
     person = [SamplingParams(max_tokens=64, temperature=0.8, seed=i,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import gc
 import logging
 
@@ -112,8 +111,4 @@ def freeze_startup_objects() -> None:
     and drop many engines. Invariant all the same: an engine let go is freed by reference
     counting alone (no cycle holds its model or KV cache)."""
     gc.collect()
-    if not gc.get_freeze_count():
-        # Handed back at exit, so that the interpreter's last collection frees them
-        # (native bindings such as Triton's report objects still alive then as leaks).
-        atexit.register(gc.unfreeze)
     gc.freeze()
