@@ -52,9 +52,9 @@ def test_an_engine_let_go_is_freed_by_reference_counting_alone():
     parts = {"llm": llm, "engine": engine, "core": engine.core, "model": engine.model,
              "kv": engine.kv, "scheduler": engine.scheduler}
     refs = {name: weakref.ref(part) for name, part in parts.items()}
-    del llm, engine, parts, outs
-    gc.disable()  # a cycle left to the collector would stay forever in a frozen heap
+    gc.disable()  # reference counting alone from here: a cycle stays, as in a frozen heap
     try:
+        del llm, engine, parts, outs
         alive = [name for name, ref in refs.items() if ref() is not None]
     finally:
         gc.enable()
