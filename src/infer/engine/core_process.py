@@ -40,6 +40,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.engine_core import CoreInfo, EngineCore, SequenceOutput, StepFailed, load_core
 from infer.engine.request import Request
 from infer.engine.setup import freeze_startup_objects
+from infer.engine.structured_output import import_grammar_library
 from infer.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -264,8 +265,9 @@ def run_core_process(config: EngineConfig, conns: list[Connection]) -> None:
         return
     for conn in conns:
         conn.send(("ready", CoreInfo.of(core, model_name)))
-    warming = core.warm_structured_outputs()
+    import_grammar_library()
     freeze_startup_objects()
+    warming = core.warm_structured_outputs()
     went_on = CoreLoop(core, conns).run()
     core.shutdown()
     if warming is not None:  # a thread still in native code at exit aborts the process

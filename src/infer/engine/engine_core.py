@@ -57,7 +57,12 @@ from infer.engine.setup import (
     model_config_of,
     pick_device_and_dtype,
 )
-from infer.engine.structured_output import CompileThread, GrammarMatcher, StructuredOutputs
+from infer.engine.structured_output import (
+    CompileThread,
+    GrammarMatcher,
+    StructuredOutputs,
+    import_grammar_library,
+)
 from infer.loader.tokenizer import Tokenizer
 from infer.quantization import quantize_model
 from infer.sampling_params import SamplingParams
@@ -360,11 +365,7 @@ class EngineCore:
         at a time to the GIL)."""
         if self.tokenizer is None:
             return None
-        # Imported here, not in the thread, so that a caller's freeze of the start-up heap
-        # (setup.freeze_startup_objects) takes its modules (a missing library is reported
-        # by the first request).
-        with contextlib.suppress(ImportError):
-            import llguidance.gbnf_to_lark  # noqa: F401
+        import_grammar_library()  # here, not in the thread
 
         def warm() -> None:
             try:

@@ -14,6 +14,7 @@ naming the field and the library's reason.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
@@ -105,6 +106,14 @@ class GrammarMatcher:
     def terminated(self) -> bool:
         """The grammar is finished: it took the stop token, or allows nothing but it."""
         return self._matcher.is_stopped()
+
+
+def import_grammar_library() -> None:
+    """Import the grammar library now, in the calling thread, if it is installed (a missing
+    one is reported by the first constrained request): before a process freezes its
+    start-up heap, so that the library's modules are frozen with it."""
+    with contextlib.suppress(ImportError):
+        import llguidance.gbnf_to_lark  # noqa: F401
 
 
 class StructuredOutputs:
