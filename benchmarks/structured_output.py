@@ -141,18 +141,12 @@ def main() -> None:
         print(f"| {r['batch']} | {r['constraint']} | {r['ms_per_step']:.2f} | {runs} "
               f"| {r['vs_none']:.2f}x | {r['whole_run_ms_per_step']:.2f} "
               f"| {r['whole_run_vs_none']:.2f}x | {r['out_tok_per_s']:,.0f} |")
-    print("| batch | constraint | each run in order: median step / slowest step ms "
-          "(requests stopped by their grammar) |\n|---:|---|---|")
-    for r in rows:
-        runs = ", ".join(f"{m:.2f} / {x:.2f} ({n})" for m, x, n in zip(
-            r["median_step_ms_runs"], r["slowest_step_ms_runs"], r["stopped_runs"]))
-        print(f"| {r['batch']} | {r['constraint']} | {runs} |")
-    print("| batch | constraint | each run: slowest step's index, first stop's, Triton "
-          "compiles |\n|---:|---|---|")
-    for r in rows:
-        runs = "; ".join(f"{i}, {j}, {','.join(c) or '-'}" for i, j, c in zip(
-            r["slowest_step_runs"], r["first_stop_step_runs"], r["compiled_runs"]))
-        print(f"| {r['batch']} | {r['constraint']} | {runs} |")
+    _per_run_table(rows, "each run in order: median step / slowest step ms (requests "
+                   "stopped by their grammar)", ", ", lambda m, x, n: f"{m:.2f} / {x:.2f} ({n})",
+                   "median_step_ms_runs", "slowest_step_ms_runs", "stopped_runs")
+    _per_run_table(rows, "each run: slowest step's index, first stop's, Triton compiles",
+                   "; ", lambda i, j, c: f"{i}, {j}, {','.join(c) or '-'}",
+                   "slowest_step_runs", "first_stop_step_runs", "compiled_runs")
     print("| first token of one request | ms (median of 5) |\n|---|---:|")
     for name, ms in ttft.items():
         print(f"| {name} | {ms:.2f} |")
@@ -237,6 +231,14 @@ def _timed_run(engine, prompts: list, params: list, decode_steps: int,
             "first_stop_step": first_stop,
             "median_step_ms": sorted(step_ms)[len(step_ms) // 2],
             "compiled": COMPILED[compiled_before:]}
+
+
+def _per_run_table(rows: list[dict], what: str, sep: str, cell, *keys: str) -> None:
+    """A table of one line per batch and constraint: `cell` of each run's `keys` values."""
+    print(f"| batch | constraint | {what} |\n|---:|---|---|")
+    for r in rows:
+        runs = sep.join(cell(*values) for values in zip(*(r[k] for k in keys)))
+        print(f"| {r['batch']} | {r['constraint']} | {runs} |")
 
 
 def _time_worker_calls() -> list[tuple[str, int, float]]:

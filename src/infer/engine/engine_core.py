@@ -57,12 +57,7 @@ from infer.engine.setup import (
     model_config_of,
     pick_device_and_dtype,
 )
-from infer.engine.structured_output import (
-    CompileThread,
-    GrammarMatcher,
-    StructuredOutputs,
-    import_grammar_library,
-)
+from infer.engine.structured_output import CompileThread, GrammarMatcher, StructuredOutputs
 from infer.loader.tokenizer import Tokenizer
 from infer.quantization import quantize_model
 from infer.sampling_params import SamplingParams
@@ -362,10 +357,10 @@ class EngineCore:
         """Set up the grammar library's vocabulary in a thread, so that a server's first
         constrained request does not stall every stream while it is made (SmolLM2's 49k
         vocabulary: 3.3 s on the CPU machine, of which the step loop loses at most 0.3 s
-        at a time to the GIL)."""
+        at a time to the GIL). The caller imports the library first
+        (`structured_output.import_grammar_library`), not this thread."""
         if self.tokenizer is None:
             return None
-        import_grammar_library()  # here, not in the thread
 
         def warm() -> None:
             try:

@@ -52,8 +52,8 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
     """Which kernels `model`'s decode-sized matmuls take: infer's GEMV for 16-bit weights
     (`triton_gemv`, `gemv_max_rows`), tensor cores for 8-bit ones (`w8a16_tensor_cores`,
     `w8a16_tensor_core_rows`), FP8 by FP8 in infer's kernel for FP8 ones
-    (`fp8_decode_activations`, `fp8_mma_rows`), dp4a for GGUF Q4_K and Q6_K
-    blocks (`gguf_int8_activations`)."""
+    (`fp8_decode_activations`, `fp8_mma_rows`), dp4a for GGUF Q4_K, Q6_K and
+    Q8_0 blocks (`gguf_int8_activations`)."""
     triton = kernel_backend == "triton"
     set_triton_gemv(model, config.triton_gemv and triton, config.gemv_max_rows)
     fp8_mma = triton and _has_fp8_mma()

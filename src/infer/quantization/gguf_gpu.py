@@ -11,6 +11,7 @@ dequantizing only the rows asked for.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -39,6 +40,7 @@ def set_gguf_int8_activations(model: nn.Module, on: bool) -> None:
             m.gguf_int8_activations = on
 
 
+@functools.cache
 def int8x_kernels() -> dict[QType, tuple[Callable, Callable]]:
     """The types one row multiplies with x rounded to int8 (`gguf_int8_activations`): each
     kernel's launch rule and its matmul."""
