@@ -397,3 +397,18 @@ def test_a_core_compiles_grammars_off_its_step_loop(monkeypatch):
     # step loop would have held them for the 0.6 s until it was given up)
     times = sorted(plain_tokens_at)
     assert len(times) > 10 and max(b - a for a, b in itertools.pairwise(times)) < 0.4
+
+
+def test_masks_are_filled_only_into_a_whole_int32_cpu_matrix():
+    """The library writes through the buffer's pointer: a buffer of another type or
+    layout is refused by name, before the library could write past it."""
+    so = _so()
+    matcher = so.matcher(so.compile(StructuredOutputsParams(regex="[0-9]+")))
+    good = so.allocate_masks(2)
+    for bad in (good.float(), good[:, ::2], good[0]):
+        with pytest.raises(ValueError, match="contiguous 2-D int32 CPU tensor"):
+            so.fill_masks([matcher], bad)
+        with pytest.raises(ValueError, match="contiguous 2-D int32 CPU tensor"):
+            so.fill_masks_with_drafts([(0, matcher, [])], bad)
+    so.fill_masks([matcher], good, [1])
+    assert good[1].any() and not good[0].any()
