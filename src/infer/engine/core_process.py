@@ -35,12 +35,14 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
 from infer.engine.config import EngineConfig
 from infer.engine.engine_core import CoreInfo, EngineCore, SequenceOutput, StepFailed, load_core
 from infer.engine.request import Request
 from infer.engine.setup import freeze_startup_objects
 from infer.engine.structured_output import import_grammar_library
+from infer.process_exit import exit_code_unreaped, wait_exited
 from infer.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -365,13 +367,18 @@ class CoreClient:
         return self.runner.is_alive() if self.runner is not None else not self._gone
 
     def join(self, timeout: float) -> None:
-        """Wait for the core to end, if this process started it."""
-        if self.runner is not None:
+        """Wait for the core to end, if this process started it (a process is left for
+        `shutdown` to reap: process_exit.py)."""
+        if isinstance(self.runner, BaseProcess):
+            wait_exited(self.runner, timeout)
+        elif self.runner is not None:
             self.runner.join(timeout)
 
     @property
     def exitcode(self) -> int | None:
-        return getattr(self.runner, "exitcode", None)
+        if isinstance(self.runner, BaseProcess):
+            return exit_code_unreaped(self.runner)
+        return None
 
     def death_message(self) -> str:
         """What to tell the requests in flight; the exit code where this process knows it
@@ -391,8 +398,7 @@ class CoreClient:
         if self.runner is None:
             return
         self.runner.join(timeout)
-        if isinstance(self.runner, multiprocessing.process.BaseProcess) \
-                and self.runner.is_alive():
+        if isinstance(self.runner, BaseProcess) and self.runner.is_alive():
             log.warning("the engine core did not stop in %.0f s; terminating it", timeout)
             self.runner.terminate()
             self.runner.join(5)

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event as EventType
 
+from infer.process_exit import exit_code_unreaped
+
 log = logging.getLogger(__name__)
 ORPHAN_EXIT_S = 5.0  # an orphaned API process's grace to stop by itself
 
@@ -128,7 +130,7 @@ class ApiServers:
         if not self._stopping.is_set():
             dead = sentinels[ready[0]]
             log.error("API server process %s exited (code %s); stopping the server",
-                      dead.name, dead.exitcode)
+                      dead.name, exit_code_unreaped(dead))
             self._on_death()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -142,3 +144,4 @@ class ApiServers:
             if process.is_alive():
                 process.kill()
                 process.join()
+
