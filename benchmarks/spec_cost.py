@@ -25,6 +25,7 @@ Random weights accept almost no drafts, so the costs are measured apart and comb
 
     python benchmarks/spec_cost.py [--ks 1 2 3 4 5 6 7 8] [--new-tokens 128]
     python benchmarks/spec_cost.py --ks 4 --draft-quantization none int8 --profile-round
+    python benchmarks/spec_cost.py --ks 4 --draft-gguf Q4_K_M --skip-own-draft  # a GGUF draft
     python benchmarks/spec_cost.py --tiny     # CPU check, tiny shapes
 
 Prints the tables and writes benchmarks/results/spec_cost_<device>.json.
@@ -42,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
+import gguf_checkpoint
 
 ACCEPTANCE = (0.6, 0.7, 0.8, 0.9)
 ROUND = "draft_round"  # the profiler's name of a proposal round
@@ -167,6 +169,9 @@ def main() -> None:
                    help="the draft model's weights (auto, none, int8, fp8, gguf), each in "
                    "turn; the end-to-end run's draft (the target itself) stays in the "
                    "target's format")
+    p.add_argument("--draft-gguf", choices=gguf_checkpoint.MIXES, default=None,
+                   help="the draft as a random GGUF file of this mix (gguf_checkpoint.py), "
+                   "kept quantized: with --draft-quantization auto or gguf")
     p.add_argument("--profile-round", action="store_true",
                    help="also profile the draft rounds at k = --k-e2e (torch.profiler)")
     p.add_argument("--k-e2e", type=int, default=4)
@@ -184,7 +189,8 @@ def main() -> None:
     if tiny:
         flags.setdefault("device", "cpu")
     target = common.get_checkpoint(args.target, tiny, args.ckpt_root)
-    draft = common.get_checkpoint(args.draft, tiny, args.ckpt_root)
+    draft = (common.get_checkpoint(args.draft, tiny, args.ckpt_root) if args.draft_gguf is None
+             else gguf_checkpoint.get_gguf(args.draft, args.draft_gguf, tiny, args.ckpt_root))
     vocab = common.load_shape(args.target, tiny)["vocab_size"]
     if common.load_shape(args.draft, tiny)["vocab_size"] != vocab:
         raise SystemExit("--draft must have the target's vocabulary size")
@@ -206,6 +212,7 @@ def main() -> None:
                                            "num_speculative_tokens": max(ks)})
         core = llm.engine.core
         model_drafter = core.drafter
+        label = quantization if args.draft_gguf is None else f"{quantization} ({args.draft_gguf})"
         for k in ks:
             core.drafter = FixedDrafter(k)
             verify = decode_run(llm, rng, vocab, prompt_len, new_tokens)
@@ -214,7 +221,7 @@ def main() -> None:
             warm(llm, timed)
             drafted = decode_run(llm, rng, vocab, prompt_len, new_tokens)
             round_ms = timed.seconds / timed.rounds * 1e3
-            row = dict(draft_quantization=quantization, k=k, verify_ms=verify["step_ms"],
+            row = dict(draft_quantization=label, k=k, verify_ms=verify["step_ms"],
                        verify_x=verify["step_ms"] / t1, round_ms=round_ms,
                        round_x=round_ms / t1, draft_forward_ms=round_ms / k,
                        spec_step_ms=drafted["step_ms"])
@@ -222,7 +229,7 @@ def main() -> None:
             for a in ACCEPTANCE:
                 row[f"pred_{a}"] = expected_tokens(a, k) * t1 / cost
             rows.append(row)
-            print(f"[{quantization} k={k}] {row}", flush=True)
+            print(f"[{label} k={k}] {row}", flush=True)
             result["costs"] = rows
             common.write_results("spec_cost", args, result)
         if args.profile_round:
