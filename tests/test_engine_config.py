@@ -32,6 +32,7 @@ def test_defaults_are_valid():
         (dict(gpu_memory_utilization=1.5), ["gpu_memory_utilization"]),
         (dict(attention_backend="cudnn"), ["attention_backend"]),
         (dict(mixed_step_graphs="yes"), ["mixed_step_graphs", "piecewise"]),
+        (dict(grammar_threads=-1), ["grammar_threads"]),
         (dict(gemv_max_rows=0), ["gemv_max_rows"]),
         (dict(gemv_max_rows=17), ["gemv_max_rows", "16"]),
         (dict(w8a16_tensor_core_rows=1), ["w8a16_tensor_core_rows", "[2, 64]"]),

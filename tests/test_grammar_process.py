@@ -198,6 +198,27 @@ def test_the_workers_masks_and_verdicts_are_the_librarys(worker):
     process.drop([fresh, broken, *remote])
 
 
+def test_grammar_threads_sets_the_workers_thread_count():
+    """`EngineConfig.grammar_threads` reaches the library's executor in the worker: four
+    threads more there with 5 than with 1 (counted once a step's masks came back)."""
+    from infer.engine.grammar_process import GrammarProcess
+    from infer.engine.structured_output import StructuredOutputs
+
+    tokenizer = ours("smollm2")
+    grammar = StructuredOutputs(tokenizer, tokenizer.vocab_size, 1).compile(
+        StructuredOutputsParams(regex="ab"))
+    counts = []
+    for threads in (1, 5):
+        process = GrammarProcess(tokenizer, tokenizer.vocab_size, 1, torch.device("cpu"),
+                                 threads)
+        try:
+            process.masks(1, [(0, process.matcher(grammar))])
+            counts.append(len(os.listdir(f"/proc/{process.process.pid}/task")))
+        finally:
+            process.close()
+    assert counts[1] - counts[0] == 4, counts
+
+
 def test_a_steps_verdicts_survive_the_worker_feeding_the_next_step(worker):
     """With a step launched ahead, the worker may have fed step s+1 (and said something of
     it) before the loop reads step s's verdicts: s's stay readable."""

@@ -159,6 +159,10 @@ class EngineConfig:
         "while constrained steps come); not with speculative decoding; default: on with CUDA "
         "(a constrained step then costs the loop ~0.07 ms, docs/performance.md), off on a "
         "CPU, where the loop would wait for the worker anyway")
+    grammar_threads: int = knob(
+        0, "threads the grammar library fills a step's token masks on (and the grammar "
+        "worker feeds tokens on, from FEED_PAR_ROWS rows): 0 = the library's default (80 % "
+        "of the CPUs, at most 32), which may crowd the step loop's own CPU on a small host")
     max_waiting_requests: int | None = knob(
         None, "most requests waiting to be scheduled (the server answers 503 beyond); "
         "default: unbounded")
@@ -257,6 +261,9 @@ class EngineConfig:
         if not 1 <= self.gemv_max_rows <= 16:
             raise ValueError(f"gemv_max_rows must be in [1, 16], "
                              f"got {self.gemv_max_rows}")
+        if self.grammar_threads < 0:
+            raise ValueError(f"grammar_threads must be 0 (the grammar library's default) or "
+                             f"more, got {self.grammar_threads}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

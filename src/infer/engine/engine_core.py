@@ -340,9 +340,11 @@ class EngineCore:
                 if self._grammar_worker_wanted():
                     # a step samples at most one row per sequence (no drafts here)
                     rows = self.scheduler.max_num_seqs or MAX_GRAMMAR_ROWS
-                    self._grammar_process = GrammarProcess(self.tokenizer, vocab_size,
-                                                           rows, self.device)
-                self._structured = StructuredOutputs(self.tokenizer, vocab_size)
+                    self._grammar_process = GrammarProcess(
+                        self.tokenizer, vocab_size, rows, self.device,
+                        self.config.grammar_threads)
+                self._structured = StructuredOutputs(self.tokenizer, vocab_size,
+                                                     self.config.grammar_threads)
         return self._structured
 
     def _grammar_worker_wanted(self) -> bool:

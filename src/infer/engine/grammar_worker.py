@@ -140,15 +140,16 @@ def main(fd: int) -> None:
 
 
 def serve(shm_name: str, rows: int, words: int, tokenizer_json: str, vocab_size: int,
-          eos_token_ids: list[int], spin: bool, steps: Connection) -> None:
+          eos_token_ids: list[int], spin: bool, threads: int, steps: Connection) -> None:
     """Serve `steps` for the shared block `shm_name` until they close. `spin`: look at the
-    counters without sleeping while steps come (a core for the device's wait)."""
+    counters without sleeping while steps come (a core for the device's wait). `threads`:
+    the grammar library's (0: its default)."""
     import llguidance
 
     layout = SharedLayout(memoryview(map_shared(shm_name)), rows, words)
     tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                        eos_token=eos_token_ids)
-    Worker(layout, tokenizer, llguidance.LLExecutor(), steps, spin).run()
+    Worker(layout, tokenizer, llguidance.LLExecutor(threads or None), steps, spin).run()
 
 
 class Worker:

@@ -119,9 +119,10 @@ def import_grammar_library() -> None:
 class StructuredOutputs:
     """The grammar library bound to one tokenizer and one logits width (`vocab_size`, the
     model's, which may exceed the tokenizer's: ids past the tokenizer's are never allowed).
-    Masks are filled in the library's own threads, without the GIL."""
+    Masks are filled in the library's own threads (`threads` of them; 0: its default),
+    without the GIL."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, threads: int = 0) -> None:
         # Not llguidance.torch: its import compiles a function with torch.compile, which
         # brings in sympy and ~80k objects that every full garbage collection then walks
         # (0.2-0.5 s a collection, a decode step's stall).
@@ -132,7 +133,7 @@ class StructuredOutputs:
         self._tokenizer = llguidance.LLTokenizer(library_tokenizer_json(tokenizer),
                                                  n_vocab=vocab_size,
                                                  eos_token=list(tokenizer.eos_token_ids))
-        self._executor = llguidance.LLExecutor()
+        self._executor = llguidance.LLExecutor(threads or None)
         self.vocab_size = vocab_size
         self._grammars: OrderedDict[tuple[str, ...], str] = OrderedDict()
         # A server compiles in its tokenizer threads while its event loop looks up.
