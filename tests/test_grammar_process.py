@@ -319,7 +319,7 @@ def test_the_worker_makes_the_matchers_sent_before_a_fill_before_taking_it(spin)
     layout.header[FILLS] = 1
     worker = threading.Thread(target=serve, args=(
         name, 1, words, library_tokenizer_json(tokenizer), vocab,
-        list(tokenizer.eos_token_ids), spin, reader))
+        list(tokenizer.eos_token_ids), spin, 0, reader))
     worker.start()
     deadline = time.monotonic() + 30
     while layout.header[MASKS_READY] < 1 and time.monotonic() < deadline:
