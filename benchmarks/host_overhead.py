@@ -5,7 +5,11 @@ the GPU idles, so it is measured here on a tiny model whose forward is timed apa
 
     python benchmarks/host_overhead.py --batch 256 --output-len 512 [--output-kind delta]
         [--temperature 0.6 [--seeded]] [--tokenizer DIR --constraint regex|json]
-        [--engine NAME=VALUE ...]
+        [--engine NAME=VALUE ...] [--stub-device]
+
+With --stub-device the model's forward, its logits and the sampling return fixed tensors
+at once (every row samples token 1000): what is left is the host's own work, free of the
+CPU's matmuls and of the torch sampler's passes over the vocabulary.
 
 Prints the split per phase and writes benchmarks/results/host_overhead_<device>.json.
 """
@@ -39,6 +43,8 @@ def main() -> None:
                    help="every request under structured_output.py's regex or JSON schema")
     p.add_argument("--engine", action="append", default=[], metavar="NAME=VALUE",
                    help="engine flag passed to LLM(...) (repeatable)")
+    p.add_argument("--stub-device", action="store_true",
+                   help="forward, logits and sampling stubbed out (the host's work alone)")
     p.add_argument("--ckpt-root")
     p.add_argument("--suffix", default="")
     p.add_argument("--results-dir", default=str(common.RESULTS))
@@ -62,6 +68,8 @@ def main() -> None:
     constraint = {"none": None, "regex": StructuredOutputsParams(regex="[a-z ]+"),
                   "json": StructuredOutputsParams(json=NOTES)}[args.constraint]
     engine = llm.engine
+    if args.stub_device:
+        _stub_device(engine, engine_core, args.batch)
     phases: collections.Counter[str] = collections.Counter()
 
     def timed(owner, name: str, label: str) -> None:
@@ -126,6 +134,18 @@ def main() -> None:
     print("| phase | ms/step | us/seq/step |\n|---|---:|---:|")
     for label, ms, us in rows:
         print(f"| {label} | {ms:.3f} | {us:.1f} |")
+
+
+def _stub_device(engine, engine_core, rows: int) -> None:
+    """Every step's device work replaced by fixed tensors (a step samples at most `rows`
+    rows: one per sequence, no drafts here)."""
+    from infer.engine.sampler import SamplerOutput
+
+    hidden = torch.zeros(rows, 8)
+    engine.runner.forward = lambda inputs, ids=None: hidden[:max(1, len(inputs.sample_rows))]
+    engine.runner.sample_logits = lambda h, inputs: h
+    engine_core.sample = lambda logits, batch, masks=None: SamplerOutput(
+        torch.full((len(logits),), 1000, dtype=torch.int64), None)
 
 
 if __name__ == "__main__":

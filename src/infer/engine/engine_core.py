@@ -642,23 +642,23 @@ class EngineCore:
     def _finish(self, step: _StepInFlight) -> list[SequenceOutput]:
         """Wait for the step's tokens and account them."""
         outputs = self._advance_grammars(step)  # errors of sequences the grammar worker failed
+        sequences = self.sequences
         live = {rid for rid, request in step.requests.items()
-                if rid in self.sequences and self.sequences[rid].request is request}
+                if rid in sequences and sequences[rid].request is request}
         if step.prompt_job is not None:
             step.prompt_job.deliver({rid: state for rid, state in self._prompt_lp.items()
                                      if rid in live})
         sampled: dict[str, list[int]] = {}
-        rows: dict[str, int] = {}
+        rows: dict[str, int] = {}  # a sequence's row, where the step computed logprobs
         chosen_lp = ranks = top_ids = top_lps = None
         if step.seq_ids:
             token_ids, chosen_lp, ranks, top_ids, top_lps = (
                 None if t is None else t.tolist() for t in step.results.wait())
-            for row, seq_id in enumerate(step.seq_ids):
-                if seq_id not in live:
-                    self.num_discarded_tokens += 1
-                    continue
-                sampled[seq_id] = [token_ids[row]]
-                rows[seq_id] = row
+            sampled = {seq_id: [token] for seq_id, token in zip(step.seq_ids, token_ids)
+                       if seq_id in live}
+            self.num_discarded_tokens += len(step.seq_ids) - len(sampled)
+            if chosen_lp is not None:
+                rows = {seq_id: row for row, seq_id in enumerate(step.seq_ids)}
         spec_lp: dict[str, tuple[list[float], list[int], list]] = {}
         if step.spec_ids:
             spec_tokens, spec_counts, chosen, s_ranks, s_ids, s_lps = (
@@ -686,9 +686,10 @@ class EngineCore:
         out = step.out
         if len(live) < len(out.scheduled):
             out = SchedulerOutput(tuple(i for i in out.scheduled if i.request_id in live))
+        prompt_lp = self._prompt_lp
         for update in self.scheduler.update(out, sampled):
             rid = update.request_id
-            seq = self.sequences[rid]
+            seq = sequences[rid]
             if (seq.grammar is not None and update.finish_reason is None
                     and seq.grammar.terminated):  # the grammar allows nothing more
                 self.scheduler.finish(seq.request, "stop")
@@ -709,7 +710,7 @@ class EngineCore:
                 output = SequenceOutput(rid, update.new_token_ids, [chosen_lp[row]], [top],
                                         update.finish_reason, update.stop_reason,
                                         seq.request.num_cached_tokens, ranks=[ranks[row]])
-            state = self._prompt_lp.get(rid)
+            state = prompt_lp.get(rid) if prompt_lp else None
             if state is not None and state.complete:
                 output = output._replace(prompt_logprobs=state.result())
                 del self._prompt_lp[rid]
@@ -788,18 +789,13 @@ class EngineCore:
         """`pending`: the sequences with a sampled token not in their output yet (the step
         in flight samples one for each); `drafted[i]`: the drafts before row i's position
         (a verify step's row samples after them: they count for its penalties)."""
-        banned, positions, outputs = [], [], []
-        for i, seq in enumerate(seqs):
-            output = seq.request.output_token_ids
-            if drafted and drafted[i]:
-                output = output + drafted[i]
-            n_out = len(output) + (seq.request.request_id in pending)
-            positions.append(n_out)
-            outputs.append(output)
-            if n_out < seq.params.min_tokens:
-                banned.append(list(self.eos_token_ids) + list(seq.params.stop_token_ids))
-            else:
-                banned.append([])
+        outputs = [seq.request.output_token_ids for seq in seqs]
+        if drafted:
+            outputs = [out + extra if extra else out for out, extra in zip(outputs, drafted)]
+        positions = [len(out) + (seq.request.request_id in pending)
+                     for out, seq in zip(outputs, seqs)]
+        banned = [[*self.eos_token_ids, *seq.params.stop_token_ids]
+                  if n_out < seq.params.min_tokens else [] for n_out, seq in zip(positions, seqs)]
         last = self._last_batch
         if (last is not None and not drafted and not any(banned) and len(last[0]) == len(seqs)
                 and all(a is b for a, b in zip(last[0], seqs))):

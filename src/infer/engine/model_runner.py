@@ -18,7 +18,7 @@ from infer.attention import (
 from infer.config import ModelConfig
 from infer.engine.cuda_graphs import DecodeGraphs, MixedGraphs
 from infer.engine.piecewise_graphs import PiecewiseGraphs
-from infer.engine.scheduler import SchedulerOutput
+from infer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from infer.models.layers import set_kernel_backend
 from infer.transfer import to_device
 
@@ -36,6 +36,18 @@ class StepInputs:
     sample_rows: list[int]
     sample_request_ids: list[str]
     sample_counts: list[int]
+
+
+def _decode_inputs(items: tuple[ScheduledRequest, ...], tables: dict[str, list[int]]
+                   ) -> StepInputs:
+    """`ModelRunner.prepare` for a step of one-token decodes (every row samples, no
+    drafts): the usual step, built column by column."""
+    positions = [item.start for item in items]
+    n = len(items)
+    return StepInputs(
+        [item.token_ids[0] for item in items if item.token_ids is not None], positions,
+        [1] * n, [p + 1 for p in positions], [tables[item.request_id] for item in items],
+        list(range(n)), [item.request_id for item in items], [1] * n)
 
 
 class ModelRunner:
@@ -147,6 +159,9 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput, tables: dict[str, list[int]]) -> StepInputs:
         """Host-side inputs of a step. Items without token ids (launched ahead) leave
         `input_ids` short: the caller passes those ids on the device."""
+        if all(i.num_new_tokens == 1 and i.samples and not i.spec_token_ids
+               for i in out.scheduled):
+            return _decode_inputs(out.scheduled, tables)
         inputs = StepInputs([], [], [], [], [], [], [], [])
         num_tokens = 0
         for item in out.scheduled:

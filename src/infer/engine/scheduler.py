@@ -230,6 +230,7 @@ class Scheduler:
         prev_end: dict[str, int] = {}
         sampled: set[str] = set()
         requests, allocate, running = self.requests, self.kv.allocate, RequestStatus.RUNNING
+        tables, block_size = self.kv.tables, self.kv.block_size
         for rid, start, num_new, samples, _, spec in prev.scheduled:
             if samples:
                 sampled.add(rid)
@@ -241,8 +242,10 @@ class Scheduler:
             pos = prev_end[rid] = start + num_new
             if not samples or len(request.output_token_ids) + 1 >= request.max_new_tokens:
                 continue
-            if budget == 0 or not allocate(rid, pos + 1):
+            if budget == 0:
                 return None
+            if len(tables[rid]) * block_size <= pos and not allocate(rid, pos + 1):
+                return None  # (the next slot not in the last block: a block more)
             out.append(ScheduledRequest(rid, pos, 1, True, None))
             budget -= 1
         rest = [(r, prev_end.get(r.request_id, r.num_computed_tokens)) for r in self.running
@@ -267,7 +270,8 @@ class Scheduler:
         tokens go back to the pool. Tokens are appended one by one, stopping at the first
         that ends the request (stop token, EOS after min_tokens, length), which frees its
         blocks. Full blocks of accepted tokens enter the prefix cache. A request aborted
-        while the step ran is skipped."""
+        while the step ran is skipped. A request that kept all its tokens gets its list
+        of `sampled` as its update's (not copied)."""
         updates = []
         requests, block_size = self.requests, self.kv.block_size
         for rid, start, num_new, samples, _, spec in out.scheduled:
@@ -290,6 +294,16 @@ class Scheduler:
                 # a block filled up (all_token_ids copies the whole sequence: not every step)
                 self.kv.commit_computed(rid, request.all_token_ids, computed)
             if not samples:
+                continue
+            if len(tokens) == 1:  # a decode row's one token: the common case, first
+                token = tokens[0]
+                request.output_token_ids.append(token)
+                stop = _token_stop(request, token)
+                if stop is None:
+                    updates.append(RequestUpdate(rid, tokens))
+                else:
+                    self.finish(request, *stop)
+                    updates.append(RequestUpdate(rid, tokens, *stop))
                 continue
             kept: list[int] = []
             stop = None
