@@ -143,7 +143,7 @@ def int8x_sweep(copy_gbs: float) -> list[dict]:
     past L2, x rounded in each call (as the engine does a layer)."""
     from gguf import GGMLQuantizationType as Q
 
-    from infer.kernels.gguf_q4k_int8x import quantize_x
+    from infer.kernels.int8_rows import quantize_x
     from infer.quantization.gguf_gpu import int8x_kernels
 
     results = []

@@ -39,7 +39,7 @@ def min_terms(raw: np.ndarray) -> torch.Tensor:
 
 
 def test_quantize_x_rounds_each_block_of_32_to_int8_steps():
-    from infer.kernels.gguf_q4k_int8x import quantize_x
+    from infer.kernels.int8_rows import quantize_x
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, 256, generator=gen) * 3
@@ -69,7 +69,8 @@ def test_quantize_x_rounds_each_block_of_32_to_int8_steps():
 def test_q4k_int8x_is_the_product_with_its_rounded_x_and_within_the_rounding(
         n, k, block_n, units, split, dtype):
     from infer.kernels.gguf_gemv import gemv_words
-    from infer.kernels.gguf_q4k_int8x import q4k_gemv_int8x, quantize_x
+    from infer.kernels.gguf_q4k_int8x import q4k_gemv_int8x
+    from infer.kernels.int8_rows import quantize_x
 
     raw = blocks(n, k, seed=n + k)
     words = gemv_words(torch.from_numpy(raw).to(DEVICE), Q.Q4_K)

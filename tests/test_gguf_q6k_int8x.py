@@ -42,8 +42,8 @@ def dequantized(raw: np.ndarray) -> torch.Tensor:
 def test_q6k_int8x_is_the_product_with_its_rounded_x_and_within_the_rounding(
         n, k, block_n, units, split, dtype):
     from infer.kernels.gguf_gemv import gemv_words
-    from infer.kernels.gguf_q4k_int8x import quantize_x
     from infer.kernels.gguf_q6k_int8x import q6k_gemv_int8x
+    from infer.kernels.int8_rows import quantize_x
 
     raw = blocks(n, k, seed=n + k)
     words = gemv_words(torch.from_numpy(raw).to(DEVICE), Q.Q6_K)

@@ -50,8 +50,8 @@ def words_of(raw: np.ndarray) -> torch.Tensor:
                           (37, 1024, 16, 2, 3), (64, 512, 32, 1, 2)])
 def test_q8_0_int8x_is_the_product_with_its_rounded_x_and_within_the_rounding(
         n, k, block_n, units, split, dtype):
-    from infer.kernels.gguf_q4k_int8x import quantize_x
     from infer.kernels.gguf_q8_0_int8x import q8_0_gemv_int8x
+    from infer.kernels.int8_rows import quantize_x
 
     raw = blocks(n, k, seed=n + k)
     gen = torch.Generator().manual_seed(k)

@@ -1,8 +1,8 @@
 """Q4_K at one row of `x` with x rounded to int8 (decode at batch 1), as llama.cpp multiplies
 its 4-bit blocks on a GPU: x is rounded per 32 values (a Q4_K sub-block) to int8 with one
-float scale, `amax / 127` (`quantize_x`), so that a 32-bit word of weights (8 nibbles) meets
-its 8 values of x in two `dp4a` instructions (four byte products summed into an int32
-each). gguf_gemv.py's exact path makes every weight a float and multiplies it by a float x:
+float scale, `amax / 127` (`int8_rows.quantize_x`), so that a 32-bit word of weights (8
+nibbles) meets its 8 values of x in two `dp4a` instructions (four byte products summed into
+an int32 each). gguf_gemv.py's exact path makes every weight a float and multiplies it by a float x:
 ~3 instructions a weight (4.5 bits), where a memory-bound GEMV can afford about one.
 
 The price is x's rounding: each value moves by at most half its block's step, so an output
@@ -34,8 +34,9 @@ import triton.language as tl
 
 from infer.kernels import dependent_launch, launch_counters
 from infer.kernels.gguf_gemv import MAX_BLOCKS, _f16_hi, _f16_lo, _q4_k_scales, _store_rows
+from infer.kernels.int8_rows import quantize_x
 
-SUPER_K, SUPER_WORDS, SUB_K = 256, 36, 32
+SUPER_K, SUPER_WORDS = 256, 36
 _HIGH_NIBBLES = tl.constexpr(-0x0F0F0F10)  # 0xF0F0F0F0 as an int32
 
 
@@ -134,42 +135,6 @@ def _q4k_int8x_kernel(words, xq, side, y_ptr, part_ptr, counts, N, units, stride
     y = tl.sum(tl.sum(acc, axis=2), axis=0)
     _store_rows(y, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), y_ptr, part_ptr, counts, pid_n,
                 pid_s, N, splits)
-
-
-@triton.jit
-def _quantize_x_kernel(x_ptr, xq_ptr, side_ptr, blocks, BLOCKS: tl.constexpr,
-                       PDL: tl.constexpr):
-    """Blocks of 32 values of x: int8 `round(x / step)` (half away from zero), the step
-    `amax / 127` (0 for a block of zeros), and the block's exact sum: block b's step at
-    `side[b // 2 * 4 + b % 2]`, its sum 2 further."""
-    dependent_launch.wait(PDL)
-    dependent_launch.release(PDL)
-    b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
-    at = b * 32 + tl.arange(0, 32)[None, :]
-    x = tl.load(x_ptr + at, mask=b < blocks, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1, keep_dims=True)
-    inverse = tl.where(amax > 0, 127.0 / amax, 0.0)
-    q = (x * inverse + tl.where(x < 0, -0.5, 0.5)).to(tl.int32)
-    q = tl.minimum(tl.maximum(q, -127), 127)
-    tl.store(xq_ptr + at, q.to(tl.int8), mask=b < blocks)
-    at = side_ptr + b // 2 * 4 + b % 2
-    tl.store(at, amax / 127.0, mask=b < blocks)
-    tl.store(at + 2, tl.sum(x, axis=1, keep_dims=True), mask=b < blocks)
-
-
-def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x [1, K]` (K a multiple of 64) as `(int8 [K], side [K / 64, 4])`: for each pair of
-    blocks of 32, `side` holds their steps, then their sums (float32)."""
-    k = x.shape[-1]
-    assert k % (2 * SUB_K) == 0 and x.stride(-1) == 1, (x.shape, x.stride())
-    blocks = k // SUB_K
-    xq = torch.empty(k, dtype=torch.int8, device=x.device)
-    side = torch.empty((blocks // 2, 4), dtype=torch.float32, device=x.device)
-    per_program = 32
-    _quantize_x_kernel[(triton.cdiv(blocks, per_program),)](
-        x, xq, side, blocks, BLOCKS=per_program, num_warps=4,
-        **dependent_launch.launch_options())
-    return xq, side
 
 
 def launch(rows: int, cols: int, device: torch.device) -> dict:

@@ -1,6 +1,6 @@
 """Q6_K at one row of `x` with x rounded to int8 (decode at batch 1): gguf_q4k_int8x.py's
 way for the 6-bit blocks of a Q4_K_M file (its LM head, and attn_v / ffn_down in some
-layers), x rounded per 32 values by `gguf_q4k_int8x.quantize_x`.
+layers), x rounded per 32 values by `int8_rows.quantize_x`.
 
 A Q6_K super-block is 210 bytes for 256 weights: `ql` (128 bytes, low 4 bits), `qh` (64,
 high 2 bits), 16 int8 scales (one per 16 weights) and `d` (float16). Its 32-bit word f
@@ -142,7 +142,7 @@ def q6k_gemv_int8x(x: torch.Tensor, words: torch.Tensor, cols: int, *, block_n: 
                    ) -> torch.Tensor:
     """`x [1, cols]` (cols a multiple of 512) times the transpose of the Q6_K weight `words
     [N, cols / 256 * 52.5]` (gguf_gemv.gemv_words), x rounded to int8 per 32 values
-    (`quantized`: gguf_q4k_int8x.quantize_x(x), made here if not given), `units` (even)
+    (`quantized`: int8_rows.quantize_x(x), made here if not given), `units` (even)
     super-blocks a step, K split over `split` programs a row block: `[1, N]` in x's
     dtype."""
     assert cols % (2 * SUPER_K) == 0 and units % 2 == 0, (cols, units)

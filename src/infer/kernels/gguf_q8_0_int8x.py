@@ -1,6 +1,6 @@
 """Q8_0 at one row of `x` with x rounded to int8 (decode at batch 1): gguf_q4k_int8x.py's way
 for the 8-bit blocks (a Q8_0 file, the Q8_0 tensors of other files), x rounded per 32
-values by `gguf_q4k_int8x.quantize_x`, which are a Q8_0 block's 32 weights: one `dp4a`
+values by `int8_rows.quantize_x`, which are a Q8_0 block's 32 weights: one `dp4a`
 multiplies four int8 weights by their four int8 x, a block's eight of them sum its dot, and
 the block's scale times x's step scales it.
 
@@ -92,7 +92,7 @@ def q8_0_gemv_int8x(x: torch.Tensor, words: torch.Tensor, cols: int, *, block_n:
                     ) -> torch.Tensor:
     """`x [1, cols]` (cols a multiple of 64) times the transpose of the Q8_0 weight `words
     [N, cols / 64 * 17]` (gguf_gemv.row_words), x rounded to int8 per 32 values
-    (`quantized`: gguf_q4k_int8x.quantize_x(x), made here if not given), `units` units of
+    (`quantized`: int8_rows.quantize_x(x), made here if not given), `units` units of
     two blocks a step, K split over `split` programs a row block: `[1, N]` in x's dtype."""
     assert cols % UNIT_K == 0 and words.shape[1] == cols // UNIT_K * UNIT_WORDS, (
         cols, words.shape)

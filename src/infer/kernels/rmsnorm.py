@@ -4,6 +4,10 @@ Rounded as transformers rounds (HF `LlamaRMSNorm`, `Gemma3RMSNorm`), so the torc
 (`infer.models.layers.RMSNorm`) and these kernels agree bit for bit in bf16: `x * w`
 (offset 0) rounds the normalised x to the output dtype, then multiplies by the weight and
 rounds again; Gemma's `x * (1 + w)` (offset 1) scales in float32 and rounds once.
+
+With `int8_rows` a one-row norm also hands out its output rounded to int8 per 32 values
+(`int8_rows.py`'s layout, from the output as stored): what the GGUF int8-x kernels of the
+next projection take, without a launch of its own.
 """
 
 from __future__ import annotations
@@ -13,15 +17,16 @@ import triton
 import triton.language as tl
 
 from infer.kernels import dependent_launch
+from infer.kernels.int8_rows import store_rounded
 
 
 @triton.jit
 def _rmsnorm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, xq_ptr, side_ptr,
     stride_x, stride_res, stride_out,
     n_cols, eps,
     OFFSET: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
+    INT8_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -39,6 +44,10 @@ def _rmsnorm_kernel(
         x = s.to(tl.float32)
     y = normalised(x, w, n_cols, eps, OFFSET, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
+    if INT8_ROWS:  # one row: its blocks of 32
+        b = tl.arange(0, BLOCK // 32)[:, None]
+        store_rounded(xq_ptr, side_ptr, tl.reshape(y.to(tl.float32), (BLOCK // 32, 32)), b,
+                      b * 32 < n_cols)
 
 
 @triton.jit
@@ -52,17 +61,33 @@ def normalised(x, w, n_cols, eps, OFFSET: tl.constexpr, dtype: tl.constexpr):
 
 
 def _launch(x2d: torch.Tensor, res2d: torch.Tensor | None, weight: torch.Tensor,
-            out2d: torch.Tensor, eps: float, offset: float) -> None:
+            out2d: torch.Tensor, eps: float, offset: float,
+            int8_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     rows, n = x2d.shape
     block = triton.next_power_of_2(n)
     num_warps = min(max(block // 256, 1), 16)
+    xq, side = int8_rows if int8_rows is not None else (out2d, out2d)
     _rmsnorm_kernel[(rows,)](
-        x2d, res2d if res2d is not None else x2d, weight, out2d,
+        x2d, res2d if res2d is not None else x2d, weight, out2d, xq, side,
         x2d.stride(0), res2d.stride(0) if res2d is not None else 0, out2d.stride(0),
         n, eps,
-        OFFSET=offset, HAS_RESIDUAL=res2d is not None, BLOCK=block, num_warps=num_warps,
+        OFFSET=offset, HAS_RESIDUAL=res2d is not None, BLOCK=block,
+        INT8_ROWS=int8_rows is not None, num_warps=num_warps,
         **dependent_launch.launch_options(),
     )
+
+
+def takes_int8_rows(x: torch.Tensor) -> bool:
+    """Whether a norm of `x` can hand out its output rounded to int8 (`int8_rows=True`):
+    one row of whole pairs of blocks of 32."""
+    return x.numel() == x.shape[-1] and x.shape[-1] % 64 == 0
+
+
+def _int8_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    assert takes_int8_rows(x), x.shape
+    k = x.shape[-1]
+    return (torch.empty(k, dtype=torch.int8, device=x.device),
+            torch.empty((k // 64, 4), dtype=torch.float32, device=x.device))
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, offset: float) -> None:
@@ -73,9 +98,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, offset: float) -> None:
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-            offset: float = 0.0) -> torch.Tensor:
+            offset: float = 0.0, int8_rows: bool = False
+            ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """RMSNorm over the last dim of `x` (any leading shape, e.g. `[T, H, D]` for q/k norms).
-    Returns a new contiguous tensor in x's dtype."""
+    Returns a new contiguous tensor in x's dtype; with `int8_rows` (`takes_int8_rows(x)`)
+    also that tensor rounded to int8 (`int8_rows.py`)."""
     _check(x, weight, offset)
     n = x.shape[-1]
     # reshape copies only if the leading dims cannot be flattened as a view.
@@ -83,16 +110,18 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rounded = _int8_buffers(x) if int8_rows else None
     if x2d.shape[0]:
-        _launch(x2d, None, weight, out.view(-1, n), eps, offset)
-    return out
+        _launch(x2d, None, weight, out.view(-1, n), eps, offset, rounded)
+    return out if rounded is None else (out, rounded)
 
 
 def fused_add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    offset: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`residual += x` (in place) and returns `(rmsnorm(residual), residual)`."""
+    offset: float = 0.0, int8_rows: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, tuple]:
+    """`residual += x` (in place) and returns `(rmsnorm(residual), residual)`; with
+    `int8_rows`, the norm rounded to int8 third (as `rmsnorm`)."""
     _check(x, weight, offset)
     assert residual.shape == x.shape and residual.device == x.device, (residual.shape, x.shape)
     # Updated in place, so it must be addressable as rows of unit stride.
@@ -102,6 +131,7 @@ def fused_add_rmsnorm(
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rounded = _int8_buffers(x) if int8_rows else None
     if x2d.shape[0]:
-        _launch(x2d, residual.view(-1, n), weight, out.view(-1, n), eps, offset)
-    return out, residual
+        _launch(x2d, residual.view(-1, n), weight, out.view(-1, n), eps, offset, rounded)
+    return (out, residual) if rounded is None else (out, residual, rounded)

@@ -120,7 +120,7 @@ class GGUFBlocksLinearMethod(LinearMethod):
         for all of them), dp4a; the other runs as gguf_matmul multiplies them."""
         from infer.kernels.gguf_gemv import row_words
         from infer.kernels.gguf_matmul import gguf_matmul
-        from infer.kernels.gguf_q4k_int8x import quantize_x
+        from infer.kernels.int8_rows import quantize_x
 
         kernels = int8x_kernels()
         quantized, parts = None, []
