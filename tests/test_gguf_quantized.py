@@ -264,6 +264,38 @@ def test_a_quantized_model_with_x_rounded_to_int8_stays_near_the_dequantized_log
     assert 1e-6 < error < 3e-2, error  # rounded (not the exact path), and near it
 
 
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
+def test_x_rounded_where_it_is_made_gives_the_logits_of_a_launch_of_its_own(
+        tmp_path, llama_source, monkeypatch, qtype):
+    """`gguf_fused_x_rounding`: the norms hand their one-row outputs to q/k/v, gate/up and
+    the LM head rounded, the gated activation is rounded in its own launch; the decode
+    logits are those of rounding x apart (but for the order of the sums' additions), and
+    only the attention output (o) is still rounded by a launch of its own."""
+    from infer.kernels import int8_rows
+    from infer.models.layers import set_kernel_backend
+    from infer.quantization.gguf_gpu import set_gguf_int8_activations
+
+    path = write_gguf(tmp_path / f"llama-{qtype.name}.gguf", "llama", llama_source, qtype)
+    logits, calls = [], []
+    real = int8_rows.quantize_x
+    monkeypatch.setattr(int8_rows, "quantize_x",
+                        lambda x, act="": calls.append(act) or real(x, act))
+    for fused in (False, True):
+        model, cfg = load_gguf(path, device=DEVICE)
+        assert keep_gguf_quantized(model, quantized_blocks(open_gguf(path), cfg),
+                                   as_blocks=True)
+        set_kernel_backend(model, "triton")
+        set_gguf_int8_activations(model, True, fused)
+        calls.clear()
+        logits.append(run_paged(model, [list(range(30, 50))], [18])[0].cpu())
+    unfused, fused = logits
+    assert (fused - unfused).abs().max().item() < 1e-5 * unfused.abs().max().item()
+    steps, layers = 2, cfg.num_layers  # two one-row decode steps after the prefill
+    assert calls.count("") == steps * layers  # o
+    assert calls.count("silu") == steps * layers  # down
+
+
 def _q4_k_m_qkv_layer(cols: int, seed: int) -> tuple[QKVParallelLinear, list[torch.Tensor]]:
     """A fused q/k/v layer of `cols` inputs kept in GGUF blocks as Q4_K_M stores it (q and
     k in Q4_K, v in Q6_K), and its three weights dequantized by gguf (float64)."""

@@ -53,7 +53,8 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
     (`triton_gemv`, `gemv_max_rows`), tensor cores for 8-bit ones (`w8a16_tensor_cores`,
     `w8a16_tensor_core_rows`), FP8 by FP8 in infer's kernel for FP8 ones
     (`fp8_decode_activations`, `fp8_mma_rows`), dp4a for GGUF Q4_K, Q6_K and
-    Q8_0 blocks (`gguf_int8_activations`)."""
+    Q8_0 blocks (`gguf_int8_activations`, x rounded where it is made with
+    `gguf_fused_x_rounding`)."""
     triton = kernel_backend == "triton"
     set_triton_gemv(model, config.triton_gemv and triton, config.gemv_max_rows)
     fp8_mma = triton and _has_fp8_mma()
@@ -65,7 +66,8 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
     tensor_cores = config.w8a16_tensor_cores and triton
     set_8bit_kernels(model, config.w8a16_tensor_core_rows if tensor_cores else 0, fp8_x,
                      fp8_rows)
-    set_gguf_int8_activations(model, config.gguf_int8_activations and triton)
+    set_gguf_int8_activations(model, config.gguf_int8_activations and triton,
+                              config.gguf_fused_x_rounding)
 
 
 def _has_fp8_mma() -> bool:

@@ -8,6 +8,11 @@ their two exact sums (float32).
 `[gate | up]` row (first rounded to the row's dtype, as `activation.gated_rows` stores
 it): the activation and the rounding in one launch. `store_rounded` is the rounding for
 a kernel that has the row in registers (the RMSNorm's, `rmsnorm.py`).
+
+A row rounded by the kernel that made it travels with it to the matmul (`attach`,
+`attached`): the tensor object carries its rounding. Invariant: such a tensor is never
+changed in place (a norm's output goes straight into its projections), since under
+`torch.inference_mode` no version counter could tell.
 """
 
 from __future__ import annotations
@@ -67,3 +72,18 @@ def quantize_x(x: torch.Tensor, act: str = "") -> tuple[torch.Tensor, torch.Tens
         x, xq, side, blocks, k, BLOCKS=per_program, ACT=act, num_warps=4,
         **dependent_launch.launch_options())
     return xq, side
+
+
+Rounded = tuple[torch.Tensor, torch.Tensor]
+
+
+def attach(x: torch.Tensor, rounded: Rounded) -> torch.Tensor:
+    """`x`, carrying `rounded` (this module's rounding of x as it is) for the matmuls it
+    goes into."""
+    x.int8_rows = rounded
+    return x
+
+
+def attached(x: torch.Tensor) -> Rounded | None:
+    """The rounding `x` carries (`attach`), if any."""
+    return getattr(x, "int8_rows", None)

@@ -30,7 +30,9 @@ class RMSNorm(nn.Module):
     Triton kernel does in one pass; the caller must not reuse `residual` afterwards.
     With `reduce_input` (a tensor-parallel group, set by `reduce_in_norm`) `x` is each
     rank's partial sum, all-reduced first: in the same kernel where the group has the
-    fused one (`kernels/all_reduce_norm.py`).
+    fused one (`kernels/all_reduce_norm.py`). With `int8_rows` (set with the GGUF int8-x
+    kernels, `set_gguf_int8_activations`) a one-row output carries its rounding to int8
+    for the projections it goes into (`kernels/int8_rows.py`).
     """
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
@@ -40,6 +42,7 @@ class RMSNorm(nn.Module):
         self.offset = offset
         self.use_triton = False
         self.reduce_input: TensorParallelGroup | None = None
+        self.int8_rows = False
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -50,8 +53,10 @@ class RMSNorm(nn.Module):
                 return fused(x, residual, self.weight, self.eps, self.offset)
             x = self.reduce_input.all_reduce(x)
         if self.use_triton:
-            from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+            from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm, takes_int8_rows
 
+            if self.int8_rows and takes_int8_rows(x):
+                return self._with_int8_rows(x, residual)
             if residual is None:
                 return rmsnorm(x, self.weight, self.eps, self.offset)
             return fused_add_rmsnorm(x, residual, self.weight, self.eps, self.offset)
@@ -59,6 +64,18 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         residual = residual + x
         return self._norm(residual), residual
+
+    def _with_int8_rows(self, x: torch.Tensor, residual: torch.Tensor | None
+                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        from infer.kernels.int8_rows import attach
+        from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+
+        if residual is None:
+            out, rounded = rmsnorm(x, self.weight, self.eps, self.offset, int8_rows=True)
+            return attach(out, rounded)
+        out, residual, rounded = fused_add_rmsnorm(x, residual, self.weight, self.eps,
+                                                   self.offset, int8_rows=True)
+        return attach(out, rounded), residual
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # transformers' rounding (LlamaRMSNorm, Gemma3RMSNorm), which the Triton kernel

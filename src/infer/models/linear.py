@@ -49,6 +49,13 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor, act: str,
+                    bias: torch.Tensor | None) -> torch.Tensor | None:
+        """`apply` to `act(gate) * up` of the rows `[gate | up]` of `gate_up` where this
+        method does both in fewer launches (`act`: kernels/activation.py's name); None
+        where it does not."""
+        return None
+
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of an embedding table this method stores."""
         raise NotImplementedError(f"{type(self).__name__} does not store embedding tables")
@@ -340,15 +347,24 @@ class RowParallelLinear(LinearBase):
         return y if self.bias is None else y + self.bias
 
     def forward_gated(self, gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
-        """`forward(act(gate) * up)` for the rows of `gate_up [rows, 2 * input]` in one
-        launch of infer's GEMV (kernels/gemv.py, `act` one of its activations), where this
-        layer's matmuls of that many rows go there (`set_triton_gemv`); None where not."""
+        """`forward(act(gate) * up)` for the rows of `gate_up [rows, 2 * input]` where the
+        activation joins the matmul's launches (`act` one of kernels/activation.py's): in
+        infer's GEMV (kernels/gemv.py) where this layer's matmuls of that many rows go
+        there (`set_triton_gemv`), or as the weight's method does it (`apply_gated`);
+        None where neither does."""
         method = self.quant_method
-        if not (isinstance(method, UnquantizedLinearMethod)
-                and _gemv_takes(gate_up, self.weight, self.bias, method.gemv_rows)):
-            return None
-        y = _gemv(gate_up, self.weight, act)
-        return y if self.tp_size == 1 or not self.reduce_output else self.tp.all_reduce(y)
+        if isinstance(method, UnquantizedLinearMethod):
+            if not _gemv_takes(gate_up, self.weight, self.bias, method.gemv_rows):
+                return None
+            y = _gemv(gate_up, self.weight, act)
+        else:
+            y = method.apply_gated(self, gate_up, act, self.bias if self.tp_size == 1 else None)
+            if y is None:
+                return None
+        if self.tp_size == 1 or not self.reduce_output:
+            return y
+        y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -32,12 +32,22 @@ from infer.quantization.gguf_blocks import GGUFBlocks
 FUSED_ROWS: dict[QType, int] = {QType.Q4_K: 64, QType.Q6_K: 64, QType.Q8_0: 64}
 
 
-def set_gguf_int8_activations(model: nn.Module, on: bool) -> None:
+def set_gguf_int8_activations(model: nn.Module, on: bool, fused: bool = False) -> None:
     """Whether `model`'s GGUF Q4_K / Q6_K / Q8_0 layers multiply one row by x rounded to
-    int8 (dp4a)."""
+    int8 (dp4a); `fused`: x rounded by the launch that makes it where it can be (the
+    model's RMSNorms hand out their one-row outputs rounded, the gated activation before
+    a down projection is rounded in its own launch: kernels/int8_rows.py)."""
+    from infer.models.layers import RMSNorm
+
+    found = False
     for m in model.modules():
         if isinstance(getattr(m, "quant_method", None), GGUFBlocksLinearMethod):
             m.gguf_int8_activations = on
+            m.gguf_fused_x_rounding = on and fused
+            found = True
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.int8_rows = on and fused and found
 
 
 @functools.cache
@@ -107,7 +117,9 @@ class GGUFBlocksLinearMethod(LinearMethod):
             y = F.linear(x2, self._dequantized(layer, x.dtype))
         else:
             if len(x2) == 1 and getattr(layer, "gguf_int8_activations", False):
-                parts = self._int8_x_row(layer, x2)
+                from infer.kernels.int8_rows import attached
+
+                parts = self._int8_x_row(layer, x2, attached(x))
             else:
                 parts = [gguf_matmul(x2, getattr(layer, name), qtype, layer.cols)
                          for name, qtype in layer.gguf_runs]
@@ -115,21 +127,47 @@ class GGUFBlocksLinearMethod(LinearMethod):
         y = y.reshape(*shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
 
-    def _int8_x_row(self, layer: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
-        """One row by each run: the Q4_K, Q6_K and Q8_0 runs by x rounded to int8 (once
-        for all of them), dp4a; the other runs as gguf_matmul multiplies them."""
+    def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor, act: str,
+                    bias: torch.Tensor | None) -> torch.Tensor | None:
+        """With `gguf_fused_x_rounding`, one row whose runs all take x rounded to int8:
+        the activation and x's rounding in one launch, then the runs' int8-x matmuls."""
+        from infer.kernels.int8_rows import quantize_x
+
+        if not (getattr(layer, "gguf_fused_x_rounding", False)
+                and gate_up.numel() == gate_up.shape[-1]
+                and all(words is not None for words in self._int8x_words(layer))):
+            return None
+        row = gate_up.reshape(1, -1).contiguous()
+        parts = self._int8_x_row(layer, row[:, :layer.cols], quantize_x(row, act))
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        y = y.reshape(*gate_up.shape[:-1], y.shape[-1])
+        return y if bias is None else y + bias
+
+    def _int8x_words(self, layer: nn.Module) -> list[torch.Tensor | None]:
+        """Each run's blocks as words for its int8-x kernel; None for a run without one
+        (another type, or not whole words a row: Q6_K needs K a multiple of 512, Q8_0 of
+        64), which the exact path multiplies."""
         from infer.kernels.gguf_gemv import row_words
+
+        kernels = int8x_kernels()
+        return [row_words(getattr(layer, name)) if qtype in kernels else None
+                for name, qtype in layer.gguf_runs]
+
+    def _int8_x_row(self, layer: nn.Module, x: torch.Tensor,
+                    quantized: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> list[torch.Tensor]:
+        """One row by each run: the Q4_K, Q6_K and Q8_0 runs by x rounded to int8 (once
+        for all of them, or `quantized` already: kernels/int8_rows.py; where every run
+        takes it, x then gives only the dtype and device), dp4a; the other runs as
+        gguf_matmul multiplies them."""
         from infer.kernels.gguf_matmul import gguf_matmul
         from infer.kernels.int8_rows import quantize_x
 
         kernels = int8x_kernels()
-        quantized, parts = None, []
-        for name, qtype in layer.gguf_runs:
-            data = getattr(layer, name)
-            # whole words a row (Q6_K: K a multiple of 512, Q8_0: of 64), else the exact path
-            words = row_words(data) if qtype in kernels else None
+        parts = []
+        for (name, qtype), words in zip(layer.gguf_runs, self._int8x_words(layer)):
             if words is None:
-                parts.append(gguf_matmul(x, data, qtype, layer.cols))
+                parts.append(gguf_matmul(x, getattr(layer, name), qtype, layer.cols))
                 continue
             quantized = quantized or quantize_x(x)
             launch, gemv = kernels[qtype]
