@@ -627,12 +627,13 @@ class EngineCore:
         inputs = self.runner.prepare(plan, self.kv.tables)
         # The plan's first rows decode the tokens prev sampled, still on the device; the
         # other rows' ids are on the host.
-        row_of = {seq_id: row for row, seq_id in enumerate(prev.seq_ids)}
-        rows = [row_of[item.request_id] for item in plan.scheduled if item.token_ids is None]
-        if not rows:
+        decoding = [item.request_id for item in plan.scheduled if item.token_ids is None]
+        if not decoding:
             return self._launch(plan, inputs, prev=prev)
         ids = prev.token_ids
-        if rows != list(range(len(prev.seq_ids))):
+        if decoding != prev.seq_ids:  # not prev's rows in prev's order: gather them
+            row_of = {seq_id: row for row, seq_id in enumerate(prev.seq_ids)}
+            rows = [row_of[seq_id] for seq_id in decoding]
             ids = ids[to_device(torch.tensor(rows), self.device)]
         if inputs.input_ids:
             ids = torch.cat([ids, to_device(torch.tensor(inputs.input_ids, dtype=ids.dtype),
