@@ -30,6 +30,7 @@ from infer.distributed.group import TensorParallelGroup, init_group, leave_world
 from infer.distributed.torchrun import torchrun_rank
 from infer.distributed.worker import worker_main
 from infer.engine.config import EngineConfig
+from infer.process_exit import exit_code_unreaped
 
 log = logging.getLogger(__name__)
 _STOP_TIMEOUT_S = 10.0
@@ -100,9 +101,8 @@ class Workers:
             for rank, process in enumerate(self.processes, 1):
                 # A ready sentinel is an exit under way: the kernel closes a dying
                 # process's files (its sockets too: what rank 0 saw fail) before the
-                # process can be reaped, and a loaded host can take a while between.
-                if process.sentinel in ended:
-                    process.join(grace_s)
+                # process can be reaped (`_exited` waits for that, reaping nothing: the
+                # watcher may be reading the same exit, process_exit.py).
                 if process.sentinel in ended or not process.is_alive():
                     return _exited(rank, process)
         return self.failure
@@ -141,7 +141,6 @@ class Workers:
         if self._stopping:
             return
         rank, process = by_sentinel[ready[0]]
-        process.join()
         self.failure = _exited(rank, process)
         log.error("%s: stopping the other ranks", self.failure)
         _stop(self.processes)
@@ -163,7 +162,7 @@ class Workers:
 
 
 def _exited(rank: int, process: multiprocessing.process.BaseProcess) -> str:
-    return (f"tensor-parallel rank {rank} exited (exit code {process.exitcode}); "
+    return (f"tensor-parallel rank {rank} exited (exit code {exit_code_unreaped(process)}); "
             "the engine cannot go on")
 
 
