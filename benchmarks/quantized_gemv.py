@@ -148,8 +148,8 @@ def int8x_sweep(copy_gbs: float) -> list[dict]:
 
     results = []
     for (shape, n, k), (qtype, units) in itertools.product(
-            SHAPES, (("Q4_K", (1, 2)), ("Q6_K", (2, 4)), ("Q8_0", (2, 4, 8)))):
-        # Q6_K: an even number a step
+            SHAPES, (("Q4_K", (1, 2)), ("Q6_K", (2, 4)),  # Q6_K: an even number a step
+                     ("Q8_0", (2, 4, 8)))):
         copies = [gguf_blocks(n, k, qtype)
                   for _ in range(max(1, -(-3 * L2_BYTES // (n * k * 9 // 16))))]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)

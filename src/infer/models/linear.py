@@ -82,6 +82,14 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return matmul(x, layer.weight, bias, self.gemv_rows)
 
+    def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor, act: str,
+                    bias: torch.Tensor | None) -> torch.Tensor | None:
+        """In infer's GEMV (kernels/gemv.py) where `layer`'s matmuls of that many rows go
+        there (`set_triton_gemv`; a layer with a bias never)."""
+        if not _gemv_takes(gate_up, layer.weight, layer.bias, self.gemv_rows):
+            return None
+        return _gemv(gate_up, layer.weight, act)
+
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight.float()
 
@@ -348,19 +356,12 @@ class RowParallelLinear(LinearBase):
 
     def forward_gated(self, gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
         """`forward(act(gate) * up)` for the rows of `gate_up [rows, 2 * input]` where the
-        activation joins the matmul's launches (`act` one of kernels/activation.py's): in
-        infer's GEMV (kernels/gemv.py) where this layer's matmuls of that many rows go
-        there (`set_triton_gemv`), or as the weight's method does it (`apply_gated`);
-        None where neither does."""
-        method = self.quant_method
-        if isinstance(method, UnquantizedLinearMethod):
-            if not _gemv_takes(gate_up, self.weight, self.bias, method.gemv_rows):
-                return None
-            y = _gemv(gate_up, self.weight, act)
-        else:
-            y = method.apply_gated(self, gate_up, act, self.bias if self.tp_size == 1 else None)
-            if y is None:
-                return None
+        weight's method joins the activation to the matmul's launches (`apply_gated`; `act`
+        one of kernels/activation.py's); None where it does not."""
+        y = self.quant_method.apply_gated(self, gate_up, act,
+                                          self.bias if self.tp_size == 1 else None)
+        if y is None:
+            return None
         if self.tp_size == 1 or not self.reduce_output:
             return y
         y = self.tp.all_reduce(y)

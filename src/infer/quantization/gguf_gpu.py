@@ -134,11 +134,13 @@ class GGUFBlocksLinearMethod(LinearMethod):
         from infer.kernels.int8_rows import quantize_x
 
         if not (getattr(layer, "gguf_fused_x_rounding", False)
-                and gate_up.numel() == gate_up.shape[-1]
-                and all(words is not None for words in self._int8x_words(layer))):
+                and gate_up.numel() == gate_up.shape[-1]):
+            return None
+        words = self._int8x_words(layer)
+        if any(w is None for w in words):
             return None
         row = gate_up.reshape(1, -1).contiguous()
-        parts = self._int8_x_row(layer, row[:, :layer.cols], quantize_x(row, act))
+        parts = self._int8_x_row(layer, row[:, :layer.cols], quantize_x(row, act), words)
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         y = y.reshape(*gate_up.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
@@ -154,25 +156,27 @@ class GGUFBlocksLinearMethod(LinearMethod):
                 for name, qtype in layer.gguf_runs]
 
     def _int8_x_row(self, layer: nn.Module, x: torch.Tensor,
-                    quantized: tuple[torch.Tensor, torch.Tensor] | None = None
-                    ) -> list[torch.Tensor]:
+                    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    words: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
         """One row by each run: the Q4_K, Q6_K and Q8_0 runs by x rounded to int8 (once
         for all of them, or `quantized` already: kernels/int8_rows.py; where every run
         takes it, x then gives only the dtype and device), dp4a; the other runs as
-        gguf_matmul multiplies them."""
+        gguf_matmul multiplies them. `words`: `_int8x_words(layer)`, if the caller has
+        them."""
         from infer.kernels.gguf_matmul import gguf_matmul
         from infer.kernels.int8_rows import quantize_x
 
         kernels = int8x_kernels()
         parts = []
-        for (name, qtype), words in zip(layer.gguf_runs, self._int8x_words(layer)):
-            if words is None:
+        for (name, qtype), run_words in zip(layer.gguf_runs,
+                                              words or self._int8x_words(layer)):
+            if run_words is None:
                 parts.append(gguf_matmul(x, getattr(layer, name), qtype, layer.cols))
                 continue
             quantized = quantized or quantize_x(x)
             launch, gemv = kernels[qtype]
-            parts.append(gemv(x, words, layer.cols, quantized=quantized,
-                              **launch(len(words), layer.cols, x.device)))
+            parts.append(gemv(x, run_words, layer.cols, quantized=quantized,
+                              **launch(len(run_words), layer.cols, x.device)))
         return parts
 
     def _fused(self, layer: nn.Module, rows: int) -> bool:

@@ -144,4 +144,3 @@ class ApiServers:
             if process.is_alive():
                 process.kill()
                 process.join()
-
