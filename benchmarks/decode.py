@@ -213,7 +213,10 @@ def main() -> None:
         out = common.write_results("decode", args, {"ceilings": ceil, "rows": rows})
 
     for name in args.models:
-        path = common.get_checkpoint(name, tiny, args.ckpt_root)
+        # the bf16 checkpoint is served, or read by the peers; a GGUF run without peers
+        # needs neither (writing an 8B one takes a minute of device time)
+        path = None if args.gguf and args.skip_peer else \
+            common.get_checkpoint(name, tiny, args.ckpt_root)
         shape = common.load_shape(name, tiny)
         counts = common.shape_counts(shape)
         vocab = shape["vocab_size"]
