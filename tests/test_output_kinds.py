@@ -130,3 +130,64 @@ def test_server_streams_deltas_end_to_end(monkeypatch):
     assert len(ids) == 48
     assert engine.tokenizer.decode(ids) == text
     assert len(delivered) >= 40  # one delta per step, not one final output
+
+
+QUIET = SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)
+
+
+def _core_outputs(engine, kind: RequestOutputKind, rid: str, steps: int | None = None):
+    """What the core sent for `rid`'s sequences, step by step, and its request outputs."""
+    engine.add_request(rid, "Once upon", dataclasses.replace(QUIET, output_kind=kind))
+    sent: list[list] = []
+    outputs = []
+    core_step = engine.core.step
+
+    def step():
+        updates = core_step()
+        sent.append([u for u in updates if u.seq_id.split("#")[0] == rid])
+        return updates
+
+    engine.core.step = step
+    try:
+        while engine.has_unfinished_requests() and (steps is None or len(sent) < steps):
+            outputs += [o for o in engine.step() if o.request_id == rid]
+    finally:
+        del engine.core.step
+    return sent, outputs
+
+
+def test_a_final_only_sequence_is_sent_on_its_first_token_and_at_its_end(engine):
+    """One final output, no stop strings, no logprobs: the core builds no output for the
+    steps between its first token and its last, and the last carries every token not
+    sent; the result is the cumulative run's."""
+    sent, final = _core_outputs(engine, RequestOutputKind.FINAL_ONLY, "q")
+    cumulative = _core_outputs(engine, RequestOutputKind.CUMULATIVE, "qc")[1]
+    def ends(outputs):
+        return [(c.index, c.text, c.token_ids, c.finish_reason) for c in outputs[-1].outputs]
+
+    assert len(final) == 1 and ends(final) == ends(cumulative)
+    for index in (0, 1):
+        mine = [(step, u) for step, updates in enumerate(sent) for u in updates
+                if u.seq_id == f"q#{index}"]
+        assert len(mine) == 2, [(step, len(u.new_token_ids)) for step, u in mine]
+        (first_step, first), (last_step, last) = mine
+        assert len(first.new_token_ids) == 1 and last.finish_reason == "length"
+        assert first.new_token_ids + last.new_token_ids == final[0].outputs[index].token_ids
+        assert last_step - first_step == len(last.new_token_ids)  # one token a step between
+
+
+def test_a_final_only_sequence_that_fails_returns_every_token_it_made(engine):
+    """An error ending a quiet sequence mid-way sends the tokens it had not sent yet: the
+    failed output holds everything generated, as it did when every step was sent."""
+    sent, _ = _core_outputs(engine, RequestOutputKind.FINAL_ONLY, "e", steps=8)
+    seq_ids = [s for s in engine.core.sequences if s.split("#")[0] == "e"]
+    made = {s: list(engine.core.sequences[s].request.output_token_ids) for s in seq_ids}
+    assert all(len(tokens) > 2 for tokens in made.values())
+    assert sum(len(u.new_token_ids) for updates in sent for u in updates) == len(seq_ids)
+    processed = engine.output_processor.process(
+        engine.core._end_with_error(seq_ids, "RuntimeError: boom"), 0.0)
+    (output,) = processed.outputs
+    assert output.finished and output.error == "RuntimeError: boom"
+    assert sorted(c.token_ids for c in output.outputs) == sorted(made.values())
+    engine.step()  # a step launched ahead for them, if any, is accounted (and dropped)
+    assert not engine.has_unfinished_requests() and engine.kv.pool.num_used == 0

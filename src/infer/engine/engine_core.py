@@ -60,7 +60,7 @@ from infer.engine.setup import (
 from infer.engine.structured_output import CompileThread, GrammarMatcher, StructuredOutputs
 from infer.loader.tokenizer import Tokenizer
 from infer.quantization import quantize_model
-from infer.sampling_params import SamplingParams
+from infer.sampling_params import RequestOutputKind, SamplingParams
 from infer.spec.draft_model import load_draft_model
 from infer.spec.drafter import Drafter, NgramDrafter
 from infer.spec.early_exit import EarlyExit
@@ -108,9 +108,24 @@ class _Sequence:
     grammar: GrammarMatcher | RemoteMatcher | None = None
     # `params.reads_output`, asked of every sequence every step: taken once
     reads_output: bool = field(init=False)
+    # Whose output side reads its tokens only at the end (one final output, no stop
+    # strings, no logprobs): its outputs are sent on its first token (time to first token,
+    # prompt tokens cached) and when it ends, carrying every token not sent yet; a step
+    # between builds no output for it.
+    quiet: bool = field(init=False)
+    sent: int = 0  # output tokens sent (a quiet sequence's)
 
     def __post_init__(self) -> None:
-        self.reads_output = self.params.reads_output
+        params = self.params
+        self.reads_output = params.reads_output
+        self.quiet = (params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop
+                      and params.logprobs is None and params.prompt_logprobs is None)
+
+    def unsent(self) -> list[int]:
+        """A quiet sequence's tokens not sent yet, now counted as sent."""
+        tokens = self.request.output_token_ids[self.sent:]
+        self.sent += len(tokens)
+        return tokens
 
 
 @dataclass
@@ -456,11 +471,15 @@ class EngineCore:
         return self._end_with_error(culprits, f"{type(exc).__name__}: {exc}")
 
     def _end_with_error(self, seq_ids: list[str], error: str) -> list[SequenceOutput]:
-        """Finish these sequences (their blocks freed); an `error` output for each."""
+        """Finish these sequences (their blocks freed); an `error` output for each, with a
+        quiet sequence's tokens not sent yet."""
+        outputs = []
         for seq_id in seq_ids:
+            seq = self.sequences.get(seq_id)
+            tokens = seq.unsent() if seq is not None and seq.quiet else []
             self.finish(seq_id, "error")
-        return [SequenceOutput(seq_id, [], finish_reason="error", error=error)
-                for seq_id in seq_ids]
+            outputs.append(SequenceOutput(seq_id, tokens, finish_reason="error", error=error))
+        return outputs
 
     def _culprits(self, out: SchedulerOutput) -> list[str]:
         """The sequences whose host-side step preparation fails when run on its own."""
@@ -695,6 +714,10 @@ class EngineCore:
                     and seq.grammar.terminated):  # the grammar allows nothing more
                 self.scheduler.finish(seq.request, "stop")
                 update = update._replace(finish_reason="stop")
+            if seq.quiet:
+                if seq.sent and update.finish_reason is None:
+                    continue
+                update = update._replace(new_token_ids=seq.unsent())
             if seq.params.logprobs is None:
                 output = SequenceOutput(rid, update.new_token_ids, None, None,
                                         update.finish_reason, update.stop_reason,

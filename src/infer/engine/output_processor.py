@@ -129,6 +129,9 @@ class OutputProcessor:
             if group.first_token_time is None:  # the group is here because a token came
                 group.first_token_time = now
             if update.error is not None:
+                for token in update.new_token_ids:  # a quiet sequence's last tokens
+                    seq.token_ids.append(token)
+                    seq.detok.append(token)
                 group.error = update.error
                 touched[group.request_id] = group
                 continue
