@@ -14,7 +14,7 @@ from the first request added to the last finished, admission and prefill include
 its steps.
 
     python benchmarks/structured_output.py --tokenizer DIR [--batches 1 32 256] [--rounds 5]
-        [--engine grammar_process=true] [--stall-dump-ms 150]
+        [--engine grammar_process=true] [--stall-dump-ms 150] [--cpus-apart]
 
 With the grammar worker on (the default with CUDA), the loop's own time in its calls
 (queueing a step's masks, handing over its ids, reading the verdicts) is printed as well.
@@ -37,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
+import cpu_placement
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 10},
@@ -69,6 +70,9 @@ def main() -> None:
     p.add_argument("--stall-dump-ms", type=float, default=0,
                    help="print every thread's Python stack when a timed decode step has "
                    "run this long (faulthandler; 0: off)")
+    p.add_argument("--cpus-apart", action="store_true",
+                   help="the step loop on one CPU, every other thread (the grammar "
+                   "worker's too) off that CPU's physical core (cpu_placement.py; Linux)")
     common.add_common_args(p)
     args = p.parse_args()
     from infer import SamplingParams, StructuredOutputsParams
@@ -90,6 +94,13 @@ def main() -> None:
     stopped = [o.outputs[0].text for o in outs if o.outputs[0].finish_reason == "stop"]
     valid = sum(_valid_person(text) for text in stopped)
     print(f"JSON answers: {len(stopped)}/64 stopped, {valid} valid", flush=True)
+    placement = {"pinned": False, "threads_per_core": cpu_placement.threads_per_core()}
+    if args.cpus_apart:
+        worker = llm.engine.core._grammar_process
+        if worker is None:
+            p.error("--cpus-apart needs the grammar worker (grammar_process=true)")
+        placement = cpu_placement.apart(worker.process.pid)
+    print(f"CPU placement: {placement}", flush=True)
     constraints = {"none": None,
                    "regex [a-z ]+": StructuredOutputsParams(regex="[a-z ]+"),
                    "JSON schema": StructuredOutputsParams(json=NOTES)}
@@ -153,7 +164,7 @@ def main() -> None:
     calls = _worker_call_table(worker_calls, args.batches) if worker_calls else []
     common.write_results("structured_output", args, {
         "json_stopped": len(stopped), "json_valid": valid, "rows": rows, "ttft_ms": ttft,
-        "grammar_worker_calls": calls})
+        "grammar_worker_calls": calls, "cpu_placement": placement})
 
 
 COMPILED: list[str] = []  # Triton kernels compiled in this process, in order
