@@ -11,23 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from pathlib import Path
 
-
-def core_siblings(cpu: int) -> set[int]:
-    """The CPUs on `cpu`'s physical core, itself included (itself alone where the kernel
-    does not say)."""
-    path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
-    return cpu_list(path.read_text()) if path.exists() else {cpu}
-
-
-def cpu_list(text: str) -> set[int]:
-    """The CPUs of a kernel CPU list such as `0-1,8-9`."""
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        low, _, high = part.partition("-")
-        cpus.update(range(int(low), int(high or low) + 1))
-    return cpus
+from infer.engine.cpu_threads import core_siblings
 
 
 def threads_per_core() -> int:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from infer.engine.cpu_threads import core_siblings, cpu_list, cpus_off_core, thread_cpu
+
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
 
 
@@ -26,7 +28,6 @@ def _module():
 
 
 def test_kernel_cpu_lists_are_read_as_the_kernel_writes_them():
-    cpu_list = _module().cpu_list
     assert cpu_list("3\n") == {3}
     assert cpu_list("0-1,8-9\n") == {0, 1, 8, 9}
     assert cpu_list("2,5-7") == {2, 5, 6, 7}
@@ -71,3 +72,12 @@ def test_the_loop_gets_a_core_and_everything_else_stays_off_it():
         for tid, cpus_before in saved.items():
             with contextlib.suppress(ProcessLookupError):
                 os.sched_setaffinity(tid, cpus_before)
+
+
+def test_a_thread_is_found_on_one_of_its_cpus_and_a_core_is_left_out_whole():
+    mine = os.sched_getaffinity(0)
+    cpu = thread_cpu(threading.get_native_id())
+    assert cpu in mine
+    assert thread_cpu(2**22 + 12345) is None  # no such thread here
+    off = cpus_off_core(cpu)
+    assert off <= mine and not off & core_siblings(cpu) and off | core_siblings(cpu) >= mine

@@ -219,6 +219,30 @@ def test_grammar_threads_sets_the_workers_thread_count():
     assert counts[1] - counts[0] == 4, counts
 
 
+@pytest.mark.parametrize("apart", [False, True])
+def test_grammar_worker_apart_keeps_the_worker_off_the_loops_core(apart):
+    """`EngineConfig.grammar_worker_apart`: the worker (and the library's threads it starts)
+    may run on every CPU but those of one physical core, the step loop's; without it, on
+    all of this process's."""
+    from infer.engine.cpu_threads import core_siblings
+
+    mine = os.sched_getaffinity(0)
+    if apart and not any(mine - core_siblings(cpu) for cpu in mine):
+        pytest.skip("one physical core: nothing to keep the worker apart on")
+    llm = _llm(True, grammar_worker_apart=apart)
+    llm.generate([PROMPT], [SamplingParams(max_tokens=4, structured_outputs=(
+        StructuredOutputsParams(regex="[a-z]+")))], use_tqdm=False)
+    worker = llm.engine.core._grammar_process.process.pid
+    threads = [int(tid) for tid in os.listdir(f"/proc/{worker}/task")]
+    allowed = {frozenset(os.sched_getaffinity(tid)) for tid in threads}
+    if not apart:
+        assert allowed == {frozenset(mine)}
+        return
+    [cpus] = allowed  # every thread alike
+    assert cpus < mine and any(cpus == mine - core_siblings(cpu) for cpu in mine)
+    llm.engine.shutdown()
+
+
 def test_a_steps_verdicts_survive_the_worker_feeding_the_next_step(worker):
     """With a step launched ahead, the worker may have fed step s+1 (and said something of
     it) before the loop reads step s's verdicts: s's stay readable."""
@@ -319,7 +343,7 @@ def test_the_worker_makes_the_matchers_sent_before_a_fill_before_taking_it(spin)
     layout.header[FILLS] = 1
     worker = threading.Thread(target=serve, args=(
         name, 1, words, library_tokenizer_json(tokenizer), vocab,
-        list(tokenizer.eos_token_ids), spin, 0, reader))
+        list(tokenizer.eos_token_ids), spin, 0, None, reader))
     worker.start()
     deadline = time.monotonic() + 30
     while layout.header[MASKS_READY] < 1 and time.monotonic() < deadline:

@@ -165,6 +165,11 @@ class EngineConfig:
         "while constrained steps come); not with speculative decoding; default: on with CUDA "
         "(a constrained step then costs the loop ~0.07 ms, docs/performance.md), off on a "
         "CPU, where the loop would wait for the worker anyway")
+    grammar_worker_apart: bool = knob(
+        False, "keep the grammar worker's threads (its spinning one and the library's) off "
+        "the physical core the step loop runs on when the worker starts (Linux, a host "
+        "with CPUs to spare): a loop that shares its core with them runs every phase "
+        "slower; off until a device run times it (structured_output.py --cpus-apart)")
     grammar_threads: int = knob(
         0, "threads the grammar library fills a step's token masks on (and the grammar "
         "worker feeds tokens on, from FEED_PAR_ROWS rows): 0 = the library's default (80 % "

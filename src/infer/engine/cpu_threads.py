@@ -11,6 +11,7 @@ less one, at least one.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -31,3 +32,34 @@ def set_cpu_threads(requested: int | None) -> int:
     threads = requested if requested is not None else default_cpu_threads()
     torch.set_num_threads(threads)
     return threads
+
+
+def cpu_list(text: str) -> set[int]:
+    """The CPUs of a kernel CPU list such as `0-1,8-9`."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def core_siblings(cpu: int) -> set[int]:
+    """The CPUs on `cpu`'s physical core, itself included (itself alone where the kernel
+    does not say)."""
+    path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+    return cpu_list(path.read_text()) if path.exists() else {cpu}
+
+
+def thread_cpu(thread_id: int) -> int | None:
+    """The CPU a thread of this process (its native id) last ran on; None where Linux's
+    /proc does not say."""
+    try:
+        stat = Path(f"/proc/self/task/{thread_id}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[36])  # field 39, `processor`
+
+
+def cpus_off_core(cpu: int) -> set[int]:
+    """This process's CPUs outside `cpu`'s physical core."""
+    return set(os.sched_getaffinity(0)) - core_siblings(cpu)

@@ -33,7 +33,7 @@ from infer.distributed.mirrored_runner import MirroredRunner
 from infer.distributed.workers import TensorParallelError, Workers
 from infer.engine.batch_defaults import fit_batch_to_device
 from infer.engine.config import EngineConfig
-from infer.engine.cpu_threads import set_cpu_threads
+from infer.engine.cpu_threads import cpus_off_core, set_cpu_threads, thread_cpu
 from infer.engine.grammar_process import GrammarProcess, GrammarWorkerError, RemoteMatcher
 from infer.engine.model_runner import ModelRunner, StepInputs
 from infer.engine.prompt_logprobs import (
@@ -192,6 +192,7 @@ class EngineCore:
         self._structured: StructuredOutputs | None = None
         self._structured_lock = threading.Lock()
         self._grammar_process: GrammarProcess | None = None  # made with _structured
+        self._loop_thread = threading.get_native_id()  # the thread that builds a core steps it
         self.model_config = mc = model_config
         self.device, self.dtype = device, dtype
         self.max_model_len = max_model_len
@@ -357,10 +358,18 @@ class EngineCore:
                     rows = self.scheduler.max_num_seqs or MAX_GRAMMAR_ROWS
                     self._grammar_process = GrammarProcess(
                         self.tokenizer, vocab_size, rows, self.device,
-                        self.config.grammar_threads)
+                        self.config.grammar_threads, self._grammar_worker_cpus())
                 self._structured = StructuredOutputs(self.tokenizer, vocab_size,
                                                      self.config.grammar_threads)
         return self._structured
+
+    def _grammar_worker_cpus(self) -> set[int] | None:
+        """With `grammar_worker_apart`, the CPUs off the step loop's physical core (where
+        the loop runs now; None where that leaves none or cannot be told)."""
+        if not self.config.grammar_worker_apart:
+            return None
+        cpu = thread_cpu(self._loop_thread)
+        return (cpus_off_core(cpu) or None) if cpu is not None else None
 
     def _grammar_worker_wanted(self) -> bool:
         """`grammar_process`, its default resolved: on with CUDA unless drafts are checked

@@ -85,7 +85,8 @@ class GrammarProcess:
     a step, on `device`, on `threads` threads (0: the grammar library's default)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, rows: int,
-                 device: torch.device, threads: int = 0) -> None:
+                 device: torch.device, threads: int = 0, cpus: set[int] | None = None
+                 ) -> None:
         self.vocab_size, self.rows, self.device = vocab_size, rows, device
         words = (vocab_size + 31) // 32
         name = f"infer-grammar-{os.getpid()}-{id(self):x}"
@@ -103,7 +104,8 @@ class GrammarProcess:
         self.process = _start_worker(reader)
         reader.close()
         self._steps.send((name, rows, words, library_tokenizer_json(tokenizer), vocab_size,
-                          list(tokenizer.eos_token_ids), self._on_cuda, threads))
+                          list(tokenizer.eos_token_ids), self._on_cuda, threads,
+                          sorted(cpus) if cpus else None))
         self._send_lock = threading.Lock()  # the loop and the compile thread both send
         self._published = 0  # the last step whose ids the device was asked to publish
         self._stream = 0  # the CUDA stream of the step being launched

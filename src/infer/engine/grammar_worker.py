@@ -40,6 +40,7 @@ step s's masks. So one slot of the tokens and masks is enough (two of the verdic
 from __future__ import annotations
 
 import mmap
+import os
 import sys
 import time
 from multiprocessing import resource_tracker, shared_memory
@@ -140,11 +141,17 @@ def main(fd: int) -> None:
 
 
 def serve(shm_name: str, rows: int, words: int, tokenizer_json: str, vocab_size: int,
-          eos_token_ids: list[int], spin: bool, threads: int, steps: Connection) -> None:
+          eos_token_ids: list[int], spin: bool, threads: int, cpus: list[int] | None,
+          steps: Connection) -> None:
     """Serve `steps` for the shared block `shm_name` until they close. `spin`: look at the
     counters without sleeping while steps come (a core for the device's wait). `threads`:
-    the grammar library's (0: its default)."""
+    the grammar library's (0: its default). `cpus`: where this process and the threads it
+    starts may run (None: anywhere)."""
     import llguidance
+
+    if cpus:  # every thread so far (numpy's start some), and the library's: they inherit it
+        for thread in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(thread), cpus)
 
     layout = SharedLayout(memoryview(map_shared(shm_name)), rows, words)
     tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
