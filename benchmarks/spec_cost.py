@@ -15,6 +15,9 @@ Random weights accept almost no drafts, so the costs are measured apart and comb
 - Predicted speed-up at acceptance a (each draft accepted with probability a, given the
   ones before): tokens per round E = (1 - a^(k+1)) / (1 - a); speed-up =
   E x T_1 / (T_verify(k) + T_round(k)).
+- "Queued": a step of the engine's own drafted decoding, its drafts left on the device
+  and the verify step planned and queued while the round runs (every draft rejected:
+  one round and one verify a step), and the speed-up E x T_1 / that step.
 - With `--profile-round`: where a draft round's time goes (k = --k-e2e): the GPU's busy
   time inside the rounds (kernels that ran between a round's start and its read-back)
   against their wall time, and the kernels that took most of it.
@@ -53,6 +56,7 @@ class FixedDrafter:
     """Proposes `k` copies of one token for every sequence (random weights reject them)."""
 
     own_cache = False
+    on_device = False
 
     def __init__(self, k: int) -> None:
         self.k = k
@@ -67,6 +71,8 @@ class FixedDrafter:
 
 class TimedDrafter:
     """Wraps a drafter and adds up the wall time of its proposal rounds."""
+
+    on_device = False  # the round timed to its drafts on the host
 
     def __init__(self, inner) -> None:
         self.inner, self.own_cache = inner, inner.own_cache
@@ -227,13 +233,18 @@ def main() -> None:
             warm(llm, timed)
             drafted = decode_run(llm, rng, vocab, prompt_len, new_tokens)
             round_ms = timed.seconds / timed.rounds * 1e3
+            # The engine's own way: the drafts left on the device, the verify step queued
+            # behind the round (every draft rejected: one round and one verify a step).
+            core.drafter = model_drafter
+            queued = decode_run(llm, rng, vocab, prompt_len, new_tokens)
             row = dict(draft_quantization=label, k=k, verify_ms=verify["step_ms"],
                        verify_x=verify["step_ms"] / t1, round_ms=round_ms,
                        round_x=round_ms / t1, draft_forward_ms=round_ms / k,
-                       spec_step_ms=drafted["step_ms"])
+                       spec_step_ms=drafted["step_ms"], queued_step_ms=queued["step_ms"])
             cost = verify["step_ms"] + round_ms
             for a in ACCEPTANCE:
                 row[f"pred_{a}"] = expected_tokens(a, k) * t1 / cost
+                row[f"pred_queued_{a}"] = expected_tokens(a, k) * t1 / queued["step_ms"]
             rows.append(row)
             print(f"[{label} k={k}] {row}", flush=True)
             result["costs"] = rows
@@ -266,9 +277,13 @@ def main() -> None:
         # per-position acceptance, as the formula's a: E = tokens per verify row
         tokens_per_round = own["tokens"] / own["steps"]
         round_ms = timed.seconds / timed.rounds * 1e3
+        core.drafter = timed.inner  # the engine's own way (drafts on the device), untimed
+        queued = decode_run(llm, rng, vocab, prompt_len, new_tokens)
         e2e = dict(k=k, acceptance=accepted / max(drafts, 1), tokens_per_round=tokens_per_round,
                    ms_per_token=own["ms_per_token"], plain_ms_per_token=t1,
-                   measured_x=t1 / own["ms_per_token"], round_ms=round_ms, verify_ms=verify_ms)
+                   measured_x=t1 / own["ms_per_token"], round_ms=round_ms, verify_ms=verify_ms,
+                   queued_ms_per_token=queued["ms_per_token"],
+                   measured_queued_x=t1 / queued["ms_per_token"])
         if verify_ms is not None:
             e2e["predicted_x"] = tokens_per_round * t1 / (verify_ms + round_ms)
         result["own_draft"] = e2e
@@ -281,7 +296,10 @@ def main() -> None:
                            ("x T_1", "verify_x", ".2f"), ("draft round ms", "round_ms", ".3f"),
                            ("x T_1", "round_x", ".2f"),
                            ("per draft ms", "draft_forward_ms", ".3f"),
-                           *[(f"pred a={a}", f"pred_{a}", ".2f") for a in ACCEPTANCE]])
+                           *[(f"pred a={a}", f"pred_{a}", ".2f") for a in ACCEPTANCE],
+                           ("queued step ms", "queued_step_ms", ".3f"),
+                           *[(f"queued a={a}", f"pred_queued_{a}", ".2f")
+                             for a in ACCEPTANCE]])
     if e2e is not None:
         common.print_table(f"end to end, {args.target} as its own draft (k = {k}, batch 1)",
                            [e2e], [("acceptance", "acceptance", ".1%"),
@@ -289,7 +307,9 @@ def main() -> None:
                                    ("ms/token", "ms_per_token", ".3f"),
                                    ("plain ms", "plain_ms_per_token", ".3f"),
                                    ("measured x", "measured_x", ".2f"),
-                                   ("predicted x", "predicted_x", ".2f")])
+                                   ("predicted x", "predicted_x", ".2f"),
+                                   ("queued ms/token", "queued_ms_per_token", ".3f"),
+                                   ("measured x, queued", "measured_queued_x", ".2f")])
     for quantization, prof in profiles.items():
         common.print_table(
             f"draft round ({quantization}, k = {args.k_e2e}): {prof['wall_ms']:.3f} ms wall, "

@@ -132,6 +132,36 @@ def test_greedy_tokens_are_those_without_drafts(plain, spec):
     assert spec.engine.stats()["kv_blocks_used"] == 0
 
 
+def test_a_draft_models_drafts_stay_on_the_device_unless_the_host_needs_them(
+        plain, spec_engines, monkeypatch):
+    """A model's drafts are never read back when no sequence needs their values (the step
+    verifying them is queued behind the round): greedy tokens the plain engine's with
+    `propose` (the host's way) refusing to run; with a penalty, which counts the drafts,
+    the host's way and never the device's."""
+    from infer.spec.model_drafter import ModelDrafter
+
+    spec = _spec(spec_engines, "draft")
+    core = spec.engine.core
+    want = reference_tokens(plain, PROMPTS[:2], GREEDY)
+
+    def refuse(self, requests):
+        raise AssertionError(f"{self.__class__.__name__}.propose ran")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ModelDrafter, "propose", refuse)
+        drafted = core.num_draft_tokens
+        assert_same_greedy(plain, PROMPTS[:2], want, tokens(spec, PROMPTS[:2], GREEDY))
+        assert core.num_draft_tokens > drafted and not core._device_drafts
+    penalized = SamplingParams(max_tokens=24, temperature=0, frequency_penalty=0.5)
+    want = reference_tokens(plain, PROMPTS[:1], penalized)
+    with monkeypatch.context() as patch:
+        patch.setattr(ModelDrafter, "propose_on_device", refuse)
+        drafted = core.num_draft_tokens
+        assert_same_greedy(plain, PROMPTS[:1], want, tokens(spec, PROMPTS[:1], penalized))
+        assert core.num_draft_tokens > drafted
+    assert spec.engine.stats()["kv_blocks_used"] == 0
+
+
 def test_greedy_rows_are_unchanged_beside_sampled_ones(plain, spec):
     want = reference_tokens(plain, PROMPTS[:2], GREEDY)
     mixed = [GREEDY, SamplingParams(max_tokens=40, temperature=0.9, seed=1),

@@ -138,6 +138,9 @@ class _Compiling:
     started: float | None = None  # time.monotonic() when its compile began
 
 
+# A draft still on the device, in `Request.spec_token_ids` (its value is in
+# `EngineCore._device_drafts`; the host never reads it).
+DEVICE_DRAFT = -1
 # Rows of the grammar worker's masks where the engine was built without max_num_seqs.
 MAX_GRAMMAR_ROWS = 1024
 # With nothing to step but grammars compiling, a step waits this long for one.
@@ -193,6 +196,9 @@ class EngineCore:
         self._structured_lock = threading.Lock()
         self._grammar_process: GrammarProcess | None = None  # made with _structured
         self._loop_thread = threading.get_native_id()  # the thread that builds a core steps it
+        # Drafts proposed on the device, by sequence (`DEVICE_DRAFT`s in their requests),
+        # until the sequence samples again or ends.
+        self._device_drafts: dict[str, torch.Tensor] = {}
         self.model_config = mc = model_config
         self.device, self.dtype = device, dtype
         self.max_model_len = max_model_len
@@ -402,6 +408,7 @@ class EngineCore:
         """End a sequence now (a stop string, an abort), freeing its blocks."""
         seq = self.sequences.pop(seq_id, None)
         self._prompt_lp.pop(seq_id, None)
+        self._device_drafts.pop(seq_id, None)
         if seq is not None:
             self.scheduler.finish(seq.request, reason, stop_reason)
             self._drop_matchers([seq.grammar])
@@ -513,6 +520,9 @@ class EngineCore:
         prev's tokens, which are read (and fed to the grammars) while this forward runs."""
         seqs = [self.sequences[rid] for rid in inputs.sample_request_ids]
         requests = {i.request_id: self.sequences[i.request_id].request for i in out.scheduled}
+        mirror_ids, device_drafts = device_input_ids, {}
+        if device_input_ids is None and self._device_drafts:
+            device_input_ids, device_drafts = self._ids_with_device_drafts(out, inputs)
         hidden = self.runner.forward(inputs, device_input_ids)
         logits = self.runner.sample_logits(hidden, inputs)
         prompt_job = None
@@ -522,21 +532,43 @@ class EngineCore:
             prompt_job = launch_prompt_logprobs(self.runner, hidden, out.scheduled,
                                                 self._prompt_lp, prompts)
         if self.drafter is not None:
-            self.drafter.mirror(out, requests, device_input_ids)
+            self.drafter.mirror(out, requests, mirror_ids)
         self.num_steps += 1
         if prev is not None:
             self.num_steps_launched_ahead += 1
-        step = self._sample(out, requests, inputs, logits, seqs, prev)
+        step = self._sample(out, requests, inputs, logits, seqs, prev, device_drafts)
         step.prompt_job = prompt_job
         return step
 
+    def _ids_with_device_drafts(self, out: SchedulerOutput, inputs: StepInputs
+                                ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """The step's input ids on the device, its drafts still there written in: (None,
+        {}) when it verifies no device drafts; else the ids and the drafts it took, by
+        sequence (each cut to the drafts the step computes)."""
+        at, offset, taken = [], 0, {}
+        for item in out.scheduled:
+            drafts = item.spec_token_ids
+            offset += item.num_new_tokens
+            if drafts and drafts[0] == DEVICE_DRAFT:
+                device = self._device_drafts.get(item.request_id)
+                if device is None:
+                    raise RuntimeError(f"sequence {item.request_id}: its drafts on the "
+                                       "device are gone")
+                taken[item.request_id] = device[:len(drafts)]
+                at.extend(range(offset - len(drafts), offset))
+        if not taken:
+            return None, {}
+        ids = to_device(torch.tensor(inputs.input_ids, dtype=torch.long), self.device)
+        ids[to_device(torch.tensor(at), self.device)] = torch.cat(list(taken.values()))
+        return ids, taken
+
     def _sample(self, out: SchedulerOutput, requests: dict[str, Request], inputs: StepInputs,
-                logits: torch.Tensor, seqs: list[_Sequence], prev: _StepInFlight | None
-                ) -> _StepInFlight:
+                logits: torch.Tensor, seqs: list[_Sequence], prev: _StepInFlight | None,
+                device_drafts: dict[str, torch.Tensor]) -> _StepInFlight:
         if not seqs:
             return _StepInFlight(out, requests, [], None, None)
         if any(count > 1 for count in inputs.sample_counts):
-            return self._launch_verify(out, requests, inputs, logits)
+            return self._launch_verify(out, requests, inputs, logits, device_drafts)
         masked, masks, grammar_step, failure = [], None, 0, None
         if any(seq.grammar is not None for seq in seqs):
             if self._grammar_process is None:
@@ -563,7 +595,8 @@ class EngineCore:
                              masked, grammar_step=grammar_step, grammar_failure=failure)
 
     def _launch_verify(self, out: SchedulerOutput, requests: dict[str, Request],
-                       inputs: StepInputs, logits: torch.Tensor) -> _StepInFlight:
+                       inputs: StepInputs, logits: torch.Tensor,
+                       device_drafts: dict[str, torch.Tensor]) -> _StepInFlight:
         """Sampling of a step with drafts: the sequences with drafts have them judged
         (`spec.sampling`), the others sample as usual. Grammars mask every row, a drafted
         position by the state after the drafts before it (drafts a grammar refuses were
@@ -585,7 +618,7 @@ class EngineCore:
         plain = [self.sequences[rid] for rid in plain_ids]
         if any(seq.grammar is not None for seq in (*seqs, *plain)):
             self._mask_verify(logits, inputs, drafts)
-        spec_drafts = [drafts[rid] for rid in spec_ids]
+        spec_drafts = [drafts[rid] for rid in spec_ids]  # DEVICE_DRAFT: in device_drafts
         batch = self._sampling_batch(
             [seq for seq, c in zip(seqs, counts) for _ in range(c)],
             drafted=[d[:j] for d, c in zip(spec_drafts, counts) for j in range(c)])
@@ -593,7 +626,8 @@ class EngineCore:
         verified = verify_drafts(
             spec_logits, batch, counts, spec_drafts, [seq.params.greedy for seq in seqs],
             [seq.params.seed for seq in seqs],
-            [len(seq.request.output_token_ids) for seq in seqs])
+            [len(seq.request.output_token_ids) for seq in seqs],
+            [device_drafts.get(rid) for rid in spec_ids] if device_drafts else None)
         lp = None
         if any(seq.params.logprobs is not None for seq in seqs):
             lp = verified_logprobs(spec_logits, counts, verified.token_ids,
@@ -752,6 +786,7 @@ class EngineCore:
             if update.finish_reason is not None:
                 del self.sequences[rid]
                 self._prompt_lp.pop(rid, None)
+                self._device_drafts.pop(rid, None)
                 self._drop_matchers([seq.grammar])
         if self.drafter is not None:
             self._propose(sampled)
@@ -772,10 +807,20 @@ class EngineCore:
         seqs = [seq for seq_id in seq_ids if (seq := self.sequences.get(seq_id)) is not None]
         for seq in seqs:
             seq.request.spec_token_ids = []
+            self._device_drafts.pop(seq.request.request_id, None)
         if (not seqs or len(self.sequences) > self.config.speculative_max_batch
                 or self._in_flight is not None):
             return
-        for seq, drafts in zip(seqs, self.drafter.propose([seq.request for seq in seqs])):
+        requests = [seq.request for seq in seqs]
+        if self.drafter.on_device and not any(seq.grammar is not None or seq.reads_output
+                                              for seq in seqs):
+            # Their values matter only on the device: the round is queued, not waited for.
+            for request, drafts in zip(requests, self.drafter.propose_on_device(requests)):
+                if drafts is not None:
+                    request.spec_token_ids = [DEVICE_DRAFT] * len(drafts)
+                    self._device_drafts[request.request_id] = drafts
+            return
+        for seq, drafts in zip(seqs, self.drafter.propose(requests)):
             if seq.grammar is not None and drafts:
                 drafts = drafts[:seq.grammar.allowed_prefix(drafts)]
             seq.request.spec_token_ids = drafts

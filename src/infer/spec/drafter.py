@@ -22,9 +22,13 @@ def draft_budget(request: Request, k: int, max_model_len: int) -> int:
 
 class Drafter(Protocol):
     own_cache: bool  # a draft model with a KV cache of its own
+    on_device: bool  # proposes on the device too (`propose_on_device`)
 
     def propose(self, requests: list[Request]) -> list[list[int]]:
         """Drafts for the tokens after each request's last."""
+
+    def propose_on_device(self, requests: list[Request]) -> list[torch.Tensor | None]:
+        """The same drafts left where they were made (with `on_device`)."""
 
     def mirror(self, out: SchedulerOutput, requests: dict[str, Request],
                device_input_ids: torch.Tensor | None = None) -> None:
@@ -34,6 +38,7 @@ class Drafter(Protocol):
 
 class NgramDrafter:
     own_cache = False
+    on_device = False  # matched on the host
 
     def __init__(self, k: int, min_n: int, max_n: int, max_model_len: int) -> None:
         self.k, self.min_n, self.max_n = k, min_n, max_n

@@ -32,6 +32,7 @@ from infer.spec.drafter import draft_budget
 
 
 class ModelDrafter:
+    on_device = True
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, k: int, max_model_len: int,
                  own_cache: bool) -> None:
         """`own_cache`: the runner's model is a separate draft model (see above)."""
@@ -41,14 +42,46 @@ class ModelDrafter:
         self.num_forwards = 0  # draft forwards run in proposal rounds
 
     def propose(self, requests: list[Request]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in requests]
+        rows, _, proposed = self._round(requests)
+        if not rows:
+            return drafts
+        flat = torch.cat(proposed).tolist()  # forward by forward, row by row
+        at = 0
+        for part in proposed:
+            for row in range(len(part)):
+                drafts[rows[row]].append(flat[at + row])
+            at += len(part)
+        return drafts
+
+    def propose_on_device(self, requests: list[Request]) -> list[torch.Tensor | None]:
+        """The drafts of `propose`, left on the device (none read back, so the host plans
+        and queues the step that verifies them while the round runs): request i's as a
+        tensor of its drafts, None where it has none."""
+        drafts: list[torch.Tensor | None] = [None] * len(requests)
+        rows, budgets, proposed = self._round(requests)
+        if not rows:
+            return drafts
+        table = torch.zeros(len(rows), len(proposed), dtype=proposed[0].dtype,
+                            device=proposed[0].device)
+        for j, part in enumerate(proposed):
+            table[:len(part), j] = part
+        for row, i in enumerate(rows):
+            drafts[i] = table[row, :budgets[i]]
+        return drafts
+
+    def _round(self, requests: list[Request]
+               ) -> tuple[list[int], list[int], list[torch.Tensor]]:
+        """The proposal round, queued: the requests drafting (indices, longest budget
+        first), every request's budget, and each forward's argmax ids (forward j's for the
+        rows still drafting then, a prefix of them)."""
         budgets = [draft_budget(r, self.k, self.max_model_len) for r in requests]
         # The verify step computes num_tokens + k tokens of each; without the blocks for
         # them now, no drafts (the scheduler decides what to preempt, not the drafter).
         rows = [i for i, (r, k) in enumerate(zip(requests, budgets))
                 if k and self.kv.allocate(r.request_id, r.num_tokens + k)]
-        drafts: list[list[int]] = [[] for _ in requests]
         if not rows:
-            return drafts
+            return rows, budgets, []
         # Longest budgets first: the rows still drafting at forward j are a prefix.
         rows.sort(key=lambda i: -budgets[i])
         chosen = [requests[i] for i in rows]
@@ -65,13 +98,7 @@ class ModelDrafter:
             proposed.append(ids)
             positions = [p + 1 for p in positions]
         self.num_forwards += len(proposed)
-        flat = torch.cat(proposed).tolist()  # forward by forward, row by row
-        at = 0
-        for part in proposed:
-            for row in range(len(part)):
-                drafts[rows[row]].append(flat[at + row])
-            at += len(part)
-        return drafts
+        return rows, budgets, proposed
 
     def _first_inputs(self, chosen: list[Request], tables: list[list[int]]) -> StepInputs:
         """Each sequence's last token, after the one before it where the draft's cache

@@ -24,16 +24,24 @@ from infer.transfer import to_device
 
 def verify_drafts(logits: torch.Tensor, batch: SamplingBatch, counts: list[int],
                   drafts: list[list[int]], greedy: list[bool], seeds: list[int | None],
-                  positions: list[int]) -> Verified:
+                  positions: list[int], on_device: list[torch.Tensor | None] | None = None
+                  ) -> Verified:
     """`logits [sum(counts), V]`: request i's `counts[i] = 1 + len(drafts[i])` rows in
     order, `batch` built for those rows (each at its own output position, its drafts
     before it counted as output); `positions[i]`: the output index of request i's first
-    row."""
+    row. `on_device[i]`, where given: request i's drafts on the device (`drafts[i]` then
+    holds placeholders of their number)."""
     b, k = len(counts), max(counts) - 1
     v, device = logits.shape[1], logits.device
     x = apply_penalties(apply_bans_and_bias(logits.float(), batch), batch)
     index = _padded_rows(counts, device)
-    draft_ids = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.long)
+    draft_ids = torch.tensor([[max(t, 0) for t in d] + [0] * (k - len(d)) for d in drafts],
+                             dtype=torch.long)
+    if on_device is not None and any(t is not None for t in on_device):
+        draft_ids = to_device(draft_ids, device)
+        for i, ids in enumerate(on_device):
+            if ids is not None:
+                draft_ids[i, :len(ids)] = ids
     num_drafts = to_device(torch.tensor([len(d) for d in drafts]), device)
     if all(greedy):  # a draft's verdict needs only the argmax
         return verify_greedy(argmax(x)[index].view(b, k + 1),
