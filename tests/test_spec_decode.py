@@ -159,6 +159,12 @@ def test_a_draft_models_drafts_stay_on_the_device_unless_the_host_needs_them(
         drafted = core.num_draft_tokens
         assert_same_greedy(plain, PROMPTS[:1], want, tokens(spec, PROMPTS[:1], penalized))
         assert core.num_draft_tokens > drafted
+        # and every time with `speculative_drafts_on_device` off
+        patch.setattr(core, "config", dataclasses.replace(
+            core.config, speculative_drafts_on_device=False))
+        want = reference_tokens(plain, PROMPTS[1:2], GREEDY)
+        assert_same_greedy(plain, PROMPTS[1:2], want, tokens(spec, PROMPTS[1:2], GREEDY))
+        assert core.num_draft_tokens > drafted
     assert spec.engine.stats()["kv_blocks_used"] == 0
 
 

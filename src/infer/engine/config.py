@@ -213,6 +213,11 @@ class EngineConfig:
         "checkpoint's own format); a draft's rounding changes which drafts are accepted, "
         "never the output", QUANTIZATIONS)
     speculative_max_batch: int = knob(16, "no drafts in steps of more running sequences")
+    speculative_drafts_on_device: bool = knob(
+        True, "a draft model's (or self-draft's) drafts stay on the device when no sequence "
+        "needs their values on the host (no grammar, penalty or multi-token bad word): the "
+        "step verifying them is planned and queued while the proposal round runs instead "
+        "of after reading the drafts back")
     tensor_parallel_size: int = knob(
         1, "N: shard the model over N ranks (one process per GPU, or per CPU rank), each "
         "with its part of every layer's heads and features and of the KV cache; NCCL on "

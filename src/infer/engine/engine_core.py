@@ -812,8 +812,8 @@ class EngineCore:
                 or self._in_flight is not None):
             return
         requests = [seq.request for seq in seqs]
-        if self.drafter.on_device and not any(seq.grammar is not None or seq.reads_output
-                                              for seq in seqs):
+        if (self.drafter.on_device and self.config.speculative_drafts_on_device
+                and not any(seq.grammar is not None or seq.reads_output for seq in seqs)):
             # Their values matter only on the device: the round is queued, not waited for.
             for request, drafts in zip(requests, self.drafter.propose_on_device(requests)):
                 if drafts is not None:
