@@ -35,17 +35,14 @@ def verify_drafts(logits: torch.Tensor, batch: SamplingBatch, counts: list[int],
     v, device = logits.shape[1], logits.device
     x = apply_penalties(apply_bans_and_bias(logits.float(), batch), batch)
     index = _padded_rows(counts, device)
-    draft_ids = torch.tensor([[max(t, 0) for t in d] + [0] * (k - len(d)) for d in drafts],
-                             dtype=torch.long)
-    if on_device is not None and any(t is not None for t in on_device):
-        draft_ids = to_device(draft_ids, device)
-        for i, ids in enumerate(on_device):
-            if ids is not None:
-                draft_ids[i, :len(ids)] = ids
+    draft_ids = to_device(torch.tensor([[max(t, 0) for t in d] + [0] * (k - len(d))
+                                        for d in drafts], dtype=torch.long), device)
+    for i, ids in enumerate(on_device or ()):
+        if ids is not None:
+            draft_ids[i, :len(ids)] = ids
     num_drafts = to_device(torch.tensor([len(d) for d in drafts]), device)
     if all(greedy):  # a draft's verdict needs only the argmax
-        return verify_greedy(argmax(x)[index].view(b, k + 1),
-                             to_device(draft_ids, device), num_drafts)
+        return verify_greedy(argmax(x)[index].view(b, k + 1), draft_ids, num_drafts)
     probs = (x if batch.all_greedy else filter_logits(x, batch)).softmax(dim=-1)
     target = probs[index].view(b, k + 1, v)
     uniforms = torch.rand(b, k, device=device)
@@ -57,7 +54,7 @@ def verify_drafts(logits: torch.Tensor, batch: SamplingBatch, counts: list[int],
     fill_seeded(noise.view(b * (k + 1), v), [i * (k + 1) + j for i, j in at],
                 [seeds[i] for i, _ in at], [positions[i] + j for i, j in at])
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return verify(target, to_device(draft_ids, device), num_drafts,
+    return verify(target, draft_ids, num_drafts,
                   to_device(torch.tensor(greedy), device), uniforms, noise)
 
 
