@@ -230,17 +230,19 @@ def test_grammar_worker_apart_keeps_the_worker_off_the_loops_core(apart):
     if apart and not any(mine - core_siblings(cpu) for cpu in mine):
         pytest.skip("one physical core: nothing to keep the worker apart on")
     llm = _llm(True, grammar_worker_apart=apart)
-    llm.generate([PROMPT], [SamplingParams(max_tokens=4, structured_outputs=(
-        StructuredOutputsParams(regex="[a-z]+")))], use_tqdm=False)
-    worker = llm.engine.core._grammar_process.process.pid
-    threads = [int(tid) for tid in os.listdir(f"/proc/{worker}/task")]
-    allowed = {frozenset(os.sched_getaffinity(tid)) for tid in threads}
+    try:
+        llm.generate([PROMPT], [SamplingParams(max_tokens=4, structured_outputs=(
+            StructuredOutputsParams(regex="[a-z]+")))], use_tqdm=False)
+        worker = llm.engine.core._grammar_process.process.pid
+        threads = [int(tid) for tid in os.listdir(f"/proc/{worker}/task")]
+        allowed = {frozenset(os.sched_getaffinity(tid)) for tid in threads}
+    finally:
+        llm.engine.shutdown()
     if not apart:
         assert allowed == {frozenset(mine)}
         return
     [cpus] = allowed  # every thread alike
     assert cpus < mine and any(cpus == mine - core_siblings(cpu) for cpu in mine)
-    llm.engine.shutdown()
 
 
 def test_a_steps_verdicts_survive_the_worker_feeding_the_next_step(worker):

@@ -162,6 +162,7 @@ def test_a_final_only_sequence_is_sent_on_its_first_token_and_at_its_end(engine)
     sent; the result is the cumulative run's."""
     sent, final = _core_outputs(engine, RequestOutputKind.FINAL_ONLY, "q")
     cumulative = _core_outputs(engine, RequestOutputKind.CUMULATIVE, "qc")[1]
+
     def ends(outputs):
         return [(c.index, c.text, c.token_ids, c.finish_reason) for c in outputs[-1].outputs]
 

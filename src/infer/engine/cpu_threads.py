@@ -6,6 +6,9 @@ beside one busy process fell 3-3.7x (the threads of a parallel region wait for t
 and one of them shares its core). So by default a core is left to everything else (a
 server's API process, its tokenizer threads, other programs): one thread per usable core
 less one, at least one.
+
+Also where threads run (Linux): the CPUs of a physical core, the CPU a thread last ran on,
+so that the grammar worker can be kept off the step loop's core (`grammar_worker_apart`).
 """
 
 from __future__ import annotations

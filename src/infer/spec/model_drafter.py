@@ -32,7 +32,8 @@ from infer.spec.drafter import draft_budget
 
 
 class ModelDrafter:
-    on_device = True
+    on_device = True  # `propose_on_device` leaves the drafts where the round made them
+
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, k: int, max_model_len: int,
                  own_cache: bool) -> None:
         """`own_cache`: the runner's model is a separate draft model (see above)."""
