@@ -509,3 +509,68 @@ def test_on_cuda_fills_asked_for_ahead_of_a_paused_worker_are_taken_in_order():
         assert verdicts.refused == [] and verdicts.failed == []
     finally:
         process.close()
+
+
+def test_steps_of_the_same_rows_fill_and_feed_as_each_matcher_asked_anew():
+    """Steps of the same masked rows take the matchers the last feed left going (without
+    asking each one again): every step's masks and verdicts are those of matchers kept
+    beside the worker's, until a message comes, after which a dropped matcher's row
+    allows every token again, as it did when each step asked."""
+    import llguidance
+
+    from infer.engine import grammar_worker
+    from infer.engine.structured_output import StructuredOutputs, library_tokenizer_json
+
+    tokenizer = ours("smollm2")
+    vocab, words, rows = tokenizer.vocab_size, (tokenizer.vocab_size + 31) // 32, 70
+    library = StructuredOutputs(tokenizer, vocab)
+    grammar = library.compile(StructuredOutputsParams(regex=r"[a-z]{1,8}"))
+    lib_tokenizer = llguidance.LLTokenizer(library_tokenizer_json(tokenizer), n_vocab=vocab,
+                                           eos_token=list(tokenizer.eos_token_ids))
+    layout = SharedLayout(memoryview(bytearray(SharedLayout.size(rows, words))), rows, words)
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    worker = grammar_worker.Worker(layout, lib_tokenizer, llguidance.LLExecutor(), reader,
+                                   False)
+    ours_ = {m: library.matcher(grammar) for m in range(rows)}
+    for m in range(rows):
+        worker.matchers[m] = llguidance.LLMatcher(lib_tokenizer, grammar, log_level=0)
+    ids = np.arange(rows)
+    row_of = (ids * 17) % rows  # a matcher's row is not its id
+    dropped = None
+    for step in range(1, 6):
+        if step == 4:  # the loop drops a matcher; the next fills must ask every matcher
+            dropped = 3
+            writer.send(("drop", [dropped]))
+            assert worker.receive()
+        slot = step % grammar_worker.FILL_SLOTS
+        layout.requests[slot] = (rows, rows, step - 1)
+        layout.request_ids[slot, :rows], layout.request_rows[slot, :rows] = ids, row_of
+        layout.header[grammar_worker.TOKENS_STAMP] = step - 1
+        if step == 3:  # the steps before fed every row, none finished: no matcher asked
+            assert worker._live_pairs(ids, row_of) is worker.live[2]
+        worker.fill(step)
+        want = library.allocate_masks(rows)
+        going = [(m, r) for m, r in zip(ids.tolist(), row_of.tolist())
+                 if m != dropped and not ours_[m].terminated]
+        want[[r for _, r in going]] = 0
+        if going:
+            library.fill_masks([ours_[m] for m, _ in going], want, [r for _, r in going])
+        free = [r for r in range(rows) if r not in {r for _, r in going}]
+        want[free] = -1
+        assert np.array_equal(layout.masks[:rows], want.numpy()), step
+        for m, r in zip(ids.tolist(), row_of.tolist()):  # the n-th allowed token, varied
+            allowed = np.flatnonzero(np.unpackbits(
+                layout.masks[r].view(np.uint8), bitorder="little")[:vocab])
+            layout.tokens[r] = int(allowed[(m * 7 + step) % len(allowed)])
+        layout.header[grammar_worker.TOKENS_STAMP] = step
+        worker.feed(*worker.pending)
+        for m, r in zip(ids.tolist(), row_of.tolist()):
+            if m == dropped:
+                assert layout.verdicts[step % 2][r] == TAKEN
+                continue
+            if ours_[m].terminated:
+                assert layout.verdicts[step % 2][r] == STOPPED
+                continue
+            took = ours_[m].accept(int(layout.tokens[r]))
+            want_verdict = (REFUSED if not took else STOPPED if ours_[m].terminated else TAKEN)
+            assert layout.verdicts[step % 2][r] == want_verdict, (step, m)
