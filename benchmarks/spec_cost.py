@@ -21,6 +21,11 @@ Random weights accept almost no drafts, so the costs are measured apart and comb
 - With `--profile-round`: where a draft round's time goes (k = --k-e2e): the GPU's busy
   time inside the rounds (kernels that ran between a round's start and its read-back)
   against their wall time, and the kernels that took most of it.
+- With `--profile-steps`: whole steps under torch.profiler (the plain target's, a fixed
+  drafter's verify, the engine's own drafted step at k = --k-e2e): per step the wall
+  time from first kernel to last, the time some kernel ran, the idle rest, the kernels
+  that took most, and the idle time by the pair of kernels around it (where the device
+  waited for the host).
 - End to end, the target as its own draft model: drafts accepted as often as bf16 lets
   one- and multi-token forwards agree; the measured speed-up against the plain engine in
   the same run, beside what the formula predicts from this run's own T_verify, T_round
@@ -28,6 +33,7 @@ Random weights accept almost no drafts, so the costs are measured apart and comb
 
     python benchmarks/spec_cost.py [--ks 1 2 3 4 5 6 7 8] [--new-tokens 128]
     python benchmarks/spec_cost.py --ks 4 --draft-quantization none int8 --profile-round
+    python benchmarks/spec_cost.py --ks 4 --draft-quantization int8 --profile-steps
     python benchmarks/spec_cost.py --ks 4 --draft-gguf Q4_K_M --skip-own-draft  # a GGUF draft
     python benchmarks/spec_cost.py --tiny     # CPU check, tiny shapes
 
@@ -135,6 +141,57 @@ def round_profile(llm, timed: TimedDrafter, rng, vocab: int, prompt_len: int,
                      for name, (c, t) in top])
 
 
+def step_profile(llm, rng, vocab: int, prompt_len: int, new_tokens: int) -> dict:
+    """Where a decode step's time goes on the GPU: one run of `new_tokens` under the
+    profiler, from its first kernel to its last; per step the wall time, the time some
+    kernel ran (overlapping kernels counted once), the idle rest, the kernels that took
+    most of it, and the idle time by the pair of kernels around it."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from infer import SamplingParams
+
+    core = llm.engine.core
+    prompts = common.random_prompts(rng, 1, prompt_len, vocab)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # warm
+    common.sync()
+    steps = core.num_steps
+    # on a CPU (--tiny) the operators stand for the kernels
+    gpu = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        common.sync()
+    steps = max(core.num_steps - steps, 1)
+    kind = DeviceType.CUDA if gpu else DeviceType.CPU
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == kind and (gpu or e.name.startswith("aten::")))
+    busy, kernels, gaps, reach, last = 0.0, {}, {}, None, ""
+    for start, end, name in spans:
+        count, total = kernels.get(name, (0, 0.0))
+        kernels[name] = (count + 1, total + end - start)
+        if reach is not None and start > reach:  # idle since the kernel that ended last
+            pair = f"{last[:40]} -> {name[:40]}"
+            count, total = gaps.get(pair, (0, 0.0))
+            gaps[pair] = (count + 1, total + start - reach)
+        if reach is None or start >= reach:
+            busy += end - start
+        elif end > reach:
+            busy += end - reach
+        if reach is None or end >= reach:
+            reach, last = end, name
+    wall = reach - spans[0][0] if spans else 0.0
+
+    def per_step(table: dict) -> list[dict]:
+        return [dict(name=name[:90], per_step=c / steps, ms_per_step=t / steps / 1e3)
+                for name, (c, t) in sorted(table.items(), key=lambda kv: -kv[1][1])[:10]]
+
+    return dict(steps=steps, wall_ms=wall / steps / 1e3, gpu_busy_ms=busy / steps / 1e3,
+                idle_ms=(wall - busy) / steps / 1e3,
+                kernels_per_step=sum(c for c, _ in kernels.values()) / steps,
+                top=per_step(kernels), idle=per_step(gaps))
+
+
 def expected_tokens(a: float, k: int) -> float:
     return k + 1.0 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
 
@@ -186,6 +243,9 @@ def main() -> None:
                    "kept quantized: with --draft-quantization auto or gguf")
     p.add_argument("--profile-round", action="store_true",
                    help="also profile the draft rounds at k = --k-e2e (torch.profiler)")
+    p.add_argument("--profile-steps", action="store_true",
+                   help="also profile whole steps (torch.profiler): the plain target's, the "
+                   "fixed drafts' verify and the engine's own drafted step, at k = --k-e2e")
     p.add_argument("--k-e2e", type=int, default=4)
     p.add_argument("--skip-own-draft", action="store_true",
                    help="skip the end-to-end run with the target as its own draft")
@@ -214,6 +274,9 @@ def main() -> None:
     result["plain"] = plain
     t1 = plain["step_ms"]
     print(f"[plain] target decode {t1:.3f} ms/step", flush=True)
+    step_profiles = {}
+    if args.profile_steps:
+        step_profiles["plain"] = step_profile(llm, rng, vocab, prompt_len, new_tokens)
     del llm
 
     rows, profiles = [], {}
@@ -248,6 +311,16 @@ def main() -> None:
             rows.append(row)
             print(f"[{label} k={k}] {row}", flush=True)
             result["costs"] = rows
+            common.write_results("spec_cost", args, result)
+        if args.profile_steps:
+            core.drafter = FixedDrafter(args.k_e2e)
+            step_profiles[f"verify k={args.k_e2e}"] = step_profile(
+                llm, rng, vocab, prompt_len, new_tokens)
+            model_drafter.k = args.k_e2e
+            core.drafter = model_drafter
+            step_profiles[f"{label} drafted k={args.k_e2e}"] = step_profile(
+                llm, rng, vocab, prompt_len, new_tokens)
+            result["step_profiles"] = step_profiles
             common.write_results("spec_cost", args, result)
         if args.profile_round:
             model_drafter.k = args.k_e2e
@@ -310,6 +383,16 @@ def main() -> None:
                                    ("predicted x", "predicted_x", ".2f"),
                                    ("queued ms/token", "queued_ms_per_token", ".3f"),
                                    ("measured x, queued", "measured_queued_x", ".2f")])
+    for mode, prof in step_profiles.items():
+        common.print_table(
+            f"{mode}: {prof['wall_ms']:.3f} ms a step, {prof['gpu_busy_ms']:.3f} ms of "
+            f"kernels, {prof['idle_ms']:.3f} ms idle, {prof['kernels_per_step']:.0f} kernels",
+            prof["top"], [("kernel", "name", "s"), ("per step", "per_step", ".1f"),
+                          ("ms/step", "ms_per_step", ".3f")])
+        common.print_table(f"{mode}: where the GPU waited (idle between the kernel that "
+                           "ended last and the next to start)", prof["idle"], [
+                               ("kernels", "name", "s"), ("per step", "per_step", ".1f"),
+                               ("idle ms/step", "ms_per_step", ".3f")])
     for quantization, prof in profiles.items():
         common.print_table(
             f"draft round ({quantization}, k = {args.k_e2e}): {prof['wall_ms']:.3f} ms wall, "
