@@ -13,7 +13,10 @@ thread count of the grammar library:
   (`consume_token_par`, the worker's way from FEED_PAR_ROWS rows) then the masks filled;
   consumed one by one, then filled; and in two halves overlapped (half A consumed, then
   filled on a second thread while half B is consumed, then half B filled): what a worker
-  that overlapped them would take.
+  that overlapped them would take;
+- two processes at once, each consuming and filling half the rows (on its library's
+  threads, each with half the threads): what two workers would take (the slower half's
+  time, step by step).
 
     python benchmarks/grammar_worker.py [--rows 32 256] [--threads 0 4 8 16] [--steps 60]
     python benchmarks/grammar_worker.py --tokenizer DIR   # tokenizer.json + _config.json
@@ -162,6 +165,52 @@ def time_library(lib_tokenizer, grammar: str, vocab: int, rows: int, threads: in
             **{f"{name} ms": 1e3 * statistics.median(v) for name, v in parts.items()}}
 
 
+def _half_worker(lib_json: str, vocab: int, eos: list[int], grammar: str, rows: int,
+                 threads: int, steps: int, barrier, results) -> None:
+    """One of `time_two_processes`' processes: its rows' consume + fill, step by step,
+    each step started with the other process's."""
+    import llguidance
+
+    lib_tokenizer = llguidance.LLTokenizer(lib_json, n_vocab=vocab, eos_token=eos)
+    executor = llguidance.LLExecutor(threads or None)
+    matchers = [llguidance.LLMatcher(lib_tokenizer, grammar, log_level=0)
+                for _ in range(rows)]
+    words = (vocab + 31) // 32
+    masks = np.zeros((rows, words), dtype=np.int32)
+    pointer, row_bytes = masks.__array_interface__["data"][0], 4 * words
+    pairs = [(m, row) for row, m in enumerate(matchers)]
+    executor.unsafe_compute_mask_ptr(pairs, pointer, row_bytes, rows)
+    rng, spent = np.random.default_rng(rows), []
+    for _ in range(steps):
+        feeding = list(zip(matchers, draw_tokens(masks, vocab, rng)))
+        barrier.wait()
+        start = time.perf_counter()
+        executor.consume_token_par(feeding)
+        executor.unsafe_compute_mask_ptr(pairs, pointer, row_bytes, rows)
+        spent.append(time.perf_counter() - start)
+    results.put(spent)
+
+
+def time_two_processes(lib_json: str, vocab: int, eos: list[int], grammar: str, rows: int,
+                       threads: int, steps: int, warm: int) -> dict:
+    """Median over steps of the slower process's consume + fill, two processes of half
+    the rows (and half the library's threads) each running at once."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(2), context.Queue()
+    halves = [context.Process(target=_half_worker, args=(
+        lib_json, vocab, eos, grammar, rows // 2, threads // 2, steps, barrier, results))
+        for _ in range(2)]
+    for process in halves:
+        process.start()
+    first, second = results.get(), results.get()
+    for process in halves:
+        process.join()
+    slower = [max(a, b) for a, b in zip(first, second)][warm:]
+    return {"two processes ms": 1e3 * statistics.median(slower)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -181,8 +230,8 @@ def main() -> None:
     tokenizer = load_tokenizer(args.tokenizer)
     vocab = tokenizer.vocab_size
     grammar = StructuredOutputs(tokenizer, vocab).compile(StructuredOutputsParams(json=NOTES))
-    lib_tokenizer = llguidance.LLTokenizer(library_tokenizer_json(tokenizer), n_vocab=vocab,
-                                           eos_token=list(tokenizer.eos_token_ids))
+    lib_json, eos = library_tokenizer_json(tokenizer), list(tokenizer.eos_token_ids)
+    lib_tokenizer = llguidance.LLTokenizer(lib_json, n_vocab=vocab, eos_token=eos)
     results = []
     for rows in args.rows:
         for threads in args.threads:
@@ -190,7 +239,9 @@ def main() -> None:
                        **time_worker(lib_tokenizer, grammar, vocab, rows, threads,
                                      args.steps, args.warm),
                        **time_library(lib_tokenizer, grammar, vocab, rows, threads,
-                                      args.steps, args.warm))
+                                      args.steps, args.warm),
+                       **time_two_processes(lib_json, vocab, eos, grammar, rows, threads,
+                                            args.steps, args.warm))
             results.append(row)
             print(row, flush=True)
             common.write_results("grammar_worker", args, {"rows": results})
@@ -200,7 +251,8 @@ def main() -> None:
          ("worker fill", "worker_fill_ms", ".3f"), ("worker feed", "worker_feed_ms", ".3f"),
          ("lib fill", "fill ms", ".3f"), ("consume par", "consume parallel ms", ".3f"),
          ("consume 1 by 1", "consume one by one ms", ".3f"),
-         *[(f"step: {mode}", f"{mode} ms", ".3f") for mode in MODES]])
+         *[(f"step: {mode}", f"{mode} ms", ".3f") for mode in MODES],
+         ("step: two processes", "two processes ms", ".3f")])
 
 
 if __name__ == "__main__":
