@@ -90,9 +90,19 @@ def model(request, tmp_path_factory):
     return load_hf_dir(path, dtype=torch.float32, device=DEVICE)
 
 
-@pytest.mark.parametrize("query_len", [1, 2, 3])
-def test_static_buffers_match_ordinary_path(model, query_len: int) -> None:
+@pytest.mark.parametrize(("query_len", "split_keys"),
+                         [(1, False), (2, False), (3, False), (2, True), (3, True)])
+def test_static_buffers_match_ordinary_path(model, query_len: int, split_keys: bool,
+                                            monkeypatch) -> None:
+    """`split_keys` (`verify_decode_attention`): steps of several tokens a sequence take
+    the split-K decode kernel, which must run (counted) and give the same states."""
+    from infer.attention import triton_backend
     from infer.engine.model_runner import ModelRunner
+
+    decode_launches = []
+    decode = triton_backend.paged_decode
+    monkeypatch.setattr(triton_backend, "paged_decode", lambda *a, **k: (
+        decode_launches.append(k.get("query_len", 1)), decode(*a, **k))[1])
 
     net, config = model
     runner = ModelRunner(net, config, NUM_BLOCKS, BLOCK, DEVICE, torch.float32,
@@ -122,10 +132,15 @@ def test_static_buffers_match_ordinary_path(model, query_len: int) -> None:
     runner.kv_pool.copy_(before)
 
     graphs = runner.enable_decode_graphs(4, MAX_LEN, capture=DEVICE.type == "cuda",
-                                         tokens_per_seq=query_len)
+                                         tokens_per_seq=query_len, split_keys=split_keys)
     assert graphs.sizes == [1, 2, 4] and graphs.input_ids.shape == (4 * query_len,)
     assert graphs.fits([query_len] * 3) and not graphs.fits([query_len] * 2 + [query_len + 1])
+    decode_launches.clear()
     hidden = graphs.run(ids, positions, seq_lens, step_tables)
+    if DEVICE.type == "cpu":  # (a captured graph replays without calling Python)
+        took_decode = query_len == 1 or split_keys
+        assert decode_launches == ([query_len] * config.num_layers if took_decode
+                                   else []), decode_launches
     assert hidden.shape == expected.shape
     # GEMMs of another row count may differ in the last bits (cuBLAS picks by shape).
     tol = 1e-5 if DEVICE.type == "cpu" else 1e-4

@@ -291,6 +291,32 @@ def test_paged_decode(heads, kv_heads, head_dim, window, softcap, num_splits,
             assert not split_counters.any(), "the counters must be back at zero"
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window", "softcap"), ATTN_CASES)
+@pytest.mark.parametrize(("num_splits", "counters"), [(1, False), (3, True), (4, False)])
+@pytest.mark.parametrize("query_len", [2, 5])
+def test_paged_decode_of_several_tokens_per_sequence(heads, kv_heads, head_dim, window,
+                                                     softcap, num_splits, counters,
+                                                     query_len) -> None:
+    """A verify step's shape: every sequence brings `query_len` tokens, each attending up
+    to its own position (and within its own window), split or not, as the reference's
+    causal attention; one sequence no longer than its new tokens."""
+    seq_lens = [query_len, 40, 17, 66, 300]
+    meta, q, (k_cache, v_cache), (k_ref, v_ref) = _paged_case(
+        [query_len] * len(seq_lens), seq_lens, heads, kv_heads, head_dim)
+    scale = head_dim ** -0.5
+    expected = torch_backend.paged_attention(q, k_ref, v_ref, meta, scale, window, softcap)
+    split_counters = (torch.zeros(len(seq_lens) * kv_heads, dtype=torch.int32,
+                                  device=DEVICE) if counters else None)
+    for _ in range(2 if counters else 1):
+        out = torch.full_like(q, float("nan"))
+        paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, window,
+                     softcap, num_splits=num_splits, out=out, split_counters=split_counters,
+                     min_split_keys=16, query_len=query_len)
+        assert_close(out, expected)
+        if counters:
+            assert not split_counters.any(), "the counters must be back at zero"
+
+
 def test_decode_splits_take_a_tile_only_where_the_gpu_is_underfilled() -> None:
     from infer.kernels import sm_count
     from infer.kernels.paged_attention import (

@@ -101,10 +101,14 @@ def paged_attention_kernels(
     num_splits: int | None = None, split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Our kernels only, same contract as `torch_backend.paged_attention`: a batch of pure
-    decodes takes the split-K decode kernel, anything else the varlen prefill kernel."""
+    decodes takes the split-K decode kernel, and so does a graph's step of several tokens
+    for every sequence when its metadata splits keys (`verify_decode_attention`); anything
+    else the varlen prefill kernel."""
     assert k_cache.shape[1] == meta.block_size, (k_cache.shape, meta.block_size)
     assert q.shape[0] == meta.num_tokens, (q.shape, meta.num_tokens)
-    if meta.num_seqs and all(n == 1 for n in meta.query_lens_host):
+    query_len = meta.query_lens_host[0] if meta.num_seqs else 0
+    if (meta.num_seqs and all(n == query_len for n in meta.query_lens_host)
+            and (query_len == 1 or meta.decode_splits is not None)):
         if num_splits is None:
             longest = max(meta.seq_lens_host)
             if sliding_window is not None:
@@ -113,7 +117,7 @@ def paged_attention_kernels(
                                             q.device)
         return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
                             sliding_window, logit_softcap, num_splits,
-                            split_counters=split_counters)
+                            split_counters=split_counters, query_len=query_len)
     return paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                          meta.block_tables, max(meta.query_lens_host, default=0), scale,
                          sliding_window, logit_softcap)
@@ -151,7 +155,7 @@ class TritonAttentionBackend:
 
     def init_graph_metadata(
         self, max_batch: int, query_len: int, max_seq_len: int, block_size: int,
-        num_kv_heads: int, device: torch.device,
+        num_kv_heads: int, device: torch.device, split_keys: bool = False,
     ) -> GraphMetadata:
         # The dense (SDPA) path plans on host lengths, which graph metadata does not hold.
         if query_len >= DENSE_PREFILL_MIN_TOKENS:
@@ -161,9 +165,11 @@ class TritonAttentionBackend:
         def splits(batch: int) -> int:  # enough for the longest sequence a step may hold
             return default_num_splits(batch, num_kv_heads, max_seq_len, device)
 
-        # Only an all-decode batch takes the split-K launch.
+        # Decode steps take the split-K launch; steps of several tokens a sequence where
+        # asked (`split_keys`), else the prefill kernel.
         return GraphMetadata(max_batch, query_len, -(-max_seq_len // block_size), block_size,
-                             device, splits if query_len == 1 else None, num_kv_heads)
+                             device, splits if query_len == 1 or split_keys else None,
+                             num_kv_heads)
 
     def init_varlen_graph_metadata(
         self, max_tokens: int, max_seqs: int, max_seq_len: int, block_size: int,

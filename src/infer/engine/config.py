@@ -213,6 +213,12 @@ class EngineConfig:
         "checkpoint's own format); a draft's rounding changes which drafts are accepted, "
         "never the output", QUANTIZATIONS)
     speculative_max_batch: int = knob(16, "no drafts in steps of more running sequences")
+    verify_decode_attention: bool = knob(
+        False, "a verify step's attention (k + 1 tokens of every sequence, in the verify "
+        "graphs) through the split-K decode kernel, its rows every token of a GQA group, "
+        "instead of the prefill kernel, which walks each sequence's keys in one program per "
+        "KV head (8B target on an H200: 0.46 ms of a verify step against the one-token "
+        "step's 0.27); off until a device run times it; Triton attention only")
     speculative_drafts_on_device: bool = knob(
         True, "a draft model's (or self-draft's) drafts stay on the device when no sequence "
         "needs their values on the host (no grammar, penalty or multi-token bad word): the "

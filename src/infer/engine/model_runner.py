@@ -93,15 +93,17 @@ class ModelRunner:
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int,
                              capture: bool = True, tokens_per_seq: int = 1,
-                             logits: bool = False) -> DecodeGraphs:
+                             logits: bool = False, split_keys: bool = False
+                             ) -> DecodeGraphs:
         """Capture graphs for steps whose sequences each bring `tokens_per_seq` tokens (if
         the backend allows: Triton attention only): decode steps (1), or steps that verify
-        k drafts of every sequence (k + 1; `verify_graphs`). `logits`: the graphs end with
-        the LM head (`sample_logits` then reads their output). `capture=False` runs the
-        same static-buffer path eagerly (CPU tests)."""
+        k drafts of every sequence (k + 1; `verify_graphs`; `split_keys`: their attention
+        through the split-K decode kernel). `logits`: the graphs end with the LM head
+        (`sample_logits` then reads their output). `capture=False` runs the same
+        static-buffer path eagerly (CPU tests)."""
         attn = self.backend.init_graph_metadata(
             max_num_seqs, tokens_per_seq, max_model_len, self.block_size,
-            self._layers[0].num_kv_heads, self.device)
+            self._layers[0].num_kv_heads, self.device, split_keys)
         self._bind()
         graphs = DecodeGraphs(self.model, attn, self.device, capture=capture,
                               pool=self._graph_pool(), logits=logits)

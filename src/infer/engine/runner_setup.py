@@ -108,7 +108,8 @@ def capture_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: int
     if verify:
         seconds += runner.enable_decode_graphs(
             min(config.speculative_max_batch, config.max_num_seqs), max_model_len,
-            tokens_per_seq=config.num_speculative_tokens + 1).capture_seconds
+            tokens_per_seq=config.num_speculative_tokens + 1,
+            split_keys=config.verify_decode_attention).capture_seconds
     budget = config.max_num_batched_tokens
     if config.mixed_step_graphs == "full":
         seconds += runner.enable_mixed_graphs(budget, config.max_num_seqs,

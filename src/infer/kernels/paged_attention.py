@@ -70,17 +70,17 @@ def _attend(
 
 
 @triton.jit
-def _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq, heads, num_heads, num_splits,
-                    count, head_dim, stride_ot, stride_oh, dims, qmask, gmask,
-                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, L2_ONLY: tl.constexpr):
-    """out of `heads` = the first `count` splits' partials weighted by 2^lse. Split 0
-    always holds the first visible key, so its lse is finite; empty splits (lse = -inf)
-    weigh 0."""
-    row0 = (seq * num_heads + heads) * num_splits
+def _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, rows, out_offs, num_splits, count,
+                    head_dim, dims, qmask, gmask,
+                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, L2_ONLY: tl.constexpr):
+    """Output rows (`rows`: token * num_heads + head; written at `out_offs`) = the first
+    `count` splits' partials weighted by 2^lse. Split 0 always holds the first visible
+    key, so its lse is finite; empty splits (lse = -inf) weigh 0."""
+    row0 = rows * num_splits
     m = tl.load(part_lse_ptr + row0, mask=gmask, other=0.0,
                 cache_modifier=".cg" if L2_ONLY else "")
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    total = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    total = tl.zeros([BLOCK_R], dtype=tl.float32)
     for split in range(0, count):
         lse = tl.load(part_lse_ptr + row0 + split, mask=gmask, other=float("-inf"),
                       cache_modifier=".cg" if L2_ONLY else "")
@@ -93,8 +93,8 @@ def _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq, heads, num_heads, nu
         total = total * alpha + w
         m = m_new
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=qmask)
+    tl.store(out_ptr + out_offs[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=qmask)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -105,11 +105,16 @@ def _decode_kernel(
     stride_bt, stride_ot, stride_oh,
     num_heads, num_kv_heads, num_splits, min_split_keys, scale, softcap, window, head_dim,
     group,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    QLEN: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    ROW_WINDOW: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, LAST_COMBINES: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """A program: one (sequence, kv head, split). Its rows are (token, head of the GQA
+    group) pairs, row r = token r // BLOCK_G, head r % BLOCK_G, for the sequence's QLEN
+    new tokens (its last: token t at position seq_len - QLEN + t)."""
     dependent_launch.wait(PDL)
     dependent_launch.release(PDL)
     seq = tl.program_id(0).to(tl.int64)
@@ -117,8 +122,8 @@ def _decode_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     lo = 0
-    if WINDOW:
-        lo = tl.maximum(seq_len - window, 0)
+    if WINDOW:  # the first token's window, the earliest
+        lo = tl.maximum(seq_len - QLEN + 1 - window, 0)
     # Split-K: the visible keys [lo, seq_len) are cut into chunks of whole tiles, at least
     # min_split_keys each, so a short sequence in a launch made for long ones (a CUDA
     # graph's) uses only the first `live` splits; the rest are empty and report
@@ -132,32 +137,39 @@ def _decode_kernel(
     s_lo = lo + split * chunk
     s_hi = tl.minimum(s_lo + chunk, seq_len)
 
-    g = tl.arange(0, BLOCK_G)
+    r = tl.arange(0, BLOCK_R)
+    tok = r // BLOCK_G
+    g = r % BLOCK_G
     dims = tl.arange(0, BLOCK_D)
     heads = kv_head * group + g
-    qmask = (g[:, None] < group) & (dims[None, :] < head_dim)
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                mask=qmask, other=0.0)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    q_pos = tl.full([BLOCK_G], 0, dtype=tl.int32) + seq_len - 1
-    # The range is already clipped to the causal window, so no per-element masks.
+    token = seq * QLEN + tok  # the row's token in q and out
+    rmask = (tok < QLEN) & (g < group)
+    qmask = rmask[:, None] & (dims[None, :] < head_dim)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + heads[:, None] * stride_qh
+                + dims[None, :], mask=qmask, other=0.0)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    q_pos = (seq_len - QLEN + tok).to(tl.int32)
+    # The range is clipped to the keys some token sees: per-element masks (CAUSAL,
+    # ROW_WINDOW) only where the tokens are several, each with its position and window.
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_ptr + seq * stride_bt, s_lo, s_hi,
         kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         scale, softcap, window, head_dim,
-        BLOCK_SIZE, BLOCK_N, BLOCK_D, False, SOFTCAP, False, PRECISION,
+        BLOCK_SIZE, BLOCK_N, BLOCK_D, CAUSAL, SOFTCAP, ROW_WINDOW, PRECISION,
     )
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    out_ptrs = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    rows = token * num_heads + heads
+    out_offs = token * stride_ot + heads * stride_oh
+    out_ptrs = out_ptr + out_offs[:, None] + dims[None, :]
     if SPLIT:
         if LAST_COMBINES:
             if live == 1:  # the only split with keys: nothing to combine
                 tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=qmask)
             else:
-                _store_partial(part_o_ptr, part_lse_ptr, o, l_i, m_i, seq, heads, num_heads,
-                               num_splits, split, head_dim, dims, qmask, g < group)
+                _store_partial(part_o_ptr, part_lse_ptr, o, l_i, m_i, rows, num_splits,
+                               split, head_dim, dims, qmask, rmask)
                 # The last live split of (seq, kv head) to finish combines them, instead
                 # of a second launch. The barrier puts every thread's partial stores
                 # before the atomic, which publishes them (release) and orders the
@@ -166,24 +178,23 @@ def _decode_kernel(
                 tl.debug_barrier()
                 counter = counter_ptr + seq * num_kv_heads + kv_head
                 if tl.atomic_add(counter, 1, sem="acq_rel") == live - 1:
-                    _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq, heads,
-                                    num_heads, num_splits, live, head_dim, stride_ot,
-                                    stride_oh, dims, qmask, g < group, BLOCK_G, BLOCK_D,
-                                    True)
+                    _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, rows, out_offs,
+                                    num_splits, live, head_dim, dims, qmask, rmask, BLOCK_R,
+                                    BLOCK_D, True)
                     tl.atomic_xchg(counter, 0, sem="relaxed")
         else:
-            _store_partial(part_o_ptr, part_lse_ptr, o, l_i, m_i, seq, heads, num_heads,
-                           num_splits, split, head_dim, dims, qmask, g < group)
+            _store_partial(part_o_ptr, part_lse_ptr, o, l_i, m_i, rows, num_splits, split,
+                           head_dim, dims, qmask, rmask)
     else:
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=qmask)
 
 
 @triton.jit
-def _store_partial(part_o_ptr, part_lse_ptr, o, l_i, m_i, seq, heads, num_heads, num_splits,
-                   split, head_dim, dims, qmask, gmask):
-    """A split's partial: o normalised within the split, lse = m + log2(l) (base 2;
-    -inf for a split without keys)."""
-    row = (seq * num_heads + heads) * num_splits + split
+def _store_partial(part_o_ptr, part_lse_ptr, o, l_i, m_i, rows, num_splits, split, head_dim,
+                   dims, qmask, gmask):
+    """A split's partial of output rows `rows` (token * num_heads + head): o normalised
+    within the split, lse = m + log2(l) (base 2; -inf for a split without keys)."""
+    row = rows * num_splits + split
     tl.store(part_o_ptr + row[:, None] * head_dim + dims[None, :], o, mask=qmask)
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
     tl.store(part_lse_ptr + row, lse, mask=gmask)
@@ -196,14 +207,14 @@ def _reduce_kernel(
 ):
     dependent_launch.wait(PDL)
     dependent_launch.release(PDL)
-    seq = tl.program_id(0).to(tl.int64)
+    token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     heads = head + tl.arange(0, 1)
     dims = tl.arange(0, BLOCK_D)
     qmask = (heads[:, None] >= 0) & (dims[None, :] < head_dim)
-    _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, seq, heads, num_heads, num_splits,
-                    num_splits, head_dim, stride_ot, stride_oh, dims, qmask, heads >= 0, 1,
-                    BLOCK_D, False)
+    _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, token * num_heads + heads,
+                    token * stride_ot + heads * stride_oh, num_splits, num_splits, head_dim,
+                    dims, qmask, heads >= 0, 1, BLOCK_D, False)
 
 
 # Lengths that change from step to step are not specialised on (Triton would compile
@@ -338,11 +349,14 @@ def paged_decode(
     out: torch.Tensor | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None,
     split_counters: torch.Tensor | None = None, min_split_keys: int | None = None,
+    query_len: int = 1,
 ) -> torch.Tensor:
-    """One new query per sequence (`q[i]` is sequence i's token at position seq_lens[i]-1,
-    its K/V already stored). Launch shape depends only on `q.shape` and `num_splits`, never
-    on sequence lengths. `block_n` (keys per tile), `num_warps` and `num_stages` override
-    the tuned launch (benchmarks/decode_attention_tuning.py).
+    """`query_len` new queries per sequence (`q[query_len * i + t]` is sequence i's token
+    at position seq_lens[i] - query_len + t, its K/V and those of the tokens before it
+    already stored; each sees the keys up to its own position). Launch shape depends
+    only on `q.shape`, `query_len` and `num_splits`, never on sequence lengths. `block_n`
+    (keys per tile), `num_warps` and `num_stages` override the tuned launch
+    (benchmarks/decode_attention_tuning.py).
 
     Split (num_splits > 1), each split takes at least `min_split_keys` keys (default:
     `split_keys`; a sequence too short for all of them leaves the last ones empty), and
@@ -352,8 +366,10 @@ def paged_decode(
     whose buffers can hold the counters between replays; there empty splits end at once,
     and a sequence with one live split writes its output without partials."""
     _check(q, k_cache, v_cache, block_tables, seq_lens)
-    num_seqs, num_heads, head_dim = q.shape
+    num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
+    assert query_len >= 1 and num_tokens % query_len == 0, (num_tokens, query_len)
+    num_seqs = num_tokens // query_len
     assert seq_lens.shape == (num_seqs,) and block_tables.shape[0] == num_seqs
     assert num_splits >= 1
     if out is None:
@@ -363,13 +379,17 @@ def paged_decode(
         return out
     common = _common(q, k_cache, scale, sliding_window, logit_softcap)
     block_d = max(16, triton.next_power_of_2(head_dim))
+    # Rows per token: the GQA group, to a power of 2; one token alone pads to 16 rows
+    # (tl.dot's least), as the kernel always had.
+    group = triton.next_power_of_2(common["group"])
+    block_g = max(16, group) if query_len == 1 else group
     split = num_splits > 1
     if min_split_keys is None:
         min_split_keys = split_keys(num_seqs, num_kv_heads, q.device)
     if split:
-        part_o = torch.empty(num_seqs, num_heads, num_splits, head_dim,
+        part_o = torch.empty(num_tokens, num_heads, num_splits, head_dim,
                              dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(num_seqs, num_heads, num_splits,
+        part_lse = torch.empty(num_tokens, num_heads, num_splits,
                                dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
@@ -383,7 +403,9 @@ def paged_decode(
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         num_heads, num_kv_heads, num_splits, min_split_keys, **common,
-        BLOCK_G=max(16, triton.next_power_of_2(common["group"])),
+        QLEN=query_len, BLOCK_G=block_g,
+        BLOCK_R=max(16, triton.next_power_of_2(query_len) * block_g),
+        CAUSAL=query_len > 1, ROW_WINDOW=query_len > 1 and sliding_window is not None,
         # Tuned on the H100 for head_dim 128 (benchmarks/decode_attention_tuning.py): 128
         # keys per tile and 4 warps beat 64 and 8 by 5-20 % from batch 1 to 256. Other
         # head sizes keep the untuned launch.
@@ -394,7 +416,7 @@ def paged_decode(
         **dependent_launch.launch_options(),
     )
     if split and not last_combines:
-        _reduce_kernel[(num_seqs, num_heads)](
+        _reduce_kernel[(num_tokens, num_heads)](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
             head_dim, BLOCK_D=block_d, num_warps=4, **dependent_launch.launch_options(),
         )
