@@ -26,6 +26,7 @@ from infer.attention.qk_prologue import QKPrologue
 from infer.attention.varlen_graph_metadata import VarlenGraphMetadata
 from infer.kernels.kv_store import store_kv
 from infer.kernels.paged_attention import (
+    MAX_DECODE_QUERIES,
     default_num_splits,
     paged_decode,
     paged_prefill,
@@ -108,7 +109,8 @@ def paged_attention_kernels(
     assert q.shape[0] == meta.num_tokens, (q.shape, meta.num_tokens)
     query_len = meta.query_lens_host[0] if meta.num_seqs else 0
     if (meta.num_seqs and all(n == query_len for n in meta.query_lens_host)
-            and (query_len == 1 or meta.decode_splits is not None)):
+            and (query_len == 1 or (meta.decode_splits is not None
+                 and query_len <= MAX_DECODE_QUERIES))):
         if num_splits is None:
             longest = max(meta.seq_lens_host)
             if sliding_window is not None:

@@ -317,6 +317,9 @@ def _common(q: torch.Tensor, k_cache: torch.Tensor, scale: float,
 
 MIN_SPLIT_KEYS = 256
 SMALL_GRID_SPLIT_KEYS = 64
+# Tokens a sequence may bring to the decode kernel: fewer than a tile of keys, so that the
+# first split holds a key every token sees (the splits' combination starts from it).
+MAX_DECODE_QUERIES = 16
 
 
 def split_keys(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
@@ -368,7 +371,8 @@ def paged_decode(
     _check(q, k_cache, v_cache, block_tables, seq_lens)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    assert query_len >= 1 and num_tokens % query_len == 0, (num_tokens, query_len)
+    assert 1 <= query_len <= MAX_DECODE_QUERIES and num_tokens % query_len == 0, (
+        num_tokens, query_len)
     num_seqs = num_tokens // query_len
     assert seq_lens.shape == (num_seqs,) and block_tables.shape[0] == num_seqs
     assert num_splits >= 1
