@@ -12,7 +12,7 @@ import contextlib
 import os
 import threading
 
-from infer.engine.cpu_threads import core_siblings
+from infer.engine.cpu_threads import core_siblings, cpus_off_core
 
 
 def threads_per_core() -> int:
@@ -27,7 +27,7 @@ def apart(worker_pid: int) -> dict:
     """Pin as the module docstring says; returns what was done, or why not."""
     cpus = sorted(os.sched_getaffinity(0))
     loop_cpu = cpus[0]
-    rest = set(cpus) - core_siblings(loop_cpu)
+    rest = cpus_off_core(loop_cpu)
     if not rest:
         return {"pinned": False, "why": f"no CPU off CPU {loop_cpu}'s core", "cpus": cpus}
     loop = threading.get_native_id()
