@@ -95,12 +95,39 @@ def time_worker(lib_tokenizer, grammar: str, vocab: int, rows: int, threads: int
                 worker_feed_ms=1e3 * statistics.median(feeds))
 
 
+class LibraryRows:
+    """`rows` matchers of the grammar library, their masks (filled once) and an executor
+    of `threads` threads (0: its default), driven without the worker."""
+
+    def __init__(self, lib_tokenizer, grammar: str, vocab: int, rows: int,
+                 threads: int) -> None:
+        import llguidance
+
+        self.vocab, self.rows = vocab, rows
+        self.executor = llguidance.LLExecutor(threads or None)
+        self.matchers = [llguidance.LLMatcher(lib_tokenizer, grammar, log_level=0)
+                         for _ in range(rows)]
+        self.pairs = [(m, row) for row, m in enumerate(self.matchers)]
+        self.masks = np.zeros((rows, (vocab + 31) // 32), dtype=np.int32)
+        self.fill(self.pairs)
+
+    def fill(self, pairs: list) -> None:
+        """The next masks of `pairs` (matcher, row)."""
+        self.executor.unsafe_compute_mask_ptr(
+            pairs, self.masks.__array_interface__["data"][0], 4 * self.masks.shape[1],
+            self.rows)
+
+    def feeding(self, rng: np.random.Generator) -> list[tuple[object, int]]:
+        """Each matcher with a token its mask allows, at random."""
+        return list(zip(self.matchers, draw_tokens(self.masks, self.vocab, rng)))
+
+
 class FillThread:
     """A second thread that fills masks when asked (the overlapped halves' half A)."""
 
-    def __init__(self, executor) -> None:
-        self.executor = executor
-        self.job: tuple | None = None
+    def __init__(self, library: LibraryRows) -> None:
+        self.library = library
+        self.pairs: list = []
         self.asked, self.done = threading.Event(), threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
 
@@ -108,11 +135,11 @@ class FillThread:
         while True:
             self.asked.wait()
             self.asked.clear()
-            self.executor.unsafe_compute_mask_ptr(*self.job)
+            self.library.fill(self.pairs)
             self.done.set()
 
-    def start(self, *job) -> None:
-        self.job = job
+    def start(self, pairs: list) -> None:
+        self.pairs = pairs
         self.done.clear()
         self.asked.set()
 
@@ -120,30 +147,22 @@ class FillThread:
 def time_library(lib_tokenizer, grammar: str, vocab: int, rows: int, threads: int,
                  steps: int, warm: int) -> dict:
     """Median ms of a step's consume + fill, each of MODES (steps alternate)."""
-    import llguidance
-
-    words = (vocab + 31) // 32
-    executor = llguidance.LLExecutor(threads or None)
-    matchers = [llguidance.LLMatcher(lib_tokenizer, grammar, log_level=0)
-                for _ in range(rows)]
-    masks = np.zeros((rows, words), dtype=np.int32)
-    pointer, row_bytes = masks.__array_interface__["data"][0], 4 * words
-    pairs = [(m, row) for row, m in enumerate(matchers)]
-    helper, half = FillThread(executor), rows // 2
+    library = LibraryRows(lib_tokenizer, grammar, vocab, rows, threads)
+    executor, pairs = library.executor, library.pairs
+    helper, half = FillThread(library), rows // 2
     rng = np.random.default_rng(0)
-    executor.unsafe_compute_mask_ptr(pairs, pointer, row_bytes, rows)
     spent: dict[str, list[float]] = {mode: [] for mode in MODES}
     parts: dict[str, list[float]] = {"fill": [], "consume parallel": [],
                                      "consume one by one": []}
     for step in range(steps * len(MODES)):
-        feeding = list(zip(matchers, draw_tokens(masks, vocab, rng)))
+        feeding = library.feeding(rng)
         mode = MODES[step % len(MODES)]
         start = time.perf_counter()
         if mode == "halves overlapped":
             executor.consume_token_par(feeding[:half])
-            helper.start(pairs[:half], pointer, row_bytes, rows)
+            helper.start(pairs[:half])
             executor.consume_token_par(feeding[half:])
-            executor.unsafe_compute_mask_ptr(pairs[half:], pointer, row_bytes, rows)
+            library.fill(pairs[half:])
             helper.done.wait()
         else:
             if mode == "parallel":
@@ -152,14 +171,14 @@ def time_library(lib_tokenizer, grammar: str, vocab: int, rows: int, threads: in
                 for matcher, token in feeding:
                     matcher.consume_token(token)
             consumed = time.perf_counter()
-            executor.unsafe_compute_mask_ptr(pairs, pointer, row_bytes, rows)
+            library.fill(pairs)
         end = time.perf_counter()
         if step >= warm * len(MODES):
             spent[mode].append(end - start)
             if mode != "halves overlapped":
                 parts[f"consume {mode}"].append(consumed - start)
                 parts["fill"].append(end - consumed)
-        if any(m.is_stopped() or m.is_error() for m in matchers):
+        if any(m.is_stopped() or m.is_error() for m in library.matchers):
             raise SystemExit("a matcher finished or failed: the schema must outlast --steps")
     return {**{f"{mode} ms": 1e3 * statistics.median(v) for mode, v in spent.items()},
             **{f"{name} ms": 1e3 * statistics.median(v) for name, v in parts.items()}}
@@ -172,21 +191,14 @@ def _half_worker(lib_json: str, vocab: int, eos: list[int], grammar: str, rows: 
     import llguidance
 
     lib_tokenizer = llguidance.LLTokenizer(lib_json, n_vocab=vocab, eos_token=eos)
-    executor = llguidance.LLExecutor(threads or None)
-    matchers = [llguidance.LLMatcher(lib_tokenizer, grammar, log_level=0)
-                for _ in range(rows)]
-    words = (vocab + 31) // 32
-    masks = np.zeros((rows, words), dtype=np.int32)
-    pointer, row_bytes = masks.__array_interface__["data"][0], 4 * words
-    pairs = [(m, row) for row, m in enumerate(matchers)]
-    executor.unsafe_compute_mask_ptr(pairs, pointer, row_bytes, rows)
+    library = LibraryRows(lib_tokenizer, grammar, vocab, rows, threads)
     rng, spent = np.random.default_rng(rows), []
     for _ in range(steps):
-        feeding = list(zip(matchers, draw_tokens(masks, vocab, rng)))
+        feeding = library.feeding(rng)
         barrier.wait()
         start = time.perf_counter()
-        executor.consume_token_par(feeding)
-        executor.unsafe_compute_mask_ptr(pairs, pointer, row_bytes, rows)
+        library.executor.consume_token_par(feeding)
+        library.fill(library.pairs)
         spent.append(time.perf_counter() - start)
     results.put(spent)
 
