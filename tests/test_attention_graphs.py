@@ -101,8 +101,12 @@ def test_static_buffers_match_ordinary_path(model, query_len: int, split_keys: b
 
     decode_launches = []
     decode = triton_backend.paged_decode
-    monkeypatch.setattr(triton_backend, "paged_decode", lambda *a, **k: (
-        decode_launches.append(k.get("query_len", 1)), decode(*a, **k))[1])
+
+    def counted_decode(*args, **kwargs):
+        decode_launches.append(kwargs.get("query_len", 1))
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "paged_decode", counted_decode)
 
     net, config = model
     runner = ModelRunner(net, config, NUM_BLOCKS, BLOCK, DEVICE, torch.float32,

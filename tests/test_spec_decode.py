@@ -163,6 +163,7 @@ def test_a_draft_models_drafts_stay_on_the_device_unless_the_host_needs_them(
         patch.setattr(core, "config", dataclasses.replace(
             core.config, speculative_drafts_on_device=False))
         want = reference_tokens(plain, PROMPTS[1:2], GREEDY)
+        drafted = core.num_draft_tokens
         assert_same_greedy(plain, PROMPTS[1:2], want, tokens(spec, PROMPTS[1:2], GREEDY))
         assert core.num_draft_tokens > drafted
     assert spec.engine.stats()["kv_blocks_used"] == 0
