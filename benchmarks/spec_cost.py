@@ -299,11 +299,15 @@ def main() -> None:
             # The engine's own way: the drafts left on the device, the verify step queued
             # behind the round (every draft rejected: one round and one verify a step).
             core.drafter = model_drafter
+            ahead = model_drafter.num_rounds_ahead
             queued = decode_run(llm, rng, vocab, prompt_len, new_tokens)
             row = dict(draft_quantization=label, k=k, verify_ms=verify["step_ms"],
                        verify_x=verify["step_ms"] / t1, round_ms=round_ms,
                        round_x=round_ms / t1, draft_forward_ms=round_ms / k,
-                       spec_step_ms=drafted["step_ms"], queued_step_ms=queued["step_ms"])
+                       spec_step_ms=drafted["step_ms"], queued_step_ms=queued["step_ms"],
+                       # of the queued run's rounds, those queued behind their verify step
+                       queued_rounds_ahead=model_drafter.num_rounds_ahead - ahead,
+                       queued_steps=queued["steps"])
             cost = verify["step_ms"] + round_ms
             for a in ACCEPTANCE:
                 row[f"pred_{a}"] = expected_tokens(a, k) * t1 / cost

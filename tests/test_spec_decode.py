@@ -11,8 +11,10 @@ import dataclasses
 import itertools
 import os
 import re
+from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from real_models import gemma3_gguf
@@ -433,6 +435,66 @@ def test_tiny_tokens_and_logprobs_with_steps_launched_ahead():
         assert stats["kv_blocks_used"] == 0
         if "draft_model" in method:  # the model itself: its cache must have followed
             assert stats["spec_accepted_tokens"] >= 0.9 * stats["spec_draft_tokens"]
+
+
+def noisy_copy(model: Path, into: Path, scale: float) -> Path:
+    """`model` with Gaussian noise of `scale` times each weight's spread added: a draft
+    whose proposals the model accepts some of the time."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, into)
+    torch.manual_seed(1)
+    for file in into.glob("*.safetensors"):
+        weights = load_file(file)
+        save_file({name: w + scale * w.std() * torch.randn_like(w) if w.numel() > 1 else w
+                   for name, w in weights.items()}, file, metadata={"format": "pt"})
+    return into
+
+
+def test_rounds_queued_behind_their_verify_steps_draft_as_the_host_would(tmp_path):
+    """`speculative_round_ahead`: a round queued behind the step verifying the last one,
+    its inputs taken from that step's verdict on the device (on INFER_TEST_DEVICE; on a
+    CPU through the draft runner's static buffers run eagerly). A draft model (the tiny
+    model with noise on its weights: verdicts from none to all accepted) and a
+    self-draft: greedy tokens and logprobs those without drafts; the draft model's
+    drafts those of the host's rounds (as many judged and accepted at each position); no
+    block kept."""
+    prompts = [[5, 6, 7, 8, 9] * 6, [5, 6, 5, 6] * 7, [7, 8, 9] * 5]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2)
+              for n in (12, 30, 30)]
+    flags = dict(device=DEVICE, dtype="float32", num_blocks=96, block_size=4,
+                 max_model_len=96, num_speculative_tokens=3)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    want = LLM(str(TINY), **flags).generate(requests, params, use_tqdm=False)
+    draft = dict(speculative_method="draft", draft_model=str(
+        noisy_copy(TINY, tmp_path / "draft", 0.1)))
+    stats = {}
+    for name, method, ahead in (("host", draft, False), ("ahead", draft, True),
+                                ("self", dict(speculative_method="self",
+                                              self_draft_layers=1), True)):
+        llm = LLM(str(TINY), **flags, **method, attention_backend="triton",
+                  speculative_round_ahead=ahead)
+        drafter = llm.engine.core.drafter
+        if DEVICE == "cpu":  # (elsewhere the engine captured them)
+            drafter.enable_graphs(4, 96, capture=False, ahead_batch=4 if ahead else 0)
+        got = llm.generate(requests, params, use_tqdm=False)
+        for w, g in zip(want, got):
+            w, g = w.outputs[0], g.outputs[0]
+            assert g.token_ids == w.token_ids, name
+            for token, lw, lg in zip(g.token_ids, w.logprobs, g.logprobs):
+                assert lg[token].logprob == pytest.approx(lw[token].logprob, abs=1e-4)
+        assert (drafter.num_rounds_ahead > 0) == ahead
+        stats[name] = llm.engine.stats()
+        assert stats[name]["kv_blocks_used"] == 0
+        assert 0 < stats[name]["spec_accepted_tokens"] < stats[name]["spec_draft_tokens"]
+    at = [f"spec_{kind}_tokens_at_{i}" for kind in ("draft", "accepted") for i in range(3)]
+    for key in ("spec_verified_rows", *at):
+        assert stats["ahead"][key] == stats["host"][key], key
+    # verdicts of every kind: none accepted, all three (the draft's cache behind)
+    ahead = stats["ahead"]
+    assert ahead[at[3]] < ahead["spec_verified_rows"] and ahead[at[5]] > 0
 
 
 ACTIONS = st.lists(st.one_of(

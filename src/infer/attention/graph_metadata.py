@@ -20,6 +20,7 @@ import torch
 
 from infer.attention.metadata import AttentionMetadata, new_token_slots, pack_block_tables
 from infer.attention.step_staging import StepStaging, write_rows
+from infer.kernels import triton_available
 
 
 class GraphMetadata:
@@ -52,6 +53,8 @@ class GraphMetadata:
                                             device=device) * query_len
         self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32,
                                         device=device)
+        self._sequence_of_token = torch.arange(max_batch, device=device).repeat_interleave(
+            query_len)
 
     def metadata(self, batch: int) -> AttentionMetadata:
         """What a graph of `batch` sequences is captured with: views of the buffers."""
@@ -90,3 +93,21 @@ class GraphMetadata:
             i64[0, :n * q] = new_token_slots([q] * n, seq_lens, block_tables, bs)
         i64[0, n * q:tokens] = -1
         self.staging.send_with_tables(self.max_batch, batch, width, self.block_tables)
+
+    def advance(self, n: int, offsets: torch.Tensor, positions: torch.Tensor) -> None:
+        """Move the first `n` sequences of the step just prepared `offsets[i]` tokens on,
+        on the device (a step whose lengths only the device knows yet): their lengths, the
+        positions of their new tokens (`positions`, this step's row of them) and those
+        tokens' cache slots. Their block tables must already cover where they move to."""
+        q, bs = self.query_len, self.block_size
+        if offsets.is_cuda and triton_available():
+            from infer.kernels.advance_step import advance_step
+
+            advance_step(offsets, self.seq_lens, positions, self.slot_mapping,
+                         self.block_tables, q, bs)
+            return
+        self.seq_lens[:n] += offsets.to(torch.int32)
+        moved = positions[:n * q]
+        moved += offsets[:, None].expand(n, q).reshape(-1)
+        blocks = self.block_tables[self._sequence_of_token[:n * q], moved // bs]
+        self.slot_mapping[:n * q] = blocks.long() * bs + moved % bs

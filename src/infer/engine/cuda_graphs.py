@@ -120,11 +120,12 @@ class DecodeGraphs:
 
     def run(
         self, input_ids: list[int] | torch.Tensor, positions: list[int], seq_lens: list[int],
-        block_tables: list[list[int]],
+        block_tables: list[list[int]], offsets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states `[n * tokens_per_seq, hidden]` of one step of n <= max_batch
         sequences (flattened, sequence by sequence). `input_ids` may already be on the
-        device (the tokens the step before sampled)."""
+        device (the tokens the step before sampled). `offsets` (on the device, `[n]`): each
+        sequence is that many tokens further on than `positions` and `seq_lens` say."""
         n = len(seq_lens)
         size = next(s for s in self.sizes if s >= n)
         self.steps += 1
@@ -134,6 +135,8 @@ class DecodeGraphs:
                                  [None if on_device else input_ids, positions])
         if on_device:
             self.input_ids[:real].copy_(input_ids)
+        if offsets is not None:
+            self.attn.advance(n, offsets, self.positions)
         if size in self.graphs:
             self.graphs[size].replay()
             hidden = self.hidden[size]

@@ -65,6 +65,7 @@ from infer.spec.draft_model import load_draft_model
 from infer.spec.drafter import Drafter, NgramDrafter
 from infer.spec.early_exit import EarlyExit
 from infer.spec.model_drafter import ModelDrafter
+from infer.spec.rejection import Verified
 from infer.spec.sampling import verified_logprobs, verify_drafts
 from infer.transfer import HostCopy, to_device
 
@@ -171,6 +172,10 @@ class _StepInFlight:
     # (index in spec_ids, matcher) of the rows judged under grammar masks
     spec_grammars: list[tuple[int, GrammarMatcher]] = field(default_factory=list)
     prompt_job: PromptLogprobsJob | None = None  # prompt logprobs it computed
+    verdict: Verified | None = None  # `verified`, on the device
+    # The proposal round queued behind it (`speculative_round_ahead`): by sequence, its
+    # request and its drafts for the step after, on the device.
+    ahead: dict[str, tuple[Request, torch.Tensor]] = field(default_factory=dict)
 
 
 def _constrained(seqs: list[_Sequence]
@@ -274,15 +279,18 @@ class EngineCore:
                                  self.dtype, self.attention_backend, self.kernel_backend)
             # It runs every step the model runs (its cache follows), at any batch size.
             proposing = config.max_num_seqs
+        drafter = ModelDrafter(runner, self.kv, k, self.max_model_len,
+                               own_cache=method == "draft")
         if self.graphs_on:
-            graphs = runner.enable_decode_graphs(min(proposing, config.max_num_seqs),
-                                                 self.max_model_len,
-                                                 logits=config.logits_in_graphs)
-            self.graph_capture_seconds += graphs.capture_seconds
+            self.graph_capture_seconds += drafter.enable_graphs(
+                min(proposing, config.max_num_seqs), self.max_model_len,
+                logits=config.logits_in_graphs,
+                ahead_batch=config.speculative_max_batch if config.speculative_round_ahead
+                else 0, split_keys=config.verify_decode_attention)
             if method == "draft" and config.mixed_step_graphs != "off":
                 pieces = runner.enable_piecewise_graphs(config.max_num_batched_tokens)
                 self.graph_capture_seconds += pieces.capture_seconds
-        return ModelDrafter(runner, self.kv, k, self.max_model_len, own_cache=method == "draft")
+        return drafter
 
     # -- sequences -------------------------------------------------------------------
     def add(self, request: Request, params: SamplingParams) -> None:
@@ -538,7 +546,23 @@ class EngineCore:
             self.num_steps_launched_ahead += 1
         step = self._sample(out, requests, inputs, logits, seqs, prev, device_drafts)
         step.prompt_job = prompt_job
+        if len(device_drafts) == len(out.scheduled) and self.config.speculative_round_ahead:
+            self._propose_ahead(step, device_input_ids)
         return step
+
+    def _propose_ahead(self, step: _StepInFlight, ids: torch.Tensor) -> None:
+        """Queue the next proposal round behind a step verifying device drafts, before its
+        verdict is read (`ModelDrafter.propose_ahead`): when every sequence of the step
+        verifies k drafts and the batch is still one that drafts."""
+        k = self.config.num_speculative_tokens
+        if (step.seq_ids or len(self.sequences) > self.config.speculative_max_batch
+                or any(len(item.spec_token_ids) != k for item in step.out.scheduled)):
+            return
+        requests = [step.requests[rid] for rid in step.spec_ids]
+        drafts = self.drafter.propose_ahead(requests, ids.view(len(requests), k + 1),
+                                            step.verdict)
+        if drafts is not None:
+            step.ahead = {r.request_id: (r, row) for r, row in zip(requests, drafts)}
 
     def _ids_with_device_drafts(self, out: SchedulerOutput, inputs: StepInputs
                                 ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
@@ -634,7 +658,8 @@ class EngineCore:
                                    max(seq.params.logprobs or 0 for seq in seqs))
         step = _StepInFlight(out, requests, plain_ids, None, None, spec_ids=spec_ids,
                              verified=HostCopy(verified.token_ids, verified.num_tokens,
-                                               *(lp or (None, None, None, None))))
+                                               *(lp or (None, None, None, None))),
+                             verdict=verified)
         step.spec_grammars = _constrained(seqs)
         if plain_ids:
             plain_logits = logits[to_device(torch.tensor(plain_rows), logits.device)]
@@ -789,7 +814,7 @@ class EngineCore:
                 self._device_drafts.pop(rid, None)
                 self._drop_matchers([seq.grammar])
         if self.drafter is not None:
-            self._propose(sampled)
+            self._propose(sampled, step.ahead)
         return outputs
 
     def _count_verdict(self, drafted: int, accepted: int) -> None:
@@ -800,10 +825,12 @@ class EngineCore:
             self.drafts_at[i] += 1
             self.accepted_at[i] += i < accepted
 
-    def _propose(self, seq_ids: Collection[str]) -> None:
+    def _propose(self, seq_ids: Collection[str],
+                 ahead: dict[str, tuple[Request, torch.Tensor]]) -> None:
         """Drafts for the next step of the sequences that just sampled: none in batches
         above speculative_max_batch, none while a step launched ahead is in flight (they
-        would be for a position it computes), drafts a grammar refuses cut off."""
+        would be for a position it computes), drafts a grammar refuses cut off; those of
+        the round queued `ahead` where it made them."""
         seqs = [seq for seq_id in seq_ids if (seq := self.sequences.get(seq_id)) is not None]
         for seq in seqs:
             seq.request.spec_token_ids = []
@@ -811,6 +838,10 @@ class EngineCore:
         if (not seqs or len(self.sequences) > self.config.speculative_max_batch
                 or self._in_flight is not None):
             return
+        if ahead:
+            seqs = [seq for seq in seqs if not self._take_ahead(seq.request, ahead)]
+            if not seqs:
+                return
         requests = [seq.request for seq in seqs]
         if (self.drafter.on_device and self.config.speculative_drafts_on_device
                 and not any(seq.grammar is not None or seq.reads_output for seq in seqs)):
@@ -824,6 +855,17 @@ class EngineCore:
             if seq.grammar is not None and drafts:
                 drafts = drafts[:seq.grammar.allowed_prefix(drafts)]
             seq.request.spec_token_ids = drafts
+
+    def _take_ahead(self, request: Request,
+                    ahead: dict[str, tuple[Request, torch.Tensor]]) -> bool:
+        """Give `request` its drafts from the round queued ahead, if that round made some."""
+        made = ahead.get(request.request_id)
+        if made is None or made[0] is not request:
+            return False
+        request.spec_token_ids = [DEVICE_DRAFT] * len(made[1])
+        self._device_drafts[request.request_id] = made[1]
+        request.draft_behind = False  # the round's first forward took the token before
+        return True
 
     def _advance_grammars(self, step: _StepInFlight) -> list[SequenceOutput]:
         """Feed the step's sampled tokens to their sequences' grammars, once (the grammar

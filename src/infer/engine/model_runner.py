@@ -182,26 +182,37 @@ class ModelRunner:
                 inputs.sample_counts.append(rows)
         return inputs
 
-    def execute(self, inputs: StepInputs, device_input_ids: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def execute(self, inputs: StepInputs, device_input_ids: torch.Tensor | None = None,
+                offsets: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits `[len(sample_rows), vocab]`. `device_input_ids` replaces
         `inputs.input_ids` with ids already on the device (async scheduling: the tokens the
-        step still in flight will have sampled)."""
-        return self.sample_logits(self.forward(inputs, device_input_ids), inputs)
+        step still in flight will have sampled). `offsets`: see `forward`."""
+        return self.sample_logits(self.forward(inputs, device_input_ids, offsets), inputs)
+
+    def takes_offsets(self, query_lens: list[int]) -> bool:
+        """Whether `forward` can move a step of these query lengths by offsets on the
+        device: only the static buffers of uniform steps can."""
+        return any(g is not None and g.fits(query_lens)
+                   for g in (self.graphs, self.verify_graphs))
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs, device_input_ids: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, inputs: StepInputs, device_input_ids: torch.Tensor | None = None,
+                offsets: torch.Tensor | None = None) -> torch.Tensor:
         """The step's hidden states `[tokens, hidden]`, in its token order (a graph's
-        output buffer: read it before the next step runs)."""
+        output buffer: read it before the next step runs). `offsets` (on the device, one
+        per sequence; with `takes_offsets`): each sequence is that many tokens further on
+        than `inputs` says (its positions, length and slots; its table covers them)."""
         if self._layers[0].k_cache is not self._views[0][0]:
             self._bind()
         ids = inputs.input_ids if device_input_ids is None else device_input_ids
         decode = next((g for g in (self.graphs, self.verify_graphs)
                        if g is not None and g.fits(inputs.query_lens)), None)
         self._graph_logits = None
+        if offsets is not None and decode is None:
+            raise ValueError("offsets need the static buffers of a uniform step")
         if decode is not None:
-            hidden = decode.run(ids, inputs.positions, inputs.seq_lens, inputs.block_tables)
+            hidden = decode.run(ids, inputs.positions, inputs.seq_lens, inputs.block_tables,
+                                offsets)
             if decode.last_logits is not None:
                 self._graph_logits = hidden, decode.last_logits
         elif self.mixed is not None and self.mixed.fits(inputs.query_lens):

@@ -40,6 +40,10 @@ class Request:
     # A draft model's cache lacks the token before the last: its last verify accepted
     # every draft, and the draft model never ran the last draft (spec/model_drafter.py).
     draft_behind: bool = False
+    # Slots past the tokens its verify step computes that a proposal round queued behind
+    # that step writes (spec/model_drafter.py, `propose_ahead`): the verdict's rejected
+    # drafts do not give them back.
+    slots_ahead: int = 0
     # Computes its prompt in full, taking no prefix-cache hits (prompt logprobs need the
     # hidden state at every prompt position).
     skip_prefix_cache: bool = False

@@ -288,7 +288,8 @@ class Scheduler:
                                      f"{len(spec)} drafts")
                 if rejected:
                     computed -= rejected
-                    self.kv.trim(rid, computed)
+                    self.kv.trim(rid, computed + request.slots_ahead)
+                request.slots_ahead = 0
             request.num_computed_tokens = computed
             if computed // block_size > before // block_size:
                 # a block filled up (all_token_ids copies the whole sequence: not every step)

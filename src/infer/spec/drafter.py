@@ -10,6 +10,7 @@ import torch
 from infer.engine.request import Request
 from infer.engine.scheduler import SchedulerOutput
 from infer.spec.ngram import propose_ngram
+from infer.spec.rejection import Verified
 
 
 def draft_budget(request: Request, k: int, max_model_len: int) -> int:
@@ -29,6 +30,11 @@ class Drafter(Protocol):
 
     def propose_on_device(self, requests: list[Request]) -> list[torch.Tensor | None]:
         """The same drafts left where they were made (with `on_device`)."""
+
+    def propose_ahead(self, requests: list[Request], verify_ids: torch.Tensor,
+                      verdict: Verified) -> torch.Tensor | None:
+        """The drafts after a verify step still on the device, queued behind it (with
+        `on_device`; None where it cannot)."""
 
     def mirror(self, out: SchedulerOutput, requests: dict[str, Request],
                device_input_ids: torch.Tensor | None = None) -> None:

@@ -17,6 +17,13 @@ Whose KV the draft's cache holds:
   draft as input, except the last draft, which no draft forward took. When all k were
   accepted (`Request.draft_behind`), the next forward over the sequence -- the round's
   first, or the mirror of a plain decode -- starts one token earlier.
+
+A round may also be queued right behind the verify step it follows, before the host has
+read that step's verdict (`propose_ahead`): whatever the verdict, a sequence of N tokens
+that verified k drafts goes on at N + m, m the drafts it accepted, so the round is the
+host's plan for m = 0 moved m tokens on, on the device. Its first forward takes the token
+the verdict ends on and, with a cache of its own, the one before (the draft's KV of that
+one is missing exactly when m = k; otherwise it is written again, the same token).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from infer.engine.request import Request
 from infer.engine.sampler import argmax
 from infer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from infer.spec.drafter import draft_budget
+from infer.spec.rejection import Verified
 
 
 class ModelDrafter:
@@ -41,6 +49,22 @@ class ModelDrafter:
         self.k, self.max_model_len = k, max_model_len
         self.own_cache = own_cache
         self.num_forwards = 0  # draft forwards run in proposal rounds
+        self.num_rounds_ahead = 0  # rounds queued before the verdict they follow was read
+
+    def enable_graphs(self, max_batch: int, max_model_len: int, capture: bool = True,
+                      logits: bool = False, ahead_batch: int = 0, split_keys: bool = False
+                      ) -> float:
+        """CUDA graphs of the runner's one-token steps and, for rounds queued ahead of up
+        to `ahead_batch` sequences with a cache of its own, of their two-token first
+        forward (`split_keys`: as the verify graphs' attention); `capture=False`: the same
+        static buffers, run eagerly (CPU tests). Seconds spent capturing."""
+        seconds = self.runner.enable_decode_graphs(max_batch, max_model_len, capture,
+                                                   logits=logits).capture_seconds
+        if ahead_batch and self.own_cache:
+            seconds += self.runner.enable_decode_graphs(
+                min(ahead_batch, max_batch), max_model_len, capture, tokens_per_seq=2,
+                split_keys=split_keys).capture_seconds
+        return seconds
 
     def propose(self, requests: list[Request]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
@@ -70,6 +94,49 @@ class ModelDrafter:
         for row, i in enumerate(rows):
             drafts[i] = table[row, :budgets[i]]
         return drafts
+
+    def propose_ahead(self, requests: list[Request], verify_ids: torch.Tensor,
+                      verdict: Verified) -> torch.Tensor | None:
+        """The drafts `[len(requests), k]` of the round after a verify step still on the
+        device, queued behind it (see above): `requests` are the step's sequences in its
+        order, each verifying k drafts, `verify_ids [n, k + 1]` its input ids, `verdict`
+        its tokens. None where the round cannot run so: a sequence without room for k
+        drafts after the longest verdict, too few free blocks, no static buffers."""
+        k, n, q = self.k, len(requests), 1 + self.own_cache
+        if not (self.runner.takes_offsets([q] * n) and self.runner.takes_offsets([1] * n)):
+            return None
+        # The longest verdict adds k + 1 tokens; draft_budget must still grant k after it.
+        if any(min(self.max_model_len - r.num_tokens,
+                   r.max_new_tokens - len(r.output_token_ids) - 1) < 2 * k + 1
+               for r in requests):
+            return None
+        # Up to the slots of the verify step after it, k drafts on from the longest verdict.
+        if not all(self.kv.allocate(r.request_id, r.num_tokens + 2 * k + 1)
+                   for r in requests):
+            return None
+        for r in requests:
+            r.slots_ahead = k + 1
+        tables = [self.kv.tables[r.request_id] for r in requests]
+        request_ids = [r.request_id for r in requests]
+        accepted = verdict.num_tokens - 1
+        ids = verdict.token_ids.gather(1, accepted[:, None])
+        if self.own_cache:
+            ids = torch.cat([verify_ids.gather(1, accepted[:, None]), ids], dim=1)
+        starts = [r.num_tokens + 1 - q for r in requests]
+        inputs = StepInputs([], [p for s in starts for p in range(s, s + q)], [q] * n,
+                            [s + q for s in starts], tables,
+                            [i * q + q - 1 for i in range(n)], request_ids, [1] * n)
+        ids = argmax(self.runner.execute(inputs, ids.reshape(-1), accepted))
+        proposed = [ids]
+        for j in range(1, k):
+            positions = [r.num_tokens + j for r in requests]
+            inputs = StepInputs([], positions, [1] * n, [p + 1 for p in positions], tables,
+                                list(range(n)), request_ids, [1] * n)
+            ids = argmax(self.runner.execute(inputs, ids, accepted))
+            proposed.append(ids)
+        self.num_forwards += k
+        self.num_rounds_ahead += 1
+        return torch.stack(proposed, dim=1)
 
     def _round(self, requests: list[Request]
                ) -> tuple[list[int], list[int], list[torch.Tensor]]:

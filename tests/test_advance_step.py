@@ -1,0 +1,59 @@
+"""A prepared graph step moved on by offsets on the device (`GraphMetadata.advance`, a
+proposal round queued behind the verify step it follows): the Triton kernel (the
+interpreter on a CPU) and the torch path, against the same step worked out in Python."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from infer.attention.graph_metadata import GraphMetadata
+
+DEVICE = torch.device(os.environ.get("INFER_TEST_DEVICE", "cpu"))
+BLOCK = 4
+
+
+def moved_by_hand(tables: list[list[int]], seq_lens: list[int], q: int,
+                  offsets: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Lengths, positions and slots of each sequence's last q tokens, `offsets` on."""
+    lens, positions, slots = [], [], []
+    for table, length, offset in zip(tables, seq_lens, offsets):
+        lens.append(length + offset)
+        for p in range(length + offset - q, length + offset):
+            positions.append(p)
+            slots.append(table[p // BLOCK] * BLOCK + p % BLOCK)
+    return lens, positions, slots
+
+
+@pytest.mark.parametrize("q", [1, 2, 5])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_a_step_moved_on_by_offsets_is_the_step_prepared_there(q, kernel):
+    rng = random.Random(q)
+    n, batch, width = 3, 4, 6
+    blocks = rng.sample(range(1, 64), n * width)
+    tables = [blocks[i * width:(i + 1) * width] for i in range(n)]
+    seq_lens = [rng.randrange(q + 1, width * BLOCK - 8) for _ in range(n)]
+    offsets = [0, 3, rng.randrange(1, 8)]
+    meta = GraphMetadata(batch, q, width, BLOCK, DEVICE)
+    positions = [p for length in seq_lens for p in range(length - q, length)]
+    meta.prepare_replay(batch, seq_lens, tables, [None, positions])
+    moved = torch.tensor(offsets, device=DEVICE)
+    if kernel:
+        from infer.kernels.advance_step import advance_step
+
+        advance_step(moved, meta.seq_lens, meta.token_rows[1], meta.slot_mapping,
+                     meta.block_tables, q, BLOCK)
+    elif DEVICE.type == "cpu":
+        meta.advance(n, moved, meta.token_rows[1])
+    else:
+        pytest.skip("on a GPU `advance` takes the kernel")
+    lens, want_positions, want_slots = moved_by_hand(tables, seq_lens, q, offsets)
+    assert meta.seq_lens[:n].tolist() == lens
+    assert meta.token_rows[1][:n * q].tolist() == want_positions
+    assert meta.slot_mapping[:n * q].tolist() == want_slots
+    # the padding row is left as prepared: length q, no slot
+    assert meta.seq_lens[n:batch].tolist() == [q] * (batch - n)
+    assert meta.slot_mapping[n * q:batch * q].tolist() == [-1] * ((batch - n) * q)
