@@ -214,11 +214,11 @@ class EngineConfig:
         "never the output", QUANTIZATIONS)
     speculative_max_batch: int = knob(16, "no drafts in steps of more running sequences")
     verify_decode_attention: bool = knob(
-        False, "a verify step's attention (k + 1 tokens of every sequence, in the verify "
+        True, "a verify step's attention (k + 1 tokens of every sequence, in the verify "
         "graphs) through the split-K decode kernel, its rows every token of a GQA group, "
         "instead of the prefill kernel, which walks each sequence's keys in one program per "
-        "KV head (8B target on an H200: 0.46 ms of a verify step against the one-token "
-        "step's 0.27); off until a device run times it; Triton attention only")
+        "KV head (8B target, k = 4, on an H200: a verify step 5.03-5.23 ms against "
+        "5.23-5.26, a drafted step 8.03-8.21 against 8.24-8.28); Triton attention only")
     speculative_drafts_on_device: bool = knob(
         True, "a draft model's (or self-draft's) drafts stay on the device when no sequence "
         "needs their values on the host (no grammar, penalty or multi-token bad word): the "
@@ -230,7 +230,8 @@ class EngineConfig:
         "behind the step verifying the last one, its inputs gathered on the device from "
         "that step's verdict, instead of after the host has read the verdict and accounted "
         "the step (the GPU then waits for the host between them; 8B target, INT8 1B draft "
-        "on an H200: a drafted step 7.94 against 8.30 ms); needs the draft's CUDA graphs")
+        "on an H200: a drafted step 7.94 ms, 8.02-8.30 in six runs without); needs the "
+        "draft's CUDA graphs")
     tensor_parallel_size: int = knob(
         1, "N: shard the model over N ranks (one process per GPU, or per CPU rank), each "
         "with its part of every layer's heads and features and of the KV cache; NCCL on "
