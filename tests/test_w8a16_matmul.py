@@ -107,3 +107,67 @@ def test_every_launch_of_the_kernel(m, gemv, split, block):
     ref = x.double() @ weights.T
     assert y.shape == (m, n) and y.dtype == torch.float32
     assert (y.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize(("m", "n", "k", "tensor_core_rows"), [
+    (1, 40, 300, 0), (1, 24, 1100, 16), (3, 24, 200, 16), (3, 24, 200, 0)])
+def test_gated_rows_read_by_the_matmul_are_the_activation_kernels_then_it(
+        act, m, n, k, tensor_core_rows):
+    """`w8a16_gated` (`w8a16_fused_activation`): the row `[gate | up]` read into the one-row
+    kernel, or the rows `rows_mma` takes, give exactly what the activation kernel's rows
+    give the same matmul, and float64's product within float16's rounding; steps neither
+    kernel reads the activation into are declined (None)."""
+    from infer.kernels import activation
+    from infer.kernels.w8a16_matmul import w8a16_gated, w8a16_matmul
+
+    gen = torch.Generator().manual_seed(m * 100 + k)
+    gate_up = (torch.randn(m, 2 * k, generator=gen) * 2).to(torch.float16).to(DEVICE)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen).to(DEVICE)
+    scale = (torch.rand(n, generator=gen) * 0.02).to(torch.float16).to(DEVICE)
+    got = w8a16_gated(gate_up, w, scale, act, tensor_core_rows=tensor_core_rows)
+    if m > 1 and not tensor_core_rows:
+        assert got is None
+        return
+    rows = activation.gated_rows(gate_up, act)
+    assert torch.equal(got, w8a16_matmul(rows, w, scale, tensor_core_rows=tensor_core_rows))
+    gate, up = gate_up.double().chunk(2, dim=1)
+    if act == "silu":
+        a = gate * torch.sigmoid(gate)
+    else:
+        a = 0.5 * gate * (1 + torch.tanh(0.7978845608028654 * (gate + 0.044715 * gate ** 3)))
+    ref = (a * up).to(torch.float16).double().cpu() @ (
+        w.double() * scale.double()[:, None]).T.cpu()
+    error = (got.double().cpu() - ref).abs().max().item() / ref.abs().max().item()
+    assert error < TOLERANCE[torch.float16], error
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="the 8-bit layers take the W8A16 kernels on CUDA")
+@pytest.mark.parametrize("rows", [1, 3])
+def test_an_int8_gated_mlp_reads_its_activation_in_the_down_projection(rows, monkeypatch):
+    """With `w8a16_fused_activation` an INT8 MLP's one row (the W8A16 kernel) and its 3
+    rows (the tensor cores) launch no activation kernel, and give the same output."""
+    from infer.kernels import activation
+    from infer.models.layers import GatedMLP
+    from infer.models.linear import set_8bit_kernels
+    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
+
+    gen = torch.Generator().manual_seed(rows)
+    mlp = GatedMLP(64, 128, "silu")
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    mlp = mlp.to(DEVICE, torch.bfloat16)
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        Int8WeightOnlyLinearMethod().quantize(layer)
+    mlp.use_triton = True
+    x = torch.randn(rows, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    set_8bit_kernels(mlp, 16, False)
+    want = mlp(x)
+    launches = []
+    real = activation.gated_rows
+    monkeypatch.setattr(activation, "gated_rows", lambda *a: launches.append(a) or real(*a))
+    set_8bit_kernels(mlp, 16, False, fused_activation=True)
+    got = mlp(x)
+    assert not launches and torch.equal(got, want)
