@@ -396,11 +396,24 @@ TINY_METHODS = {"ngram": dict(speculative_method="ngram"),
                 "draft": dict(speculative_method="draft", draft_model=str(TINY))}
 
 
-@pytest.fixture(scope="module", params=list(TINY_METHODS))
-def tiny(request) -> LLMEngine:
+def tiny_engine(method: str, **flags) -> LLMEngine:
     return LLMEngine(model=str(TINY), device="cpu", num_blocks=24, block_size=4,
                      max_model_len=96, num_speculative_tokens=3, max_num_batched_tokens=40,
-                     speculative_max_batch=3, **TINY_METHODS[request.param])
+                     speculative_max_batch=3, **TINY_METHODS[method], **flags)
+
+
+@pytest.fixture(scope="module", params=list(TINY_METHODS))
+def tiny(request) -> LLMEngine:
+    return tiny_engine(request.param)
+
+
+@pytest.fixture(scope="module")
+def tiny_ahead() -> LLMEngine:
+    """A draft model whose rounds are queued behind their verify steps, through its static
+    buffers run eagerly (Triton attention, in the interpreter on a CPU)."""
+    engine = tiny_engine("draft", attention_backend="triton")
+    engine.core.drafter.enable_graphs(3, 96, capture=False, ahead_batch=3)
+    return engine
 
 
 DEVICE = os.environ.get("INFER_TEST_DEVICE", "cpu")  # cuda: with graphs
@@ -517,6 +530,29 @@ def test_no_kv_block_leaks_whatever_is_added_stepped_and_aborted(tiny, actions):
     """Prompts over a 5-token alphabet repeat themselves: drafts are proposed, some
     accepted, some rejected (random weights); sequences are preempted when the 24
     blocks run out; steps of more than 3 sequences are launched ahead, without drafts."""
+    run_actions(tiny, actions)
+
+
+# Fewer examples: every step runs the interpreter's attention.
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(actions=ACTIONS)
+@example(actions=[("add", [5, 6, 7, 8, 9] * 6, 24, i % 2 == 1) for i in range(5)]
+         + [("step", 3), ("abort", 1), ("add", [5, 6, 5, 6] * 7, 20, False), ("step", 2)])
+def test_no_kv_block_leaks_with_rounds_queued_ahead(tiny_ahead, actions):
+    """The same with the draft model's rounds queued behind their verify steps: the
+    slots a round holds past its verdict go back with the sequence, whatever ends it."""
+    run_actions(tiny_ahead, actions)
+
+
+def test_the_rounds_ahead_property_test_queued_rounds_ahead(tiny_ahead):
+    """Runs after it: rounds were queued ahead, sequences preempted."""
+    stats = tiny_ahead.stats()
+    assert tiny_ahead.core.drafter.num_rounds_ahead > 0 and stats["num_preemptions"] > 0
+
+
+def run_actions(engine: LLMEngine, actions: list) -> None:
+    """Add, step and abort as `actions` say, step to the end: no KV block left in use."""
     added = []
     for action in actions:
         if action[0] == "add":
@@ -524,16 +560,16 @@ def test_no_kv_block_leaks_whatever_is_added_stepped_and_aborted(tiny, actions):
             rid = f"r{len(added)}-{id(actions)}"
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                                     temperature=1.0 if sampled else 0)
-            tiny.add_request(rid, prompt, params)
+            engine.add_request(rid, prompt, params)
             added.append(rid)
         elif action[0] == "step":
             for _ in range(action[1]):
-                tiny.step()
+                engine.step()
         elif added:
-            tiny.abort_request(added[action[1] % len(added)])
-    while tiny.has_unfinished_requests():
-        tiny.step()
-    assert tiny.stats()["kv_blocks_used"] == 0
+            engine.abort_request(added[action[1] % len(added)])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats()["kv_blocks_used"] == 0
 
 
 def test_the_property_test_exercised_drafts_and_preemption(tiny):
