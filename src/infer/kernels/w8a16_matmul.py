@@ -227,7 +227,7 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             ) -> torch.Tensor:
     """w8a16_matmul with its launch spelled out (for tuning): `split` > 1 splits K over
     that many programs, summing float32 partials; `one_row_gemv` multiplies one row
-    without `tl.dot`; `act`: x is that row's `[gate | up]` (w8a16_gated_row)."""
+    without `tl.dot`; `act`: x is that row's `[gate | up]` (w8a16_gated)."""
     assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), x.dtype
     assert weight.dtype in (torch.int8, torch.float8_e4m3fn), weight.dtype
