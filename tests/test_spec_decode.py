@@ -518,14 +518,18 @@ ACTIONS = st.lists(st.one_of(
     st.tuples(st.just("step"), st.integers(1, 4)),
     st.tuples(st.just("abort"), st.integers(0, 9)),
 ), max_size=25)
+# Five sequences that outgrow the 24 blocks (preemption), one aborted, one added after.
+PREEMPTING = ([("add", [5, 6, 7, 8, 9] * 6, 24, i % 2 == 1) for i in range(5)]
+              + [("step", 3), ("abort", 1), ("add", [5, 6, 5, 6] * 7, 20, False),
+                 ("step", 2)])
+SLOW_FIXTURES = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 
 
 # Derandomized: the test after this one checks what these examples exercised.
 @settings(max_examples=25, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+          suppress_health_check=SLOW_FIXTURES)
 @given(actions=ACTIONS)
-@example(actions=[("add", [5, 6, 7, 8, 9] * 6, 24, i % 2 == 1) for i in range(5)]
-         + [("step", 3), ("abort", 1), ("add", [5, 6, 5, 6] * 7, 20, False), ("step", 2)])
+@example(actions=PREEMPTING)
 def test_no_kv_block_leaks_whatever_is_added_stepped_and_aborted(tiny, actions):
     """Prompts over a 5-token alphabet repeat themselves: drafts are proposed, some
     accepted, some rejected (random weights); sequences are preempted when the 24
@@ -535,10 +539,9 @@ def test_no_kv_block_leaks_whatever_is_added_stepped_and_aborted(tiny, actions):
 
 # Fewer examples: every step runs the interpreter's attention.
 @settings(max_examples=6, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+          suppress_health_check=SLOW_FIXTURES)
 @given(actions=ACTIONS)
-@example(actions=[("add", [5, 6, 7, 8, 9] * 6, 24, i % 2 == 1) for i in range(5)]
-         + [("step", 3), ("abort", 1), ("add", [5, 6, 5, 6] * 7, 20, False), ("step", 2)])
+@example(actions=PREEMPTING)
 def test_no_kv_block_leaks_with_rounds_queued_ahead(tiny_ahead, actions):
     """The same with the draft model's rounds queued behind their verify steps: the
     slots a round holds past its verdict go back with the sequence, whatever ends it."""

@@ -53,8 +53,6 @@ class GraphMetadata:
                                             device=device) * query_len
         self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32,
                                         device=device)
-        self._sequence_of_token = torch.arange(max_batch, device=device).repeat_interleave(
-            query_len)
 
     def metadata(self, batch: int) -> AttentionMetadata:
         """What a graph of `batch` sequences is captured with: views of the buffers."""
@@ -109,5 +107,6 @@ class GraphMetadata:
         self.seq_lens[:n] += offsets.to(torch.int32)
         moved = positions[:n * q]
         moved += offsets[:, None].expand(n, q).reshape(-1)
-        blocks = self.block_tables[self._sequence_of_token[:n * q], moved // bs]
+        sequence_of_token = torch.arange(n, device=moved.device).repeat_interleave(q)
+        blocks = self.block_tables[sequence_of_token, moved // bs]
         self.slot_mapping[:n * q] = blocks.long() * bs + moved % bs
