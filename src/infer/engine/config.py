@@ -108,12 +108,6 @@ class EngineConfig:
         "kernels/w8a16_matmul.py up to 64 rows, then cuBLAS over a dequantized copy, FP8 x "
         "quantized per token for torch._scaled_mm; 16: on an H200 (8B shape) 64 lost at batch "
         "32 and 64 (INT8 9.35 vs 7.31 ms at 64, docs/performance.md)")
-    w8a16_fused_activation: bool = knob(
-        False, "8-bit weight-only down projections of decode-sized steps read the gated "
-        "MLP's gate_up rows and apply act(gate) * up themselves (one row: "
-        "kernels/w8a16_matmul.py; the rows w8a16_tensor_cores takes: kernels/rows_mma.py), "
-        "saving the activation's launch a layer; CUDA with kernel_backend triton only; off "
-        "until a device run times it")
     fp8_decode_activations: bool = knob(
         False, "FP8 layers (quantization=fp8, per-channel FP8 checkpoints) quantize x per "
         "token at decode-sized steps too (those that read the weight as stored: up to 16 "

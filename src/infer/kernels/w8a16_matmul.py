@@ -10,11 +10,6 @@ once per row block. One row is multiplied in registers and reduced once at the e
 rows go through `tl.dot`. The scale is applied once, to the accumulated sum. Larger M
 (prefill chunks) is compute-bound: `quantization/int8.py` dequantizes for cuBLAS there,
 `quantization/fp8.py` quantizes the activations too for an FP8 GEMM.
-
-With `act` ("silu" / "gelu_tanh"; one row) x is a gated MLP's `gate_up [1, 2K]`: the
-kernel reads `act(gate) * up`, rounded to x's dtype as the activation kernel stores it,
-so the product is the one `w8a16_matmul(gated_rows(gate_up), ...)` computes, without the
-activation's launch (as `gemv.py` does for 16-bit weights).
 """
 
 from __future__ import annotations
@@ -26,7 +21,6 @@ import triton
 import triton.language as tl
 
 from infer.kernels import dependent_launch
-from infer.kernels.activation import gated
 
 
 @triton.jit
@@ -74,18 +68,14 @@ def _weight_tile(w_ptr, rn, kk, N, K, stride_wn):
 @triton.jit
 def _one_row_step(acc2, w, x_ptr, s_ptr, pid_m, pid_n, rn, kk, N, K, stride_xm, stride_sn,
                   BLOCK_N: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-                  SCALE_IN_X: tl.constexpr, PTX: tl.constexpr, ACT: tl.constexpr):
-    """acc2 plus one K step's products of the weight tile `w` and x's columns kk (with
-    ACT: act(gate) * up of the row `[gate | up]` there)."""
+                  SCALE_IN_X: tl.constexpr, PTX: tl.constexpr):
+    """acc2 plus one K step's products of the weight tile `w` and x's columns kk."""
     wf = _to_float(w, PTX)
     if SCALE_COLS > 0 and not SCALE_IN_X:  # a scale per weight
         wf *= tl.load(s_ptr + (rn[:, None] // SCALE_ROWS) * stride_sn + kk[None, :] // SCALE_COLS,
                       mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-    row = x_ptr + pid_m.to(tl.int64) * stride_xm
-    x = tl.load(row + kk, mask=kk < K, other=0.0)
-    if ACT != "":
-        x = gated(x, tl.load(row + K + kk, mask=kk < K, other=0.0), ACT).to(x.dtype)
-    x = x.to(tl.float32)
+    x = tl.load(x_ptr + pid_m.to(tl.int64) * stride_xm + kk, mask=kk < K,
+                other=0.0).to(tl.float32)
     if SCALE_IN_X:  # the program's rows share their scales along K: x takes them
         x *= tl.load(s_ptr + (pid_n * BLOCK_N // SCALE_ROWS) * stride_sn
                      + kk // SCALE_COLS, mask=kk < K, other=0.0)
@@ -99,7 +89,7 @@ def _w8a16_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
     TILE_SCALE: tl.constexpr, SCALE_IN_X: tl.constexpr, PTX: tl.constexpr,
-    ACT: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -117,15 +107,14 @@ def _w8a16_kernel(
         dependent_launch.release(PDL)
         acc2 = _one_row_step(tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32), w, x_ptr, s_ptr,
                              pid_m, pid_n, rn, k_begin + rk, N, K, stride_xm, stride_sn,
-                             BLOCK_N, SCALE_ROWS, SCALE_COLS, SCALE_IN_X, PTX, ACT)
+                             BLOCK_N, SCALE_ROWS, SCALE_COLS, SCALE_IN_X, PTX)
         for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
             kk = k0 + rk
             acc2 = _one_row_step(acc2, _weight_tile(w_ptr, rn, kk, N, K, stride_wn), x_ptr,
                                  s_ptr, pid_m, pid_n, rn, kk, N, K, stride_xm, stride_sn,
-                                 BLOCK_N, SCALE_ROWS, SCALE_COLS, SCALE_IN_X, PTX, ACT)
+                                 BLOCK_N, SCALE_ROWS, SCALE_COLS, SCALE_IN_X, PTX)
         acc = tl.sum(acc2, axis=1)[None, :]
     else:
-        tl.static_assert(ACT == "", "the activation is read into one row only")
         dependent_launch.wait(PDL)
         dependent_launch.release(PDL)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -160,40 +149,6 @@ def _w8a16_kernel(
 TENSOR_CORES_ONE_ROW_MIN_N = 16384
 
 
-# One row's launch: the dot-free kernel on 8 channels a program (see w8a16_matmul).
-ONE_ROW = dict(block_n=8, block_k=1024, one_row_gemv=True, num_stages=2)
-
-
-def w8a16_gated(gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                act: str, scale_block: tuple[int, int] | None = None,
-                tensor_core_rows: int = 0) -> torch.Tensor | None:
-    """`w8a16_matmul(gated_rows(gate_up, act), weight, scale, scale_block,
-    tensor_core_rows)` of `gate_up [M, 2K]` in one launch where a kernel reads the
-    activation itself: `rows_mma.py` for the rows w8a16_matmul sends there, this module's
-    one-row kernel for one row; None for other steps."""
-    from infer.kernels import rows_mma
-
-    assert act in ("silu", "gelu_tanh"), act
-    if _to_tensor_cores(gate_up, weight, scale_block, tensor_core_rows):
-        return rows_mma.rows_mma(gate_up, weight, scale, scale_block, act=act)
-    if gate_up.shape[0] != 1:
-        return None
-    return _matmul(gate_up, weight, scale, scale_block, split=1, num_warps=4, act=act,
-                   **ONE_ROW)
-
-
-def _to_tensor_cores(x: torch.Tensor, weight: torch.Tensor,
-                     scale_block: tuple[int, int] | None, tensor_core_rows: int) -> bool:
-    """Whether `w8a16_matmul` sends these rows to `rows_mma.py` (see there)."""
-    from infer.kernels import rows_mma
-
-    rows = x.shape[0]
-    return bool(tensor_core_rows and rows_mma.takes(scale_block)
-                and rows <= min(tensor_core_rows, rows_mma.MAX_ROWS)
-                and x.dtype in (torch.float16, torch.bfloat16)
-                and (rows > 1 or weight.shape[0] >= TENSOR_CORES_ONE_ROW_MIN_N))
-
-
 def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                  scale_block: tuple[int, int] | None = None,
                  tensor_core_rows: int = 0) -> torch.Tensor:
@@ -206,14 +161,18 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     TENSOR_CORES_ONE_ROW_MIN_N wide."""
     from infer.kernels import rows_mma
 
-    if _to_tensor_cores(x, weight, scale_block, tensor_core_rows):
+    rows = x.shape[0]
+    if (tensor_core_rows and rows_mma.takes(scale_block)
+            and rows <= min(tensor_core_rows, rows_mma.MAX_ROWS)
+            and x.dtype in (torch.float16, torch.bfloat16)
+            and (rows > 1 or weight.shape[0] >= TENSOR_CORES_ONE_ROW_MIN_N)):
         return rows_mma.rows_mma(x, weight, scale, scale_block)
     # Tuned on the H100 over the Llama-3.1-8B projections, their weights cycled past the
     # L2 cache (benchmarks/w8a16_sweep.py): one row runs the dot-free kernel on 8 channels
     # a program (enough programs to keep every SM's loads in flight); more rows use
     # `tl.dot` on 16 channels a program, 64 when the layer has channels for 256 programs.
     if x.shape[0] == 1:
-        launch = ONE_ROW
+        launch = dict(block_n=8, block_k=1024, one_row_gemv=True, num_stages=2)
     elif weight.shape[0] >= 256 * 64:
         launch = dict(block_n=64, block_k=128, one_row_gemv=False, num_stages=3)
     else:
@@ -223,18 +182,17 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             scale_block: tuple[int, int] | None, *, block_n: int, block_k: int, split: int,
-            one_row_gemv: bool, num_warps: int, num_stages: int, act: str = ""
-            ) -> torch.Tensor:
+            one_row_gemv: bool, num_warps: int, num_stages: int) -> torch.Tensor:
     """w8a16_matmul with its launch spelled out (for tuning): `split` > 1 splits K over
     that many programs, summing float32 partials; `one_row_gemv` multiplies one row
-    without `tl.dot`; `act`: x is that row's `[gate | up]` (w8a16_gated)."""
+    without `tl.dot`."""
     assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), x.dtype
     assert weight.dtype in (torch.int8, torch.float8_e4m3fn), weight.dtype
     assert weight.dim() == 2 and weight.is_contiguous()
-    m, (n, k) = x.shape[0], weight.shape
-    assert x.shape[1] == (2 * k if act else k), (weight.shape, x.shape, act)
-    assert not act or (m == 1 and one_row_gemv), "the activation is read into one row only"
+    assert weight.shape[1] == x.shape[1], (weight.shape, x.shape)
+    m, k = x.shape
+    n = weight.shape[0]
     scale_rows, scale_cols = scale_block or (0, 0)
     if scale_block is None:
         assert scale.shape == (n,), (scale.shape, n)
@@ -267,7 +225,7 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             scale.stride(0), per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             IEEE=x.dtype == torch.float32, SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols,
             TILE_SCALE=tile_scale, SCALE_IN_X=scale_in_x,
-            PTX=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", ACT=act,
+            PTX=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
             num_warps=num_warps, num_stages=num_stages, **dependent_launch.launch_options(),
         )
     return y if split == 1 else y.sum(0).to(x.dtype)

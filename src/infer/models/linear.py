@@ -142,19 +142,17 @@ def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1) -> None:
 
 
 def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: bool,
-                     fp8_mma_rows: int = 0, fused_activation: bool = False) -> None:
+                     fp8_mma_rows: int = 0) -> None:
     """How `model`'s 8-bit layers (projections, LM head) multiply decode-sized steps:
     weight-only INT8 / FP8 on tensor cores up to `tensor_core_rows` rows where they gain
     (`w8a16_matmul.py`'s rule; 0: never) or CUDA cores; FP8 ones with x quantized too, FP8
     by FP8 (`fp8_activations`), and FP8 by FP8 steps of up to `fp8_mma_rows` rows in
-    `kernels/rows_mma.py` rather than `torch._scaled_mm`; weight-only down projections
-    reading the gated activation themselves (`fused_activation`: `apply_gated`)."""
+    `kernels/rows_mma.py` rather than `torch._scaled_mm`."""
     for m in model.modules():
         if isinstance(m, (LinearBase, ParallelLMHead)):
             m.w8a16_tensor_core_rows = tensor_core_rows
             m.fp8_decode_activations = fp8_activations
             m.fp8_mma_rows = fp8_mma_rows
-            m.w8a16_fused_activation = fused_activation
 
 
 # What a linear layer built without a `quant_method` gets (`linear_method_default`).

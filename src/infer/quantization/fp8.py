@@ -22,7 +22,6 @@ from torch import nn
 
 from infer.models.linear import LinearMethod
 from infer.models.weights import WeightLoader
-from infer.quantization.int8 import gated_w8a16
 from infer.quantization.stored import channel_scale, quantized_as_loaded, stored_weight
 
 FP8 = torch.float8_e4m3fn
@@ -106,16 +105,6 @@ class Fp8LinearMethod(LinearMethod):
             y = _scaled_mm(*quantize_fp8(x2), layer, out_dtype)
         y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
         return y if bias is None else y + bias
-
-    def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor, act: str,
-                    bias: torch.Tensor | None) -> torch.Tensor | None:
-        """With `w8a16_fused_activation`, the steps `apply` sends to the W8A16 kernels (x
-        kept in 16 bits) whose rows a kernel reads the activation into (`w8a16_gated`)."""
-        x2 = gate_up.reshape(-1, gate_up.shape[-1])
-        tensor_core_rows = getattr(layer, "w8a16_tensor_core_rows", 0)
-        weight_only = (reads_weight_only(x2, tensor_core_rows)
-                       and not getattr(layer, "fp8_decode_activations", False))
-        return gated_w8a16(layer, gate_up, act, bias, reads_weight=weight_only)
 
 
 def _scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, layer: nn.Module,

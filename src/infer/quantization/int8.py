@@ -91,13 +91,6 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
         y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
         return y if bias is None else y + bias
 
-    def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor, act: str,
-                    bias: torch.Tensor | None) -> torch.Tensor | None:
-        """With `w8a16_fused_activation`, decode-sized steps on CUDA whose rows a W8A16
-        kernel reads the activation into (`w8a16_gated`)."""
-        return gated_w8a16(layer, gate_up, act, bias, reads_weight=len(
-            gate_up.reshape(-1, gate_up.shape[-1])) <= DEQUANTIZE_ROWS)
-
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         rows = F.embedding(ids, layer.weight).float() * layer.weight_scale[ids, None].float()
         return rows.to(layer.dtype)
@@ -130,25 +123,6 @@ class Int8W8A8LinearMethod(Int8WeightOnlyLinearMethod):
             * layer.weight_scale.float()
         y = y.reshape(*shape[:-1], n).to(x.dtype)
         return y if bias is None else y + bias
-
-
-def gated_w8a16(layer: nn.Module, gate_up: torch.Tensor, act: str, bias: torch.Tensor | None,
-                reads_weight: bool) -> torch.Tensor | None:
-    """`apply_gated` of an 8-bit weight-only layer whose `apply` would take the W8A16
-    kernels for these rows (`reads_weight`): the activation read by them, where
-    `w8a16_fused_activation` asks and a kernel does (None otherwise)."""
-    from infer.kernels.w8a16_matmul import w8a16_gated
-
-    x2 = gate_up.reshape(-1, gate_up.shape[-1])
-    if not (reads_weight and x2.is_cuda and getattr(layer, "w8a16_fused_activation", False)
-            and x2.dtype in (torch.float16, torch.bfloat16)):
-        return None
-    y = w8a16_gated(x2.contiguous(), layer.weight, layer.weight_scale, act,
-                    tensor_core_rows=getattr(layer, "w8a16_tensor_core_rows", 0))
-    if y is None:
-        return None
-    y = y.reshape(*gate_up.shape[:-1], y.shape[-1])
-    return y if bias is None else y + bias
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
