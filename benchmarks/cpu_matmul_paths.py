@@ -1,7 +1,7 @@
 """One decode row through each CPU matmul path this torch offers, on SmolLM2's layer
 shapes and its LM head: torch's INT4 kernel and INT8 weight-only kernel (bfloat16 rows,
 as `quantization/int4.py` and `int8.py` feed them), FBGEMM's dynamic INT8 (the row
-quantized per tensor to 8 bits, `reduce_range` as x86 without VNNI needs) and FP16-weight
+quantized with one scale to 7 bits: `reduce_range`, as x86 without VNNI needs) and FP16-weight
 kernels, and float32 `F.linear`; one torch thread, µs a call (median) and GB/s of the
 weight bytes read, each call on the next of enough copies of the weight that they do not
 stay in the caches (as a model's layers do not). A decode token's sum is 30 layers of
