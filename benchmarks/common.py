@@ -217,11 +217,19 @@ def time_fn(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
-    else:
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+    return host_time(fn, reps, warmup=0)
+
+
+def host_time(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+    """Median seconds of fn on the host clock (no device synchronisation)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
     return statistics.median(times)
 
 

@@ -16,9 +16,7 @@ Prints one table and writes benchmarks/results/cpu_matmul_paths_<device>.json.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -33,17 +31,6 @@ SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (5
           "lm_head": (49152, 576)}
 LAYERS = 30
 CACHE_BYTES = 256 * 2**20  # float32 copies cycled per shape: more than any CPU's caches
-
-
-def _us(fn: Callable[[], object], repeats: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
 
 
 def _cycled(calls: list[Callable[[], object]]) -> Callable[[], object]:
@@ -103,7 +90,7 @@ def main() -> None:
     rows, token_us = [], {}
     for shape, (n, k) in SHAPES.items():
         for path, (fn, nbytes) in _paths(n, k, gen).items():
-            us = _us(fn, args.repeats)
+            us = common.host_time(fn, args.repeats, warmup=5) * 1e6
             rows.append(dict(shape=shape, path=path, us=us, gb_s=nbytes / us / 1e3))
             token_us[path] = token_us.get(path, 0.0) + us * (1 if shape == "lm_head"
                                                              else LAYERS)

@@ -11,9 +11,7 @@ Prints one table and writes benchmarks/results/int4_rows_<device>.json.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,13 +24,7 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2: qkv, o, 
 
 
 def _ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return common.host_time(fn, repeats, warmup=1) * 1e3
 
 
 def main() -> None:
