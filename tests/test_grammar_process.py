@@ -67,13 +67,14 @@ def _requests() -> tuple[list[str], list[SamplingParams]]:
     return [PROMPT] * len(params), params
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_the_worker_gives_the_tokens_the_step_loop_gives(async_scheduling):
+@pytest.mark.parametrize(("async_scheduling", "workers"), [(True, 1), (False, 1), (True, 3)])
+def test_the_worker_gives_the_tokens_the_step_loop_gives(async_scheduling, workers):
     prompts, params = _requests()
-    llm = _llm(True, async_scheduling=async_scheduling)
+    llm = _llm(True, async_scheduling=async_scheduling, grammar_workers=workers)
     worker = llm.generate(prompts, params, use_tqdm=False)
     core = llm.engine.core
     assert core._grammar_process is not None and core._grammar_process.alive()
+    assert len(core._grammar_process.processes) == workers
     loop = _llm(False, async_scheduling=async_scheduling).generate(prompts, params,
                                                                     use_tqdm=False)
     assert [o.outputs[0].token_ids for o in worker] == [o.outputs[0].token_ids for o in loop]
@@ -115,12 +116,15 @@ def test_by_default_a_cpu_engine_keeps_the_matchers_on_its_loop():
     assert re.fullmatch("[a-c]+", out.outputs[0].text)
 
 
-def test_a_dead_worker_ends_the_constrained_sequences_only():
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_dead_worker_ends_the_constrained_sequences_only(workers):
+    """One worker of `workers` killed: every constrained sequence ends with an error (the
+    device waits for every worker's masks), the others go on untouched."""
     prompts, params = _requests()
-    llm = _llm(True)
-    llm.generate(prompts[:1], params[:1], use_tqdm=False)  # the worker is up
+    llm = _llm(True, grammar_workers=workers)
+    llm.generate(prompts[:1], params[:1], use_tqdm=False)  # the workers are up
     [alone] = _llm(False).generate(prompts[1:2], params[1:2], use_tqdm=False)
-    process = llm.engine.core._grammar_process.process
+    process = llm.engine.core._grammar_process.processes[-1]
     process.kill()
     process.wait()
     engine = llm.engine
@@ -140,13 +144,14 @@ def test_a_dead_worker_ends_the_constrained_sequences_only():
     assert after.outputs[0].token_ids == alone.outputs[0].token_ids
 
 
-@pytest.fixture(scope="module")
-def worker():
+@pytest.fixture(scope="module", params=[1, 2], ids=["one worker", "two workers"])
+def worker(request):
     from infer.engine.grammar_process import GrammarProcess
     from infer.engine.structured_output import StructuredOutputs
 
     tokenizer = ours("smollm2")
-    process = GrammarProcess(tokenizer, tokenizer.vocab_size, 4, torch.device("cpu"))
+    process = GrammarProcess(tokenizer, tokenizer.vocab_size, 4, torch.device("cpu"),
+                             workers=request.param)
     yield process, StructuredOutputs(tokenizer, tokenizer.vocab_size)
     process.close()
 
@@ -213,7 +218,7 @@ def test_grammar_threads_sets_the_workers_thread_count():
                                  threads)
         try:
             process.masks(1, [(0, process.matcher(grammar))])
-            counts.append(len(os.listdir(f"/proc/{process.process.pid}/task")))
+            counts.append(len(os.listdir(f"/proc/{process.processes[0].pid}/task")))
         finally:
             process.close()
     assert counts[1] - counts[0] == 4, counts
@@ -233,7 +238,7 @@ def test_grammar_worker_apart_keeps_the_worker_off_the_loops_core(apart):
     try:
         llm.generate([PROMPT], [SamplingParams(max_tokens=4, structured_outputs=(
             StructuredOutputsParams(regex="[a-z]+")))], use_tqdm=False)
-        worker = llm.engine.core._grammar_process.process.pid
+        worker = llm.engine.core._grammar_process.processes[0].pid
         threads = [int(tid) for tid in os.listdir(f"/proc/{worker}/task")]
         allowed = {frozenset(os.sched_getaffinity(tid)) for tid in threads}
     finally:
@@ -260,7 +265,7 @@ def test_a_steps_verdicts_survive_the_worker_feeding_the_next_step(worker):
     next_step, _ = process.masks(2, second)
     process.publish(next_step, torch.tensor([0, bad]))  # row 1 refuses its token
     deadline = time.monotonic() + 10
-    while process.layout.header[FED] < next_step and time.monotonic() < deadline:
+    while process.layout.lanes[:, FED].min() < next_step and time.monotonic() < deadline:
         time.sleep(1e-3)
     verdicts = process.verdicts(step, first)
     assert verdicts.refused == [] and finishing.terminated and not going_on.terminated
@@ -299,7 +304,7 @@ def test_a_steps_tokens_reach_the_matchers_as_one_by_one(monkeypatch, parallel):
     want[5], want[7] = FAILED, STOPPED
     worker.feed(3, ids, row_of)
     assert [int(layout.verdicts[1][row_of[m]]) for m in ids] == want
-    assert layout.header[FED] == 3 and layout.header[NOTED + 1] == 3
+    assert layout.lanes[0, FED] == 3 and layout.lanes[0, NOTED + 1] == 3
 
 
 def test_a_step_never_published_is_dropped_by_the_next_fill(worker):
@@ -344,15 +349,15 @@ def test_the_worker_makes_the_matchers_sent_before_a_fill_before_taking_it(spin)
     layout.requests[1] = (1, 1, 0)  # one row, masked, nothing published
     layout.header[FILLS] = 1
     worker = threading.Thread(target=serve, args=(
-        name, 1, words, library_tokenizer_json(tokenizer), vocab,
+        name, 1, words, 1, 0, library_tokenizer_json(tokenizer), vocab,
         list(tokenizer.eos_token_ids), spin, 0, None, reader))
     worker.start()
     deadline = time.monotonic() + 30
-    while layout.header[MASKS_READY] < 1 and time.monotonic() < deadline:
+    while layout.lanes[0, MASKS_READY] < 1 and time.monotonic() < deadline:
         time.sleep(1e-3)
     writer.close()
     worker.join(timeout=30)
-    assert not worker.is_alive() and layout.header[MASKS_READY] == 1
+    assert not worker.is_alive() and layout.lanes[0, MASKS_READY] == 1
     expected = library.allocate_masks(1)
     library.fill_masks([library.matcher(grammar)], expected)
     assert np.array_equal(layout.masks[0], expected[0].numpy())
@@ -438,34 +443,39 @@ def test_the_stream_waits_for_a_host_word_and_writes_one():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the stream waits of a CUDA device")
-def test_on_cuda_a_kernel_after_the_streams_wait_sees_that_steps_masks():
+@pytest.mark.parametrize("workers", [1, 2])
+def test_on_cuda_a_kernel_after_the_streams_wait_sees_that_steps_masks(workers):
     """The masks handed out on the device are that step's fill, not an earlier step's
-    (the worker rewrites the same bytes of its block every step)."""
+    (the workers rewrite the same bytes of their block every step), with every row's
+    worker's masks in: rows 1 and 2 are two workers' with two."""
     from infer.engine.grammar_process import GrammarProcess
     from infer.engine.structured_output import StructuredOutputs, apply_token_masks
 
     tokenizer = ours("smollm2")
     vocab = tokenizer.vocab_size
     library = StructuredOutputs(tokenizer, vocab)
-    process = GrammarProcess(tokenizer, vocab, 4, torch.device("cuda"))
+    process = GrammarProcess(tokenizer, vocab, 4, torch.device("cuda"), workers=workers)
     try:
         grammar = library.compile(StructuredOutputsParams(json=SCHEMA))
-        remote, local = process.matcher(grammar), library.matcher(grammar)
+        remote = [process.matcher(grammar), process.matcher(grammar)]  # ids 1 and 2
+        local = library.matcher(grammar)  # both rows take the same tokens
+        masked = [(1, remote[0]), (2, remote[1])]
         allowed_before = None
         for token in tokenizer.encode('{"name":"x","tags":["a"]}', add_special_tokens=False)[:6]:
-            step, masks = process.masks(2, [(1, remote)])
+            step, masks = process.masks(3, masked)
             assert masks.is_cuda
-            logits = torch.zeros(2, vocab, device="cuda")
+            logits = torch.zeros(3, vocab, device="cuda")
             apply_token_masks(logits, masks)
-            expected = library.allocate_masks(2)
+            expected = library.allocate_masks(3)
             library.fill_masks([local], expected, [1])
-            reference = torch.zeros(2, vocab)
-            apply_token_bitmask_ref(reference, expected, torch.tensor([1]))
+            expected[2] = expected[1]
+            reference = torch.zeros(3, vocab)
+            apply_token_bitmask_ref(reference, expected, torch.tensor([1, 2]))
             allowed = torch.isfinite(reference)
             assert torch.equal(torch.isfinite(logits).cpu(), allowed)
             assert allowed[0].all() and 0 < int(allowed[1].sum()) < vocab
-            process.publish(step, torch.tensor([0, token], device="cuda"))
-            assert process.verdicts(step, [(1, remote)]).refused == []
+            process.publish(step, torch.tensor([0, token, token], device="cuda"))
+            assert process.verdicts(step, masked).refused == []
             assert local.accept(token)
             allowed_before = allowed if allowed_before is None else allowed_before
         assert not torch.equal(allowed, allowed_before)  # the masks changed on the way
@@ -493,8 +503,8 @@ def test_on_cuda_fills_asked_for_ahead_of_a_paused_worker_are_taken_in_order():
         remote, local = process.matcher(grammar), library.matcher(grammar)
         process.masks(2, [(0, remote)])  # the worker has made the matcher
         torch.cuda.synchronize()
-        os.kill(process.process.pid, signal.SIGSTOP)
-        threading.Timer(0.5, os.kill, (process.process.pid, signal.SIGCONT)).start()
+        os.kill(process.processes[0].pid, signal.SIGSTOP)
+        threading.Timer(0.5, os.kill, (process.processes[0].pid, signal.SIGCONT)).start()
         start = time.monotonic()
         for _ in range(FILL_SLOTS + 1):
             step, masks = process.masks(2, [(0, remote)])

@@ -170,10 +170,17 @@ class EngineConfig:
         "the physical core the step loop runs on when the worker starts (Linux, a host "
         "with CPUs to spare): a loop that shares its core with them runs every phase "
         "slower; off until a device run times it (structured_output.py --cpus-apart)")
+    grammar_workers: int | None = knob(
+        None, "grammar worker processes with `grammar_process`, each holding the matchers "
+        "of its share of the constrained sequences and filling their rows' masks (the "
+        "grammar library's feeding of a step's tokens does not spread over its threads; "
+        "over processes it does); default: 2 where the engine may run on 8 CPUs or more, "
+        "else 1 (each spins on a core while constrained steps come)")
     grammar_threads: int = knob(
-        0, "threads the grammar library fills a step's token masks on (and the grammar "
-        "worker feeds tokens on, from FEED_PAR_ROWS rows): 0 = the library's default (80 % "
-        "of the CPUs, at most 32), which may crowd the step loop's own CPU on a small host")
+        0, "threads the grammar library fills a step's token masks on (and a grammar "
+        "worker feeds tokens on, from FEED_PAR_ROWS rows), in each grammar worker: 0 = the "
+        "library's default (80 % of the CPUs, at most 32; shared out among the "
+        "`grammar_workers`), which may crowd the step loop's own CPU on a small host")
     max_waiting_requests: int | None = knob(
         None, "most requests waiting to be scheduled (the server answers 503 beyond); "
         "default: unbounded")
@@ -291,6 +298,8 @@ class EngineConfig:
         if not 1 <= self.gemv_max_rows <= 16:
             raise ValueError(f"gemv_max_rows must be in [1, 16], "
                              f"got {self.gemv_max_rows}")
+        if self.grammar_workers is not None and self.grammar_workers < 1:
+            raise ValueError(f"grammar_workers must be at least 1, got {self.grammar_workers}")
         if self.grammar_threads < 0:
             raise ValueError(f"grammar_threads must be 0 (the grammar library's default) or "
                              f"more, got {self.grammar_threads}")

@@ -372,7 +372,8 @@ class EngineCore:
                     rows = self.scheduler.max_num_seqs or MAX_GRAMMAR_ROWS
                     self._grammar_process = GrammarProcess(
                         self.tokenizer, vocab_size, rows, self.device,
-                        self.config.grammar_threads, self._grammar_worker_cpus())
+                        self.config.grammar_threads, self._grammar_worker_cpus(),
+                        self.config.grammar_workers)
                 self._structured = StructuredOutputs(self.tokenizer, vocab_size,
                                                      self.config.grammar_threads)
         return self._structured

@@ -1,20 +1,21 @@
-"""The step loop's side of the grammar worker (`grammar_worker.py`): constrained sequences'
-matchers live in that process, and a constrained step costs the loop one message and a
+"""The step loop's side of the grammar workers (`grammar_worker.py`): constrained sequences'
+matchers live in those processes, and a constrained step costs the loop no message and a
 few queued device operations instead of the grammar work itself.
 
 A step s with constrained rows, on CUDA: `masks` writes the fill of s into the shared block
-(no message: the worker watches for it) and queues a stream wait for the worker's
+(no message: the workers watch for it) and queues a stream wait for each worker's
 `masks_ready >= s` (a CUDA stream memory operation on the block) and the masks' copy from
 the block; the sampler applies them in its own pass. After the sampling, `publish` queues
-the sampled ids' copy into the block and a stream write of the stamp s, which the worker
-watches for. The loop reads the worker's verdicts on s (a grammar finished, a token
+the sampled ids' copy into the block and a stream write of the stamp s, which the workers
+watch for. The loop reads the workers' verdicts on s (a grammar finished, a token
 refused, a matcher the library would not make) when it accounts s. On the CPU the loop
 waits for the masks itself and writes the ids. The device's side goes through the
 driver's entry points directly: torch's copies and stream lookups cost the loop more
 than the work they queue.
 
-A stream wait has no time limit, so a watchdog thread ends a worker that has exited or
-left a step's masks unfilled for WORKER_WAIT_S, and then releases the device's waits.
+A stream wait has no time limit, so a watchdog thread ends the workers once one has
+exited or left a step's masks unfilled for WORKER_WAIT_S, and then releases the device's
+waits.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from infer.engine.grammar_worker import (
     FILL_SLOTS,
     FILLS,
     FILLS_TAKEN,
+    LANE_WORDS,
     MASKS_READY,
     NOTED,
     REFUSED,
@@ -81,37 +83,50 @@ class Verdicts:
 
 
 class GrammarProcess:
-    """The grammar worker for one tokenizer and logits width, masks for up to `rows` rows
-    a step, on `device`, on `threads` threads (0: the grammar library's default)."""
+    """The grammar workers (`workers` processes; None: `default_workers`) for one tokenizer
+    and logits width, masks for up to `rows` rows a step, on `device`; each worker's
+    library on `threads` threads (0: the library's default, shared out among the workers),
+    on `cpus` (None: any of this process's)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, rows: int,
-                 device: torch.device, threads: int = 0, cpus: set[int] | None = None
-                 ) -> None:
+                 device: torch.device, threads: int = 0, cpus: set[int] | None = None,
+                 workers: int | None = 1) -> None:
         self.vocab_size, self.rows, self.device = vocab_size, rows, device
+        available = len(cpus or os.sched_getaffinity(0))
+        workers = workers or default_workers(available)
         words = (vocab_size + 31) // 32
         name = f"infer-grammar-{os.getpid()}-{id(self):x}"
-        self._block, self._shm = make_shared(name, SharedLayout.size(rows, words))
+        self._block, self._shm = make_shared(name, SharedLayout.size(rows, words, workers))
         # At the latest when the interpreter exits: a script that never shuts its engine
         # down leaves no name behind for the resource tracker to warn of.
         self._unlink = weakref.finalize(self, self._shm.unlink)
-        self.layout = SharedLayout(memoryview(self._block), rows, words)
+        self.layout = SharedLayout(memoryview(self._block), rows, words, workers)
         self.layout.header[:] = 0
+        self.layout.lanes[:] = 0
+        self._lanes = list(self.layout.lanes)
         self._on_cuda = device.type == "cuda"
         if self._on_cuda:
             self._stream_ops = StreamMemoryOps()
             self._register()
-        reader, self._steps = multiprocessing.Pipe(duplex=False)
-        self.process = _start_worker(reader)
-        reader.close()
-        self._steps.send((name, rows, words, library_tokenizer_json(tokenizer), vocab_size,
-                          list(tokenizer.eos_token_ids), self._on_cuda, threads,
-                          sorted(cpus) if cpus else None))
+        if workers > 1 and not threads:
+            threads = max(1, _library_threads(available) // workers)
+        self.processes: list[subprocess.Popen] = []
+        self._pipes: list[Connection] = []
+        tokenizer_json = library_tokenizer_json(tokenizer)
+        for index in range(workers):
+            reader, writer = multiprocessing.Pipe(duplex=False)
+            self.processes.append(_start_worker(reader))
+            reader.close()
+            writer.send((name, rows, words, workers, index, tokenizer_json, vocab_size,
+                         list(tokenizer.eos_token_ids), self._on_cuda, threads,
+                         sorted(cpus) if cpus else None))
+            self._pipes.append(writer)
         self._send_lock = threading.Lock()  # the loop and the compile thread both send
         self._published = 0  # the last step whose ids the device was asked to publish
         self._stream = 0  # the CUDA stream of the step being launched
         self._ids = itertools.count(1)
         self._step = 0
-        self.failure: str | None = None  # why the worker is taken for broken
+        self.failure: str | None = None  # why the workers are taken for broken
         self._closed = threading.Event()
         threading.Thread(target=self._watch, name="infer-grammar-watch", daemon=True).start()
 
@@ -123,7 +138,9 @@ class GrammarProcess:
             raise RuntimeError(f"cudaHostRegister of the grammar worker's block: {code}")
         self._registered = address
         device_address = self._stream_ops.device_pointer(address)
-        self._masks_ready = device_address + 8 * MASKS_READY
+        lanes = self.layout.lanes.__array_interface__["data"][0] - address
+        self._masks_ready = [device_address + lanes + 8 * (LANE_WORDS * index + MASKS_READY)
+                             for index in range(self.layout.workers)]
         self._tokens_stamp = device_address + 8 * TOKENS_STAMP
         self._host_masks = torch.from_numpy(self.layout.masks)
         self._host_tokens = torch.from_numpy(self.layout.tokens)
@@ -135,18 +152,22 @@ class GrammarProcess:
 
     # -- matchers (from the thread that compiles grammars) ----------------------------
     def matcher(self, grammar: str) -> RemoteMatcher:
-        """A matcher for a checked grammar, made in the worker before any step of it (the
+        """A matcher for a checked grammar, made in its worker before any step of it (the
         messages keep their order); should the library refuse it there, the sequence's
         first step says so (`Verdicts.failed`)."""
         self._check_usable()
         matcher = RemoteMatcher(next(self._ids))
-        self._send(("make", matcher.id, grammar))
+        self._send(("make", matcher.id, grammar), matcher.id % len(self._pipes))
         return matcher
 
     def drop(self, matchers: list[RemoteMatcher]) -> None:
-        """The worker forgets these matchers (their sequences ended)."""
-        if matchers and self.failure is None:
-            self._send(("drop", [m.id for m in matchers]))
+        """The workers forget these matchers (their sequences ended)."""
+        if not matchers or self.failure is not None:
+            return
+        workers = len(self._pipes)
+        for index in range(workers):
+            if ids := [m.id for m in matchers if m.id % workers == index]:
+                self._send(("drop", ids), index)
 
     # -- a step ------------------------------------------------------------------------
     def masks(self, rows: int, masked: list[tuple[int, RemoteMatcher]]
@@ -169,13 +190,14 @@ class GrammarProcess:
             return step, torch.from_numpy(layout.masks[:rows])
         ops, masks = self._stream_ops, self._device_masks[:rows]
         self._stream = stream = torch._C._cuda_getCurrentRawStream(self._device_index)
-        ops.wait_at_least(stream, self._masks_ready, step)
+        for masks_ready in self._masks_ready:
+            ops.wait_at_least(stream, masks_ready, step)
         ops.copy_to_device(stream, masks.data_ptr(), self._host_masks.data_ptr(),
                            masks.numel() * 4)
         return step, masks
 
     def publish(self, step: int, token_ids: torch.Tensor) -> None:
-        """Hand the worker the step's sampled ids (`token_ids`, one per row) to feed the
+        """Hand the workers the step's sampled ids (`token_ids`, one per row) to feed the
         matchers of the rows its `masks` named."""
         n = len(token_ids)
         if self._on_cuda:
@@ -191,14 +213,14 @@ class GrammarProcess:
         self._published = step
 
     def verdicts(self, step: int, masked: list[tuple[int, RemoteMatcher]]) -> Verdicts:
-        """Once the step's ids are on the host: the worker's word on each masked row; a
-        finished grammar's matcher is marked `terminated`. GrammarWorkerError if the worker
+        """Once the step's ids are on the host: the workers' word on each masked row; a
+        finished grammar's matcher is marked `terminated`. GrammarWorkerError if a worker
         failed the step."""
         self._check_usable()
         self._wait_for(FED, step, "verdicts")
         self._check_usable()  # the watchdog may have released the step's wait
         out = Verdicts([], [])
-        if self.layout.header[NOTED + step % 2] != step:  # every row took its token
+        if all(lane[NOTED + step % 2] != step for lane in self._lanes):  # every row took it
             return out
         verdicts = self.layout.verdicts[step % 2]
         for row, matcher in masked:
@@ -212,55 +234,62 @@ class GrammarProcess:
         return out
 
     # -- upkeep ------------------------------------------------------------------------
+    def _lowest(self, slot: int) -> int:
+        """The lowest of the workers' counters `slot`."""
+        return min(int(lane[slot]) for lane in self._lanes)
+
     def _wait_for(self, slot: int, step: int, what: str) -> None:
-        header = self.layout.header
         start = time.monotonic()
-        while header[slot] < step:
+        while self._lowest(slot) < step:
             waited = time.monotonic() - start
             if self.failure is not None or waited > WORKER_WAIT_S or not self.alive():
-                self._fail(self.failure or f"the grammar worker sent no {what} in "
-                           f"{WORKER_WAIT_S:g} s (exit code {self.process.returncode})")
+                self._fail(self.failure or f"a grammar worker sent no {what} in "
+                           f"{WORKER_WAIT_S:g} s ({self._exit_codes()})")
             # Spinning on sleep(0) keeps the GIL from this process's other threads (the
             # grammar compiles) for up to a switch interval: past a short spin, sleep.
             time.sleep(0 if waited < SPIN_S else SPIN_S)
 
     def _watch(self) -> None:
-        """End a worker that exited or left the device waiting on a step's masks for
-        WORKER_WAIT_S, and release the device's waits."""
-        header, behind_since = self.layout.header, None
+        """End the workers once one exited or left the device waiting on a step's masks
+        for WORKER_WAIT_S, and release the device's waits."""
+        behind_since = None
         while not self._closed.wait(0.1):
             if self.failure is not None:
                 return
             if not self.alive():
-                self._give_up(f"the grammar worker exited (code {self.process.returncode})")
+                self._give_up(f"a grammar worker exited ({self._exit_codes()})")
                 return
-            if header[MASKS_READY] >= self._step:
+            if self._lowest(MASKS_READY) >= self._step:
                 behind_since = None
             elif behind_since is None:
                 behind_since = time.monotonic()
             elif time.monotonic() - behind_since > WORKER_WAIT_S:
-                self._give_up(f"the grammar worker filled no masks in {WORKER_WAIT_S:g} s")
+                self._give_up(f"a grammar worker filled no masks in {WORKER_WAIT_S:g} s")
                 return
 
     def _give_up(self, why: str) -> None:
         if self.failure is None:
             self.failure = why
-        if self.alive():
-            self.process.kill()
-        self.process.wait()
-        self.layout.header[MASKS_READY] = RELEASED  # the device's waits pass; rows void
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+        self.layout.lanes[:, MASKS_READY] = RELEASED  # the device's waits pass; rows void
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: tuple, worker: int) -> None:
         try:
             with self._send_lock:
-                self._steps.send(message)
+                self._pipes[worker].send(message)
         except OSError as exc:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=1)
-            self._fail(f"the grammar worker exited (code {self.process.returncode}; {exc!r})")
+                self.processes[worker].wait(timeout=1)
+            self._fail(f"a grammar worker exited ({self._exit_codes()}; {exc!r})")
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return all(process.poll() is None for process in self.processes)
+
+    def _exit_codes(self) -> str:
+        return "exit codes " + ", ".join(str(p.returncode) for p in self.processes)
 
     def _check_usable(self) -> None:
         if self.failure is not None:
@@ -271,18 +300,32 @@ class GrammarProcess:
         raise GrammarWorkerError(self.failure)
 
     def close(self) -> None:
-        """Stop the worker, unlink the block's name (and release its registration)."""
+        """Stop the workers, unlink the block's name (and release its registration)."""
         self._closed.set()
-        self._steps.close()
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        for pipe in self._pipes:
+            pipe.close()
+        for process in self.processes:
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
         self._unlink()  # the mappings live on until unmapped
         if self._on_cuda:
             torch.cuda.synchronize(self.device)  # nothing queued uses the block any more
             torch.cuda.cudart().cudaHostUnregister(self._registered)
+
+
+def default_workers(cpus: int) -> int:
+    """Grammar workers on `cpus` CPUs: two where there are 8 or more (on an H200's host of
+    16, a 256-row JSON-schema step 1.08x a plain one with two, 1.29-1.39x with one and
+    1.13x with four: docs/performance.md, "Eighteenth pass"), else one."""
+    return 2 if cpus >= 8 else 1
+
+
+def _library_threads(cpus: int) -> int:
+    """The grammar library's default thread count on `cpus` CPUs (80 %, at most 32)."""
+    return max(1, min(32, cpus * 4 // 5))
 
 
 def _start_worker(steps: Connection) -> subprocess.Popen:

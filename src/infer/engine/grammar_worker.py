@@ -1,17 +1,19 @@
-"""The grammar worker: a process that holds every constrained sequence's grammar matcher,
-feeds them the tokens each step samples and fills the next step's token bitmasks, so that
-none of that work (nor its GIL) sits on the engine's step loop (`grammar_process.py` is
-the loop's side; docs/architecture.md, "Structured output", says why a process).
+"""A grammar worker: one of the processes that hold the constrained sequences' grammar
+matchers (a matcher lives in worker `id % workers`), feed them the tokens each step samples
+and fill the next step's token bitmasks, so that none of that work (nor its GIL) sits on
+the engine's step loop (`grammar_process.py` is the loop's side; docs/architecture.md,
+"Structured output", says why processes, and why more than one).
 
 They share one block of memory (`SharedLayout`), registered with CUDA by the loop's side:
 
-- counters: `masks_ready` (the last step whose masks are filled; the device waits on it),
-  `tokens_stamp` (the last step whose sampled ids are in `tokens`; the device writes it
-  after the ids), `fed` (the last step whose ids the matchers have taken; `verdicts`
-  then holds its rows), `noted`, by step parity like the verdicts (the last step of
-  that parity with a verdict other than "took it": the loop reads the rows only then),
-  `fills` (the last step whose fill the loop asked for) and `fills_taken` (the last the
-  worker took);
+- counters of the loop and the device: `tokens_stamp` (the last step whose sampled ids
+  are in `tokens`; the device writes it after the ids) and `fills` (the last step whose
+  fill the loop asked for); and each worker's own, in its lane: `masks_ready` (the last
+  step whose masks of its rows are filled; the device waits on every lane's), `fed` (the
+  last step whose ids its matchers have taken; `verdicts` then holds its rows), `noted`,
+  by step parity like the verdicts (the last step of that parity with a verdict of its
+  rows other than "took it": the loop reads the rows only then) and `fills_taken` (the
+  last step whose fill it took);
 - `requests` [FILL_SLOTS, 3] int64 and `request_ids` / `request_rows` [FILL_SLOTS, rows]
   int64: a step's fill in slot step % FILL_SLOTS (its rows, how many are masked, the last
   published step; the masked rows' matcher ids and rows);
@@ -24,17 +26,19 @@ the rows it named, once `tokens_stamp` reaches it. Messages, on one pipe and in 
 come from the thread that compiles grammars, ("make", id, grammar) (no answer: a matcher
 the library refuses gets the verdict FAILED), and from the loop, ("drop", ids); the worker
 reads every message sent before a fill before it takes the fill, so a fill never names a
-matcher the worker has not made. A step's rows that are not masked allow every token.
+matcher the worker has not made. A step's rows that are not masked allow every token
+(worker 0 writes them).
 `published` is the last step whose ids the loop has had the device publish: a step filled
 but never published (its launch failed) is past it when the next fill comes, and is
 dropped.
 
-Each area has one writer at a time: the loop writes slot s % FILL_SLOTS only once the
-worker has taken step s - FILL_SLOTS; the worker fills the masks of step s only after it
-took step s-1's ids, which the device publishes after copying step s-1's masks; and it
+Each area has one writer at a time: the loop writes slot s % FILL_SLOTS only once every
+worker has taken step s - FILL_SLOTS; a worker fills its rows' masks of step s only after
+it took step s-1's ids, which the device publishes after copying step s-1's masks; and it
 takes step s's ids only after the device published them, which it does after waiting for
-step s's masks. So one slot of the tokens and masks is enough (two of the verdicts and of
-`noted`: the loop reads step s's while the worker may have fed step s+1).
+every worker's masks of step s. So one slot of the tokens and masks is enough (two of the
+verdicts and of `noted`: the loop reads step s's while a worker may have fed step s+1),
+and the workers' rows of a step are apart.
 """
 
 from __future__ import annotations
@@ -51,9 +55,12 @@ import numpy as np
 # verdicts: took the token / took it and finished / refused it / has no matcher (the
 # library refused its grammar)
 TAKEN, STOPPED, REFUSED, FAILED = 0, 1, 2, 3
-# int64 slots of the counters, each on a cache line of its own (`noted`: two, by parity)
-MASKS_READY, TOKENS_STAMP, FED, NOTED, FILLS, FILLS_TAKEN = 0, 8, 16, 24, 32, 40
-HEADER_WORDS = 48
+# int64 slots of the counters, each on a cache line of its own: the header's, then each
+# worker's lane's (`noted`: two, by parity)
+TOKENS_STAMP, FILLS = 0, 8
+HEADER_WORDS = 16
+MASKS_READY, FED, NOTED, FILLS_TAKEN = 0, 8, 16, 24
+LANE_WORDS = 32
 # Fills the loop may ask for ahead of the worker's taking them.
 FILL_SLOTS = 4
 # How long the worker waits for a step's ids to be published before giving up on it.
@@ -68,10 +75,11 @@ FEED_PAR_ROWS = 64
 
 
 class SharedLayout:
-    """Views of the shared block for `rows` rows of `words` mask words each, every area
-    starting on a cache line."""
+    """Views of the shared block for `rows` rows of `words` mask words each and `workers`
+    workers, every area starting on a cache line."""
 
-    header: np.ndarray  # [HEADER_WORDS] int64: the counters
+    header: np.ndarray  # [HEADER_WORDS] int64: the loop's and the device's counters
+    lanes: np.ndarray  # [workers, LANE_WORDS] int64: each worker's counters
     requests: np.ndarray  # [FILL_SLOTS, 3] int64: rows, masked rows, published
     request_ids: np.ndarray  # [FILL_SLOTS, rows] int64: the masked rows' matcher ids
     request_rows: np.ndarray  # [FILL_SLOTS, rows] int64: the masked rows
@@ -79,21 +87,23 @@ class SharedLayout:
     verdicts: np.ndarray  # [2, rows] uint8
     masks: np.ndarray  # [rows, words] int32
 
-    def __init__(self, buf: memoryview, rows: int, words: int) -> None:
-        self.rows, self.words = rows, words
-        for name, dtype, shape, offset in self._areas(rows, words)[0]:
+    def __init__(self, buf: memoryview, rows: int, words: int, workers: int = 1) -> None:
+        self.rows, self.words, self.workers = rows, words, workers
+        for name, dtype, shape, offset in self._areas(rows, words, workers)[0]:
             view = np.frombuffer(buf, dtype=dtype, count=int(np.prod(shape)), offset=offset)
             setattr(self, name, view.reshape(shape))
 
     @staticmethod
-    def size(rows: int, words: int) -> int:
-        return SharedLayout._areas(rows, words)[1]
+    def size(rows: int, words: int, workers: int = 1) -> int:
+        return SharedLayout._areas(rows, words, workers)[1]
 
     @staticmethod
-    def _areas(rows: int, words: int) -> tuple[list[tuple[str, type, tuple[int, ...], int]], int]:
+    def _areas(rows: int, words: int, workers: int
+               ) -> tuple[list[tuple[str, type, tuple[int, ...], int]], int]:
         """(name, dtype, shape, byte offset) of each area, and the block's size."""
         areas, at = [], 0
         for name, dtype, shape in (("header", np.int64, (HEADER_WORDS,)),
+                                   ("lanes", np.int64, (workers, LANE_WORDS)),
                                    ("requests", np.int64, (FILL_SLOTS, 3)),
                                    ("request_ids", np.int64, (FILL_SLOTS, rows)),
                                    ("request_rows", np.int64, (FILL_SLOTS, rows)),
@@ -140,30 +150,35 @@ def main(fd: int) -> None:
     serve(*setup, steps)
 
 
-def serve(shm_name: str, rows: int, words: int, tokenizer_json: str, vocab_size: int,
-          eos_token_ids: list[int], spin: bool, threads: int, cpus: list[int] | None,
-          steps: Connection) -> None:
-    """Serve `steps` for the shared block `shm_name` until they close. `spin`: look at the
-    counters without sleeping while steps come (a core for the device's wait). `threads`:
-    the grammar library's (0: its default). `cpus`: where this process and the threads it
-    starts may run (None: anywhere)."""
+def serve(shm_name: str, rows: int, words: int, workers: int, index: int,
+          tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], spin: bool,
+          threads: int, cpus: list[int] | None, steps: Connection) -> None:
+    """Serve `steps` as worker `index` of `workers` for the shared block `shm_name` until
+    they close. `spin`: look at the counters without sleeping while steps come (a core for
+    the device's wait). `threads`: the grammar library's (0: its default). `cpus`: where
+    this process and the threads it starts may run (None: anywhere)."""
     import llguidance
 
     if cpus:  # every thread so far (numpy's start some), and the library's: they inherit it
         for thread in os.listdir("/proc/self/task"):
             os.sched_setaffinity(int(thread), cpus)
 
-    layout = SharedLayout(memoryview(map_shared(shm_name)), rows, words)
+    layout = SharedLayout(memoryview(map_shared(shm_name)), rows, words, workers)
     tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                        eos_token=eos_token_ids)
-    Worker(layout, tokenizer, llguidance.LLExecutor(threads or None), steps, spin).run()
+    Worker(layout, tokenizer, llguidance.LLExecutor(threads or None), steps, spin,
+           index).run()
 
 
 class Worker:
+    """Worker `index` of the layout's: the matchers whose id is `index` modulo their
+    number, and their rows of each step."""
+
     def __init__(self, layout: SharedLayout, tokenizer: object, executor: object,
-                 steps: Connection, spin: bool = False) -> None:
+                 steps: Connection, spin: bool = False, index: int = 0) -> None:
         self.layout, self.tokenizer, self.executor = layout, tokenizer, executor
-        self.steps, self.spin = steps, spin
+        self.steps, self.spin, self.index = steps, spin, index
+        self.lane = layout.lanes[index]
         self.matchers: dict[int, object] = {}
         self.failed: set[int] = set()  # matchers the library refused to make
         self.taken = 0  # the last step whose fill was taken
@@ -232,17 +247,27 @@ class Worker:
             self.matchers[matcher_id] = matcher
 
     def fill(self, step: int) -> None:
-        """Masks of `step`'s first rows as its request says: the masked rows by their
-        matchers, the others (and a finished or failed matcher's, whose token is discarded
-        with its sequence) allowing every token. The step before is fed first if it was
-        published (its ids may still be on their way), else dropped."""
+        """Masks of this worker's rows of `step` as its request says: the masked rows by
+        their matchers, a finished or failed matcher's (whose token is discarded with its
+        sequence) allowing every token, and (worker 0) the step's rows no matcher masks
+        allowing every token. The step before is fed first if it was published (its ids
+        may still be on their way), else dropped."""
         layout = self.layout
         slot = step % FILL_SLOTS
         rows, count, published = (int(v) for v in layout.requests[slot])
-        ids = layout.request_ids[slot, :count].copy()
-        masked = layout.request_rows[slot, :count].copy()
+        ids = layout.request_ids[slot, :count]
+        masked = layout.request_rows[slot, :count]
+        free = np.zeros(rows, dtype=bool)
+        if self.index == 0:
+            free[:] = True
+            free[masked] = False
+        if layout.workers > 1:
+            mine = ids % layout.workers == self.index
+            ids, masked = ids[mine], masked[mine]
+        else:
+            ids, masked = ids.copy(), masked.copy()
         self.taken = step
-        layout.header[FILLS_TAKEN] = step  # the slot is free again
+        self.lane[FILLS_TAKEN] = step  # the slot is free again (once every lane took it)
         pending = self.pending
         if pending is not None:
             if pending[0] > published or not self._await_stamp(pending[0]):
@@ -250,14 +275,15 @@ class Worker:
             else:
                 self.feed(*pending)
         pairs = self._live_pairs(ids, masked)
-        free = np.ones(rows, dtype=bool)
-        free[[row for _, row in pairs]] = False
+        if len(pairs) < len(masked):
+            free[masked] = True
+            free[[row for _, row in pairs]] = False
         layout.masks[:rows][free] = -1
         if pairs:
             self.executor.unsafe_compute_mask_ptr(
                 pairs, layout.masks.__array_interface__["data"][0], 4 * layout.words,
                 layout.rows)
-        layout.header[MASKS_READY] = step
+        self.lane[MASKS_READY] = step
         self.pending = (step, ids, masked, pairs, self.messages)
 
     def _live_pairs(self, ids: np.ndarray, rows: np.ndarray) -> list[tuple[object, int]]:
@@ -285,9 +311,9 @@ class Worker:
 
     def feed(self, step: int, ids: np.ndarray, rows: np.ndarray,
              pairs: list[tuple[object, int]] | None = None, messages: int = -1) -> None:
-        """Each row's sampled id (published) to its matcher. `pairs`: the step's fill's
-        live matchers and rows, as of `messages` (when every row had one and no message
-        came since, they are the matchers to feed)."""
+        """Each of this worker's rows' sampled id (published) to its matcher. `pairs`: the
+        step's fill's live matchers and rows, as of `messages` (when every row had one and
+        no message came since, they are the matchers to feed)."""
         self.pending = None
         layout = self.layout
         tokens = layout.tokens
@@ -316,5 +342,5 @@ class Worker:
         self.live = (ids, rows, [pair for pair, v in zip(pairs, said) if v == TAKEN],
                      self.messages)
         if (verdicts[rows] != TAKEN).any():
-            layout.header[NOTED + step % 2] = step
-        layout.header[FED] = step
+            self.lane[NOTED + step % 2] = step
+        self.lane[FED] = step
