@@ -224,6 +224,30 @@ def test_grammar_threads_sets_the_workers_thread_count():
     assert counts[1] - counts[0] == 4, counts
 
 
+def test_two_workers_share_out_the_librarys_threads():
+    """With `grammar_threads` 0 and two workers each worker's library runs
+    `worker_threads` threads: as many as one given that number, more than one given 1
+    where the host has CPUs for it."""
+    from infer.engine.grammar_process import GrammarProcess, worker_threads
+    from infer.engine.structured_output import StructuredOutputs
+
+    tokenizer = ours("smollm2")
+    grammar = StructuredOutputs(tokenizer, tokenizer.vocab_size, 1).compile(
+        StructuredOutputsParams(regex="ab"))
+    share = worker_threads(len(os.sched_getaffinity(0)), 2)
+    counts = []
+    for threads in (0, share, 1):
+        process = GrammarProcess(tokenizer, tokenizer.vocab_size, 2, torch.device("cpu"),
+                                 threads, workers=2)
+        try:
+            process.masks(2, [(0, process.matcher(grammar)), (1, process.matcher(grammar))])
+            counts.append([len(os.listdir(f"/proc/{p.pid}/task")) for p in process.processes])
+        finally:
+            process.close()
+    assert counts[0] == counts[1], counts
+    assert [a - b for a, b in zip(counts[0], counts[2])] == [share - 1] * 2, counts
+
+
 @pytest.mark.parametrize("apart", [False, True])
 def test_grammar_worker_apart_keeps_the_worker_off_the_loops_core(apart):
     """`EngineConfig.grammar_worker_apart`: the worker (and the library's threads it starts)

@@ -179,8 +179,8 @@ class EngineConfig:
     grammar_threads: int = knob(
         0, "threads the grammar library fills a step's token masks on (and a grammar "
         "worker feeds tokens on, from FEED_PAR_ROWS rows), in each grammar worker: 0 = the "
-        "library's default (80 % of the CPUs, at most 32; shared out among the "
-        "`grammar_workers`), which may crowd the step loop's own CPU on a small host")
+        "library's default (80 % of the CPUs, at most 32) with one worker or none, and with "
+        "more half of that shared out among them (3 each for two on 16 CPUs)")
     max_waiting_requests: int | None = knob(
         None, "most requests waiting to be scheduled (the server answers 503 beyond); "
         "default: unbounded")

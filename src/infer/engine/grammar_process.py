@@ -85,8 +85,8 @@ class Verdicts:
 class GrammarProcess:
     """The grammar workers (`workers` processes; None: `default_workers`) for one tokenizer
     and logits width, masks for up to `rows` rows a step, on `device`; each worker's
-    library on `threads` threads (0: the library's default, shared out among the workers),
-    on `cpus` (None: any of this process's)."""
+    library on `threads` threads (0: the library's default with one worker, else
+    `worker_threads`), on `cpus` (None: any of this process's)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, rows: int,
                  device: torch.device, threads: int = 0, cpus: set[int] | None = None,
@@ -109,7 +109,7 @@ class GrammarProcess:
             self._stream_ops = StreamMemoryOps()
             self._register()
         if workers > 1 and not threads:
-            threads = max(1, _library_threads(available) // workers)
+            threads = worker_threads(available, workers)
         self.processes: list[subprocess.Popen] = []
         self._pipes: list[Connection] = []
         tokenizer_json = library_tokenizer_json(tokenizer)
@@ -323,9 +323,13 @@ def default_workers(cpus: int) -> int:
     return 2 if cpus >= 8 else 1
 
 
-def _library_threads(cpus: int) -> int:
-    """The grammar library's default thread count on `cpus` CPUs (80 %, at most 32)."""
-    return max(1, min(32, cpus * 4 // 5))
+def worker_threads(cpus: int, workers: int) -> int:
+    """Each of `workers` (more than one) grammar workers' library threads on `cpus` CPUs:
+    half the library's own default (80 % of the CPUs, at most 32) shared out among them,
+    the rest left to their spinning threads and the step loop (on an H200's host of 16,
+    3 threads each: a 256-row JSON-schema step 2.04-2.30 ms in five runs, against
+    1.99-3.59 ms in nine with 6 each: docs/performance.md, "Eighteenth pass")."""
+    return max(1, min(32, cpus * 4 // 5) // 2 // workers)
 
 
 def _start_worker(steps: Connection) -> subprocess.Popen:

@@ -21,12 +21,12 @@ They share one block of memory (`SharedLayout`), registered with CUDA by the loo
   int32 in the grammar library's layout.
 
 A step costs the loop no message: it writes the fill into its slot and then `fills`,
-which the worker watches, taking the steps in order. A filled step's ids are taken, for
-the rows it named, once `tokens_stamp` reaches it. Messages, on one pipe and in order,
-come from the thread that compiles grammars, ("make", id, grammar) (no answer: a matcher
-the library refuses gets the verdict FAILED), and from the loop, ("drop", ids); the worker
-reads every message sent before a fill before it takes the fill, so a fill never names a
-matcher the worker has not made. A step's rows that are not masked allow every token
+which the workers watch, taking the steps in order. A filled step's ids are taken, for the
+rows it named, once `tokens_stamp` reaches it. Messages, on each worker's own pipe and in
+order, come from the thread that compiles grammars, ("make", id, grammar) (no answer: a
+matcher the library refuses gets the verdict FAILED), and from the loop, ("drop", ids); a
+worker reads every message sent before a fill before it takes the fill, so a fill never
+names a matcher it has not made. A step's rows that are not masked allow every token
 (worker 0 writes them).
 `published` is the last step whose ids the loop has had the device publish: a step filled
 but never published (its launch failed) is past it when the next fill comes, and is
