@@ -318,8 +318,9 @@ class GrammarProcess:
 
 def default_workers(cpus: int) -> int:
     """Grammar workers on `cpus` CPUs: two where there are 8 or more (on an H200's host of
-    16, a 256-row JSON-schema step 1.08x a plain one with two, 1.29-1.39x with one and
-    1.13x with four: docs/performance.md, "Eighteenth pass"), else one."""
+    16, a 256-row JSON-schema step 1.14x a plain one in the median of five runs with two,
+    1.25-1.39x with one, 1.13-1.15x with three or four: docs/performance.md, "Eighteenth
+    pass"), else one."""
     return 2 if cpus >= 8 else 1
 
 
