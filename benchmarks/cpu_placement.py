@@ -1,7 +1,7 @@
-"""Where the step loop and the grammar worker run on the host's CPUs (Linux).
+"""Where the step loop and the grammar workers run on the host's CPUs (Linux).
 
-`apart(worker_pid)` puts the calling thread (the step loop) on one CPU and every other
-thread of this process and of the worker on the CPUs outside that CPU's physical core
+`apart(worker_pids)` puts the calling thread (the step loop) on one CPU and every other
+thread of this process and of the workers on the CPUs outside that CPU's physical core
 (its hyperthread siblings excluded), so that no spinning or filling thread shares the
 loop's core. A benchmark runs with and without it to see what sharing costs.
 """
@@ -23,8 +23,9 @@ def _threads(pid: int) -> list[int]:
     return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
 
 
-def apart(worker_pid: int) -> dict:
-    """Pin as the module docstring says; returns what was done, or why not."""
+def apart(worker_pids: list[int]) -> dict:
+    """Pin as the module docstring says (`worker_pids`: the grammar workers'); returns what
+    was done, or why not."""
     cpus = sorted(os.sched_getaffinity(0))
     loop_cpu = cpus[0]
     rest = cpus_off_core(loop_cpu)
@@ -32,7 +33,8 @@ def apart(worker_pid: int) -> dict:
         return {"pinned": False, "why": f"no CPU off CPU {loop_cpu}'s core", "cpus": cpus}
     loop = threading.get_native_id()
     os.sched_setaffinity(loop, {loop_cpu})
-    others = [tid for tid in _threads(os.getpid()) if tid != loop] + _threads(worker_pid)
+    others = [tid for tid in _threads(os.getpid()) if tid != loop]
+    others += [tid for pid in worker_pids for tid in _threads(pid)]
     for tid in others:
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
             os.sched_setaffinity(tid, rest)

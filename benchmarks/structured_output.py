@@ -99,7 +99,7 @@ def main() -> None:
         worker = llm.engine.core._grammar_process
         if worker is None:
             p.error("--cpus-apart needs the grammar worker (grammar_process=true)")
-        placement = cpu_placement.apart(worker.process.pid)
+        placement = cpu_placement.apart([process.pid for process in worker.processes])
     print(f"CPU placement: {placement}", flush=True)
     constraints = {"none": None,
                    "regex [a-z ]+": StructuredOutputsParams(regex="[a-z ]+"),

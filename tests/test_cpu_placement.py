@@ -45,7 +45,7 @@ def test_the_loop_gets_a_core_and_everything_else_stays_off_it():
     result: dict = {}
 
     def loop() -> None:
-        result["placement"] = placement.apart(worker.pid)
+        result["placement"] = placement.apart([worker.pid])
         result["mine"] = os.sched_getaffinity(0)
 
     try:
