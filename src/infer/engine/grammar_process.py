@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from infer.engine.cpu_threads import usable_cores
 from infer.engine.grammar_worker import (
     FAILED,
     FED,
@@ -92,7 +93,7 @@ class GrammarProcess:
                  device: torch.device, threads: int = 0, cpus: set[int] | None = None,
                  workers: int | None = 1) -> None:
         self.vocab_size, self.rows, self.device = vocab_size, rows, device
-        available = len(cpus or os.sched_getaffinity(0))
+        available = len(cpus) if cpus else usable_cores()
         workers = workers or default_workers(available)
         words = (vocab_size + 31) // 32
         name = f"infer-grammar-{os.getpid()}-{id(self):x}"

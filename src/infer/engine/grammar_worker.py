@@ -261,11 +261,8 @@ class Worker:
         if self.index == 0:
             free[:] = True
             free[masked] = False
-        if layout.workers > 1:
-            mine = ids % layout.workers == self.index
-            ids, masked = ids[mine], masked[mine]
-        else:
-            ids, masked = ids.copy(), masked.copy()
+        mine = ids % layout.workers == self.index  # copies: the loop may rewrite the slot
+        ids, masked = ids[mine], masked[mine]
         self.taken = step
         self.lane[FILLS_TAKEN] = step  # the slot is free again (once every lane took it)
         pending = self.pending
