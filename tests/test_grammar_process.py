@@ -116,6 +116,23 @@ def test_by_default_a_cpu_engine_keeps_the_matchers_on_its_loop():
     assert re.fullmatch("[a-c]+", out.outputs[0].text)
 
 
+def test_by_default_two_workers_on_eight_cpus_or_more_else_one():
+    """`grammar_workers` None: two workers where the engine may run on 8 CPUs or more (a
+    host of 16: 2; of 4: 1), as an engine on this host starts them."""
+    from infer.engine.cpu_threads import usable_cores
+    from infer.engine.grammar_process import default_workers
+
+    assert [default_workers(n) for n in (1, 4, 7, 8, 16, 64)] == [1, 1, 1, 2, 2, 2]
+    llm = _llm(True)
+    try:
+        llm.generate([PROMPT], [SamplingParams(max_tokens=2, structured_outputs=(
+            StructuredOutputsParams(regex="[a-z]+")))], use_tqdm=False)
+        processes = llm.engine.core._grammar_process.processes
+        assert len(processes) == (2 if usable_cores() >= 8 else 1)
+    finally:
+        llm.engine.shutdown()
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_dead_worker_ends_the_constrained_sequences_only(workers):
     """One worker of `workers` killed: every constrained sequence ends with an error (the
