@@ -3,15 +3,17 @@ matchers live in those processes, and a constrained step costs the loop no messa
 few queued device operations instead of the grammar work itself.
 
 A step s with constrained rows, on CUDA: `masks` writes the fill of s into the shared block
-(no message: the workers watch for it) and queues a stream wait for each worker's
-`masks_ready >= s` (a CUDA stream memory operation on the block) and the masks' copy from
-the block; the sampler applies them in its own pass. After the sampling, `publish` queues
-the sampled ids' copy into the block and a stream write of the stamp s, which the workers
-watch for. The loop reads the workers' verdicts on s (a grammar finished, a token
-refused, a matcher the library would not make) when it accounts s. On the CPU the loop
-waits for the masks itself and writes the ids. The device's side goes through the
-driver's entry points directly: torch's copies and stream lookups cost the loop more
-than the work they queue.
+(no message: the workers watch for it) and queues, on a stream of its own, a wait for each
+worker's `masks_ready >= s` (a CUDA stream memory operation on the block) and the masks'
+copy from the block, which the step's stream waits for (an event) before it samples: the
+copy runs beside the forward, not after it. The sampler applies the masks in its own
+pass. After the sampling, `publish` queues the sampled ids' copy into the block and a
+stream write of the stamp s, which the workers watch for, and an event the next step's
+copy waits for (one buffer of masks on the device). The loop reads the workers' verdicts
+on s (a grammar finished, a token refused, a matcher the library would not make) when it
+accounts s. On the CPU the loop waits for the masks itself and writes the ids. The
+device's side goes through the driver's entry points directly: torch's copies and stream
+lookups cost the loop more than the work they queue.
 
 A stream wait has no time limit, so a watchdog thread ends the workers once one has
 exited or left a step's masks unfilled for WORKER_WAIT_S, and then releases the device's
@@ -149,6 +151,12 @@ class GrammarProcess:
             raise RuntimeError("the grammar worker's block is not pinned after registering")
         self._device_masks = torch.empty(self._host_masks.shape, dtype=torch.int32,
                                          device=self.device)
+        # The masks' wait and copy go on a stream of their own, so that they run while the
+        # step's forward does: `masks_copied` orders the sampling after them, `masks_used`
+        # (recorded after a step's sampling) the next copy after that sampling.
+        self._copy_stream = torch.cuda.Stream(self.device)
+        self._masks_copied = self._stream_ops.event()
+        self._masks_used = self._stream_ops.event()
         self._device_index = torch.cuda._utils._get_device_index(self.device, optional=True)
 
     # -- matchers (from the thread that compiles grammars) ----------------------------
@@ -191,10 +199,14 @@ class GrammarProcess:
             return step, torch.from_numpy(layout.masks[:rows])
         ops, masks = self._stream_ops, self._device_masks[:rows]
         self._stream = stream = torch._C._cuda_getCurrentRawStream(self._device_index)
+        copy = self._copy_stream.cuda_stream
+        ops.wait_event(copy, self._masks_used)
         for masks_ready in self._masks_ready:
-            ops.wait_at_least(stream, masks_ready, step)
-        ops.copy_to_device(stream, masks.data_ptr(), self._host_masks.data_ptr(),
+            ops.wait_at_least(copy, masks_ready, step)
+        ops.copy_to_device(copy, masks.data_ptr(), self._host_masks.data_ptr(),
                            masks.numel() * 4)
+        ops.record(self._masks_copied, copy)
+        ops.wait_event(stream, self._masks_copied)
         return step, masks
 
     def publish(self, step: int, token_ids: torch.Tensor) -> None:
@@ -208,6 +220,7 @@ class GrammarProcess:
             else:
                 self._host_tokens[:n].copy_(token_ids, non_blocking=True)
             self._stream_ops.write(self._stream, self._tokens_stamp, step)
+            self._stream_ops.record(self._masks_used, self._stream)
         else:
             self.layout.tokens[:n] = token_ids.numpy()
             self.layout.header[TOKENS_STAMP] = step
@@ -315,6 +328,8 @@ class GrammarProcess:
         if self._on_cuda:
             torch.cuda.synchronize(self.device)  # nothing queued uses the block any more
             torch.cuda.cudart().cudaHostUnregister(self._registered)
+            for event in (self._masks_copied, self._masks_used):
+                self._stream_ops.destroy(event)
 
 
 def default_workers(cpus: int) -> int:
@@ -357,6 +372,7 @@ class StreamMemoryOps:
 
     WAIT_GEQ = 0x0
     WRITE_DEFAULT = 0x0  # ordered after the stream's earlier work, with a memory barrier
+    EVENT_DISABLE_TIMING = 0x2
 
     def __init__(self) -> None:
         self._driver = driver = ctypes.CDLL("libcuda.so.1")
@@ -364,6 +380,12 @@ class StreamMemoryOps:
         self._write = self._entry(driver, "cuStreamWriteValue64")
         self._to_device = self._copy_entry(driver, "cuMemcpyHtoDAsync_v2")
         self._to_host = self._copy_entry(driver, "cuMemcpyDtoHAsync_v2")
+        self._record = driver.cuEventRecord  # (event, stream)
+        self._record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._record.restype = ctypes.c_int
+        self._wait_event = driver.cuStreamWaitEvent  # (stream, event, flags)
+        self._wait_event.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        self._wait_event.restype = ctypes.c_int
 
     def device_pointer(self, host_address: int) -> int:
         """The device's address of registered host memory."""
@@ -398,6 +420,28 @@ class StreamMemoryOps:
 
     def wait_at_least(self, stream: int, address: int, value: int) -> None:
         self._check(self._wait(stream, address, value, self.WAIT_GEQ), "wait")
+
+    def destroy(self, event: int) -> None:
+        fn = self._driver.cuEventDestroy_v2
+        fn.argtypes = [ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        self._check(fn(event), "event destroy")
+
+    def event(self) -> int:
+        """A new event without timing (its handle; it lives as long as the context)."""
+        fn = self._driver.cuEventCreate
+        fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        event = ctypes.c_void_p()
+        self._check(fn(ctypes.byref(event), self.EVENT_DISABLE_TIMING), "event")
+        return event.value
+
+    def record(self, event: int, stream: int) -> None:
+        self._check(self._record(event, stream), "event record")
+
+    def wait_event(self, stream: int, event: int) -> None:
+        """The stream's later work waits for the event's last record (none: no wait)."""
+        self._check(self._wait_event(stream, event, 0), "event wait")
 
     def write(self, stream: int, address: int, value: int) -> None:
         self._check(self._write(stream, address, value, self.WRITE_DEFAULT), "write")
