@@ -18,8 +18,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from infer.attention.metadata import AttentionMetadata, new_token_slots, pack_block_tables
+from infer.attention.metadata import AttentionMetadata, new_token_slots
 from infer.attention.step_staging import StepStaging, write_rows
+from infer.attention.table_packer import TablePacker
 from infer.kernels import triton_available
 
 
@@ -53,6 +54,7 @@ class GraphMetadata:
                                             device=device) * query_len
         self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32,
                                         device=device)
+        self._tables = TablePacker(max_batch, max_blocks_per_seq)
 
     def metadata(self, batch: int) -> AttentionMetadata:
         """What a graph of `batch` sequences is captured with: views of the buffers."""
@@ -82,7 +84,7 @@ class GraphMetadata:
         write_rows(i64[1:], token_rows, tokens)
         i32[:n] = seq_lens
         i32[n:batch] = q
-        width = pack_block_tables(block_tables, batch, i32[self.max_batch:])
+        width = self._tables.pack(block_tables, batch, i32[self.max_batch:])
         if q == 1:  # the common case, in numpy
             tables = i32[self.max_batch:self.max_batch + batch * width].reshape(batch, width)
             last = i32[:n].astype(np.int64) - 1

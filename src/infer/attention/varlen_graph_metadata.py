@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from infer.attention.metadata import AttentionMetadata, new_token_slots, pack_block_tables
+from infer.attention.metadata import AttentionMetadata, new_token_slots
 from infer.attention.step_staging import StepStaging, write_rows
+from infer.attention.table_packer import TablePacker
 
 
 class VarlenGraphMetadata:
@@ -46,6 +47,7 @@ class VarlenGraphMetadata:
         self.seq_lens = self.staging.i32[2 * seqs + 2:3 * seqs + 2]
         self.block_tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32,
                                         device=device)
+        self._tables = TablePacker(max_seqs, max_blocks_per_seq)
 
     def fits(self, query_lens: list[int]) -> bool:
         return (0 < len(query_lens) <= self.max_seqs and sum(query_lens) <= self.max_tokens
@@ -90,5 +92,5 @@ class VarlenGraphMetadata:
         i32[2 * seqs + 2:2 * seqs + 2 + n] = seq_lens
         i32[2 * seqs + 2 + n:3 * seqs + 2] = 0
         at = 3 * seqs + 2
-        width = pack_block_tables(block_tables, n, i32[at:])
+        width = self._tables.pack(block_tables, n, i32[at:])
         self.staging.send_with_tables(at, n, width, self.block_tables)

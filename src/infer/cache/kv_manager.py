@@ -100,7 +100,8 @@ class KVCacheManager:
         keep = self.blocks_needed(num_tokens)
         assert keep >= len(self._keys[request_id])
         self.pool.release(table[keep:][::-1])
-        del table[keep:]
+        # A new list, not the old one cut: a table list only grows (TablePacker's rule)
+        self.tables[request_id] = table[:keep]
 
     def commit_computed(self, request_id: str, token_ids: Sequence[int], num_computed: int):
         """Register the request's newly full blocks in the prefix cache."""
