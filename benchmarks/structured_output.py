@@ -14,10 +14,11 @@ from the first request added to the last finished, admission and prefill include
 its steps.
 
     python benchmarks/structured_output.py --tokenizer DIR [--batches 1 32 256] [--rounds 5]
-        [--engine grammar_process=true] [--stall-dump-ms 150] [--cpus-apart]
+        [--engine grammar_process=true] [--stall-dump-ms 150] [--cpus-apart] [--loop-phases]
 
 With the grammar worker on (the default with CUDA), the loop's own time in its calls
-(queueing a step's masks, handing over its ids, reading the verdicts) is printed as well.
+(queueing a step's masks, handing over its ids, reading the verdicts) is printed as well;
+with --loop-phases, the loop's host time in each phase of a step (`loop_phases.py`).
 
 Prints one table and writes benchmarks/results/structured_output_<device>.json.
 """
@@ -39,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import cpu_placement
+import loop_phases
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 10},
@@ -74,6 +76,8 @@ def main() -> None:
     p.add_argument("--cpus-apart", action="store_true",
                    help="the step loop on one CPU, every other thread (the grammar "
                    "worker's too) off that CPU's physical core (cpu_placement.py; Linux)")
+    p.add_argument("--loop-phases", action="store_true",
+                   help="time the step loop's phases in the timed runs (loop_phases.py)")
     common.add_common_args(p)
     args = p.parse_args()
     from infer import SamplingParams, StructuredOutputsParams
@@ -87,6 +91,7 @@ def main() -> None:
     # handed back at exit, so that Triton's bindings see their objects freed
     atexit.register(gc.unfreeze)
     worker_calls = _time_worker_calls()  # stays empty where the worker is off
+    phases = loop_phases.LoopPhases() if args.loop_phases else None
     _watch_compiles()
     person = [SamplingParams(max_tokens=64, temperature=0.8, seed=i,
                              structured_outputs=StructuredOutputsParams(json=PERSON))
@@ -121,8 +126,12 @@ def main() -> None:
         names = list(constraints)
         for r in range(args.rounds):  # interleaved, the order turned each round
             for name in names[r % len(names):] + names[:r % len(names)]:
+                if phases is not None:
+                    phases.label = f"{batch} {name}"
                 runs[name].append(_timed_run(llm.engine, prompts, params[name],
                                              args.output_len // 2, args.stall_dump_ms / 1e3))
+                if phases is not None:
+                    phases.label = None
         for name, measured in runs.items():
             decode = sorted(m["decode_ms"] for m in measured)
             whole = sorted(m["whole_ms"] for m in measured)
@@ -169,9 +178,10 @@ def main() -> None:
     for name, ms in ttft.items():
         print(f"| {name} | {ms:.2f} |")
     calls = _worker_call_table(worker_calls, args.batches) if worker_calls else []
+    loop = phases.table() if phases is not None else []
     common.write_results("structured_output", args, {
         "json_stopped": len(stopped), "json_valid": valid, "rows": rows, "ttft_ms": ttft,
-        "grammar_worker_calls": calls, "cpu_placement": placement})
+        "grammar_worker_calls": calls, "cpu_placement": placement, "loop_phases": loop})
 
 
 COMPILED: list[str] = []  # Triton kernels compiled in this process, in order
