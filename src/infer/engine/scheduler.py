@@ -27,6 +27,10 @@ from typing import NamedTuple
 from infer.cache.kv_manager import KVCacheManager
 from infer.engine.request import Request, RequestStatus
 
+# Builds a named tuple from all its fields at half the cost of its constructor (the
+# scheduler builds one per row per step): `_tuple(ScheduledRequest, (every field))`.
+_tuple = tuple.__new__
+
 
 class ScheduledRequest(NamedTuple):
     """One request's share of a step, as it stood when the step was planned (a tuple:
@@ -246,7 +250,7 @@ class Scheduler:
                 return None
             if len(tables[rid]) * block_size <= pos and not allocate(rid, pos + 1):
                 return None  # (the next slot not in the last block: a block more)
-            out.append(ScheduledRequest(rid, pos, 1, True, None))
+            out.append(_tuple(ScheduledRequest, (rid, pos, 1, True, None, ())))
             budget -= 1
         rest = [(r, prev_end.get(r.request_id, r.num_computed_tokens)) for r in self.running
                 if r.request_id not in sampled]
@@ -298,13 +302,17 @@ class Scheduler:
                 continue
             if len(tokens) == 1:  # a decode row's one token: the common case, first
                 token = tokens[0]
-                request.output_token_ids.append(token)
-                stop = _token_stop(request, token)
-                if stop is None:
-                    updates.append(RequestUpdate(rid, tokens))
-                else:
-                    self.finish(request, *stop)
-                    updates.append(RequestUpdate(rid, tokens, *stop))
+                output = request.output_token_ids
+                output.append(token)
+                n = len(output)
+                if n < request.max_new_tokens and (
+                        n < request.min_tokens or (token not in request.stop_token_ids
+                                                   and token not in request.eos_token_ids)):
+                    updates.append(_tuple(RequestUpdate, (rid, tokens, None, None)))
+                    continue
+                stop = _token_stop(request, token)  # (not None: the test above)
+                self.finish(request, *stop)
+                updates.append(RequestUpdate(rid, tokens, *stop))
                 continue
             kept: list[int] = []
             stop = None
