@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -186,6 +187,23 @@ def _constrained(seqs: list[_Sequence]
             if seq.grammar is not None and not seq.grammar.terminated]
 
 
+def _same_rows_again(batch: SamplingBatch, min_rows: list[int], seqs: list[_Sequence],
+                     pending: Collection[str]) -> SamplingBatch | None:
+    """`batch` (built for the same rows, `seqs`) for this step: its seeded rows at their
+    new positions; None if a row of `min_rows` still bans its stop tokens (then the batch
+    is built anew)."""
+    for row in min_rows:
+        seq = seqs[row]
+        request = seq.request
+        if len(request.output_token_ids) + (request.request_id in pending) < seq.params.min_tokens:
+            return None
+    if not batch.seeded_rows:
+        return batch
+    positions = [len((request := seqs[row].request).output_token_ids)
+                 + (request.request_id in pending) for row, _, _ in batch.seeded_rows]
+    return batch.at_seeded_positions(positions)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model: nn.Module, model_config: ModelConfig,
                  device: torch.device, dtype: torch.dtype, max_model_len: int,
@@ -239,8 +257,9 @@ class EngineCore:
         self._compiling: dict[str, _Compiling] = {}  # waiting for their grammars
         self.compile_thread = CompileThread()
         self._in_flight: _StepInFlight | None = None
-        # The last sampling batch that only its rows' params decide, and those rows
-        self._last_batch: tuple[list[_Sequence], SamplingBatch] | None = None
+        # The last sampling batch that only its rows' params decide, those rows, and the
+        # rows among them with a min_tokens (whose bans may still apply)
+        self._last_batch: tuple[list[_Sequence], SamplingBatch, list[int]] | None = None
         self.num_steps = 0
         self.num_steps_launched_ahead = 0
         self.num_discarded_tokens = 0  # sampled for a sequence that stopped or was aborted
@@ -910,6 +929,12 @@ class EngineCore:
         """`pending`: the sequences with a sampled token not in their output yet (the step
         in flight samples one for each); `drafted[i]`: the drafts before row i's position
         (a verify step's row samples after them: they count for its penalties)."""
+        last = self._last_batch
+        if (last is not None and not drafted and len(last[0]) == len(seqs)
+                and all(map(operator.is_, last[0], seqs))):  # the same rows as before
+            batch = _same_rows_again(last[1], last[2], seqs, pending)
+            if batch is not None:
+                return batch
         outputs = [seq.request.output_token_ids for seq in seqs]
         if drafted:
             outputs = [out + extra if extra else out for out, extra in zip(outputs, drafted)]
@@ -917,16 +942,15 @@ class EngineCore:
                      for out, seq in zip(outputs, seqs)]
         banned = [[*self.eos_token_ids, *seq.params.stop_token_ids]
                   if n_out < seq.params.min_tokens else [] for n_out, seq in zip(positions, seqs)]
-        last = self._last_batch
-        if (last is not None and not drafted and not any(banned) and len(last[0]) == len(seqs)
-                and all(a is b for a, b in zip(last[0], seqs))):
-            return last[1].at_positions(positions)  # the same rows as the step before
         batch = SamplingBatch.build(
             [s.params for s in seqs], [s.request.prompt_token_ids for s in seqs], outputs,
             vocab_size=self.model_config.vocab_size, device=self.device, banned=banned,
             positions=positions,
         )
-        self._last_batch = (seqs, batch) if batch.reusable and not drafted else None
+        self._last_batch = None
+        if batch.reusable and not drafted:  # (reusable: nothing banned)
+            min_rows = [row for row, seq in enumerate(seqs) if seq.params.min_tokens]
+            self._last_batch = (seqs, batch, min_rows)
         return batch
 
     # -- counters --------------------------------------------------------------------

@@ -101,12 +101,17 @@ class SamplingBatch:
         assert self.reusable
         if not self.seeded_rows:
             return self
-        moves = {positions[row] - position for row, _, position in self.seeded_rows}
+        return self.at_seeded_positions([positions[row] for row, _, _ in self.seeded_rows])
+
+    def at_seeded_positions(self, positions: list[int]) -> SamplingBatch:
+        """`at_positions`, given the seeded rows' positions only (in `seeded_rows`' order)."""
+        assert self.reusable and len(positions) == len(self.seeded_rows)
+        rows = [(row, seed, now) for (row, seed, _), now in zip(self.seeded_rows, positions)]
+        moves = {now - then for now, (_, _, then) in zip(positions, self.seeded_rows)}
         shift = self.position_shift + moves.pop() if len(moves) == 1 else -1
         kept = self.modes is not None and 0 <= shift < 2**31
-        return replace(self, seeded_rows=[(row, seed, positions[row])
-                                          for row, seed, _ in self.seeded_rows],
-                       modes=self.modes if kept else None, position_shift=shift if kept else 0)
+        return replace(self, seeded_rows=rows, modes=self.modes if kept else None,
+                       position_shift=shift if kept else 0)
 
     @classmethod
     def build(
