@@ -183,8 +183,9 @@ def test_a_seeded_rows_position_is_its_entry_plus_the_shift():
 
 
 def test_a_reused_batch_draws_what_a_new_one_would():
-    """The engine's next step takes the same rows' batch again (`at_positions`): its modes
-    stay on the device, shifted; the tokens are those of a batch built afresh there."""
+    """The engine's next step takes the same rows' batch again (`at_seeded_positions`, the
+    seeded rows 0 and 2 given their positions): its modes stay on the device, shifted; the
+    tokens are those of a batch built afresh there."""
     from infer.engine.sampler import SamplingBatch, _fused_race
     from infer.sampling_params import SamplingParams as P
 
@@ -194,7 +195,7 @@ def test_a_reused_batch_draws_what_a_new_one_would():
     first = SamplingBatch.build(params, [[]] * 3, [[1] * 4, [], [2] * 7], v, DEVICE)
     _fused_race(x, first)
     for step in (1, 2, 9):
-        reused = first.at_positions([4 + step, 0, 7 + step])
+        reused = first.at_seeded_positions([4 + step, 7 + step])
         assert reused.modes is first.modes and reused.position_shift == step
         fresh = SamplingBatch.build(params, [[]] * 3, [[1] * (4 + step), [], [2] * (7 + step)],
                                     v, DEVICE)
@@ -202,7 +203,7 @@ def test_a_reused_batch_draws_what_a_new_one_would():
         got = _fused_race(x, reused).cpu()
         torch.manual_seed(step)
         assert torch.equal(got, _fused_race(x, fresh).cpu()), step
-    assert first.at_positions([6, 0, 8]).modes is None  # rows that moved apart: made again
+    assert first.at_seeded_positions([6, 8]).modes is None  # rows that moved apart: made again
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="kernels compile on a GPU only")

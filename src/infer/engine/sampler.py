@@ -87,25 +87,20 @@ class SamplingBatch:
     num_logprobs: int  # K: max over rows of SamplingParams.logprobs (0: no top-K)
     want_logprobs: bool  # some row set SamplingParams.logprobs (0 included)
     # Nothing in it depends on the rows' outputs (no bans, no penalties): the same rows'
-    # next step may take it again, with their new positions (`at_positions`).
+    # next step may take it again, with their new positions (`at_seeded_positions`).
     reusable: bool = False
     # The fused race's per-row (mode, seed, position) on the device, made by its first
     # step; a seeded row's position there plus `position_shift` is its position now.
     modes: torch.Tensor | None = None
     position_shift: int = 0
 
-    def at_positions(self, positions: list[int]) -> SamplingBatch:
-        """This batch for the same rows generating the tokens at `positions` (a reusable
-        batch: only its seeded rows' positions change; where all move by as much, the
-        modes on the device stay, shifted)."""
-        assert self.reusable
+    def at_seeded_positions(self, positions: list[int]) -> SamplingBatch:
+        """This batch for the same rows, its seeded rows generating the tokens at
+        `positions` (in `seeded_rows`' order; a reusable batch: nothing else changes; where
+        all move by as much, the modes on the device stay, shifted)."""
+        assert self.reusable and len(positions) == len(self.seeded_rows)
         if not self.seeded_rows:
             return self
-        return self.at_seeded_positions([positions[row] for row, _, _ in self.seeded_rows])
-
-    def at_seeded_positions(self, positions: list[int]) -> SamplingBatch:
-        """`at_positions`, given the seeded rows' positions only (in `seeded_rows`' order)."""
-        assert self.reusable and len(positions) == len(self.seeded_rows)
         rows = [(row, seed, now) for (row, seed, _), now in zip(self.seeded_rows, positions)]
         moves = {now - then for now, (_, _, then) in zip(positions, self.seeded_rows)}
         shift = self.position_shift + moves.pop() if len(moves) == 1 else -1

@@ -231,20 +231,22 @@ class Scheduler:
             return None  # admission depends on whether prev ends every running request
         budget = self.max_num_batched_tokens
         out: list[ScheduledRequest] = []
-        prev_end: dict[str, int] = {}
-        sampled: set[str] = set()
+        prev_end: dict[str, int] = {}  # where prev leaves its rows that do not sample
+        sampling = 0  # running requests that prev samples
         requests, allocate, running = self.requests, self.kv.allocate, RequestStatus.RUNNING
         tables, block_size = self.kv.tables, self.kv.block_size
         for rid, start, num_new, samples, _, spec in prev.scheduled:
-            if samples:
-                sampled.add(rid)
             request = requests.get(rid)
             if request is None or request.status is not running:
                 continue  # finished or aborted while prev ran (its id may be reused)
             if spec:
                 return None
-            pos = prev_end[rid] = start + num_new
-            if not samples or len(request.output_token_ids) + 1 >= request.max_new_tokens:
+            pos = start + num_new
+            if not samples:
+                prev_end[rid] = pos
+                continue
+            sampling += 1
+            if len(request.output_token_ids) + 1 >= request.max_new_tokens:
                 continue
             if budget == 0:
                 return None
@@ -252,17 +254,19 @@ class Scheduler:
                 return None  # (the next slot not in the last block: a block more)
             out.append(_tuple(ScheduledRequest, (rid, pos, 1, True, None, ())))
             budget -= 1
-        rest = [(r, prev_end.get(r.request_id, r.num_computed_tokens)) for r in self.running
-                if r.request_id not in sampled]
-        rest.sort(key=lambda rc: rc[0].num_tokens - rc[1] > 1)  # decodes, then prefills
-        for request, start in rest:
-            num_new = self._num_new_tokens(request, budget, start)
-            if num_new == 0:
-                continue
-            if not self.kv.allocate(request.request_id, start + num_new):
-                return None
-            out.append(_plan(request, num_new, start))
-            budget -= num_new
+        if sampling < len(self.running):  # some running request is not one of those
+            sampled = {item.request_id for item in prev.scheduled if item.samples}
+            rest = [(r, prev_end.get(r.request_id, r.num_computed_tokens))
+                    for r in self.running if r.request_id not in sampled]
+            rest.sort(key=lambda rc: rc[0].num_tokens - rc[1] > 1)  # decodes, then prefills
+            for request, start in rest:
+                num_new = self._num_new_tokens(request, budget, start)
+                if num_new == 0:
+                    continue
+                if not self.kv.allocate(request.request_id, start + num_new):
+                    return None
+                out.append(_plan(request, num_new, start))
+                budget -= num_new
         self._admit(budget, out)
         return SchedulerOutput(tuple(out)) if out else None
 
@@ -286,13 +290,14 @@ class Scheduler:
             computed = start + num_new
             if samples:
                 tokens = sampled[rid]
-                rejected = 1 + len(spec) - len(tokens)
-                if not 0 <= rejected <= len(spec):
-                    raise ValueError(f"{rid}: {len(tokens)} tokens accepted from "
-                                     f"{len(spec)} drafts")
-                if rejected:
-                    computed -= rejected
-                    self.kv.trim(rid, computed + request.slots_ahead)
+                if spec or len(tokens) != 1:  # (a decode row's one token: nothing rejected)
+                    rejected = 1 + len(spec) - len(tokens)
+                    if not 0 <= rejected <= len(spec):
+                        raise ValueError(f"{rid}: {len(tokens)} tokens accepted from "
+                                         f"{len(spec)} drafts")
+                    if rejected:
+                        computed -= rejected
+                        self.kv.trim(rid, computed + request.slots_ahead)
                 request.slots_ahead = 0
             request.num_computed_tokens = computed
             if computed // block_size > before // block_size:
