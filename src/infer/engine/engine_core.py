@@ -187,6 +187,9 @@ def _constrained(seqs: list[_Sequence]
             if seq.grammar is not None and not seq.grammar.terminated]
 
 
+_READS_OUTPUT = operator.attrgetter("reads_output")  # (any(map(...)): the scan in C)
+
+
 def _same_rows_again(batch: SamplingBatch, min_rows: list[int], seqs: list[_Sequence],
                      pending: Collection[str]) -> SamplingBatch | None:
     """`batch` (built for the same rows, `seqs`) for this step: its seeded rows at their
@@ -611,7 +614,7 @@ class EngineCore:
                 device_drafts: dict[str, torch.Tensor]) -> _StepInFlight:
         if not seqs:
             return _StepInFlight(out, requests, [], None, None)
-        if any(count > 1 for count in inputs.sample_counts):
+        if max(inputs.sample_counts) > 1:  # (seqs: at least one count)
             return self._launch_verify(out, requests, inputs, logits, device_drafts)
         masked, masks, grammar_step, failure = [], None, 0, None
         if any(seq.grammar is not None for seq in seqs):
@@ -726,7 +729,7 @@ class EngineCore:
             return None
         if self.drafter is not None and len(self.sequences) <= self.config.speculative_max_batch:
             return None  # drafts come from prev's tokens: the next step waits for them
-        if any(seq.reads_output for seq in self.sequences.values()):
+        if any(map(_READS_OUTPUT, self.sequences.values())):
             return None
         plan = self.scheduler.schedule_ahead(prev.out)
         if plan is None:
