@@ -343,3 +343,23 @@ def test_steps_planned_ahead_start_where_the_step_before_ends(seed, prefix, chun
             break
     assert not s.has_unfinished()
     assert s.kv.pool.num_free == 14 and s.kv.tables == {}
+
+
+def test_a_request_updated_at_its_end_only_gets_no_update_before_it():
+    """Tokens that do not end it are appended without an update; the one that ends it (a
+    stop token here, the length limit for the other) comes with its update."""
+    s = make()
+    a = Request("a", [1, 2], 10, stop_token_ids=frozenset({42}), updates_at_end_only=True)
+    b = req("b", 2, max_new=3, updates_at_end_only=True)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    assert s.update(out, {"a": [7], "b": [7]}) == []
+    out = s.schedule()
+    assert s.update(out, {"a": [8], "b": [8]}) == []
+    out = s.schedule()
+    updates = {u.request_id: u for u in s.update(out, {"a": [42], "b": [9]})}
+    assert updates["a"].new_token_ids == [42] and updates["a"].finish_reason == "stop"
+    assert updates["b"].new_token_ids == [9] and updates["b"].finish_reason == "length"
+    assert s.requests == {} and s.kv.pool.num_free == 16
+    assert a.output_token_ids == [7, 8, 42] and b.output_token_ids == [7, 8, 9]

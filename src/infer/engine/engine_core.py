@@ -809,6 +809,8 @@ class EngineCore:
                 if seq.sent and update.finish_reason is None:
                     continue
                 update = update._replace(new_token_ids=seq.unsent())
+                # Its next update that matters is its last (a grammar's end is not a token's)
+                seq.request.updates_at_end_only = seq.grammar is None
             if seq.params.logprobs is None:
                 output = SequenceOutput(rid, update.new_token_ids, None, None,
                                         update.finish_reason, update.stop_reason,

@@ -47,6 +47,9 @@ class Request:
     # Computes its prompt in full, taking no prefix-cache hits (prompt logprobs need the
     # hidden state at every prompt position).
     skip_prefix_cache: bool = False
+    # Wants no update from `Scheduler.update` for a token that does not end it (the
+    # engine's quiet sequences once their first output is out: nothing between is sent).
+    updates_at_end_only: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -278,8 +278,9 @@ class Scheduler:
         tokens go back to the pool. Tokens are appended one by one, stopping at the first
         that ends the request (stop token, EOS after min_tokens, length), which frees its
         blocks. Full blocks of accepted tokens enter the prefix cache. A request aborted
-        while the step ran is skipped. A request that kept all its tokens gets its list
-        of `sampled` as its update's (not copied)."""
+        while the step ran is skipped, and so is a decode row's token that does not end a
+        request with `updates_at_end_only`. A request that kept all its tokens gets its
+        list of `sampled` as its update's (not copied)."""
         updates = []
         requests, block_size = self.requests, self.kv.block_size
         for rid, start, num_new, samples, _, spec in out.scheduled:
@@ -313,7 +314,8 @@ class Scheduler:
                 if n < request.max_new_tokens and (
                         n < request.min_tokens or (token not in request.stop_token_ids
                                                    and token not in request.eos_token_ids)):
-                    updates.append(_tuple(RequestUpdate, (rid, tokens, None, None)))
+                    if not request.updates_at_end_only:
+                        updates.append(_tuple(RequestUpdate, (rid, tokens, None, None)))
                     continue
                 stop = _token_stop(request, token)  # (not None: the test above)
                 self.finish(request, *stop)
