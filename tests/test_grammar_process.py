@@ -310,6 +310,7 @@ def test_a_steps_verdicts_survive_the_worker_feeding_the_next_step(worker):
         time.sleep(1e-3)
     verdicts = process.verdicts(step, first)
     assert verdicts.refused == [] and finishing.terminated and not going_on.terminated
+    assert verdicts.stopped == [0]
     assert process.verdicts(next_step, second).refused == [1]
     process.drop([finishing, going_on])
 

@@ -809,8 +809,9 @@ class EngineCore:
                 if seq.sent and update.finish_reason is None:
                     continue
                 update = update._replace(new_token_ids=seq.unsent())
-                # Its next update that matters is its last (a grammar's end is not a token's)
-                seq.request.updates_at_end_only = seq.grammar is None
+                # Its next update that matters is its last (a grammar that a token finishes
+                # asks for that token's: `_advance_grammars`)
+                seq.request.updates_at_end_only = True
             if seq.params.logprobs is None:
                 output = SequenceOutput(rid, update.new_token_ids, None, None,
                                         update.finish_reason, update.stop_reason,
@@ -904,6 +905,7 @@ class EngineCore:
         if self._grammar_process is None:
             token_ids = token_ids.tolist()
             refused = [row for row, matcher in step.masked if not matcher.accept(token_ids[row])]
+            stopped = [row for row, matcher in step.masked if matcher.terminated]
         else:
             try:
                 if step.grammar_failure is not None:
@@ -911,15 +913,26 @@ class EngineCore:
                 verdicts = self._grammar_process.verdicts(step.grammar_step, step.masked)
             except GrammarWorkerError as exc:
                 return self._fail_constrained(f"{type(exc).__name__}: {exc}")
-            refused, failed = verdicts.refused, verdicts.failed
+            refused, failed, stopped = verdicts.refused, verdicts.failed, verdicts.stopped
         if refused:  # masked sampling only picks allowed tokens: a refusal is a bug
             row = refused[0]
             raise RuntimeError(f"sequence {step.seq_ids[row]}: sampled token "
                                f"{int(token_ids[row])} is not allowed by its grammar")
+        for seq in self._live(step, stopped):  # the step's update ends them ("stop")
+            seq.request.updates_at_end_only = False
         error = "ValueError: structured_outputs: the grammar library could not start on it"
-        ended = [rid for rid in (step.seq_ids[row] for row in failed)
-                 if rid in self.sequences and self.sequences[rid].request is step.requests[rid]]
+        ended = [seq.request.request_id for seq in self._live(step, failed)]
         return self._end_with_error(ended, error)
+
+    def _live(self, step: _StepInFlight, rows: list[int]) -> list[_Sequence]:
+        """The sequences of these rows of `step` that are still those the step ran."""
+        live = []
+        for row in rows:
+            rid = step.seq_ids[row]
+            seq = self.sequences.get(rid)
+            if seq is not None and seq.request is step.requests[rid]:
+                live.append(seq)
+        return live
 
     def _fail_constrained(self, error: str) -> list[SequenceOutput]:
         """End every sequence whose matcher the grammar worker holds (it failed)."""

@@ -84,6 +84,7 @@ class Verdicts:
 
     refused: list[int]  # rows whose token the grammar did not allow (a bug if any)
     failed: list[int]  # rows whose matcher the library would not make
+    stopped: list[int]  # rows whose grammar this token finished
 
 
 class GrammarProcess:
@@ -242,7 +243,7 @@ class GrammarProcess:
         self._check_usable()
         self._wait_for(FED, step, "verdicts")
         self._check_usable()  # the watchdog may have released the step's wait
-        out = Verdicts([], [])
+        out = Verdicts([], [], [])
         if all(lane[NOTED + step % 2] != step for lane in self._lanes):  # every row took it
             return out
         verdicts = self.layout.verdicts[step % 2]
@@ -254,6 +255,7 @@ class GrammarProcess:
                 out.failed.append(row)
             elif verdict == STOPPED:
                 matcher.terminated = True
+                out.stopped.append(row)
         return out
 
     # -- upkeep ------------------------------------------------------------------------
