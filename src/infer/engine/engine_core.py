@@ -779,6 +779,9 @@ class EngineCore:
                     raise RuntimeError(f"sequence {step.spec_ids[i]}: verified tokens "
                                        f"{spec_tokens[i][:spec_counts[i]]} are not allowed "
                                        "by its grammar")
+                if matcher.terminated:  # the step's update ends it ("stop")
+                    for seq in self._live(step, [step.spec_ids[i]]):
+                        seq.request.updates_at_end_only = False
             drafted = {i.request_id: len(i.spec_token_ids) for i in step.out.scheduled}
             for i, (seq_id, tokens, count) in enumerate(
                     zip(step.spec_ids, spec_tokens, spec_counts)):
@@ -918,19 +921,19 @@ class EngineCore:
             row = refused[0]
             raise RuntimeError(f"sequence {step.seq_ids[row]}: sampled token "
                                f"{int(token_ids[row])} is not allowed by its grammar")
-        for seq in self._live(step, stopped):  # the step's update ends them ("stop")
-            seq.request.updates_at_end_only = False
+        for seq in self._live(step, [step.seq_ids[row] for row in stopped]):
+            seq.request.updates_at_end_only = False  # the step's update ends it ("stop")
         error = "ValueError: structured_outputs: the grammar library could not start on it"
-        ended = [seq.request.request_id for seq in self._live(step, failed)]
-        return self._end_with_error(ended, error)
+        ended = [step.seq_ids[row] for row in failed]
+        return self._end_with_error([seq.request.request_id for seq in self._live(step, ended)],
+                                    error)
 
-    def _live(self, step: _StepInFlight, rows: list[int]) -> list[_Sequence]:
-        """The sequences of these rows of `step` that are still those the step ran."""
+    def _live(self, step: _StepInFlight, seq_ids: list[str]) -> list[_Sequence]:
+        """The sequences of these ids that are still those `step` ran."""
         live = []
-        for row in rows:
-            rid = step.seq_ids[row]
-            seq = self.sequences.get(rid)
-            if seq is not None and seq.request is step.requests[rid]:
+        for seq_id in seq_ids:
+            seq = self.sequences.get(seq_id)
+            if seq is not None and seq.request is step.requests[seq_id]:
                 live.append(seq)
         return live
 
