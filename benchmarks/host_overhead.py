@@ -8,8 +8,9 @@ the GPU idles, so it is measured here on a tiny model whose forward is timed apa
         [--engine NAME=VALUE ...] [--stub-device]
 
 With --stub-device the model's forward, its logits and the sampling return fixed tensors
-at once (every row samples token 1000): what is left is the host's own work, free of the
-CPU's matmuls and of the torch sampler's passes over the vocabulary.
+at once (every row samples token 1000, or where a grammar does not allow it the lowest
+token it does): what is left is the host's own work, free of the CPU's matmuls and of
+the torch sampler's passes over the vocabulary.
 
 Prints the split per phase and writes benchmarks/results/host_overhead_<device>.json.
 """
@@ -22,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -145,7 +147,26 @@ def _stub_device(engine, engine_core, rows: int) -> None:
     engine.runner.forward = lambda inputs, ids=None: hidden[:max(1, len(inputs.sample_rows))]
     engine.runner.sample_logits = lambda h, inputs: h
     engine_core.sample = lambda logits, batch, masks=None: SamplerOutput(
-        torch.full((len(logits),), 1000, dtype=torch.int64), None)
+        _stub_tokens(len(logits), masks), None)
+
+
+STUB_TOKEN = 1000
+
+
+def _stub_tokens(rows: int, masks: torch.Tensor | None) -> torch.Tensor:
+    """Token 1000 for every row, or where a grammar's mask does not allow it, the lowest
+    token it allows (`masks`: the sampler's int32 bitmasks, a bit per token)."""
+    tokens = np.full(rows, STUB_TOKEN, dtype=np.int64)
+    if masks is not None:
+        words = masks[:rows].numpy().view(np.uint32)
+        barred = np.flatnonzero((words[:, STUB_TOKEN // 32] >> STUB_TOKEN % 32) & 1 == 0)
+        if barred.size:
+            sub = words[barred]
+            first = (sub != 0).argmax(axis=1)
+            word = sub[np.arange(len(barred)), first]
+            lowest_bit = np.log2(word & (~word + np.uint32(1))).astype(np.int64)
+            tokens[barred] = first * 32 + lowest_bit
+    return torch.from_numpy(tokens)
 
 
 if __name__ == "__main__":
