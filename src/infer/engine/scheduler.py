@@ -308,16 +308,12 @@ class Scheduler:
                 continue
             if len(tokens) == 1:  # a decode row's one token: the common case, first
                 token = tokens[0]
-                output = request.output_token_ids
-                output.append(token)
-                n = len(output)
-                if n < request.max_new_tokens and (
-                        n < request.min_tokens or (token not in request.stop_token_ids
-                                                   and token not in request.eos_token_ids)):
+                request.output_token_ids.append(token)
+                stop = _token_stop(request, token)
+                if stop is None:
                     if not request.updates_at_end_only:
                         updates.append(_tuple(RequestUpdate, (rid, tokens, None, None)))
                     continue
-                stop = _token_stop(request, token)  # (not None: the test above)
                 self.finish(request, *stop)
                 updates.append(RequestUpdate(rid, tokens, *stop))
                 continue
