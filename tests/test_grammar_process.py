@@ -245,13 +245,14 @@ def test_two_workers_share_out_the_librarys_threads():
     """With `grammar_threads` 0 and two workers each worker's library runs
     `worker_threads` threads: as many as one given that number, more than one given 1
     where the host has CPUs for it."""
+    from infer.engine.cpu_threads import usable_cores
     from infer.engine.grammar_process import GrammarProcess, worker_threads
     from infer.engine.structured_output import StructuredOutputs
 
     tokenizer = ours("smollm2")
     grammar = StructuredOutputs(tokenizer, tokenizer.vocab_size, 1).compile(
         StructuredOutputsParams(regex="ab"))
-    share = worker_threads(len(os.sched_getaffinity(0)), 2)
+    share = worker_threads(usable_cores(), 2)  # the CPUs the engine counts
     counts = []
     for threads in (0, share, 1):
         process = GrammarProcess(tokenizer, tokenizer.vocab_size, 2, torch.device("cpu"),
