@@ -1,7 +1,10 @@
 """Decode speed on the CPU by weight format, with llama.cpp on the same GGUF file in the
 same run: the embedded SmolLM2 (or --model) dequantized (`quantization=none`), kept as the
-file stores it (`auto`, the default) and INT8 made at load (`int8`); greedy,
-`ignore_eos`, batch 1 and 8, each path with its default threads.
+file stores it (`auto`, the default) through infer's block kernels (`auto+int8x`, x in
+int8) and through PyTorch's (`auto+torch`), and INT8 made at load (`int8`); greedy,
+`ignore_eos`, batch 1 and 8, each path with its default threads. A format `Q+int8x` /
+`Q+torch` is `quantization=Q` with `cpu_int8_activations` on / off; the table says which
+one `auto` takes on this CPU.
 
     python benchmarks/cpu_quantized.py [--peer-python /path/to/venv/bin/python] [--rounds 3]
         [--prompt-lens 500 2000]
@@ -62,6 +65,15 @@ print(json.dumps({"rates": rates[1:], "n_threads": llm.n_threads, "ttft": ttft})
 """
 
 
+def engine_args(fmt: str) -> dict:
+    """LLM(...)'s arguments for a format: `quantization[+int8x|+torch]`."""
+    quantization, _, kernels = fmt.partition("+")
+    args: dict = {"quantization": quantization}
+    if kernels:
+        args["cpu_int8_activations"] = {"int8x": True, "torch": False}[kernels]
+    return args
+
+
 def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -69,7 +81,7 @@ def weight_bytes(model) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2)")
-    p.add_argument("--formats", nargs="+", default=["none", "auto", "int8"])
+    p.add_argument("--formats", nargs="+", default=["none", "auto+int8x", "auto+torch", "int8"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
@@ -83,7 +95,7 @@ def main() -> None:
 
     path = args.model or str(default_model_path())
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    llms = {f: LLM(path, device="cpu", quantization=f) for f in args.formats}
+    llms = {f: LLM(path, device="cpu", **engine_args(f)) for f in args.formats}
     rates: dict[tuple[str, int], list[float]] = {}
     ttft: dict[tuple[str, int], list[float]] = {}
     for round_ in range(args.rounds):
@@ -122,8 +134,12 @@ def main() -> None:
         })
     prompts = [{"path": fmt, "prompt_tokens": n, "ttft_s": statistics.median(values),
                 "rounds": values} for (fmt, n), values in ttft.items()]
+    from infer.kernels.cpu_block_linear import on_by_default
+
+    auto_takes = "+int8x" if on_by_default() else "+torch"
     common.write_results("cpu_quantized", args, {"rows": rows, "prompts": prompts,
-                                                 "model": path})
+                                                 "model": path, "auto_takes": auto_takes})
+    print(f"(auto on this CPU: auto{auto_takes})")
     print("| path | batch | tok/s (median) | vs llama.cpp batch 1 | weights MB |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:

@@ -18,7 +18,7 @@ from real_models import smollm2_gguf
 from test_gguf_models import llama_config, random_hf_model, random_kquant_blocks, write_gguf
 from test_quantization import TEXT, _perplexity
 
-from infer.kernels import triton_available
+from infer.kernels import cpu_block_linear, triton_available
 from infer.loader import load_gguf
 from infer.loader.gguf_file import open_gguf, quantized_blocks
 from infer.models.linear import (
@@ -28,6 +28,7 @@ from infer.models.linear import (
     VocabParallelEmbedding,
 )
 from infer.quantization import int4, quantize_model
+from infer.quantization.cpu_blocks import Q4BlocksLinearMethod, Q8BlocksTableMethod
 from infer.quantization.gguf import keep_gguf_quantized
 from infer.quantization.gguf_blocks import GGUFBlocks, int4_groups
 from infer.quantization.gguf_gpu import GGUFBlocksLinearMethod
@@ -123,17 +124,25 @@ def llama_source():
     return random_hf_model(llama_config())
 
 
+BLOCK_KERNELS = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not cpu_block_linear.available(), reason="infer's CPU block kernels do not build here"))]
+
+
 # Q4_0 / Q4_1: the default model's; Q4_K: a k-quant in 4 bits; Q8_0 / Q6_K: requantized
+# (Q8_0 kept as stored in the tables with infer's block kernels)
+@pytest.mark.parametrize("int8x", BLOCK_KERNELS, ids=["torch", "int8x"])
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q6_K],
                          ids=lambda q: q.name)
-def test_a_model_kept_quantized_gives_the_dequantized_logits(tmp_path, llama_source, qtype):
+def test_a_model_kept_quantized_gives_the_dequantized_logits(tmp_path, llama_source, qtype,
+                                                            int8x):
     path = write_gguf(tmp_path / f"llama-{qtype.name}.gguf", "llama", llama_source, qtype)
     reference, cfg = load_gguf(path)
     model, _ = load_gguf(path)
     blocks = quantized_blocks(open_gguf(path), cfg)
-    assert quantize_model(model, "auto", blocks) == "gguf"
-    kept = Int4GroupLinearMethod if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else \
-        Int8WeightOnlyLinearMethod
+    assert quantize_model(model, "auto", blocks, cpu_int8_activations=int8x) == "gguf"
+    four_bits = qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+    kept = Int8WeightOnlyLinearMethod if not four_bits else \
+        Q4BlocksLinearMethod if int8x else Int4GroupLinearMethod
     # converted once: "auto" runs the weights as they are now, a format of its own refuses
     assert quantize_model(model, "auto", blocks) == kept.format
     with pytest.raises(ValueError, match=r"stored in .* already"):
@@ -141,7 +150,10 @@ def test_a_model_kept_quantized_gives_the_dequantized_logits(tmp_path, llama_sou
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert linears and all(isinstance(m.quant_method, kept) for m in linears)
     tables = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding)]
-    assert len(tables) == 2 and all(m.weight.dtype == torch.int8 for m in tables)
+    as_stored = int8x and qtype == Q.Q8_0
+    assert len(tables) == 2 and all(
+        isinstance(m.quant_method, Q8BlocksTableMethod) == as_stored and
+        m.weight.dtype == (torch.uint8 if as_stored else torch.int8) for m in tables)
     # q/k rows are un-permuted from llama.cpp's order: a wrong order would not come close
     sequences = [[5, 17, 200, 3, 99, 41, 7, 12], [250, 1, 1, 30]]
     got = run_paged(model, sequences, [5, 4])
@@ -155,7 +167,8 @@ def test_quantization_gguf_keeps_the_blocks_and_needs_a_gguf_file(tmp_path, llam
     model, cfg = load_gguf(path)
     with pytest.raises(ValueError, match="not loaded from a GGUF file"):
         quantize_model(model, "gguf", None)
-    assert quantize_model(model, "gguf", quantized_blocks(open_gguf(path), cfg)) == "gguf"
+    assert quantize_model(model, "gguf", quantized_blocks(open_gguf(path), cfg),
+                          cpu_int8_activations=False) == "gguf"
     assert all(isinstance(m.quant_method, Int4GroupLinearMethod)
                for m in model.modules() if isinstance(m, LinearBase))
 
@@ -173,9 +186,11 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 @pytest.mark.slow
-def test_smollm2_kept_quantized_text_and_perplexity():
+@pytest.mark.parametrize("int8x", BLOCK_KERNELS, ids=["torch", "int8x"])
+def test_smollm2_kept_quantized_text_and_perplexity(int8x):
     """Its linear layers are Q4_1 (kept exactly), its tied embedding Q8_0 (requantized to
-    INT8 per row). Greedy text equals the dequantized path's, or where a token differs the
+    INT8 per row for PyTorch's kernels, as stored for infer's, x rounded to int8). Greedy
+    text equals the dequantized path's, or where a token differs the
     dequantized model's own margin between the two tokens was within the logit error of
     the quantized one at that position; perplexity within 3 %."""
     from infer import LLM, SamplingParams
@@ -183,11 +198,12 @@ def test_smollm2_kept_quantized_text_and_perplexity():
     path = str(smollm2_gguf())
     small = dict(device="cpu", max_model_len=512, num_blocks=64)  # a KV pool of its own size
     dequantized = LLM(path, quantization="none", **small)
-    kept = LLM(path, **small)
+    kept = LLM(path, cpu_int8_activations=int8x, **small)
     assert (dequantized.engine.info.quantization, kept.engine.info.quantization) == \
         ("none", "gguf")
     linears = [m for m in kept.engine.model.modules() if isinstance(m, LinearBase)]
-    assert all(isinstance(m.quant_method, Int4GroupLinearMethod) for m in linears)
+    method = Q4BlocksLinearMethod if int8x else Int4GroupLinearMethod
+    assert all(isinstance(m.quant_method, method) for m in linears)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
                "The three primary colors are"]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

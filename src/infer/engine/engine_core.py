@@ -1085,7 +1085,8 @@ def load_model_shard(config: EngineConfig, dtype: torch.dtype, device: torch.dev
         model, mc, tokenizer, model_name = load_model_and_tokenizer(config.model, dtype,
                                                                     device, config.quantization)
         quantization = quantize_model(model, config.quantization,
-                                      gguf_blocks_of(config.model, mc, config.quantization))
+                                      gguf_blocks_of(config.model, mc, config.quantization),
+                                      config.cpu_int8_activations)
     return model, mc, tokenizer, model_name, quantization
 
 
@@ -1118,7 +1119,7 @@ def _load_core(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     draft = None
     if config.draft_model is not None:
         draft = load_draft_model(config.draft_model, tokenizer, mc, dtype, device,
-                                 config.draft_quantization)
+                                 config.draft_quantization, config.cpu_int8_activations)
     core = EngineCore(config, model, mc, device, dtype, max_model_len, eos_token_ids,
                       tokenizer, draft, tp, workers)
     return core, tokenizer, model_name, quantization

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from infer.engine.config import QUANTIZATIONS
+from infer.kernels import cpu_block_linear
 from infer.models.layers import activation_dtype
 from infer.models.linear import (
     LinearBase,
@@ -45,10 +46,12 @@ log = logging.getLogger(__name__)
 
 
 def quantize_model(model: nn.Module, quantization: str,
-                   gguf_blocks: dict[str, GGUFBlocks] | None = None) -> str:
+                   gguf_blocks: dict[str, GGUFBlocks] | None = None,
+                   cpu_int8_activations: bool | None = None) -> str:
     """Convert `model` in place, one layer at a time (so at most one layer's
     full-precision weight is held beside the quantized ones), as `quantization` asks;
-    `gguf_blocks`: the quantized weights of the GGUF file it was loaded from. The format
+    `gguf_blocks`: the quantized weights of the GGUF file it was loaded from;
+    `cpu_int8_activations`: EngineConfig's (None: `cpu_block_linear.on_by_default`). The format
     in effect: "none", "int8", "fp8", "gguf", or the format the weights came in
     ("fp8-block", "w8a8-int8", ...: `LinearMethod.format`)."""
     if quantization not in QUANTIZATIONS:
@@ -77,7 +80,9 @@ def quantize_model(model: nn.Module, quantization: str,
                      "than 64 sequences a step); quantization='gguf' keeps the blocks: 3-4x "
                      "less memory, faster decode up to a few sequences")
             return "none"
-        if keep_gguf_quantized(model, gguf_blocks):
+        if cpu_int8_activations is None:
+            cpu_int8_activations = cpu_block_linear.on_by_default()
+        if keep_gguf_quantized(model, gguf_blocks, cpu_int8_activations=cpu_int8_activations):
             return "gguf"
     return "none"
 

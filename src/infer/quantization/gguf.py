@@ -5,7 +5,10 @@ On CUDA every weight in a type the Triton kernels decode (Q8_0, Q4_0, Q4_1, Q4_K
 Q6_K) stays in the file's blocks (`gguf_gpu.py`), the embedding table and LM head too;
 another quantized type is requantized to INT8 per channel.
 
-On the CPU (PyTorch's packed kernels):
+On the CPU, with `cpu_int8_activations` (infer's block kernels, x rounded to int8 per 32
+values as llama.cpp does: `cpu_blocks.py`), the 4-bit layers and a Q8_0 embedding table /
+LM head keep their blocks; every other quantized weight, and all of them without it, go to
+PyTorch's packed kernels:
 - a linear layer whose shards are all 4-bit (Q4_0, Q4_1, Q4_K) keeps them exactly as
   stored, in groups of 32 (`int4.py`);
 - a layer with any other quantized type (Q8_0, Q5_K, Q6_K, ...) is requantized from the
@@ -29,11 +32,14 @@ import logging
 from collections import Counter
 
 import torch
+from gguf import GGMLQuantizationType as QType
 from torch import nn
 
+from infer.kernels import cpu_block_linear
 from infer.models.linear import LinearBase, VocabParallelEmbedding
 from infer.models.weights import ShardId
 from infer.progress import loading_bar
+from infer.quantization.cpu_blocks import Q4BlocksLinearMethod, Q8BlocksTableMethod
 from infer.quantization.gguf_blocks import GROUP, INT4_TYPES, GGUFBlocks, int4_groups
 from infer.quantization.gguf_gpu import GGUFBlocksLinearMethod, gpu_types
 from infer.quantization.int4 import Int4GroupLinearMethod, int4_packable
@@ -44,10 +50,12 @@ log = logging.getLogger(__name__)
 
 
 def keep_gguf_quantized(model: nn.Module, blocks: dict[str, GGUFBlocks],
-                        as_blocks: bool | None = None) -> bool:
+                        as_blocks: bool | None = None, cpu_int8_activations: bool = False
+                        ) -> bool:
     """Convert `model` (loaded from the GGUF file whose quantized weights are `blocks`, by
     checkpoint name) in place; whether anything was kept quantized. `as_blocks`: keep the
-    file's blocks for the Triton kernels (default: on CUDA; the CPU's packed formats else)."""
+    file's blocks for the Triton kernels (default: on CUDA; the CPU's formats else).
+    `cpu_int8_activations`: on the CPU, infer's block kernels where they take the type."""
     if as_blocks is None:
         as_blocks = next(model.parameters()).device.type == "cuda"
     by_param = {}
@@ -55,8 +63,12 @@ def keep_gguf_quantized(model: nn.Module, blocks: dict[str, GGUFBlocks],
         target = model.param_for(ckpt_name)
         if target is not None:
             by_param[target] = b
-    keep_linear, keep_table = (_keep_blocks, _keep_table_blocks) if as_blocks else \
-        (_keep_linear, _keep_table)
+    if as_blocks:
+        keep_linear, keep_table = _keep_blocks, _keep_table_blocks
+    elif cpu_int8_activations and cpu_block_linear.available():
+        keep_linear, keep_table = _keep_cpu_blocks, _keep_cpu_table_blocks
+    else:
+        keep_linear, keep_table = _keep_linear, _keep_table
     kept: Counter[str] = Counter()
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, LinearBase)]
     for name, module in loading_bar(linears, len(linears), "Keeping GGUF weights quantized",
@@ -88,6 +100,31 @@ def _keep_blocks(layer: LinearBase, shards: list[GGUFBlocks | None]) -> str:
             return "linear layers as stored"
     Int8WeightOnlyLinearMethod().quantize(layer)
     return "linear layers requantized to 8 bits per channel"
+
+
+def _keep_cpu_blocks(layer: LinearBase, shards: list[GGUFBlocks | None]) -> str:
+    """CPU, infer's block kernels: 4-bit layers as blocks of 32, the rest as `_keep_linear`."""
+    if all(b is not None and b.qtype in INT4_TYPES for b in shards) and \
+            layer.input_size % GROUP == 0:
+        Q4BlocksLinearMethod().load(layer, *_int4_groups(layer, shards))
+        return "linear layers in 4 bits as stored (x in int8)"
+    return _keep_linear(layer, shards)
+
+
+def _keep_cpu_table_blocks(table: VocabParallelEmbedding, blocks: GGUFBlocks,
+                           model: nn.Module) -> str:
+    if blocks.qtype == QType.Q8_0:
+        convert_table(table, model, lambda t: Q8BlocksTableMethod().load(t, blocks))
+        return "embedding tables / LM heads in Q8_0 as stored (x in int8)"
+    return _keep_table(table, blocks, model)
+
+
+def _int4_groups(layer: LinearBase, shards: list[GGUFBlocks]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 4-bit `shards`' `(q, a, b)` (`int4_groups`), this rank's part of each, stacked."""
+    parts = [_rank_int4_groups(layer, s, b) for s, b in zip(_shard_ids(layer), shards)]
+    q, a, b = (torch.cat(p) for p in zip(*parts))
+    return q, a, b
 
 
 def _shard_ids(layer: LinearBase) -> tuple[ShardId, ...]:
@@ -135,13 +172,9 @@ def _keep_linear(layer: LinearBase, shards: list[GGUFBlocks | None]) -> str:
     """CPU: `layer` given the method for its shards' stored types; what it became."""
     if all(b is None for b in shards):
         return "float"
-    cols = layer.input_size
-    rows = sum(layer.output_sizes)
     if all(b is not None and b.qtype in INT4_TYPES for b in shards) and \
-            int4_packable(rows, cols):
-        parts = [_rank_int4_groups(layer, s, b) for s, b in zip(_shard_ids(layer), shards)]
-        q, a, b = (torch.cat(p) for p in zip(*parts))
-        Int4GroupLinearMethod().load(layer, q, a, b)
+            int4_packable(sum(layer.output_sizes), layer.input_size):
+        Int4GroupLinearMethod().load(layer, *_int4_groups(layer, shards))
         return "linear layers in 4 bits as stored"
     Int8WeightOnlyLinearMethod().quantize(layer)
     return "linear layers requantized to 8 bits per channel"

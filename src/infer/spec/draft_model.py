@@ -15,17 +15,20 @@ log = logging.getLogger(__name__)
 
 
 def load_draft_model(path: str, target_tokenizer: Tokenizer, target_config: ModelConfig,
-                     dtype: torch.dtype, device: torch.device, quantization: str = "none"
+                     dtype: torch.dtype, device: torch.device, quantization: str = "none",
+                     cpu_int8_activations: bool | None = None
                      ) -> tuple[nn.Module, ModelConfig]:
     """The draft model at `path` (a directory or GGUF file) in `quantization`
-    (`EngineConfig.quantization`'s choices); a ValueError when its tokenizer maps any token
+    (`EngineConfig.quantization`'s choices; `cpu_int8_activations` as for the model); a
+    ValueError when its tokenizer maps any token
     to another id than the target's."""
     from infer.engine.setup import gguf_blocks_of, load_model_and_tokenizer
     from infer.quantization import quantize_model
 
     model, config, tokenizer, _ = load_model_and_tokenizer(path, dtype, device, quantization)
     check_same_vocabulary(target_tokenizer, tokenizer, path)
-    in_effect = quantize_model(model, quantization, gguf_blocks_of(path, config, quantization))
+    in_effect = quantize_model(model, quantization, gguf_blocks_of(path, config, quantization),
+                               cpu_int8_activations)
     log.info("draft model %s: quantization %s", path, in_effect)
     if config.vocab_size > target_config.vocab_size:
         raise ValueError(f"draft_model {path!r} has {config.vocab_size} logits, more than the "
