@@ -20,14 +20,17 @@ if not triton_available():
 transformers = pytest.importorskip("transformers")
 
 DEVICE = torch.device(os.environ.get("INFER_TEST_DEVICE", "cpu"))
+# Where the staged inputs are written: on CUDA through the driver's copies (cuda_driver.py)
+STAGING_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 BLOCK, NUM_BLOCKS, MAX_LEN = 4, 24, 32
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             max_position_embeddings=64)
 
 
-def test_prepare_replay_fills_slots_lengths_and_padding() -> None:
+@pytest.mark.parametrize("device", STAGING_DEVICES)
+def test_prepare_replay_fills_slots_lengths_and_padding(device: str) -> None:
     meta = GraphMetadata(max_batch=4, query_len=2, max_blocks_per_seq=3, block_size=BLOCK,
-                         device=torch.device("cpu"))
+                         device=torch.device(device))
     tables = [[5, 2], [7, 1, 3]]
     meta.prepare_replay(4, [6, 9], tables, [[11] * 8, [12] * 8])
     assert meta.token_rows.tolist() == [[11] * 8, [12] * 8]
@@ -41,9 +44,10 @@ def test_prepare_replay_fills_slots_lengths_and_padding() -> None:
     assert view.decode_splits is None
 
 
-def test_a_smaller_step_after_a_larger_one_leaves_nothing_of_it_read() -> None:
+@pytest.mark.parametrize("device", STAGING_DEVICES)
+def test_a_smaller_step_after_a_larger_one_leaves_nothing_of_it_read(device: str) -> None:
     meta = GraphMetadata(max_batch=4, query_len=1, max_blocks_per_seq=3, block_size=BLOCK,
-                         device=torch.device("cpu"))
+                         device=torch.device(device))
     meta.prepare_replay(4, [9, 5, 12, 3], [[4, 6, 8], [1, 2], [3, 5, 7], [9]],
                         [[1, 2, 3, 4], [8, 4, 11, 2]])
     meta.prepare_replay(2, [2], [[6]], [None, [1, 0]])
@@ -54,10 +58,11 @@ def test_a_smaller_step_after_a_larger_one_leaves_nothing_of_it_read() -> None:
     assert meta.block_tables[:2, :1].tolist() == [[6], [0]]
 
 
-def test_varlen_prepare_replay_fills_starts_tiles_lengths_and_padding() -> None:
+@pytest.mark.parametrize("device", STAGING_DEVICES)
+def test_varlen_prepare_replay_fills_starts_tiles_lengths_and_padding(device: str) -> None:
     meta = VarlenGraphMetadata(max_tokens=8, max_seqs=3, max_blocks_per_seq=3,
                                block_size=BLOCK, block_q=2, max_query_len=8,
-                               device=torch.device("cpu"))
+                               device=torch.device(device))
     meta.prepare_replay(8, [3, 1], [5, 9], [[2, 6], [7, 1, 3]],
                         [[5, 6, 7, 8, 0, 0, 0, 0], [2, 3, 4, 8, 0, 0, 0, 0]])
     assert meta.token_rows.tolist() == [[5, 6, 7, 8, 0, 0, 0, 0], [2, 3, 4, 8, 0, 0, 0, 0]]

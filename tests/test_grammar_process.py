@@ -465,9 +465,9 @@ def test_a_script_that_never_closes_the_process_leaves_no_block_and_no_warning(t
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA stream memory operations")
 def test_the_stream_waits_for_a_host_word_and_writes_one():
-    from infer.engine.grammar_process import StreamMemoryOps
+    from infer.cuda_driver import cuda_driver
 
-    ops = StreamMemoryOps()
+    ops = cuda_driver()
     word = torch.zeros(2, dtype=torch.int64).pin_memory()
     address = ops.device_pointer(word.data_ptr())
     stream = torch.cuda.current_stream().cuda_stream

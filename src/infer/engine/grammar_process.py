@@ -23,7 +23,6 @@ waits.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import multiprocessing
 import os
@@ -39,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from infer.cuda_driver import cuda_driver
 from infer.engine.cpu_threads import usable_cores
 from infer.engine.grammar_worker import (
     FAILED,
@@ -111,7 +111,7 @@ class GrammarProcess:
         self._lanes = list(self.layout.lanes)
         self._on_cuda = device.type == "cuda"
         if self._on_cuda:
-            self._stream_ops = StreamMemoryOps()
+            self._driver = cuda_driver()
             self._register()
         if workers > 1 and not threads:
             threads = worker_threads(available, workers)
@@ -146,7 +146,7 @@ class GrammarProcess:
         if int(code) != 0:
             raise RuntimeError(f"cudaHostRegister of the grammar worker's block: {code}")
         self._registered = address
-        device_address = self._stream_ops.device_pointer(address)
+        device_address = self._driver.device_pointer(address)
         lanes = self.layout.lanes.__array_interface__["data"][0] - address
         self._masks_ready = [device_address + lanes + 8 * (LANE_WORDS * index + MASKS_READY)
                              for index in range(self.layout.workers)]
@@ -161,8 +161,8 @@ class GrammarProcess:
         # step's forward does: `masks_copied` orders the sampling after them, `masks_used`
         # (recorded after a step's sampling) the next copy after that sampling.
         self._copy_stream = torch.cuda.Stream(self.device)
-        self._masks_copied = self._stream_ops.event()
-        self._masks_used = self._stream_ops.event()
+        self._masks_copied = self._driver.event()
+        self._masks_used = self._driver.event()
         self._device_index = torch.cuda._utils._get_device_index(self.device, optional=True)
 
     # -- matchers (from the thread that compiles grammars) ----------------------------
@@ -207,7 +207,7 @@ class GrammarProcess:
         if not self._on_cuda:
             self._wait_for(MASKS_READY, step, "masks")
             return step, torch.from_numpy(layout.masks[:rows])
-        ops, masks = self._stream_ops, self._device_masks[:rows]
+        ops, masks = self._driver, self._device_masks[:rows]
         self._stream = stream = torch._C._cuda_getCurrentRawStream(self._device_index)
         copy = self._copy_stream.cuda_stream
         ops.wait_event(copy, self._masks_used)
@@ -225,12 +225,12 @@ class GrammarProcess:
         n = len(token_ids)
         if self._on_cuda:
             if token_ids.dtype == torch.int64 and token_ids.is_contiguous():
-                self._stream_ops.copy_to_host(self._stream, self._host_tokens.data_ptr(),
+                self._driver.copy_to_host(self._stream, self._host_tokens.data_ptr(),
                                               token_ids.data_ptr(), n * 8)
             else:
                 self._host_tokens[:n].copy_(token_ids, non_blocking=True)
-            self._stream_ops.write(self._stream, self._tokens_stamp, step)
-            self._stream_ops.record(self._masks_used, self._stream)
+            self._driver.write(self._stream, self._tokens_stamp, step)
+            self._driver.record(self._masks_used, self._stream)
         else:
             self.layout.tokens[:n] = token_ids.numpy()
             self.layout.header[TOKENS_STAMP] = step
@@ -340,7 +340,7 @@ class GrammarProcess:
             torch.cuda.synchronize(self.device)  # nothing queued uses the block any more
             torch.cuda.cudart().cudaHostUnregister(self._registered)
             for event in (self._masks_copied, self._masks_used):
-                self._stream_ops.destroy(event)
+                self._driver.destroy(event)
 
 
 def default_workers(cpus: int) -> int:
@@ -373,91 +373,3 @@ def _start_worker(steps: Connection) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", f"from infer.engine.grammar_worker import main; main({fd})"],
         pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL)
-
-
-class StreamMemoryOps:
-    """CUDA's stream memory operations (driver API, the V2 entry points every platform
-    has) on a stream (its handle): wait until a 64-bit word is at least a value, write one;
-    and asynchronous copies between the device and registered host memory. Addresses of
-    the words are of registered host memory (with unified addressing, the device's too)."""
-
-    WAIT_GEQ = 0x0
-    WRITE_DEFAULT = 0x0  # ordered after the stream's earlier work, with a memory barrier
-    EVENT_DISABLE_TIMING = 0x2
-
-    def __init__(self) -> None:
-        self._driver = driver = ctypes.CDLL("libcuda.so.1")
-        self._wait = self._entry(driver, "cuStreamWaitValue64")
-        self._write = self._entry(driver, "cuStreamWriteValue64")
-        self._to_device = self._copy_entry(driver, "cuMemcpyHtoDAsync_v2")
-        self._to_host = self._copy_entry(driver, "cuMemcpyDtoHAsync_v2")
-        self._record = driver.cuEventRecord  # (event, stream)
-        self._record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        self._record.restype = ctypes.c_int
-        self._wait_event = driver.cuStreamWaitEvent  # (stream, event, flags)
-        self._wait_event.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
-        self._wait_event.restype = ctypes.c_int
-
-    def device_pointer(self, host_address: int) -> int:
-        """The device's address of registered host memory."""
-        fn = self._driver.cuMemHostGetDevicePointer_v2
-        fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-        pointer = ctypes.c_uint64()
-        self._check(fn(ctypes.byref(pointer), host_address, 0), "address")
-        return pointer.value
-
-    @staticmethod
-    def _entry(driver: ctypes.CDLL, name: str) -> ctypes._CFuncPtr:
-        fn = getattr(driver, name + "_v2", None) or getattr(driver, name)
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-        return fn
-
-    @staticmethod
-    def _copy_entry(driver: ctypes.CDLL, name: str) -> ctypes._CFuncPtr:
-        fn = getattr(driver, name)  # (destination, source, bytes, stream)
-        fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        return fn
-
-    def copy_to_device(self, stream: int, device_address: int, host_address: int,
-                       nbytes: int) -> None:
-        self._check(self._to_device(device_address, host_address, nbytes, stream), "copy")
-
-    def copy_to_host(self, stream: int, host_address: int, device_address: int,
-                     nbytes: int) -> None:
-        self._check(self._to_host(host_address, device_address, nbytes, stream), "copy")
-
-    def wait_at_least(self, stream: int, address: int, value: int) -> None:
-        self._check(self._wait(stream, address, value, self.WAIT_GEQ), "wait")
-
-    def destroy(self, event: int) -> None:
-        fn = self._driver.cuEventDestroy_v2
-        fn.argtypes = [ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        self._check(fn(event), "event destroy")
-
-    def event(self) -> int:
-        """A new event without timing (its handle; it lives as long as the context)."""
-        fn = self._driver.cuEventCreate
-        fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-        fn.restype = ctypes.c_int
-        event = ctypes.c_void_p()
-        self._check(fn(ctypes.byref(event), self.EVENT_DISABLE_TIMING), "event")
-        return event.value
-
-    def record(self, event: int, stream: int) -> None:
-        self._check(self._record(event, stream), "event record")
-
-    def wait_event(self, stream: int, event: int) -> None:
-        """The stream's later work waits for the event's last record (none: no wait)."""
-        self._check(self._wait_event(stream, event, 0), "event wait")
-
-    def write(self, stream: int, address: int, value: int) -> None:
-        self._check(self._write(stream, address, value, self.WRITE_DEFAULT), "write")
-
-    @staticmethod
-    def _check(code: int, what: str) -> None:
-        if code != 0:
-            raise RuntimeError(f"CUDA stream memory {what} failed (CUresult {code})")
