@@ -91,10 +91,7 @@ inline __m256i dot_u8_s8(__m256i u, __m256i s) {
 #endif
 }
 
-// The dot products of one weight row with x's rows r0 .. r0 + R - 1 (each block of the
-// weight decoded once for all R), written to out[0 .. R - 1] (stride `out_stride`).
-// x's block `xb` dotted with 32 weights `q` (unsigned 0..15 or |q8|, `v_sign` applied to
-// x by the caller), scaled by `scale` and added to `acc`.
+// 32 int8 values of x dotted with 32 unsigned 4-bit weights `q`, times `scale`, plus `acc`.
 inline __m256 scaled_dot(__m256i q, const int8_t* x, float scale, __m256 acc) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(q, v)), _mm256_set1_ps(scale), acc);
@@ -175,10 +172,8 @@ void q8_0_rows(const uint8_t* w, const QuantizedRows& x, int64_t r0, int64_t blo
 using RowsKernel = void (*)(const uint8_t*, const QuantizedRows&, int64_t, int64_t, float*,
                             int64_t);
 
-template <void (*K1)(const uint8_t*, const QuantizedRows&, int64_t, int64_t, float*, int64_t),
-          void (*K2)(const uint8_t*, const QuantizedRows&, int64_t, int64_t, float*, int64_t),
-          void (*K3)(const uint8_t*, const QuantizedRows&, int64_t, int64_t, float*, int64_t),
-          void (*K4)(const uint8_t*, const QuantizedRows&, int64_t, int64_t, float*, int64_t)>
+// x [rows, in] times the blocks' weight [out, in] transposed; K<n> takes n rows of x.
+template <RowsKernel K1, RowsKernel K2, RowsKernel K3, RowsKernel K4>
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& weight, int64_t block_bytes) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: float32 [rows, in]");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte,
