@@ -2,7 +2,9 @@
 shapes and its LM head: torch's INT4 kernel and INT8 weight-only kernel (bfloat16 rows,
 as `quantization/int4.py` and `int8.py` feed them), FBGEMM's dynamic INT8 (the row
 quantized with one scale to 7 bits: `reduce_range`, as x86 without VNNI needs) and FP16-weight
-kernels, and float32 `F.linear`; one torch thread, µs a call (median) and GB/s of the
+kernels, infer's block kernels (`kernels/cpu_block_linear.cpp`: 4-bit and Q8_0 blocks of
+32, x rounded to int8 per 32 values; where they build), and float32 `F.linear`; one torch
+thread, µs a call (median) and GB/s of the
 weight bytes read, each call on the next of enough copies of the weight that they do not
 stay in the caches (as a model's layers do not). A decode token's sum is 30 layers of
 the four shapes plus the LM head.
@@ -26,6 +28,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
+
+from infer.kernels import cpu_block_linear
+from infer.kernels.cpu_block_linear import Q8_BLOCK_BYTES, q4_1_linear, q8_0_linear
+from infer.quantization.cpu_blocks import q4_blocks
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
@@ -67,7 +73,8 @@ def _one_copy(n: int, k: int, gen: torch.Generator
     fbgemm8 = torch.ops.quantized.linear_prepack(qw, None)
     fbgemm16 = torch.ops.quantized.linear_prepack_fp16(w, None)
     scale_b = scale.bfloat16()
-    return {
+    paths = _block_paths(n, k, x, gen) if cpu_block_linear.available() else {}
+    return paths | {
         "int4 kernel": (lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
             xb, packed4, 32, scales_zeros), n * k // 2 + scales_zeros.numel() * 2),
         "int8 weight-only": (lambda: torch.ops.aten._weight_int8pack_mm(xb, q8, scale_b),
@@ -78,6 +85,18 @@ def _one_copy(n: int, k: int, gen: torch.Generator
                         n * k * 2),
         "float32": (lambda: F.linear(x, w), n * k * 4),
     }
+
+
+def _block_paths(n: int, k: int, x: torch.Tensor, gen: torch.Generator
+                 ) -> dict[str, tuple[Callable[[], object], int]]:
+    q4 = q4_blocks(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+                   torch.rand(n, k // 32, generator=gen) * 0.01,
+                   -torch.rand(n, k // 32, generator=gen) * 0.01)
+    q8 = torch.randint(0, 256, (n, k // 32 * Q8_BLOCK_BYTES), generator=gen,
+                       dtype=torch.uint8)
+    q8.view(n, -1, Q8_BLOCK_BYTES)[..., :2] = torch.tensor([0, 0x20], dtype=torch.uint8)
+    return {"infer 4-bit blocks, x int8": (lambda: q4_1_linear(x, q4), q4.numel()),
+            "infer Q8_0 blocks, x int8": (lambda: q8_0_linear(x, q8), q8.numel())}
 
 
 def main() -> None:
