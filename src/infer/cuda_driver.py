@@ -45,7 +45,8 @@ class CudaDriver:
 
     def __init__(self) -> None:
         # PyDLL: the calls keep the GIL (each returns in microseconds; releasing and
-        # taking it back around every one would let another thread in between)
+        # taking it back around every one would let another thread in between), except
+        # a wait on the host, which may block and lets go of it (CDLL)
         self._driver = driver = ctypes.PyDLL("libcuda.so.1")
         self._wait = self._entry(driver, "cuStreamWaitValue64")
         self._write = self._entry(driver, "cuStreamWriteValue64")
@@ -57,7 +58,7 @@ class CudaDriver:
         self._record = driver.cuEventRecord  # (event, stream)
         self._record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         self._record.restype = ctypes.c_int
-        self._synchronize = driver.cuEventSynchronize  # (event)
+        self._synchronize = ctypes.CDLL("libcuda.so.1").cuEventSynchronize  # (event)
         self._synchronize.argtypes = [ctypes.c_void_p]
         self._synchronize.restype = ctypes.c_int
         self._wait_event = driver.cuStreamWaitEvent  # (stream, event, flags)
