@@ -145,9 +145,9 @@ class EngineConfig:
         "table / LM head kept as stored in blocks of 32 and multiplied by infer's kernels "
         "(kernels/cpu_block_linear.cpp, built at first use), x rounded to int8 per 32 values "
         "as llama.cpp does, instead of PyTorch's INT4 / INT8 kernels (x in bfloat16); "
-        "default: on where torch's CPU kernels are AVX2 ones (SmolLM2 batch-1 decode 60 "
-        "tok/s against 38, llama.cpp 88; docs/performance.md), off on AVX-512 CPUs, where "
-        "PyTorch's INT4 kernel is as fast at one row and faster at eight")
+        "default: on where torch's CPU kernels are AVX2 ones (SmolLM2 batch-1 decode 60-70 "
+        "tok/s against 38-44, llama.cpp 88-125; docs/performance.md), off on AVX-512 CPUs, "
+        "where PyTorch's INT4 kernel is as fast at one row and faster at eight")
     dependent_launch: bool = knob(
         True, "launch infer's decode kernels (GEMV, norms, RoPE + KV store, attention, "
         "W8A16) with programmatic dependent launch, so that each one's launch and first "
