@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
+from timing import wrap_timed
 
 
 def main() -> None:
@@ -75,16 +76,7 @@ def main() -> None:
     phases: collections.Counter[str] = collections.Counter()
 
     def timed(owner, name: str, label: str) -> None:
-        fn = getattr(owner, name)
-
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                phases[label] += time.perf_counter() - t
-
-        setattr(owner, name, wrapper)
+        wrap_timed(owner, name, lambda seconds, _: phases.update({label: seconds}))
 
     timed(engine.scheduler, "schedule", "schedule")
     timed(engine.scheduler, "schedule_ahead", "schedule (launched ahead)")

@@ -1,6 +1,7 @@
 """The step loop's host time by phase, on any device: named methods wrapped with a timer
 that records while a label is set (`LoopPhases.label`, e.g. a batch size and a
-constraint), then the median µs a call of each, by label. The wrapper costs ~1 µs a call.
+constraint), then the median µs a call of each, by label. The wrapper
+(`timing.wrap_timed`) costs ~1 µs a call.
 
 `structured_output.py --loop-phases` prints it for its timed runs; on CUDA it says where
 the launch's host work goes (its forward's graph is queued only once that work is done).
@@ -10,8 +11,9 @@ from __future__ import annotations
 
 import importlib
 import statistics
-import time
 from collections import defaultdict
+
+from timing import wrap_timed
 
 # (module, class or None for a module's function, attribute), outermost first
 PHASES = (
@@ -50,18 +52,11 @@ class LoopPhases:
             self._wrap(holder, name, f"{owner + '.' if owner else ''}{name}")
 
     def _wrap(self, holder: object, name: str, phase: str) -> None:
-        fn = getattr(holder, name)
+        def record(seconds: float, _args: tuple) -> None:
+            if self.label is not None:
+                self.calls[self.label][phase].append(seconds)
 
-        def timed(*args, **kwargs):
-            if self.label is None:
-                return fn(*args, **kwargs)
-            label, start = self.label, time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.calls[label][phase].append(time.perf_counter() - start)
-
-        setattr(holder, name, timed)
+        wrap_timed(holder, name, record)
 
     def table(self) -> list[dict]:
         """Median µs a call of each phase by label (and calls), printed and returned."""

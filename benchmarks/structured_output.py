@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import cpu_placement
 import loop_phases
+from timing import wrap_timed
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 10},
@@ -276,17 +277,9 @@ def _time_worker_calls() -> list[tuple[str, int, float]]:
     from infer.engine.grammar_process import GrammarProcess
 
     calls: list[tuple[str, int, float]] = []
-
-    def timed(name: str, fn):
-        def call(self, *args):
-            t = time.perf_counter()
-            out = fn(self, *args)
-            calls.append((name, len(args[-1]), (time.perf_counter() - t) * 1e3))
-            return out
-        return call
-
     for name in ("masks", "publish", "verdicts"):
-        setattr(GrammarProcess, name, timed(name, getattr(GrammarProcess, name)))
+        wrap_timed(GrammarProcess, name, lambda seconds, args, name=name: calls.append(
+            (name, len(args[-1]), seconds * 1e3)))
     return calls
 
 
