@@ -226,7 +226,7 @@ class GrammarProcess:
         if self._on_cuda:
             if token_ids.dtype == torch.int64 and token_ids.is_contiguous():
                 self._driver.copy_to_host(self._stream, self._host_tokens.data_ptr(),
-                                              token_ids.data_ptr(), n * 8)
+                                          token_ids.data_ptr(), n * 8)
             else:
                 self._host_tokens[:n].copy_(token_ids, non_blocking=True)
             self._driver.write(self._stream, self._tokens_stamp, step)

@@ -112,11 +112,9 @@ class Q8BlocksTableMethod(_CpuBlocksMethod):
     format = "gguf-q8_0"
 
     def load(self, table: nn.Module, blocks: GGUFBlocks) -> None:
-        """`table`'s weight (`[rows, cols]`, this rank's rows of the vocabulary) replaced
-        by `blocks`' bytes (rows past the file's are zero blocks)."""
-        rows = table.weight.shape[0]
-        part = blocks.part(0, getattr(table, "vocab_start", 0), rows)
-        self._replace_weight(table, torch.from_numpy(np.array(part.data)))
+        """`table`'s weight replaced by `blocks`' bytes (its rows, this rank's part)."""
+        raw = torch.from_numpy(np.array(blocks.data))  # a copy: the file's map is read-only
+        self._replace_weight(table, raw if blocks.row_order is None else raw[blocks.row_order])
 
     def _kernel(self, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         return q8_0_linear(x, blocks)

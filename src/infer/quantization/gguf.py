@@ -114,6 +114,7 @@ def _keep_cpu_blocks(layer: LinearBase, shards: list[GGUFBlocks | None]) -> str:
 def _keep_cpu_table_blocks(table: VocabParallelEmbedding, blocks: GGUFBlocks,
                            model: nn.Module) -> str:
     if blocks.qtype == QType.Q8_0:
+        blocks = _rank_rows(table, blocks)
         convert_table(table, model, lambda t: Q8BlocksTableMethod().load(t, blocks))
         return "embedding tables / LM heads in Q8_0 as stored (x in int8)"
     return _keep_table(table, blocks, model)
@@ -156,11 +157,17 @@ def _rank_int4_groups(layer: LinearBase, shard_id: ShardId, blocks: GGUFBlocks
 def _keep_table_blocks(table: VocabParallelEmbedding, blocks: GGUFBlocks, model: nn.Module
                        ) -> str:
     if blocks.qtype in gpu_types():
-        if table.tp_size > 1:  # this rank's rows of the vocabulary, padded
-            blocks = blocks.part(0, table.vocab_start, table.weight.shape[0])
+        blocks = _rank_rows(table, blocks)
         convert_table(table, model, lambda t: GGUFBlocksLinearMethod().load(t, [blocks]))
         return "embedding tables / LM heads as stored"
     return _keep_table(table, blocks, model)
+
+
+def _rank_rows(table: VocabParallelEmbedding, blocks: GGUFBlocks) -> GGUFBlocks:
+    """A table's blocks for this rank: its rows of the vocabulary, padded."""
+    if table.tp_size == 1:
+        return blocks
+    return blocks.part(0, table.vocab_start, table.weight.shape[0])
 
 
 def _keep_table(table: VocabParallelEmbedding, blocks: GGUFBlocks, model: nn.Module) -> str:

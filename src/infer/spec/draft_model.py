@@ -20,8 +20,7 @@ def load_draft_model(path: str, target_tokenizer: Tokenizer, target_config: Mode
                      ) -> tuple[nn.Module, ModelConfig]:
     """The draft model at `path` (a directory or GGUF file) in `quantization`
     (`EngineConfig.quantization`'s choices; `cpu_int8_activations` as for the model); a
-    ValueError when its tokenizer maps any token
-    to another id than the target's."""
+    ValueError when its tokenizer maps any token to another id than the target's."""
     from infer.engine.setup import gguf_blocks_of, load_model_and_tokenizer
     from infer.quantization import quantize_model
 
