@@ -23,6 +23,8 @@ import torch
 from paged_runner import run_paged
 from tp_ranks import run_ranks
 
+from infer.kernels import cpu_block_linear
+
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
@@ -35,6 +37,7 @@ class Case(NamedTuple):
     format: str  # what quantize_model says
     tolerance: float  # of |TP logits - one rank's|, relative to the largest logit
     blocks: bool = False  # the GPU's way: the file's blocks (`keep_gguf_quantized`)
+    int8x: bool | None = None  # `cpu_int8_activations` (None: this CPU's default)
 
 
 # |TP logits - one rank's| / the largest logit, measured on the CPU: exact formats 7e-7;
@@ -49,6 +52,9 @@ CASES = {
     # o_proj's 128 input columns a rank cut a Q4_K block of 256: cut as groups of 32
     "gguf-q4_k-int4": Case("llama-Q4_K.gguf", "auto", "gguf", A16),
     "gguf-q8_0-int8": Case("llama-Q8_0.gguf", "gguf", "gguf", A16),
+    # infer's CPU block kernels: 4-bit layers, a Q8_0 table (an odd vocabulary: padded rows)
+    "gguf-q4_0-int8x": Case("llama-Q4_0.gguf", "auto", "gguf", A16, int8x=True),
+    "gguf-q8_0-int8x": Case("llama-Q8_0.gguf", "auto", "gguf", A16, int8x=True),
     "gguf-qwen2-q4_0-int4": Case("qwen2-Q4_0.gguf", "auto", "gguf", A16),
     "gguf-gpt2-q8_0": Case("gpt2-Q8_0.gguf", "auto", "gguf", A16),
     # o_proj requantized to INT8 on the ranks (below)
@@ -90,7 +96,12 @@ def _run(path: str, case: Case) -> tuple[str, Counter, list[torch.Tensor]]:
     if case.blocks:
         fmt = "gguf" if keep_gguf_quantized(model, blocks, as_blocks=True) else "none"
     else:
-        fmt = quantize_model(model, case.quantization, blocks)
+        fmt = quantize_model(model, case.quantization, blocks, case.int8x)
+        if case.int8x:  # the block kernels took the layers, or the table
+            from infer.quantization.cpu_blocks import Q4BlocksLinearMethod, Q8BlocksTableMethod
+
+            assert any(isinstance(m.quant_method, (Q4BlocksLinearMethod, Q8BlocksTableMethod))
+                       for m in model.modules() if hasattr(m, "quant_method"))
     linears = Counter(m.quant_method.format for m in model.modules()
                       if isinstance(m, LinearBase))
     seqs, lens, chunk = _batch(cfg.vocab_size, case.blocks)
@@ -200,6 +211,8 @@ def tp_results(sources) -> dict[str, list[Any]]:
 def test_tensor_parallel_logits_equal_one_rank_of_the_same_format(sources, tp_results,
                                                                    name):
     case = CASES[name]
+    if case.int8x and not cpu_block_linear.available():
+        pytest.skip("infer's CPU block kernels do not build here")
     fmt, linears, want = _run(str(sources[case.source]), case)
     assert fmt == case.format
     scale = max(w.abs().max().item() for w in want)
