@@ -42,6 +42,7 @@ class CudaDriver:
     WAIT_GEQ = 0x0
     WRITE_DEFAULT = 0x0  # ordered after the stream's earlier work, with a memory barrier
     EVENT_DISABLE_TIMING = 0x2
+    NOT_READY = 600  # CUDA_ERROR_NOT_READY
 
     def __init__(self) -> None:
         # PyDLL: the calls keep the GIL (each returns in microseconds; releasing and
@@ -61,6 +62,9 @@ class CudaDriver:
         self._synchronize = ctypes.CDLL("libcuda.so.1").cuEventSynchronize  # (event)
         self._synchronize.argtypes = [ctypes.c_void_p]
         self._synchronize.restype = ctypes.c_int
+        self._query = driver.cuEventQuery  # (event)
+        self._query.argtypes = [ctypes.c_void_p]
+        self._query.restype = ctypes.c_int
         self._wait_event = driver.cuStreamWaitEvent  # (stream, event, flags)
         self._wait_event.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
         self._wait_event.restype = ctypes.c_int
@@ -132,6 +136,14 @@ class CudaDriver:
     def synchronize(self, event: int) -> None:
         """Wait on the host until the event's last record has run."""
         self._check(self._synchronize(event), "event synchronize")
+
+    def done(self, event: int) -> bool:
+        """Whether the event's last record has run (without waiting)."""
+        code = self._query(event)
+        if code == self.NOT_READY:
+            return False
+        self._check(code, "event query")
+        return True
 
     def wait_event(self, stream: int, event: int) -> None:
         """The stream's later work waits for the event's last record (none: no wait)."""

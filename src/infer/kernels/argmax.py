@@ -71,20 +71,36 @@ def store_part(best, at, val_ptr, idx_ptr, out_ptr, counts_ptr, row, part, n_par
 
 
 MAX_ROWS = 1 << 16  # rows a launch may have: a counter each
+_SCRATCH: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _part_scratch(device: torch.device, rows: int, n_parts: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parts' values and columns, `[rows, n_parts]`: one pair per device and shape,
+    reused by every launch (a launch's last programs read its parts before the stream's
+    next launch writes them); a graph being captured gets its own."""
+    key = (device, rows, n_parts)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    scratch = None if capturing else _SCRATCH.get(key)
+    if scratch is None:
+        scratch = (torch.empty(rows, n_parts, dtype=torch.float32, device=device),
+                   torch.empty(rows, n_parts, dtype=torch.int32, device=device))
+        if not capturing:
+            _SCRATCH[key] = scratch
+    return scratch
 
 
 def best_of_parts(rows: int, n_parts: int, device: torch.device,
                   parts: Callable[..., None]) -> torch.Tensor:
     """int64 `[rows]`: each row's best column, where `parts(vals, idx, out, counts,
     BLOCK_P=...)` launches a kernel whose programs each reduce one part of a row and end
-    in `store_part` (`vals [rows, n_parts]` float32, `idx` int32: scratch; `counts` the
-    rows' counters, zero, and zero again after the launch)."""
+    in `store_part` (`vals [rows, n_parts]` float32, `idx` int32: scratch, reused; `counts`
+    the rows' counters, zero, and zero again after the launch)."""
     out = torch.empty(rows, dtype=torch.int64, device=device)
     if rows == 0:
         return out
     counts = launch_counters("argmax", device, MAX_ROWS, rows)
-    vals = torch.empty(rows, n_parts, dtype=torch.float32, device=device)
-    idx = torch.empty(rows, n_parts, dtype=torch.int32, device=device)
+    vals, idx = _part_scratch(device, rows, n_parts)
     parts(vals, idx, out, counts, BLOCK_P=max(16, triton.next_power_of_2(n_parts)))
     return out
 
