@@ -11,10 +11,13 @@ With `--tensor-cores` the kernel swept is `rows_mma` (up to 64 rows on tensor co
 `EngineConfig.w8a16_tensor_cores`), its default launch timed beside the CUDA-core one, and
 for FP8 weights the FP8 x FP8 paths, x quantized per row first (`fp8_quant.py`): rows_mma's
 (`fp8_decode_activations`, `fp8_mma_rows`; swept with `--fp8-x`) and `torch._scaled_mm`'s
-(what FP8 layers take past the weight-only rows).
+(what FP8 layers take past the weight-only rows). INT8 weights are also timed on the int8
+tensor cores with x split into two int8 halves (`int8_x16.py`, `int8_mma_rows`; its
+launches swept with `--int8-x16`).
 
     python benchmarks/w8a16_sweep.py [--rows 1 32] [--shapes 8b 1b] [--one-row-kernel-only]
-                                     [--tensor-cores [--fp8-x]] [--quick | --defaults-only]
+                                     [--tensor-cores [--fp8-x | --int8-x16]]
+                                     [--quick | --defaults-only]
 """
 
 from __future__ import annotations
@@ -58,6 +61,13 @@ def mma_configs(quick: bool) -> list[dict]:
     return out[::4] if quick else out
 
 
+def int8_x16_configs() -> list[dict]:
+    """int8_x16_matmul's launches."""
+    return [dict(block_n=bn, block_k=bk, splits=splits, num_warps=4, num_stages=stages)
+            for bn, bk, splits, stages in itertools.product(
+                (64, 128), (128, 256), (1, 2, 4), (3, 4))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,10 +86,14 @@ def main() -> None:
     parser.add_argument("--fp8-x", action="store_true",
                         help="with --tensor-cores, FP8 weights swept FP8 by FP8 (x "
                         "quantized per row first: fp8_mma_rows)")
+    parser.add_argument("--int8-x16", action="store_true",
+                        help="with --tensor-cores, INT8 weights swept on the int8 tensor "
+                        "cores, x split into two int8 halves (int8_mma_rows)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("w8a16_sweep.py times CUDA kernels: no GPU here")
     from infer.kernels.fp8_quant import fp8_quantize_rows
+    from infer.kernels.int8_x16 import int8_x16_matmul
     from infer.kernels.rows_mma import MAX_ROWS, fp8_x_launch, rows_mma
     from infer.kernels.w8a16_matmul import _matmul, w8a16_matmul
 
@@ -124,14 +138,19 @@ def main() -> None:
                         if fp8_x else None)
             scaled_mm_us = (time_cycled(scaled_mm, x, weights, scale, replays=20)
                             if dtype == torch.float8_e4m3fn else None)
+            int8_x = tensor_cores and dtype == torch.int8 and rows > 1
+            int8_x_us = (time_cycled(int8_x16_matmul, x, weights, scale, replays=20)
+                         if int8_x else None)
             best = None
             swept = not shape.endswith("lm_head") and not args.defaults_only
-            cases = ((mma_configs(args.quick) if tensor_cores else
+            cases = ((int8_x16_configs() if int8_x and args.int8_x16 else
+                      mma_configs(args.quick) if tensor_cores else
                       configs(rows, args.quick, args.one_row_kernel_only)) if swept else [])
             for cfg in cases:
                 try:
                     if tensor_cores:
-                        swept_fn = fp8_by_fp8 if fp8_x and args.fp8_x else rows_mma
+                        swept_fn = (fp8_by_fp8 if fp8_x and args.fp8_x else
+                                    int8_x16_matmul if int8_x and args.int8_x16 else rows_mma)
                         us = time_cycled(partial(swept_fn, **cfg), x, weights, scale)
                     else:
                         us = time_cycled(partial(_matmul, **cfg), x, weights, scale, None)
@@ -150,6 +169,8 @@ def main() -> None:
                            tensor_cores_frac=frac(mma_us),
                            fp8_x_us=fp8_x_us,
                            fp8_x_frac=frac(fp8_x_us),
+                           int8_x16_us=int8_x_us,
+                           int8_x16_frac=frac(int8_x_us),
                            scaled_mm_us=scaled_mm_us,
                            scaled_mm_frac=frac(scaled_mm_us),
                            best_us=best["us"] if best else default_us,
@@ -171,6 +192,8 @@ def main() -> None:
                         ("tensor cores us", "tensor_cores_us", ".1f"),
                         ("%copy", "tensor_cores_frac", ".0%"),
                         ("fp8 x fp8 us", "fp8_x_us", ".1f"), ("%copy", "fp8_x_frac", ".0%"),
+                        ("int8 x16 us", "int8_x16_us", ".1f"),
+                        ("%copy", "int8_x16_frac", ".0%"),
                         ("_scaled_mm us", "scaled_mm_us", ".1f"),
                         ("%copy", "scaled_mm_frac", ".0%"),
                         ("best us", "best_us", ".1f"),

@@ -39,6 +39,7 @@ def test_defaults_are_valid():
         (dict(w8a16_tensor_core_rows=65), ["w8a16_tensor_core_rows", "MAX_ROWS"]),
         (dict(fp8_mma_rows=65), ["fp8_mma_rows", "[0, 64]"]),
         (dict(fp8_mma_rows=-1), ["fp8_mma_rows", "MAX_ROWS"]),
+        (dict(int8_mma_rows=65), ["int8_mma_rows", "[0, 64]"]),
         (dict(grammar_process=True, speculative_method="ngram"),
          ["grammar_process=True", "speculative_method='ngram'"]),
     ],

@@ -126,6 +126,14 @@ class EngineConfig:
         "Where the GPU has FP8 tensor cores (compute capability 8.9+), with kernel_backend "
         "triton; on an H200, 8B shape, batch 32 decode 4.89 vs 5.08 ms, batch 64 6.46 vs "
         "5.36 with 64 (docs/performance.md)")
+    int8_mma_rows: int = knob(
+        64, "weight-only INT8 layers' steps of 2 to this many rows (at most 64) multiply on "
+        "the int8 tensor cores, each row of x carried as 16-bit fixed point in two int8 "
+        "halves (kernels/int8_x16.py), instead of making every weight a float16 "
+        "(w8a16_tensor_cores) or a float32 (kernels/w8a16_matmul.py); x's rounding is a "
+        "16-bit step of its row's range. CUDA with kernel_backend triton; on an H200, 8B "
+        "shape, decode at batch 8 / 32 / 64: 3.20 / 3.88 / 5.00 ms against 3.57 / 5.35 / "
+        "7.35 (docs/performance.md); 0: off")
     gguf_int8_activations: bool = knob(
         True, "one-row matmuls by GGUF Q4_K, Q6_K and Q8_0 weights kept in their blocks "
         "(quantization=gguf) round x to int8 per 32 values and multiply with dp4a, as "
@@ -300,6 +308,9 @@ class EngineConfig:
         if not 0 <= self.fp8_mma_rows <= 64:
             raise ValueError(f"fp8_mma_rows must be in [0, 64] (kernels/rows_mma.py "
                              f"MAX_ROWS), got {self.fp8_mma_rows}")
+        if not 0 <= self.int8_mma_rows <= 64:
+            raise ValueError(f"int8_mma_rows must be in [0, 64] (kernels/int8_x16.py "
+                             f"MAX_ROWS), got {self.int8_mma_rows}")
         if not 2 <= self.w8a16_tensor_core_rows <= 64:
             raise ValueError(f"w8a16_tensor_core_rows must be in [2, 64] (kernels/rows_mma.py "
                              f"MAX_ROWS), got {self.w8a16_tensor_core_rows}")

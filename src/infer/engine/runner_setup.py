@@ -52,7 +52,8 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
     """Which kernels `model`'s decode-sized matmuls take: infer's GEMV for 16-bit weights
     (`triton_gemv`, `gemv_max_rows`), tensor cores for 8-bit ones (`w8a16_tensor_cores`,
     `w8a16_tensor_core_rows`), FP8 by FP8 in infer's kernel for FP8 ones
-    (`fp8_decode_activations`, `fp8_mma_rows`), dp4a for GGUF Q4_K, Q6_K and
+    (`fp8_decode_activations`, `fp8_mma_rows`), the int8 tensor cores for INT8 ones
+    (`int8_mma_rows`), dp4a for GGUF Q4_K, Q6_K and
     Q8_0 blocks (`gguf_int8_activations`, x rounded where it is made with
     `gguf_fused_x_rounding`)."""
     triton = kernel_backend == "triton"
@@ -65,7 +66,7 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
     fp8_rows = config.fp8_mma_rows if fp8_mma else 0
     tensor_cores = config.w8a16_tensor_cores and triton
     set_8bit_kernels(model, config.w8a16_tensor_core_rows if tensor_cores else 0, fp8_x,
-                     fp8_rows)
+                     fp8_rows, config.int8_mma_rows if triton else 0)
     set_gguf_int8_activations(model, config.gguf_int8_activations and triton,
                               config.gguf_fused_x_rounding)
 

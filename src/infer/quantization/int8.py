@@ -2,8 +2,10 @@
 weight being `weight * weight_scale[:, None]`; activations stay in 16 bits.
 
 On CUDA the matmul is ours for decode-sized steps (`kernels/w8a16_matmul.py`, Triton;
-torch's CUDA `_weight_int8pack_mm` was 7x slower than bfloat16 on the H100), and cuBLAS on
-a dequantized copy of the weight for prefill-sized ones. On the CPU it is torch's
+torch's CUDA `_weight_int8pack_mm` was 7x slower than bfloat16 on the H100; with
+`EngineConfig.int8_mma_rows`, steps of a few rows on the int8 tensor cores,
+`kernels/int8_x16.py`), and cuBLAS on a dequantized copy of the weight for prefill-sized
+ones. On the CPU it is torch's
 `_weight_int8pack_mm`, fed 16-bit activations: it has no fast float32 path (8x slower than
 float32 `F.linear` at SmolLM2's shapes, against 0.67x the time in bfloat16), so a float32
 model's activations are rounded to bfloat16 for each quantized matmul, which is what A16
@@ -81,6 +83,10 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
         x2 = x.reshape(-1, shape[-1]).to(layer.compute_dtype)
         if x2.is_cuda and len(x2) > DEQUANTIZE_ROWS:  # compute-bound: cuBLAS on a copy
             y = F.linear(x2, layer.weight.to(x2.dtype)) * layer.weight_scale
+        elif x2.is_cuda and 1 < len(x2) <= getattr(layer, "int8_mma_rows", 0):
+            from infer.kernels.int8_x16 import int8_x16_matmul
+
+            y = int8_x16_matmul(x2.contiguous(), layer.weight, layer.weight_scale)
         elif x2.is_cuda:
             from infer.kernels.w8a16_matmul import w8a16_matmul
 

@@ -1,0 +1,183 @@
+"""INT8 weights times 16-bit rows on the int8 tensor cores, each row of x carried as two
+int8 halves.
+
+On tensor cores a W8A16 matmul has made each int8 weight a float16 first (`rows_mma.py`,
+~3 instructions a weight byte: past what the SMs issue at the copy rate from ~16 rows
+up, so INT8 decode at 32 rows ran no faster than bfloat16). The int8 MMA takes the weight
+as it is stored, at twice the bfloat16 rate. So each row of x is scaled to 16-bit fixed
+point, `q = round(x / s)` with `s = max |x| / QMAX`, and split into two int8 rows
+`q = 256 hi + lo` (hi in [-127, 127], lo in [-128, 127]); two int8 MMAs per K step share
+the weight tile, and `y = s * scale_w * (256 (w . hi) + w . lo)`, the int32 sums exact.
+x's rounding is the only error: each value moves by at most s / 2, a 16-bit step of its
+row's range (bfloat16 keeps 8 significant bits of each value: finer than this below 2^-7
+of the row's largest, coarser above).
+
+A program owns BLOCK_N output channels and one of `splits` slices of K; the last program
+of a row block to finish adds the slices' float32 parts (a counter per row block, left at
+0 for the next launch), as `rows_mma.py`'s do. Hopper's integer MMA takes 64 rows on its
+first operand, so the weight tile is that operand and x's rows the other (the sums come
+out transposed).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from infer.kernels import dependent_launch, launch_counters, sm_count
+
+QMAX = tl.constexpr(32639)  # |q| <= QMAX keeps hi = floor((q + 128) / 256) in [-127, 127]
+MAX_ROWS = 64
+MAX_BLOCKS = 1 << 16  # row blocks a launch may have: a counter each
+
+
+@triton.jit
+def _split_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, BLOCK: tl.constexpr):
+    """Row `row` of x -> its scale, and q's halves: hi in plane 0, lo in plane 1 of
+    q `[2, M, K]`."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.max(amax, axis=0) * (1.0 / QMAX)
+    scale = tl.where(scale > 0, scale, 1.0)
+    inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+    for k0 in range(0, K, BLOCK):
+        mask = k0 + cols < K
+        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=mask, other=0.0)
+        q = tl.floor(x.to(tl.float32) * inv + 0.5)
+        q = tl.minimum(tl.maximum(q, -QMAX), QMAX).to(tl.int32)
+        hi = (q + 128) >> 8  # arithmetic shift: floor((q + 128) / 256)
+        lo = q - hi * 256
+        tl.store(q_ptr + row * K + k0 + cols, hi.to(tl.int8), mask=mask)
+        tl.store(q_ptr + (M + row) * K + k0 + cols, lo.to(tl.int8), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def split_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x [M, K]` (unit column stride) -> (int8 `[2, M, K]`: the rows' high and low halves,
+    float32 `[M]`: their scales), `x ~ scale[:, None] * (256 hi + lo)`."""
+    assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
+    m, k = x.shape
+    q = torch.empty((2, m, k), dtype=torch.int8, device=x.device)
+    scale = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m and k:
+        block = min(4096, triton.next_power_of_2(k))
+        _split_rows_kernel[(m,)](x, q, scale, m, k, x.stride(0), BLOCK=block,
+                                 num_warps=8 if block >= 2048 else 4)
+    return q, scale
+
+
+@triton.jit
+def _int8_x16_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, counts, M, N, K,
+                     stride_ym, steps_per_split, splits, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     PDL: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    k_begin = pid_s * steps_per_split * BLOCK_K  # < K: every split has a step
+    k_end = tl.minimum(k_begin + steps_per_split * BLOCK_K, K)
+    # Rows past N read row N - 1 (no mask on the weight's loads) and are not stored.
+    w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K
+    hi_rows = q_ptr + rm.to(tl.int64)[:, None] * K
+    lo_rows = hi_rows + M * K
+    row_mask = rm[:, None] < M
+    dependent_launch.wait(PDL)
+    dependent_launch.release(PDL)
+    acc_hi = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
+    acc_lo = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        kk = k0 + rk
+        if EVEN_K:
+            w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
+            mask = row_mask
+        else:
+            w = tl.load(w_rows + kk[None, :], mask=kk[None, :] < K, other=0,
+                        eviction_policy="evict_first")
+            mask = row_mask & (kk[None, :] < K)
+        hi = tl.load(hi_rows + kk[None, :], mask=mask, other=0)
+        lo = tl.load(lo_rows + kk[None, :], mask=mask, other=0)
+        acc_hi = tl.dot(w, tl.trans(hi), acc_hi, out_dtype=tl.int32)
+        acc_lo = tl.dot(w, tl.trans(lo), acc_lo, out_dtype=tl.int32)
+    acc = acc_hi.to(tl.float32) * 256.0 + acc_lo.to(tl.float32)  # [BLOCK_N, BLOCK_M]
+    y_at = y_ptr + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
+    mask = (rm[None, :] < M) & (rn[:, None] < N)
+    if splits == 1:
+        acc = _scaled(acc, ws_ptr, xs_ptr, rn, rm, N, M)
+        tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        parts = part_ptr + rm[None, :] * N + rn[:, None]  # [splits, M, N] float32
+        tl.store(parts + pid_s * M * N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's part stored before the count releases them
+        counter = counts + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+            total = tl.load(parts, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in range(1, splits):
+                total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            total = _scaled(total, ws_ptr, xs_ptr, rn, rm, N, M)
+            tl.store(y_at, total.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter, 0, sem="relaxed")
+
+
+@triton.jit
+def _scaled(acc, ws_ptr, xs_ptr, rn, rm, N, M):
+    """The sums `[BLOCK_N, BLOCK_M]` times their channels' and rows' scales."""
+    ws = tl.load(ws_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    xs = tl.load(xs_ptr + rm, mask=rm < M, other=0.0)
+    return acc * ws[:, None] * xs[None, :]
+
+
+def launch_for(n: int, k: int, device: torch.device) -> dict[str, int]:
+    """The launch for a weight `[n, k]`, swept on an H200 over the 8B shape's projections
+    at 32 rows (`benchmarks/w8a16_sweep.py --tensor-cores --int8-x16`): 128 channels by
+    128 of K for wide layers, else 64 by 256, in two K slices where those tiles are fewer
+    than ~0.7 per SM (o 14.5 -> 11.5 µs, down 29.1 -> 25.7 against four slices)."""
+    if n >= 16384:
+        return dict(block_n=128, block_k=128, splits=1, num_warps=4, num_stages=4)
+    few = triton.cdiv(n, 64) < 0.7 * sm_count(device)
+    splits = max(1, min(2, triton.cdiv(k, 256) // 4)) if few else 1
+    return dict(block_n=64, block_k=256, splits=splits, num_warps=4, num_stages=4)
+
+
+def int8_x16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
+                    block_n: int | None = None, block_k: int | None = None,
+                    splits: int | None = None, num_warps: int | None = None,
+                    num_stages: int | None = None) -> torch.Tensor:
+    """`x [M, K]` (M <= MAX_ROWS; float16 / bfloat16 / float32, unit column stride) times
+    the transpose of `weight [N, K]` int8 (contiguous) scaled by `scale [N]`: `[M, N]` in
+    x's dtype. The launch (`launch_for`'s unless given) is for tuning."""
+    assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, x.shape
+    assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), x.dtype
+    assert weight.dtype == torch.int8 and weight.dim() == 2 and weight.is_contiguous()
+    m, (n, k) = x.shape[0], weight.shape
+    assert x.shape[1] == k and scale.shape == (n,), (x.shape, weight.shape, scale.shape)
+    launch = launch_for(n, k, x.device)
+    for name, value in (("block_n", block_n), ("block_k", block_k), ("splits", splits),
+                        ("num_warps", num_warps), ("num_stages", num_stages)):
+        if value is not None:
+            launch[name] = value
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if n == 0 or k == 0:
+        return y.zero_()
+    q, x_scale = split_rows(x)
+    block_n, block_k = launch["block_n"], launch["block_k"]
+    steps = triton.cdiv(k, block_k)
+    per_split = triton.cdiv(steps, min(launch["splits"], steps))
+    n_splits = triton.cdiv(steps, per_split)
+    blocks = triton.cdiv(n, block_n)
+    parts = (torch.empty((n_splits, m, n), dtype=torch.float32, device=x.device)
+             if n_splits > 1 else y)
+    _int8_x16_kernel[(blocks, n_splits)](
+        q, x_scale, weight, scale, y, parts,
+        launch_counters("int8_x16", x.device, MAX_BLOCKS, blocks), m, n, k, y.stride(0),
+        per_split, n_splits, BLOCK_M=16 if m <= 16 else 32 if m <= 32 else 64,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+        **dependent_launch.launch_options())
+    return y

@@ -1,0 +1,121 @@
+"""INT8 weights times rows of x split into two int8 halves (`kernels/int8_x16.py`), against
+float64: the split reconstructs each row's 16-bit fixed point exactly, the product equals
+float64's on that rounded x to float32 rounding, and moves from the exact product by no
+more than the rounding allows (every value within half a step of its row's scale). Shapes
+off the launch's blocks, one to 64 rows, K in slices added by the last program (run twice:
+the counters it leaves must let the next launch add its own). Triton's interpreter on the
+CPU; `INFER_TEST_DEVICE=cuda` runs the compiled kernels."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from infer.kernels import int8_x16
+
+DEVICE = torch.device(os.environ.get("INFER_TEST_DEVICE", "cpu"))
+QMAX = int8_x16.QMAX.value
+
+
+def _rows(m: int, k: int) -> torch.Tensor:
+    magnitudes = torch.logspace(-3, 2, m, dtype=torch.float64)[:, None]
+    x = torch.randn(m, k, dtype=torch.float64) * magnitudes
+    x[m // 2] = 0.0  # a row of zeros: scale 1, every half 0
+    x[0, 0] = 7.5 * x[0].abs().max()  # one outlier
+    return x
+
+
+def test_split_rows_are_each_rows_16_bit_fixed_point():
+    x = _rows(9, 1000).float()
+    q, scale = int8_x16.split_rows(x.to(DEVICE))
+    q, scale = q.cpu(), scale.cpu()
+    assert q.shape == (2, 9, 1000) and q.dtype == torch.int8
+    hi, lo = q[0].long(), q[1].long()
+    assert hi.abs().max() <= 127 and lo.min() >= -128 and lo.max() <= 127
+    amax = x.abs().amax(dim=1)
+    want = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    torch.testing.assert_close(scale, want, rtol=2e-7, atol=0)
+    fixed = 256 * hi + lo
+    assert fixed.abs().max() <= QMAX
+    exact = x.double() / scale.double()[:, None]
+    assert (fixed - exact).abs().max() <= 0.5 + 1e-3  # rounded to the nearest step
+    assert torch.equal(fixed[4], torch.zeros(1000, dtype=torch.long))
+
+
+@pytest.mark.parametrize("m,n,k,splits", [(1, 70, 256, 1), (5, 130, 300, 1),
+                                          (17, 64, 1000, 3), (33, 200, 512, 2),
+                                          (64, 96, 257, 1)])
+def test_matches_float64_on_the_rounded_rows(m, n, k, splits):
+    x = _rows(m, k).float()
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    w_scale = torch.rand(n) * 0.01 + 1e-4
+    launch = dict(block_n=64, block_k=128, splits=splits, num_warps=4, num_stages=2)
+    for _ in range(2):  # the second launch finds the split counters as the first left them
+        y = int8_x16.int8_x16_matmul(x.to(DEVICE), w.to(DEVICE), w_scale.to(DEVICE),
+                                     **launch).cpu()
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        q, scale = int8_x16.split_rows(x.to(DEVICE))
+        rounded = (256 * q[0].double() + q[1].double()).cpu() * scale.cpu().double()[:, None]
+        weights = w.double() * w_scale.double()[:, None]
+        want = rounded @ weights.T
+        magnitude = rounded.abs() @ weights.abs().T
+        assert ((y.double() - want).abs() <= 1e-5 * magnitude + 1e-30).all()
+        # against x itself: each value of x moved by at most half its row's step
+        exact = x.double() @ weights.T
+        bound = (scale.cpu().double()[:, None] / 2) * weights.abs().sum(dim=1)[None, :]
+        assert ((y.double() - exact).abs() <= bound * (1 + 1e-4) + 1e-5 * magnitude).all()
+
+
+def test_16_bit_rows_come_back_in_their_dtype():
+    x = torch.randn(8, 384).to(torch.bfloat16)
+    w = torch.randint(-127, 128, (48, 384), dtype=torch.int8)
+    w_scale = torch.rand(48) * 0.01
+    y = int8_x16.int8_x16_matmul(x.to(DEVICE), w.to(DEVICE), w_scale.to(DEVICE)).cpu()
+    assert y.dtype == torch.bfloat16
+    want = x.double() @ (w.double() * w_scale.double()[:, None]).T
+    torch.testing.assert_close(y.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_bad_shapes_are_refused():
+    w = torch.zeros(8, 32, dtype=torch.int8)
+    with pytest.raises(AssertionError):
+        int8_x16.int8_x16_matmul(torch.zeros(65, 32), w, torch.ones(8))  # past MAX_ROWS
+    with pytest.raises(AssertionError):
+        int8_x16.int8_x16_matmul(torch.zeros(2, 32), w.float(), torch.ones(8))
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="INT8 layers take the kernel on CUDA only")
+@pytest.mark.parametrize("rows", [2, 17, 64])
+def test_int8_layers_with_the_knob_take_the_kernel_and_match_float64(rows, monkeypatch):
+    from infer.kernels import w8a16_matmul
+    from infer.models.linear import ColumnParallelLinear
+    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
+
+    gen = torch.Generator().manual_seed(rows)
+    layer = ColumnParallelLinear(512, 384, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(384, 512, generator=gen))
+    layer = layer.to(DEVICE, torch.bfloat16)
+    Int8WeightOnlyLinearMethod().quantize(layer)
+    layer.int8_mma_rows = 64
+    monkeypatch.setattr(w8a16_matmul, "w8a16_matmul", lambda *a, **k: pytest.fail("W8A16"))
+    x = torch.randn(rows, 512, generator=gen).to(DEVICE, torch.bfloat16)
+    y = layer(x).double()
+    ref = x.double() @ (layer.weight.double() * layer.weight_scale.double()[:, None]).T
+    assert (y - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
+
+
+def test_the_knob_reaches_every_linear_layer_and_the_lm_head():
+    from server_fixtures import tiny_model_dir
+
+    from infer import LLM
+    from infer.models.linear import LinearBase, ParallelLMHead
+
+    llm = LLM(str(tiny_model_dir()), device=str(DEVICE), num_blocks=64, max_model_len=128,
+              quantization="int8", kernel_backend="triton", int8_mma_rows=32,
+              cuda_graphs=False)
+    layers = [m for m in llm.engine.core.runner.model.modules()
+              if isinstance(m, (LinearBase, ParallelLMHead))]
+    assert layers and all(m.int8_mma_rows == 32 for m in layers)
