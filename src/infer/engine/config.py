@@ -132,7 +132,7 @@ class EngineConfig:
         "halves (kernels/int8_x16.py), instead of making every weight a float16 "
         "(w8a16_tensor_cores) or a float32 (kernels/w8a16_matmul.py); x's rounding is a "
         "16-bit step of its row's range. CUDA with kernel_backend triton; on an H200, 8B "
-        "shape, decode at batch 8 / 32 / 64: 3.20 / 3.88 / 5.00 ms against 3.57 / 5.35 / "
+        "shape, decode at batch 8 / 32 / 64: 3.24 / 3.71 / 4.73 ms against 3.57 / 5.35 / "
         "7.35 (docs/performance.md); 0: off")
     gguf_int8_activations: bool = knob(
         True, "one-row matmuls by GGUF Q4_K, Q6_K and Q8_0 weights kept in their blocks "
