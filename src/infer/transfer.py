@@ -68,11 +68,9 @@ class HostCopy:
                 self._host.append(None)
                 continue
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            if not t.nbytes:
-                pass
-            elif t.is_contiguous():
+            if t.nbytes and t.is_cuda and t.is_contiguous():
                 events.driver.copy_to_host(stream, host.data_ptr(), t.data_ptr(), t.nbytes)
-            else:  # (torch's copy, known to its pinned allocator)
+            elif t.nbytes:  # (torch's copy, known to its pinned allocator)
                 host.copy_(t, non_blocking=True)
             self._host.append(host)
         self._event = events.take()
