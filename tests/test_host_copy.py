@@ -51,3 +51,34 @@ def test_a_result_dropped_unwaited_keeps_its_buffers_until_its_copies_ran():
         assert torch.equal(buffers[0], torch.full((1 << 16,), round_))
         assert torch.equal(kept.wait()[0], buffers[0])
     assert len(events.free) <= 2  # events are reused, not made anew each time
+
+
+def test_dropped_results_wait_in_order_for_their_events(monkeypatch):
+    """The events' bookkeeping (`transfer._Events`) with a stand-in for the driver: a
+    dropped result's buffers stay until its event has passed, then its event is reused;
+    one not passed yet holds up the ones dropped after it."""
+
+    class Driver:
+        def __init__(self) -> None:
+            self.made, self.passed = 0, set()
+
+        def event(self) -> int:
+            self.made += 1
+            return self.made
+
+        def done(self, event: int) -> bool:
+            return event in self.passed
+
+    driver = Driver()
+    monkeypatch.setattr(transfer, "cuda_driver", lambda: driver)
+    events = transfer._Events(torch.device("cuda", 0))
+    first, second = events.take(), events.take()
+    assert (first, second) == (1, 2)
+    events.dropped.extend([(first, ["buffers 1"]), (second, ["buffers 2"])])
+    driver.passed.add(second)  # the second passed, the first not yet: both stay
+    assert events.take() == 3 and len(events.dropped) == 2
+    driver.passed.add(first)
+    got = events.take()
+    assert got in (first, second) and not events.dropped
+    assert events.take() == ({first, second} - {got}).pop()  # both reused
+    assert events.take() == 4  # none free: a new one
