@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels import dependent_launch, launch_counters, sm_count
+from infer.kernels.rows_mma import block_rows
 
 QMAX = tl.constexpr(32639)  # |q| <= QMAX keeps hi = floor((q + 128) / 256) in [-127, 127]
 MAX_ROWS = 64
@@ -145,23 +146,17 @@ def launch_for(n: int, k: int, device: torch.device) -> dict[str, int]:
     return dict(block_n=64, block_k=256, splits=splits, num_warps=4, num_stages=4)
 
 
-def int8_x16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
-                    block_n: int | None = None, block_k: int | None = None,
-                    splits: int | None = None, num_warps: int | None = None,
-                    num_stages: int | None = None) -> torch.Tensor:
+def int8_x16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                    **launch: int) -> torch.Tensor:
     """`x [M, K]` (M <= MAX_ROWS; float16 / bfloat16 / float32, unit column stride) times
     the transpose of `weight [N, K]` int8 (contiguous) scaled by `scale [N]`: `[M, N]` in
-    x's dtype. The launch (`launch_for`'s unless given) is for tuning."""
+    x's dtype. `launch` (all of `launch_for`'s keys; none: `launch_for`'s) is for tuning."""
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, x.shape
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), x.dtype
     assert weight.dtype == torch.int8 and weight.dim() == 2 and weight.is_contiguous()
     m, (n, k) = x.shape[0], weight.shape
     assert x.shape[1] == k and scale.shape == (n,), (x.shape, weight.shape, scale.shape)
-    launch = launch_for(n, k, x.device)
-    for name, value in (("block_n", block_n), ("block_k", block_k), ("splits", splits),
-                        ("num_warps", num_warps), ("num_stages", num_stages)):
-        if value is not None:
-            launch[name] = value
+    launch = launch or launch_for(n, k, x.device)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0 or k == 0:
         return y.zero_()
@@ -176,7 +171,7 @@ def int8_x16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     _int8_x16_kernel[(blocks, n_splits)](
         q, x_scale, weight, scale, y, parts,
         launch_counters("int8_x16", x.device, MAX_BLOCKS, blocks), m, n, k, y.stride(0),
-        per_split, n_splits, BLOCK_M=16 if m <= 16 else 32 if m <= 32 else 64,
+        per_split, n_splits, BLOCK_M=block_rows(m),
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         num_warps=launch["num_warps"], num_stages=launch["num_stages"],
         **dependent_launch.launch_options())
