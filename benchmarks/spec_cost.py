@@ -214,7 +214,7 @@ def decode_run(llm, rng, vocab: int, prompt_len: int, new_tokens: int, batch: in
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         return time.perf_counter() - start, core.num_steps - steps, tokens
 
-    timed(8)  # warm-up
+    timed(min(32, new_tokens))  # warm-up, long enough for rounds queued ahead (2k + 1)
     for _ in range(3):  # a noisy machine can make the short run the slower: time again
         t1, s1, n1 = timed(1)
         tn, sn, nn = timed(1 + new_tokens)

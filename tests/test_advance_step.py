@@ -57,3 +57,17 @@ def test_a_step_moved_on_by_offsets_is_the_step_prepared_there(q, kernel):
     # the padding row is left as prepared: length q, no slot
     assert meta.seq_lens[n:batch].tolist() == [q] * (batch - n)
     assert meta.slot_mapping[n * q:batch * q].tolist() == [-1] * ((batch - n) * q)
+
+
+@pytest.mark.parametrize("q", [1, 2])
+def test_compiling_the_kernel_ahead_leaves_a_graphs_buffers_as_prepared(q):
+    """`compile_advance` (at capture, for rounds queued ahead) launches on scratch buffers
+    only: a prepared step is left exactly as it was."""
+    meta = GraphMetadata(4, q, 6, BLOCK, DEVICE)
+    meta.prepare_replay(4, [9, 13], [[1, 2, 3], [4, 5, 6, 7]],
+                        [None, [p for n in (9, 13) for p in range(n - q, n)]])
+    before = [t.clone() for t in (meta.seq_lens, meta.slot_mapping, meta.token_rows,
+                                  meta.block_tables)]
+    meta.compile_advance()
+    after = (meta.seq_lens, meta.slot_mapping, meta.token_rows, meta.block_tables)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))

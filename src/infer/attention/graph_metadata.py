@@ -94,6 +94,14 @@ class GraphMetadata:
         i64[0, n * q:tokens] = -1
         self.staging.send_with_tables(self.max_batch, batch, width, self.block_tables)
 
+    def compile_advance(self) -> None:
+        """Compile `advance`'s kernel now (while graphs are captured), where it runs."""
+        if self.block_tables.is_cuda and triton_available():
+            from infer.kernels.advance_step import compile_for
+
+            compile_for(self.block_tables.device, self.query_len, self.block_size,
+                        self.block_tables.shape[1])
+
     def advance(self, n: int, offsets: torch.Tensor, positions: torch.Tensor) -> None:
         """Move the first `n` sequences of the step just prepared `offsets[i]` tokens on,
         on the device (a step whose lengths only the device knows yet): their lengths, the

@@ -45,3 +45,16 @@ def advance_step(offsets: torch.Tensor, seq_lens: torch.Tensor, positions: torch
         _advance_kernel[(n,)](offsets, seq_lens, positions, slot_mapping, block_tables,
                               block_tables.stride(0), query_len, block_size,
                               BLOCK_Q=triton.next_power_of_2(query_len), num_warps=1)
+
+
+def compile_for(device: torch.device, query_len: int, block_size: int,
+                max_blocks_per_seq: int) -> None:
+    """Launch once on scratch buffers laid out as a graph's (16-byte aligned rows, block
+    tables `max_blocks_per_seq` wide), so that the kernel is compiled while graphs are
+    captured and not by the first step moved on (~0.5 s on an H200's host when Triton's
+    cache is cold)."""
+    def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    advance_step(zeros(1), zeros(1, dtype=torch.int32), zeros(query_len), zeros(query_len),
+                 zeros(1, max_blocks_per_seq, dtype=torch.int32), query_len, block_size)

@@ -58,13 +58,16 @@ class ModelDrafter:
         to `ahead_batch` sequences with a cache of its own, of their two-token first
         forward (`split_keys`: as the verify graphs' attention); `capture=False`: the same
         static buffers, run eagerly (CPU tests). Seconds spent capturing."""
-        seconds = self.runner.enable_decode_graphs(max_batch, max_model_len, capture,
-                                                   logits=logits).capture_seconds
+        graphs = [self.runner.enable_decode_graphs(max_batch, max_model_len, capture,
+                                                   logits=logits)]
         if ahead_batch and self.own_cache:
-            seconds += self.runner.enable_decode_graphs(
+            graphs.append(self.runner.enable_decode_graphs(
                 min(ahead_batch, max_batch), max_model_len, capture, tokens_per_seq=2,
-                split_keys=split_keys).capture_seconds
-        return seconds
+                split_keys=split_keys))
+        if ahead_batch:  # the rounds queued ahead move their graphs' steps on
+            for g in graphs:
+                g.attn.compile_advance()
+        return sum(g.capture_seconds for g in graphs)
 
     def propose(self, requests: list[Request]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
