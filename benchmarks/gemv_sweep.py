@@ -9,10 +9,12 @@ step, warps), in µs per call and as a share of the copy bandwidth measured in t
 
 Each case is captured in a CUDA graph (quantized_gemv.py's timer) whose calls cycle
 through enough copies of the weight to exceed the L2 cache three times over, as a decode
-step's layers do; every launch's result is checked against cuBLAS's first.
+step's layers do; every launch's result is checked against cuBLAS's first. Past one row
+rows_mma is also timed with the weight as the MMA's first operand in the engine's tiles
+(`EngineConfig.mma_weight_first`); `--weight-first` sweeps that form's launches.
 
     python benchmarks/gemv_sweep.py [--shapes 1b 8b 8b-tp2] [--quick | --defaults-only]
-        [--rows 5 --suffix _rows5]
+        [--rows 5 [--weight-first] --suffix _rows5]
 """
 
 from __future__ import annotations
@@ -41,8 +43,13 @@ SHAPES = {
 }
 
 
-def launches(quick: bool, rows: int) -> list[dict]:
+def launches(quick: bool, rows: int, weight_first: bool = False) -> list[dict]:
     """The GEMV's launches (one row) or rows_mma's (splits None: its own rule)."""
+    if weight_first:
+        return [dict(block_n=bn, block_k=bk, splits=splits, num_warps=4, num_stages=stages,
+                     weight_first=True)
+                for bn, bk, splits, stages in itertools.product(
+                    (64, 128), (128, 256), (1, 2, 4), (3, 4))]
     if rows == 1:
         out = [dict(block_n=bn, block_k=bk, num_warps=warps) for bn, bk, warps in
                itertools.product((4, 8, 16), (256, 512, 1024), (4, 8))]
@@ -63,12 +70,15 @@ def main() -> None:
     parser.add_argument("--defaults-only", action="store_true",
                         help="time the kernel's default launch only")
     parser.add_argument("--rows", type=int, default=1, help="rows of x (up to 16)")
+    parser.add_argument("--weight-first", action="store_true",
+                        help="past one row, sweep rows_mma with the weight as the first "
+                        "operand")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gemv_sweep.py times CUDA kernels: no GPU here")
     from infer.kernels import dependent_launch
     from infer.kernels.gemv import Launch, default_launch, gemv
-    from infer.kernels.rows_mma import MAX_ROWS, rows_mma
+    from infer.kernels.rows_mma import MAX_ROWS, rows_mma, weight_first_launch
 
     if not 1 <= args.rows <= MAX_ROWS:
         raise SystemExit(f"--rows: 1 to {MAX_ROWS}")
@@ -110,11 +120,14 @@ def main() -> None:
             dependent_launch.set_enabled(True)  # each call's launch under the one before
             pdl_us = timed(default)
             dependent_launch.set_enabled(False)
-            mma_us = None
+            mma_us = w_first_us = None
             if args.rows == 1:  # the tensor-core kernel's default at one row, for comparison
                 mma_us = checked_us(rows_mma, x, weights, expected)
+            else:  # the weight as the first operand, in the engine's tiles
+                w_first_us = timed(weight_first_launch(n, k, x.device))
             best, best_us = default, default_us
-            for launch in ([] if args.defaults_only else launches(args.quick, args.rows)):
+            swept = launches(args.quick, args.rows, args.weight_first and args.rows > 1)
+            for launch in ([] if args.defaults_only else swept):
                 try:
                     us = timed(launch)
                 except Exception as exc:  # a launch that does not compile: skip it
@@ -127,6 +140,7 @@ def main() -> None:
                        cublas_us=cublas_us, cublas_frac=frac(cublas_us),
                        default_us=default_us, default_frac=frac(default_us),
                        pdl_us=pdl_us, pdl_frac=frac(pdl_us), rows_mma_us=mma_us,
+                       w_first_us=w_first_us, w_first_frac=w_first_us and frac(w_first_us),
                        best_us=best_us, best_frac=frac(best_us), best=best,
                        best_vs_cublas=cublas_us / best_us)
             rows.append(row)
@@ -142,7 +156,8 @@ def main() -> None:
          ("cuBLAS us", "cublas_us", ".1f"), ("%copy", "cublas_frac", ".0%"),
          ("default us", "default_us", ".1f"), ("%copy", "default_frac", ".0%"),
          ("dependent us", "pdl_us", ".1f"), ("%copy", "pdl_frac", ".0%"),
-         ("rows_mma us", "rows_mma_us", ".1f"), ("best us", "best_us", ".1f"),
+         ("rows_mma us", "rows_mma_us", ".1f"), ("weight first us", "w_first_us", ".1f"),
+         ("%copy", "w_first_frac", ".0%"), ("best us", "best_us", ".1f"),
          ("%copy", "best_frac", ".0%"),
          ("cuBLAS/best", "best_vs_cublas", ".2f"), ("best launch", "best", "")])
 

@@ -13,10 +13,13 @@ for FP8 weights the FP8 x FP8 paths, x quantized per row first (`fp8_quant.py`):
 (`fp8_decode_activations`, `fp8_mma_rows`; swept with `--fp8-x`) and `torch._scaled_mm`'s
 (what FP8 layers take past the weight-only rows). INT8 weights are also timed on the int8
 tensor cores with x split into two int8 halves (`int8_x16.py`, `int8_mma_rows`; its
-launches swept with `--int8-x16`).
+launches swept with `--int8-x16`), and every weight through rows_mma with the weight as the
+MMA's first operand in the engine's tiles (`mma_weight_first`; swept with
+`--weight-first`).
 
     python benchmarks/w8a16_sweep.py [--rows 1 32] [--shapes 8b 1b] [--one-row-kernel-only]
-                                     [--tensor-cores [--fp8-x | --int8-x16]]
+                                     [--tensor-cores [--fp8-x | --int8-x16 |
+                                                      --weight-first]]
                                      [--quick | --defaults-only]
 """
 
@@ -61,9 +64,10 @@ def mma_configs(quick: bool) -> list[dict]:
     return out[::4] if quick else out
 
 
-def int8_x16_configs() -> list[dict]:
-    """int8_x16_matmul's launches."""
-    return [dict(block_n=bn, block_k=bk, splits=splits, num_warps=4, num_stages=stages)
+def int8_x16_configs(**extra: bool) -> list[dict]:
+    """int8_x16_matmul's launches (or, with `weight_first=True`, rows_mma's in that form)."""
+    return [dict(block_n=bn, block_k=bk, splits=splits, num_warps=4, num_stages=stages,
+                 **extra)
             for bn, bk, splits, stages in itertools.product(
                 (64, 128), (128, 256), (1, 2, 4), (3, 4))]
 
@@ -89,6 +93,9 @@ def main() -> None:
     parser.add_argument("--int8-x16", action="store_true",
                         help="with --tensor-cores, INT8 weights swept on the int8 tensor "
                         "cores, x split into two int8 halves (int8_mma_rows)")
+    parser.add_argument("--weight-first", action="store_true",
+                        help="with --tensor-cores, sweep rows_mma with the weight as the "
+                        "MMA's first operand (mma_weight_first)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("w8a16_sweep.py times CUDA kernels: no GPU here")
@@ -133,6 +140,9 @@ def main() -> None:
             tensor_cores = args.tensor_cores and rows <= MAX_ROWS
             mma_us = (time_cycled(rows_mma, x, weights, scale, replays=20)
                       if tensor_cores else None)
+            w_first = partial(rows_mma, **fp8_x_launch(n, k, x.device), weight_first=True)
+            w_first_us = (time_cycled(w_first, x, weights, scale, replays=20)
+                          if tensor_cores else None)
             fp8_x = tensor_cores and dtype == torch.float8_e4m3fn
             fp8_x_us = (time_cycled(fp8_by_fp8, x, weights, scale, replays=20)
                         if fp8_x else None)
@@ -144,6 +154,8 @@ def main() -> None:
             best = None
             swept = not shape.endswith("lm_head") and not args.defaults_only
             cases = ((int8_x16_configs() if int8_x and args.int8_x16 else
+                      int8_x16_configs(weight_first=True)
+                      if tensor_cores and args.weight_first else
                       mma_configs(args.quick) if tensor_cores else
                       configs(rows, args.quick, args.one_row_kernel_only)) if swept else [])
             for cfg in cases:
@@ -167,6 +179,8 @@ def main() -> None:
                            default_frac=frac(default_us),
                            tensor_cores_us=mma_us,
                            tensor_cores_frac=frac(mma_us),
+                           w_first_us=w_first_us,
+                           w_first_frac=frac(w_first_us),
                            fp8_x_us=fp8_x_us,
                            fp8_x_frac=frac(fp8_x_us),
                            int8_x16_us=int8_x_us,
@@ -191,6 +205,8 @@ def main() -> None:
                         ("%copy", "default_frac", ".0%"),
                         ("tensor cores us", "tensor_cores_us", ".1f"),
                         ("%copy", "tensor_cores_frac", ".0%"),
+                        ("weight first us", "w_first_us", ".1f"),
+                        ("%copy", "w_first_frac", ".0%"),
                         ("fp8 x fp8 us", "fp8_x_us", ".1f"), ("%copy", "fp8_x_frac", ".0%"),
                         ("int8 x16 us", "int8_x16_us", ".1f"),
                         ("%copy", "int8_x16_frac", ".0%"),

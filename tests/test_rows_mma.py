@@ -43,17 +43,18 @@ def _run(x, w, scale, scale_block=None, **launch):
                      **launch).cpu()
 
 
+@pytest.mark.parametrize("weight_first", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES_16)
 @pytest.mark.parametrize(("m", "n", "k", "splits"), [
     (2, 200, 300, 1), (5, 130, 640, 3), (16, 40, 256, 2), (1, 64, 384, 1), (33, 72, 256, 2)])
-def test_16bit_weights_match_float64(dtype, m, n, k, splits):
+def test_16bit_weights_match_float64(dtype, m, n, k, splits, weight_first):
     """Ragged N and K, a row stride wider than K."""
     from infer.kernels.rows_mma import rows_mma
 
     gen = torch.Generator().manual_seed(m + n + k)
     x = torch.randn(m, k + 6, generator=gen).to(dtype)[:, :k]
     w = torch.randn(n, k, generator=gen).to(dtype)
-    y = rows_mma(x.to(DEVICE), w.to(DEVICE), splits=splits).cpu()
+    y = rows_mma(x.to(DEVICE), w.to(DEVICE), splits=splits, weight_first=weight_first).cpu()
     ref = x.double() @ w.double().T
     assert y.dtype == dtype and y.shape == (m, n)
     error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
@@ -81,23 +82,25 @@ def test_gated_rows_are_the_activation_kernels_then_the_matmul(act, m, weights):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("weight_first", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("m", "n", "k", "splits"), [
     (1, 200, 300, 1), (1, 200, 512, 3), (3, 40, 256, 2), (16, 130, 384, 1), (5, 64, 1000, 4),
     (17, 130, 384, 2), (32, 64, 256, 1), (64, 140, 384, 3)])
-def test_matches_float64_from_the_integers(dtype, m, n, k, splits):
+def test_matches_float64_from_the_integers(dtype, m, n, k, splits, weight_first):
     x, w, scale = _case(m, n, k, dtype, seed=m * 1000 + n + k)
-    y = _run(x, w, scale, splits=splits)
+    y = _run(x, w, scale, splits=splits, weight_first=weight_first)
     ref = _reference(x, w, scale)
     assert y.dtype == dtype and y.shape == (m, n)
     error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
     assert error < TOLERANCE[dtype], error
 
 
+@pytest.mark.parametrize("weight_first", [False, True])
 @pytest.mark.parametrize(("m", "n", "k", "block", "splits", "big"), [
     (1, 200, 300, (128, 128), 1, False), (4, 300, 640, (256, 128), 3, False),
     (1, 130, 384, (128, 256), 2, True), (24, 300, 640, (128, 128), 2, True)])
-def test_a_scale_per_tile_matches_float64(m, n, k, block, splits, big):
+def test_a_scale_per_tile_matches_float64(m, n, k, block, splits, big, weight_first):
     """Block-wise scales (HF fine-grained FP8's 128 x 128): each K step's sums scaled by
     its tile's; also on the float32 path an |x| past 65504 takes."""
     x, w, _ = _case(m, n, k, torch.bfloat16, seed=n + k)
@@ -106,7 +109,7 @@ def test_a_scale_per_tile_matches_float64(m, n, k, block, splits, big):
     rows, cols = block
     gen = torch.Generator().manual_seed(5)
     tiles = torch.rand(-(-n // rows), -(-k // cols), generator=gen) * 0.02 + 1e-3
-    y = _run(x, w, tiles, scale_block=block, splits=splits)
+    y = _run(x, w, tiles, scale_block=block, splits=splits, weight_first=weight_first)
     dense = tiles.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
     ref = x.double() @ (w.double() * dense.double()).T
     error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
@@ -124,13 +127,14 @@ def test_counters_are_left_at_zero_and_a_second_launch_agrees():
     assert torch.equal(_run(x, w, scale, splits=4), first)
 
 
+@pytest.mark.parametrize("weight_first", [False, True])
 @pytest.mark.parametrize("m", [1, 4, 50])
-def test_inputs_beyond_float16_are_multiplied_in_float32(m):
+def test_inputs_beyond_float16_are_multiplied_in_float32(m, weight_first):
     """An |x| past 65504 would be inf in float16: its row block is multiplied on the CUDA
     cores instead, and the result is the float64 one (bf16's rounding aside)."""
     x, w, scale = _case(m, 150, 384, torch.bfloat16, seed=11)
     x[m - 1, 5] = 3.0e5
-    y = _run(x, w, scale, splits=2)
+    y = _run(x, w, scale, splits=2, weight_first=weight_first)
     ref = _reference(x, w, scale)
     assert torch.isfinite(y).all()
     error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
@@ -187,9 +191,10 @@ def test_8bit_layers_with_the_knob_match_float64(method, rows, width):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="FP8 weights need a GPU (the interpreter has none)")
+@pytest.mark.parametrize("weight_first", [False, True])
 @pytest.mark.parametrize("block", [None, (128, 128)])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_fp8_weights_match_float64(block, rows):
+def test_fp8_weights_match_float64(block, rows, weight_first):
     x, w, scale = _case(rows, 384, 640, torch.bfloat16, seed=rows)
     w8 = (w.float() * 3.0).to(torch.float8_e4m3fn)  # up to 384: e4m3's range
     if block is not None:
@@ -198,7 +203,7 @@ def test_fp8_weights_match_float64(block, rows):
         dense = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
     else:
         dense = scale.double()[:, None].expand(384, 640)
-    y = _run(x, w8, scale, block)
+    y = _run(x, w8, scale, block, weight_first=weight_first)
     ref = x.double() @ (w8.double() * dense.double()).T
     error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
     assert error < TOLERANCE[torch.bfloat16], error
@@ -364,3 +369,52 @@ def test_the_fp8_activations_knob_reaches_the_layers_only_where_fp8_mma_runs(cap
     assert layers and all(m.fp8_decode_activations is runs for m in layers)
     assert all(m.fp8_mma_rows == (32 if runs else 0) for m in layers)
     assert runs or "fp8_decode_activations needs a GPU" in caplog.text
+
+
+def test_weight_first_launches_fit_the_kernel_and_match_float64():
+    """`weight_first_launch`'s tiles for narrow, deep and wide layers give the float64
+    product (shapes cut down; the rule reads only N, K and the SM count)."""
+    from infer.kernels.rows_mma import rows_mma, weight_first_launch
+
+    device = torch.empty(0, device=DEVICE).device
+    for n, k in [(200, 4096), (300, 640), (16400, 256)]:
+        launch = weight_first_launch(n, k, device)
+        assert launch["weight_first"] and launch["block_n"] == 64
+        gen = torch.Generator().manual_seed(n + k)
+        x = torch.randn(3, k, generator=gen).to(torch.float16)
+        w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.float16)
+        y = rows_mma(x.to(DEVICE), w.to(DEVICE), **launch).cpu()
+        ref = x.double() @ w.double().T
+        error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+        assert error < TOLERANCE[torch.float16], (n, k, launch, error)
+
+
+def test_the_weight_first_knob_reaches_the_16bit_layers_kernel(monkeypatch):
+    """`mma_weight_first` sets the engine's launch; a 16-bit layer's step of a few rows
+    then takes rows_mma with the weight first, and gives the float64 product."""
+    from server_fixtures import tiny_model_dir
+
+    from infer import LLM
+    from infer.kernels import rows_mma
+    from infer.models.linear import matmul
+
+    try:
+        LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
+            kernel_backend="triton", mma_weight_first=True, cuda_graphs=False)
+        assert rows_mma._weight_first
+        launches = []
+        real = rows_mma.rows_mma
+        monkeypatch.setattr(rows_mma, "rows_mma",
+                            lambda *a, **k: launches.append(k) or real(*a, **k))
+        gen = torch.Generator().manual_seed(4)
+        x = torch.randn(5, 256, generator=gen).to(torch.float16)
+        w = (torch.randn(96, 256, generator=gen) * 0.05).to(torch.float16)
+        y = matmul(x.to(DEVICE), w.to(DEVICE), None, gemv_rows=8).cpu()
+        assert [k.get("weight_first") for k in launches] == [True]
+        ref = x.double() @ w.double().T
+        assert (y.double() - ref).abs().max() <= TOLERANCE[torch.float16] * ref.abs().max()
+        LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
+            kernel_backend="triton", cuda_graphs=False)
+        assert not rows_mma._weight_first  # the default, set again by the next engine
+    finally:
+        rows_mma.set_weight_first(False)

@@ -52,12 +52,17 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
     """Which kernels `model`'s decode-sized matmuls take: infer's GEMV for 16-bit weights
     (`triton_gemv`, `gemv_max_rows`), tensor cores for 8-bit ones (`w8a16_tensor_cores`,
     `w8a16_tensor_core_rows`), FP8 by FP8 in infer's kernel for FP8 ones
-    (`fp8_decode_activations`, `fp8_mma_rows`), the int8 tensor cores for INT8 ones
+    (`fp8_decode_activations`, `fp8_mma_rows`), either operand first there
+    (`mma_weight_first`), the int8 tensor cores for INT8 ones
     (`int8_mma_rows`), dp4a for GGUF Q4_K, Q6_K and
     Q8_0 blocks (`gguf_int8_activations`, x rounded where it is made with
     `gguf_fused_x_rounding`)."""
     triton = kernel_backend == "triton"
     set_triton_gemv(model, config.triton_gemv and triton, config.gemv_max_rows)
+    if triton:
+        from infer.kernels import rows_mma
+
+        rows_mma.set_weight_first(config.mma_weight_first)
     fp8_mma = triton and _has_fp8_mma()
     fp8_x = config.fp8_decode_activations and fp8_mma
     if config.fp8_decode_activations and triton and not fp8_x:

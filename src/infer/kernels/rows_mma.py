@@ -138,11 +138,12 @@ def _rows_mma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
     EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr, ACT: tl.constexpr, PTX: tl.constexpr,
-    FP8_X: tl.constexpr, PDL: tl.constexpr,
+    FP8_X: tl.constexpr, W_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     """SCALE: the weight is 8-bit, scaled per channel (SCALE_COLS 0) or per tile; else it
     is 16-bit, x's dtype, unscaled. FP8_X (FP8 weights scaled per channel): x is FP8 (its
-    bytes, as int8), scaled per row by `xs_ptr`'s, and multiplied FP8 by FP8."""
+    bytes, as int8), scaled per row by `xs_ptr`'s, and multiplied FP8 by FP8. W_FIRST (always
+    with FP8_X): the weight tile is the MMA's first operand, the sums come out transposed."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -164,8 +165,9 @@ def _rows_mma_kernel(
     x_scale = 1.0
     if FP8_X:
         x_scale = tl.load(xs_ptr + rm, mask=rm < M, other=0.0)
-        # The weight tile is the MMA's first operand (Hopper's warp-group FP8 MMA: 64 of
-        # its rows at a time, x's rows as the second operand's columns): acc transposed.
+    if W_FIRST:
+        # Hopper's warp-group MMA takes 64 rows at a time on its first operand (and FP8
+        # only so): the weight's, x's rows the second operand's columns.
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         kk = k0 + rk
@@ -186,15 +188,22 @@ def _rows_mma_kernel(
                 x = x.to(tl.float16)
         if FP8_X:  # Hopper's FP8 MMA sums in less than float32: promoted each K step
             acc_t = tl.dot(w, tl.trans(x), acc_t, max_num_imprecise_acc=BLOCK_K)
-        elif not SCALE:
-            acc = tl.dot(x, tl.trans(w), acc)
-        elif SCALE_COLS > 0:
-            acc += tl.dot(x, tl.trans(_to_f16(w, PTX))) * tl.load(s_row + k0 // SCALE_COLS)
         else:
-            acc = tl.dot(x, tl.trans(_to_f16(w, PTX)), acc)
-    if FP8_X:
+            if SCALE:
+                w = _to_f16(w, PTX)
+            if SCALE_COLS > 0:
+                tile_scale = tl.load(s_row + k0 // SCALE_COLS)
+                if W_FIRST:
+                    acc_t += tl.dot(w, tl.trans(x)) * tile_scale
+                else:
+                    acc += tl.dot(x, tl.trans(w)) * tile_scale
+            elif W_FIRST:
+                acc_t = tl.dot(w, tl.trans(x), acc_t)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+    if W_FIRST:
         acc = tl.trans(acc_t)
-    elif SCALE:  # noqa: SIM102 (constexpr; the test below runs)
+    if SCALE and not FP8_X:  # noqa: SIM102 (constexpr; the test below runs)
         if tl.max(x_max) > F16_MAX:  # an |x| overflowed float16: this part again, in float32
             acc = _cuda_core_rows(x_ptr, w_rows, s_row, stride_xm, M, k_begin, k_end, K,
                                   BLOCK_M, BLOCK_N, 32, SCALE_COLS, ACT, PTX)
@@ -246,6 +255,37 @@ def fp8_x_launch(n: int, k: int, device: torch.device) -> dict[str, int | None]:
     return dict(block_n=64, block_k=256, splits=splits, num_warps=4, num_stages=4)
 
 
+_weight_first = False  # EngineConfig.mma_weight_first, set by the runner's set-up
+
+
+def set_weight_first(on: bool) -> None:
+    """Whether the engine's 16-bit products of a few rows take the weight as the MMA's
+    first operand (`engine_launch`)."""
+    global _weight_first
+    _weight_first = on
+
+
+def weight_first_launch(n: int, k: int, device: torch.device) -> dict:
+    """The launch of a 16-bit weight `[n, k]` as the first operand, as swept on an H200
+    (the 8B shape's projections at 5 rows, `benchmarks/gemv_sweep.py --rows 5
+    --weight-first`): 64 channels by 256 of K, in two K slices where those tiles are fewer
+    than ~0.7 per SM (down 31.0 -> 30.6 µs), 64 by 128 for wide layers (gate_up 57.5 ->
+    56.2, LM head 237.0 -> 233.3)."""
+    if n >= 16384:
+        return dict(block_n=64, block_k=128, splits=1, num_warps=4, num_stages=4,
+                    weight_first=True)
+    few = triton.cdiv(n, 64) < 0.7 * sm_count(device)
+    splits = max(1, min(2, triton.cdiv(k, 256) // 4)) if few else 1
+    return dict(block_n=64, block_k=256, splits=splits, num_warps=4, num_stages=4,
+                weight_first=True)
+
+
+def engine_launch(n: int, k: int, device: torch.device) -> dict:
+    """The launch an engine layer's 16-bit weight `[n, k]` takes: `weight_first_launch`
+    once `set_weight_first`, else rows_mma's default."""
+    return weight_first_launch(n, k, device) if _weight_first else {}
+
+
 def block_rows(m: int) -> int:
     """The rows of x's tile: 16, 32 or 64, the fewest that hold `m`."""
     return 16 if m <= 16 else 32 if m <= 32 else 64
@@ -264,7 +304,7 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
              x_scale: torch.Tensor | None = None, block_n: int = BLOCK_N,
              block_k: int = BLOCK_K,
              splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
-             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+             out_dtype: torch.dtype | None = None, weight_first: bool = False) -> torch.Tensor:
     """`x [M, K]` (M <= MAX_ROWS; float16 / bfloat16, unit column stride) times the
     transpose of `weight [N, K]` (contiguous): x's dtype, unscaled (`scale` None), or int8 /
     float8_e4m3fn scaled by `scale [N]`, or with `scale_block = (rows, cols)` (`takes` it)
@@ -273,7 +313,8 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
     `act(gate) * up`. `[M, N]` in x's dtype. With `x_scale [M]` (float32; FP8 weights
     scaled per channel, on a GPU): x is float8_e4m3fn, `x * x_scale[:, None]` the rows (as
     `fp8_quant.fp8_quantize_rows` gives them), multiplied FP8 by FP8; `out_dtype` (16-bit)
-    then names y's dtype."""
+    then names y's dtype. `weight_first`: the weight tile is the MMA's first operand (as
+    FP8 by FP8 always is)."""
     fp8_x = x_scale is not None
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, x.shape
     assert x.shape[0] == 1 or x.stride(0) >= x.shape[1], x.stride()
@@ -319,6 +360,7 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
         SCALE=scale is not None, SCALE_ROWS=scale_rows or 1, SCALE_COLS=scale_cols,
         EVEN_K=k % block_k == 0, ONE_ROW=m == 1 and not fp8_x, ACT=act,
         PTX=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", FP8_X=fp8_x,
+        W_FIRST=weight_first or fp8_x,
         num_warps=num_warps, num_stages=num_stages, **dependent_launch.launch_options(),
     )
     return y

@@ -126,7 +126,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, act: str = "") -> torch.Tensor:
         from infer.kernels import rows_mma
 
         y = rows_mma.rows_mma(rows if rows.stride(-1) == 1 else rows.contiguous(), weight,
-                              act=act)
+                              act=act, **rows_mma.engine_launch(*weight.shape, x.device))
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
