@@ -61,10 +61,12 @@ def test_16bit_weights_match_float64(dtype, m, n, k, splits, weight_first):
     assert error < TOLERANCE[dtype], error
 
 
+@pytest.mark.parametrize("weight_first", [False, True])
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize(("m", "weights"), [(3, "16-bit"), (1, "int8"), (4, "int8"),
                                             (20, "int8")])
-def test_gated_rows_are_the_activation_kernels_then_the_matmul(act, m, weights):
+def test_gated_rows_are_the_activation_kernels_then_the_matmul(act, m, weights,
+                                                               weight_first):
     from infer.kernels import activation
     from infer.kernels.rows_mma import rows_mma
 
@@ -77,8 +79,8 @@ def test_gated_rows_are_the_activation_kernels_then_the_matmul(act, m, weights):
         scale = (torch.rand(24, generator=gen) * 0.02).to(torch.float16).to(DEVICE)
     w = w.to(DEVICE)
     rows = {"silu": activation.swiglu, "gelu_tanh": activation.geglu_tanh}[act](gate_up)
-    got = rows_mma(gate_up, w, scale, act=act)
-    want = rows_mma(rows.contiguous(), w, scale)
+    got = rows_mma(gate_up, w, scale, act=act, weight_first=weight_first)
+    want = rows_mma(rows.contiguous(), w, scale, weight_first=weight_first)
     assert torch.equal(got, want)
 
 
