@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import dependent_launch, launch_counters, sm_count
-from infer.kernels.rows_mma import block_rows
+from infer.kernels import dependent_launch, launch_counters
+from infer.kernels.rows_mma import block_rows, launch_by_width
 
 QMAX = tl.constexpr(32639)  # |q| <= QMAX keeps hi = floor((q + 128) / 256) in [-127, 127]
 MAX_ROWS = 64
@@ -139,11 +139,7 @@ def launch_for(n: int, k: int, device: torch.device) -> dict[str, int]:
     at 32 rows (`benchmarks/w8a16_sweep.py --tensor-cores --int8-x16`): 128 channels by
     128 of K for wide layers, else 64 by 256, in two K slices where those tiles are fewer
     than ~0.7 per SM (o 14.5 -> 11.5 µs, down 29.1 -> 25.7 against four slices)."""
-    if n >= 16384:
-        return dict(block_n=128, block_k=128, splits=1, num_warps=4, num_stages=4)
-    few = triton.cdiv(n, 64) < 0.7 * sm_count(device)
-    splits = max(1, min(2, triton.cdiv(k, 256) // 4)) if few else 1
-    return dict(block_n=64, block_k=256, splits=splits, num_warps=4, num_stages=4)
+    return launch_by_width(n, k, device, (128, 128), most_splits=2)
 
 
 def int8_x16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

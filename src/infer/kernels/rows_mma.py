@@ -239,6 +239,20 @@ def splits_for(n: int, k: int, device: torch.device, block_n: int, block_k: int)
     return max(1, min(wanted, steps // 4))
 
 
+def launch_by_width(n: int, k: int, device: torch.device, wide_block: tuple[int, int],
+                    most_splits: int) -> dict[str, int]:
+    """The launch rule the weight-first products were swept to: a layer at least 16,384
+    wide in `wide_block` (channels, K) tiles without K slices; a narrower one in tiles of
+    64 channels by 256 of K, split into up to `most_splits` K slices of at least four
+    steps each where those tiles are fewer than ~0.7 per SM."""
+    if n >= 16384:
+        return dict(block_n=wide_block[0], block_k=wide_block[1], splits=1, num_warps=4,
+                    num_stages=4)
+    few = triton.cdiv(n, 64) < 0.7 * sm_count(device)
+    splits = max(1, min(most_splits, triton.cdiv(k, 256) // 4)) if few else 1
+    return dict(block_n=64, block_k=256, splits=splits, num_warps=4, num_stages=4)
+
+
 def fp8_x_launch(n: int, k: int, device: torch.device) -> dict[str, int | None]:
     """The launch of an FP8 x FP8 product with a weight `[n, k]`, as swept on an H200 (the
     8B shape's projections at 17-64 rows, `benchmarks/w8a16_sweep.py --fp8-x`): tiles of
@@ -248,11 +262,7 @@ def fp8_x_launch(n: int, k: int, device: torch.device) -> dict[str, int | None]:
     the copy rate) keeps the default launch."""
     if n >= 65536:
         return {}  # rows_mma's own
-    if n >= 16384:
-        return dict(block_n=128, block_k=128, splits=1, num_warps=4, num_stages=4)
-    few = triton.cdiv(n, 64) < 0.7 * sm_count(device)
-    splits = max(1, min(4, triton.cdiv(k, 256) // 4)) if few else 1
-    return dict(block_n=64, block_k=256, splits=splits, num_warps=4, num_stages=4)
+    return launch_by_width(n, k, device, (128, 128), most_splits=4)
 
 
 _weight_first = False  # EngineConfig.mma_weight_first, set by the runner's set-up
@@ -271,13 +281,7 @@ def weight_first_launch(n: int, k: int, device: torch.device) -> dict:
     --weight-first`): 64 channels by 256 of K, in two K slices where those tiles are fewer
     than ~0.7 per SM (down 31.0 -> 30.6 µs), 64 by 128 for wide layers (gate_up 57.5 ->
     56.2, LM head 237.0 -> 233.3)."""
-    if n >= 16384:
-        return dict(block_n=64, block_k=128, splits=1, num_warps=4, num_stages=4,
-                    weight_first=True)
-    few = triton.cdiv(n, 64) < 0.7 * sm_count(device)
-    splits = max(1, min(2, triton.cdiv(k, 256) // 4)) if few else 1
-    return dict(block_n=64, block_k=256, splits=splits, num_warps=4, num_stages=4,
-                weight_first=True)
+    return dict(launch_by_width(n, k, device, (64, 128), most_splits=2), weight_first=True)
 
 
 def engine_launch(n: int, k: int, device: torch.device) -> dict:
