@@ -43,13 +43,19 @@ SHAPES = {
 }
 
 
+def weight_first_launches(**extra: bool) -> list[dict]:
+    """The launches swept for a weight-first product (rows_mma's with `weight_first=True`,
+    or int8_x16's)."""
+    return [dict(block_n=bn, block_k=bk, splits=splits, num_warps=4, num_stages=stages,
+                 **extra)
+            for bn, bk, splits, stages in itertools.product(
+                (64, 128), (128, 256), (1, 2, 4), (3, 4))]
+
+
 def launches(quick: bool, rows: int, weight_first: bool = False) -> list[dict]:
     """The GEMV's launches (one row) or rows_mma's (splits None: its own rule)."""
     if weight_first:
-        return [dict(block_n=bn, block_k=bk, splits=splits, num_warps=4, num_stages=stages,
-                     weight_first=True)
-                for bn, bk, splits, stages in itertools.product(
-                    (64, 128), (128, 256), (1, 2, 4), (3, 4))]
+        return weight_first_launches(weight_first=True)
     if rows == 1:
         out = [dict(block_n=bn, block_k=bk, num_warps=warps) for bn, bk, warps in
                itertools.product((4, 8, 16), (256, 512, 1024), (4, 8))]

@@ -64,14 +64,6 @@ def mma_configs(quick: bool) -> list[dict]:
     return out[::4] if quick else out
 
 
-def int8_x16_configs(**extra: bool) -> list[dict]:
-    """int8_x16_matmul's launches (or, with `weight_first=True`, rows_mma's in that form)."""
-    return [dict(block_n=bn, block_k=bk, splits=splits, num_warps=4, num_stages=stages,
-                 **extra)
-            for bn, bk, splits, stages in itertools.product(
-                (64, 128), (128, 256), (1, 2, 4), (3, 4))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -153,8 +145,8 @@ def main() -> None:
                          if int8_x else None)
             best = None
             swept = not shape.endswith("lm_head") and not args.defaults_only
-            cases = ((int8_x16_configs() if int8_x and args.int8_x16 else
-                      int8_x16_configs(weight_first=True)
+            cases = ((gemv_sweep.weight_first_launches() if int8_x and args.int8_x16 else
+                      gemv_sweep.weight_first_launches(weight_first=True)
                       if tensor_cores and args.weight_first else
                       mma_configs(args.quick) if tensor_cores else
                       configs(rows, args.quick, args.one_row_kernel_only)) if swept else [])
