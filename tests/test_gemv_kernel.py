@@ -96,8 +96,14 @@ def test_the_gated_row_is_the_activation_kernels_then_the_gemv(act, dtype, k):
 
 
 @pytest.mark.parametrize(("rows", "max_rows", "dtype"), [
-    (1, 1, torch.float32), (2, 1, torch.float32), (3, 4, torch.float16)])
-def test_gated_mlp_rows_take_one_launch_and_match_torch(rows, max_rows, dtype, monkeypatch):
+    (1, 1, torch.float32), (2, 1, torch.float32), (3, 4, torch.float16),
+    (1, 4, torch.float16)])
+def test_a_gated_mlps_one_row_takes_one_launch_and_every_step_matches_torch(
+        rows, max_rows, dtype, monkeypatch):
+    """One row: the activation inside the down projection's GEMV. More (rows_mma, or
+    cuBLAS past `max_rows`): the activation kernel first, since inside rows_mma each
+    program would work the activation out again (the 8B down projection at two rows took
+    58 µs that way on an H200, 31 after the activation's own launch)."""
     import infer.kernels.activation as activation
     from infer.models.layers import GatedMLP, set_kernel_backend
     from infer.models.linear import set_triton_gemv
@@ -116,5 +122,5 @@ def test_gated_mlp_rows_take_one_launch_and_match_torch(rows, max_rows, dtype, m
     real = activation.gated_rows
     monkeypatch.setattr(activation, "gated_rows", lambda *a: calls.append(1) or real(*a))
     got = mlp(x).double()
-    assert len(calls) == (0 if rows <= max_rows else 1)
+    assert len(calls) == (0 if rows == 1 else 1)
     assert (got - ref).abs().max().item() < 4 * TOLERANCE[dtype] * ref.abs().max().item()

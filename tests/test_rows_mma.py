@@ -402,8 +402,8 @@ def test_the_weight_first_knob_reaches_the_16bit_layers_kernel(monkeypatch):
 
     try:
         LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
-            kernel_backend="triton", mma_weight_first=True, cuda_graphs=False)
-        assert rows_mma._weight_first
+            kernel_backend="triton", cuda_graphs=False)
+        assert rows_mma._weight_first  # the default
         launches = []
         real = rows_mma.rows_mma
         monkeypatch.setattr(rows_mma, "rows_mma",
@@ -416,7 +416,42 @@ def test_the_weight_first_knob_reaches_the_16bit_layers_kernel(monkeypatch):
         ref = x.double() @ w.double().T
         assert (y.double() - ref).abs().max() <= TOLERANCE[torch.float16] * ref.abs().max()
         LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
-            kernel_backend="triton", cuda_graphs=False)
-        assert not rows_mma._weight_first  # the default, set again by the next engine
+            kernel_backend="triton", mma_weight_first=False, cuda_graphs=False)
+        assert not rows_mma._weight_first  # set again by the next engine
     finally:
-        rows_mma.set_weight_first(False)
+        rows_mma.set_weight_first(True)  # the default
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the engine's 16-bit layers take it on CUDA only")
+def test_a_bfloat16_engines_few_row_steps_match_cublas(monkeypatch):
+    """The default engine sends its 2-16-row steps of 16-bit weights to rows_mma with the
+    weight first; its logprobs are cuBLAS's (`gemv_max_rows=1`) within bfloat16 rounding,
+    token by token while the two agree."""
+    from server_fixtures import tiny_model_dir
+
+    from infer import LLM, SamplingParams
+    from infer.kernels import rows_mma
+
+    prompts = [[5 + i, 9, 14 + 3 * i, 2 + i, 40] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    launches: dict[int, list[dict]] = {16: [], 1: []}
+    real = rows_mma.rows_mma
+    outs = {}
+    for rows, seen in launches.items():
+        monkeypatch.setattr(rows_mma, "rows_mma",
+                            lambda *a, _seen=seen, **k: _seen.append(k) or real(*a, **k))
+        llm = LLM(str(tiny_model_dir()), device=DEVICE, dtype="bfloat16", num_blocks=64,
+                  max_model_len=128, cuda_graphs=False, gemv_max_rows=rows)
+        outs[rows] = llm.generate(prompts, params, use_tqdm=False)
+    assert launches[16] and not launches[1]
+    assert all(k.get("weight_first") for k in launches[16])
+    compared = 0
+    for got, want in zip(outs[16], outs[1]):
+        for token, lp, ref_lp, ref_token in zip(
+                got.outputs[0].token_ids, got.outputs[0].logprobs,
+                want.outputs[0].logprobs, want.outputs[0].token_ids):
+            if token != ref_token:
+                break
+            assert lp[token].logprob == pytest.approx(ref_lp[token].logprob, abs=3e-2)
+            compared += 1
+    assert compared >= 8

@@ -89,19 +89,18 @@ class EngineConfig:
         "bias, LM head, a gated MLP's activation with its down projection) through infer's "
         "Triton GEMV (kernels/gemv.py) instead of cuBLAS; with kernel_backend triton only")
     gemv_max_rows: int = knob(
-        1, "with triton_gemv, the most rows a matmul of 16-bit weights sends to infer's "
+        16, "with triton_gemv, the most rows a matmul of 16-bit weights sends to infer's "
         "kernels instead of cuBLAS: one row to the GEMV, 2 to 16 (a verify step's k + 1 "
         "positions, small batches) to a tensor-core kernel with K split over programs "
-        "(kernels/rows_mma.py); 1: batch-1 decode only, until a device run says more rows "
-        "gain")
+        "(kernels/rows_mma.py); 1: batch-1 decode only. With mma_weight_first, 2 to 16 "
+        "rows ran 5-10 % faster than cuBLAS on an H200 (docs/performance.md)")
     mma_weight_first: bool = knob(
-        False, "gemv_max_rows' 16-bit steps of 2 or more rows (kernels/rows_mma.py) take each "
+        True, "gemv_max_rows' 16-bit steps of 2 or more rows (kernels/rows_mma.py) take each "
         "weight tile as the MMA's first operand and x's rows as the second's columns, as "
         "its FP8 x FP8 products do (Hopper's warp-group MMA wants 64 rows on the first), in "
-        "tiles by the layer's width (rows_mma.weight_first_launch); off: cuBLAS's (or "
-        "x's rows first). Off by default: on an H200 it draws level with cuBLAS kernel by "
-        "kernel (8B shape, 5 rows, 113 vs 116 µs a layer) yet the 8B decode step at batch 2 "
-        "took 5.08 ms against cuBLAS's 4.60 (docs/performance.md)")
+        "tiles by the layer's width (rows_mma.weight_first_launch); off: x's rows first "
+        "(slower than cuBLAS from 5 rows on, an H200's 8B batch-16 step 5.25 against 4.94 "
+        "ms)")
     w8a16_tensor_cores: bool = knob(
         True, "INT8 / FP8 weight-only matmuls of 2 to w8a16_tensor_core_rows rows, and "
         "one-row ones by a layer at least 16,384 wide such as the LM head (16-bit "

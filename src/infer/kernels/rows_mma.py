@@ -265,7 +265,7 @@ def fp8_x_launch(n: int, k: int, device: torch.device) -> dict[str, int | None]:
     return launch_by_width(n, k, device, (128, 128), most_splits=4)
 
 
-_weight_first = False  # EngineConfig.mma_weight_first, set by the runner's set-up
+_weight_first = True  # EngineConfig.mma_weight_first, set by the runner's set-up
 
 
 def set_weight_first(on: bool) -> None:
