@@ -2,7 +2,14 @@
 forward (graph replay or eager) and of sampling, plus the host functions that cost most
 (cProfile). Random weights in a real shape, greedy, ignore_eos.
 
+With --chain, the step's kernels in order (torch.profiler over 48 steps, medians): what
+each adds to the step, from the end of the kernel before it to its own end. With
+dependent launch a kernel starts before the one before it ends, so its own duration
+overstates it; the increments add up to the step. Printed for one layer in the middle
+and summed by kernel name.
+
     PYTHONPATH=src python benchmarks/profile_decode.py [--shape llama-3.2-1b] [--batch 1]
+        [--kernels] [--chain] [--engine NAME=VALUE ...]
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--chain", action="store_true",
+                        help="also print each kernel's increment of the step, in order")
     parser.add_argument("--kernels", action="store_true",
                         help="also print the GPU kernels' share of the decode steps "
                              "(torch.profiler)")
@@ -123,6 +132,56 @@ def main() -> None:
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15,
                                         max_name_column_width=60))
+    if args.chain:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"c{i}", [t + 3 for t in p], params)
+        prefill(engine)
+        print_chain(engine)
+
+
+def print_chain(engine, steps: int = 48) -> None:
+    """The kernels of `steps` decode steps in order; per position in a step, the median
+    increment (end minus the end of the kernel before it)."""
+    import statistics
+    from collections import Counter, defaultdict
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == DeviceType.CUDA)
+    names = [name for _, _, name in kernels]
+    # a step starts at the first kernel of it that runs once a step
+    once = [n for n, count in Counter(names).items() if abs(count - steps) <= 2]
+    first = min(once, key=names.index)
+    runs, run = [], []
+    for kernel in kernels:
+        if kernel[2] == first and run:
+            runs.append(run)
+            run = []
+        run.append(kernel)
+    length = Counter(len(r) for r in runs).most_common(1)[0][0]
+    runs = [r for r in runs if len(r) == length][1:]
+    chain = [(runs[0][i][2], statistics.median(r[i][1] - (r[i - 1][1] if i else r[i][0])
+                                               for r in runs)) for i in range(length)]
+    wall = statistics.median(r[-1][1] - r[0][0] for r in runs)
+    print(f"\n{length} kernels a step, {wall:.1f} us from the first's start to the last's "
+          f"end (median of {len(runs)} steps); increments in us:")
+    rope = [i for i, (name, _) in enumerate(chain) if "rope" in name]
+    if len(rope) > 2:  # one layer in the middle, from its first norm
+        mid, period = rope[len(rope) // 2], rope[1] - rope[0]
+        for name, us in chain[mid - 2:mid - 2 + period]:
+            print(f"  {us:7.2f}  {name[:80]}")
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for name, us in chain:
+        totals[name][0] += 1
+        totals[name][1] += us
+    for name, (count, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:12]:
+        print(f"  {count:4d} x {us / count:7.2f} = {us:8.1f}  {name[:70]}")
 
 
 if __name__ == "__main__":

@@ -140,7 +140,7 @@ def main() -> None:
                         if fp8_x else None)
             scaled_mm_us = (time_cycled(scaled_mm, x, weights, scale, replays=20)
                             if dtype == torch.float8_e4m3fn else None)
-            int8_x = tensor_cores and dtype == torch.int8 and rows > 1
+            int8_x = tensor_cores and dtype == torch.int8
             int8_x_us = (time_cycled(int8_x16_matmul, x, weights, scale, replays=20)
                          if int8_x else None)
             best = None
