@@ -27,6 +27,7 @@ import triton.language as tl
 
 from infer.kernels import dependent_launch, launch_counters
 from infer.kernels.rows_mma import block_rows, launch_by_width
+from infer.kernels.split_k import k_slice, sum_of_parts
 
 QMAX = tl.constexpr(32639)  # |q| <= QMAX keeps hi = floor((q + 128) / 256) in [-127, 127]
 MAX_ROWS = 64
@@ -82,8 +83,7 @@ def _int8_x16_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, counts, M, N
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
-    k_begin = pid_s * steps_per_split * BLOCK_K  # < K: every split has a step
-    k_end = tl.minimum(k_begin + steps_per_split * BLOCK_K, K)
+    k_begin, k_end = k_slice(pid_s, steps_per_split, K, BLOCK_K)
     # Rows past N read row N - 1 (no mask on the weight's loads) and are not stored.
     w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K
     hi_rows = q_ptr + rm.to(tl.int64)[:, None] * K
@@ -114,16 +114,10 @@ def _int8_x16_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, counts, M, N
         tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         parts = part_ptr + rm[None, :] * N + rn[:, None]  # [splits, M, N] float32
-        tl.store(parts + pid_s * M * N, acc, mask=mask)
-        tl.debug_barrier()  # every thread's part stored before the count releases them
-        counter = counts + pid_n
-        if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
-            total = tl.load(parts, mask=mask, other=0.0, cache_modifier=".cg")
-            for s in range(1, splits):
-                total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+        last, total = sum_of_parts(acc, parts, M * N, pid_s, splits, counts + pid_n, mask)
+        if last:
             total = _scaled(total, ws_ptr, xs_ptr, rn, rm, N, M)
             tl.store(y_at, total.to(y_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
 @triton.jit

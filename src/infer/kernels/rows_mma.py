@@ -47,6 +47,7 @@ import triton.language as tl
 from infer.kernels import dependent_launch, launch_counters, sm_count
 from infer.kernels.activation import gated
 from infer.kernels.gemv import _row, _weights
+from infer.kernels.split_k import k_slice, sum_of_parts
 from infer.kernels.w8a16_matmul import _to_float
 
 MAX_ROWS = 64
@@ -149,8 +150,7 @@ def _rows_mma_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     rm = tl.arange(0, BLOCK_M)
-    k_begin = pid_s * steps_per_split * BLOCK_K  # < K: every split has a step
-    k_end = tl.minimum(k_begin + steps_per_split * BLOCK_K, K)
+    k_begin, k_end = k_slice(pid_s, steps_per_split, K, BLOCK_K)
     # Rows past N read row N - 1 (no mask on the weight's loads) and are not stored.
     w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
     # Tile scales (SCALE_COLS > 0): the program's rows and each K step lie in one tile.
@@ -214,16 +214,10 @@ def _rows_mma_kernel(
         tl.store(y_rows, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         parts = part_ptr + rm[:, None] * N + rn[None, :]  # [splits, M, N] float32
-        tl.store(parts + pid_s * M * N, acc, mask=mask)
-        tl.debug_barrier()  # every thread's part stored before the count releases them
-        counter = counts + pid_n
-        if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
-            total = tl.load(parts, mask=mask, other=0.0, cache_modifier=".cg")
-            for s in range(1, splits):
-                total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+        last, total = sum_of_parts(acc, parts, M * N, pid_s, splits, counts + pid_n, mask)
+        if last:
             total = _scaled(total, s_ptr, rn, N, x_scale, SCALE, SCALE_COLS, FP8_X)
             tl.store(y_rows, total.to(y_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
 # Row blocks a launch may have (8M output channels at 128 a block): a counter each.
