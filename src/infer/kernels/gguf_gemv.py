@@ -35,6 +35,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as QType
 
 from infer.kernels import dependent_launch, launch_counters
+from infer.kernels.split_k import sum_of_parts
 
 # Weights, 32-bit words, data words (those `xs` covers) and scale groups per unit.
 UNITS_OF: dict[QType, tuple[int, int, int, int]] = {
@@ -217,15 +218,9 @@ def _store_rows(y, rows, y_ptr, part_ptr, counts, pid_n, pid_s, N, splits):
     if splits == 1:
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
     else:
-        tl.store(part_ptr + pid_s * N + rows, y, mask=rows < N)
-        tl.debug_barrier()  # every thread's part stored before the count releases them
-        if tl.atomic_add(counts + pid_n, 1, sem="acq_rel") == splits - 1:
-            y = tl.load(part_ptr + rows, mask=rows < N, other=0.0, cache_modifier=".cg")
-            for s in range(1, splits):
-                y += tl.load(part_ptr + s * N + rows, mask=rows < N, other=0.0,
-                             cache_modifier=".cg")
+        last, y = sum_of_parts(y, part_ptr + rows, N, pid_s, splits, counts + pid_n, rows < N)
+        if last:
             tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
-            tl.atomic_xchg(counts + pid_n, 0, sem="relaxed")
 
 
 @triton.jit
