@@ -1,6 +1,8 @@
 """Launch settings of the paged decode attention kernel (keys per tile, warps, pipeline
 stages) on the shapes that decide decode speed, bf16 on CUDA: GB/s of KV read (and % of
 the copy bandwidth measured in the same run) per setting; the first row is the default.
+Launched as the engine's graphs launch it: the splits combined by the last of them
+(`split_counters`); a verify step's case brings k + 1 = 5 tokens a sequence.
 
     PYTHONPATH=src python benchmarks/decode_attention_tuning.py [out.json]
 """
@@ -20,14 +22,17 @@ from kernels import copy_bandwidth, paged_setup
 
 from infer.kernels.paged_attention import default_num_splits, paged_decode
 
-CASES = [  # name, batch, context (or a (low, high) range to draw from), heads, kv_heads, head_dim
-    ("qwen3-0.6b b256 ctx 600", 256, 600, 16, 8, 128),
+CASES = [  # name, batch, context (or a (low, high) range to draw from), heads, kv_heads,
+    # head_dim, tokens a sequence
+    ("qwen3-0.6b b256 ctx 600", 256, 600, 16, 8, 128, 1),
     # issue 15's protocol mid-run: prompts U[100, 1024] plus a few hundred tokens out
-    ("qwen3-0.6b b256 ctx U[100,2000]", 256, (100, 2000), 16, 8, 128),
-    ("llama-3.1-8b b1 ctx 256", 1, 256, 32, 8, 128),
-    ("llama-3.1-8b b32 ctx 2048", 32, 2048, 32, 8, 128),
+    ("qwen3-0.6b b256 ctx U[100,2000]", 256, (100, 2000), 16, 8, 128, 1),
+    ("llama-3.1-8b b1 ctx 256", 1, 256, 32, 8, 128, 1),
+    ("llama-3.1-8b verify k=4 b1 ctx 256", 1, 256, 32, 8, 128, 5),
+    ("llama-3.2-1b b1 ctx 256", 1, 256, 32, 8, 64, 1),
+    ("llama-3.1-8b b32 ctx 2048", 32, 2048, 32, 8, 128, 1),
 ]
-SETTINGS = [(None, 8, None), *itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4))]
+SETTINGS = [(None, None, None), *itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4))]
 SPLITS = (1, 2, 4, 8)  # tried at the default launch besides the policy's own
 
 
@@ -36,21 +41,23 @@ def main() -> None:
     copy_gbs = copy_bandwidth()
     rows = []
     gen = torch.Generator().manual_seed(0)
-    for name, batch, ctx, heads, kvh, d in CASES:
+    for name, batch, ctx, heads, kvh, d, qlen in CASES:
         lens = (torch.randint(ctx[0], ctx[1] + 1, (batch,), generator=gen).tolist()
                 if isinstance(ctx, tuple) else [ctx] * batch)
-        meta, kc, vc = paged_setup([1] * batch, lens, kvh, d)
-        q = torch.randn(batch, heads, d, device="cuda", dtype=torch.bfloat16)
+        meta, kc, vc = paged_setup([qlen] * batch, lens, kvh, d)
+        q = torch.randn(batch * qlen, heads, d, device="cuda", dtype=torch.bfloat16)
+        counters = torch.zeros(batch * kvh, dtype=torch.int32, device="cuda")
         splits = default_num_splits(batch, kvh, max(lens), q.device)
         ref = paged_decode(q, kc, vc, meta.seq_lens, meta.block_tables, d ** -0.5,
-                           num_splits=splits)
+                           num_splits=splits, query_len=qlen)
         nbytes = sum(lens) * kvh * d * 2 * 2
         args = (q, kc, vc, meta.seq_lens, meta.block_tables, d ** -0.5)
         launches = [(splits, *setting) for setting in SETTINGS]
         launches += [(n, *SETTINGS[0]) for n in SPLITS if n != splits]
         for n_splits, block_n, warps, stages in launches:
-            def run(a=args, n=n_splits, b=block_n, w=warps, s=stages):
-                return paged_decode(*a, num_splits=n, block_n=b, num_warps=w, num_stages=s)
+            def run(a=args, n=n_splits, b=block_n, w=warps, s=stages, c=counters, t=qlen):
+                return paged_decode(*a, num_splits=n, block_n=b, num_warps=w, num_stages=s,
+                                    split_counters=c, query_len=t)
             try:
                 err = (run().float() - ref.float()).abs().max().item()
                 ms = do_bench(run, warmup=20, rep=100, return_mode="median")
