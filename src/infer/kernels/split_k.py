@@ -1,5 +1,6 @@
 """K split over a launch's programs, the last program of a row block adding the parts:
-the pieces `rows_mma.py` and `int8_x16.py` share.
+the pieces `rows_mma.py`, `int8_x16.py` and the GGUF kernels (`gguf_gemv._store_rows`)
+share.
 
 A program owns one block of output channels and one of `splits` slices of K (`k_slice`).
 With more than one slice, each program stores its float32 sums as its slice's part and
