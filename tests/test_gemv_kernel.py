@@ -124,3 +124,84 @@ def test_a_gated_mlps_one_row_takes_one_launch_and_every_step_matches_torch(
     got = mlp(x).double()
     assert len(calls) == (0 if rows == 1 else 1)
     assert (got - ref).abs().max().item() < 4 * TOLERANCE[dtype] * ref.abs().max().item()
+
+
+EIGHT_BIT = [torch.int8] + ([torch.float8_e4m3fn] if DEVICE == "cuda" else [])
+
+
+def _eight_bit_weight(n: int, k: int, dtype: torch.dtype, gen: torch.Generator):
+    """A weight of `dtype` (int8 across its range, or FP8 values) and a scale per channel."""
+    if dtype == torch.int8:
+        w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    else:
+        w = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(dtype)
+    return w, torch.rand(n, generator=gen) * 0.02 + 1e-3
+
+
+@pytest.mark.parametrize("wdtype", EIGHT_BIT)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(6))
+def test_gemv_of_8bit_weights_matches_float64(wdtype, dtype, case):
+    """`w * scale[:, None]` (the weight as stored, scaled per channel at the end) against
+    float64 on the same integers / FP8 values; poisoned output, launches off the blocks."""
+    from infer.kernels.gemv import gemv
+
+    n, k, launch = launches()[case]
+    gen = torch.Generator().manual_seed(100 + case)
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    w, scale = _eight_bit_weight(n, k, wdtype, gen)
+    y = gemv(x.to(DEVICE), w.to(DEVICE), launch, scale=scale.to(DEVICE)).cpu()
+    ref = x.double() @ (w.double() * scale.double()[:, None]).T
+    assert y.dtype == dtype and y.shape == (1, n)
+    error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert error < TOLERANCE[dtype], error
+
+
+@pytest.mark.parametrize("wdtype", EIGHT_BIT)
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_an_8bit_gated_row_is_the_activation_kernels_then_the_gemv(wdtype, act):
+    from infer.kernels import activation
+    from infer.kernels.gemv import Launch, gemv
+
+    k = 200
+    gen = torch.Generator().manual_seed(len(act))
+    gate_up = (torch.randn(1, 2 * k, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
+    w, scale = _eight_bit_weight(24, k, wdtype, gen)
+    w, scale = w.to(DEVICE), scale.to(DEVICE)
+    row = {"silu": activation.swiglu, "gelu_tanh": activation.geglu_tanh}[act](gate_up)
+    launch = Launch(8, 64, 4)
+    assert torch.equal(gemv(gate_up, w, launch, act=act, scale=scale),
+                       gemv(row, w, launch, scale=scale))
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_an_8bit_gated_mlps_one_row_takes_one_launch_on_cuda(method, rows, monkeypatch):
+    """INT8 / FP8 (weight-only at decode) down projections: one row on CUDA joins the
+    activation to the GEMV, as 16-bit weights do; more rows, or the CPU, launch the
+    activation first. Every step matches torch on the dequantized weights."""
+    if method == "fp8" and DEVICE != "cuda":
+        pytest.skip("FP8 weights are read by the Triton kernels on CUDA only")
+    import infer.kernels.activation as activation
+    from infer.models.layers import GatedMLP, set_kernel_backend
+    from infer.quantization.fp8 import Fp8LinearMethod
+    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
+
+    gen = torch.Generator().manual_seed(rows)
+    mlp = GatedMLP(64, 96, "silu")
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    mlp = mlp.to(DEVICE, torch.bfloat16)
+    quantize = {"int8": Int8WeightOnlyLinearMethod, "fp8": Fp8LinearMethod}[method]
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        quantize().quantize(layer)
+    x = torch.randn(rows, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    ref = mlp(x).double()  # torch's activation, then the same layers
+    set_kernel_backend(mlp, "triton")
+    calls = []
+    real = activation.gated_rows
+    monkeypatch.setattr(activation, "gated_rows", lambda *a: calls.append(1) or real(*a))
+    got = mlp(x).double()
+    assert len(calls) == (0 if rows == 1 and DEVICE == "cuda" else 1)
+    assert (got - ref).abs().max().item() < 4 * TOLERANCE[torch.bfloat16] * ref.abs().max().item()

@@ -239,24 +239,29 @@ def test_a_captured_graph_replays_with_its_counters_left_at_zero():
         assert int(launch_counters("rows_mma", x.device, MAX_BLOCKS).abs().sum()) == 0
 
 
-@pytest.mark.parametrize(("rows", "width", "most", "wanted"), [
-    (1, 256, 16, False), (1, 512, 16, True), (2, 256, 16, True), (16, 256, 16, True),
-    (17, 256, 16, False), (17, 256, 64, True), (64, 256, 64, True), (65, 256, 64, False),
-    (3, 256, 0, False), (1, 512, 0, False)])
+@pytest.mark.parametrize(("rows", "width", "most", "one_row_gemv", "wanted"), [
+    (1, 256, 16, False, "w8a16"), (1, 512, 16, False, "rows_mma"), (1, 512, 16, True, "gemv"),
+    (1, 256, 0, True, "gemv"), (2, 256, 16, True, "rows_mma"), (16, 256, 16, True, "rows_mma"),
+    (17, 256, 16, True, "w8a16"), (17, 256, 64, True, "rows_mma"),
+    (64, 256, 64, True, "rows_mma"), (65, 256, 64, True, "w8a16"), (3, 256, 0, True, "w8a16"),
+    (1, 512, 0, False, "w8a16")])
 def test_8bit_weights_go_to_tensor_cores_where_they_gained(monkeypatch, rows, width, most,
-                                                          wanted):
-    """From 2 to `most` rows, or one row of a wide layer (the threshold lowered to 512
-    here); none with `most` 0."""
-    from infer.kernels import rows_mma, w8a16_matmul
+                                                          one_row_gemv, wanted):
+    """From 2 to `most` rows; one row to the GEMV (ONE_ROW_GEMV), or without it to rows_mma
+    on a wide layer (the threshold lowered to 512 here); none with `most` 0."""
+    from infer.kernels import gemv, rows_mma, w8a16_matmul
 
     calls = []
-    real = rows_mma.rows_mma
-    monkeypatch.setattr(rows_mma, "rows_mma", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for module, name in ((rows_mma, "rows_mma"), (gemv, "gemv")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k:
+                            calls.append(name) or real(*a, **k))
     monkeypatch.setattr(w8a16_matmul, "TENSOR_CORES_ONE_ROW_MIN_N", 512)
+    monkeypatch.setattr(w8a16_matmul, "ONE_ROW_GEMV", one_row_gemv)
     x, w, scale = _case(rows, width, 128, torch.float16, seed=rows)
     y = w8a16_matmul.w8a16_matmul(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE),
                                   tensor_core_rows=most)
-    assert bool(calls) is wanted
+    assert calls == ([] if wanted == "w8a16" else [wanted])
     ref = _reference(x, w, scale)
     assert (y.double().cpu() - ref).abs().max() <= 1e-2 * ref.abs().max()
 

@@ -10,10 +10,15 @@ fastest launch for none of the 1B, 8B and 8B-at-TP=2 projections, `gemv_sweep_h2
 With `act` ("silu" / "gelu_tanh") the row is a gated MLP's `gate_up [1, 2K]`: the kernel
 multiplies by `act(gate) * up`, rounded to x's dtype as the activation kernel stores it,
 so the product is the one `gemv(swiglu(gate_up), w)` computes, without its launch.
+
+With `scale` the weight is 8-bit (int8, or FP8 e4m3 on a GPU) standing for
+`w * scale[:, None]`, a scale per output channel: each weight is made float32 in registers
+(`weight_cast.py`) and each channel's sum scaled once, at the end.
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -22,6 +27,7 @@ import triton.language as tl
 
 from infer.kernels import dependent_launch
 from infer.kernels.activation import gated
+from infer.kernels.weight_cast import to_float
 
 
 class Launch(NamedTuple):
@@ -54,9 +60,9 @@ def _row(x_ptr, kk, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, y_ptr, N, K, stride_wn,
+    x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr,
-    PDL: tl.constexpr,
+    SCALED: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -67,42 +73,58 @@ def _gemv_kernel(
     w = _weights(w_rows, rk, K, EVEN_K)
     dependent_launch.wait(PDL)
     dependent_launch.release(PDL)
-    acc = w.to(tl.float32) * _row(x_ptr, rk, K, EVEN_K, ACT).to(tl.float32)[None, :]
+    acc = to_float(w, PTX) * _row(x_ptr, rk, K, EVEN_K, ACT).to(tl.float32)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + rk
-        acc += (_weights(w_rows, kk, K, EVEN_K).to(tl.float32)
+        acc += (to_float(_weights(w_rows, kk, K, EVEN_K), PTX)
                 * _row(x_ptr, kk, K, EVEN_K, ACT).to(tl.float32)[None, :])
-    tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
+    y = tl.sum(acc, axis=1)
+    if SCALED:
+        y *= tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
-def default_launch(n: int, k: int) -> Launch:
-    """The launch for an `[n, k]` weight: from `benchmarks/gemv_sweep.py` on an H200
-    (`gemv_sweep_h200.json`), the best single rule over the 1B, 8B and 8B-at-TP=2
-    projections: within 1.14x of each shape's fastest launch, 1.7 % slower than those over
-    all fifteen (cuBLAS: 8.5 %)."""
-    if n * k <= 1 << 24:  # up to 32 MB: longer steps, more warps in flight per row block
+def default_launch(n: int, k: int, weight_bytes: int = 2) -> Launch:
+    """The launch for an `[n, k]` weight of `weight_bytes`-byte elements, from
+    `benchmarks/gemv_sweep.py` on an H200 over the 1B and 8B projections (and 8B-at-TP=2 for
+    16-bit weights). 16-bit (`gemv_sweep_h200.json`): the best single rule, within 1.14x of
+    each shape's fastest launch, 1.7 % slower than those over all fifteen (cuBLAS: 8.5 %).
+    8-bit (`gemv_sweep_h200_s41_{int8,fp8}.json`): 16 channels a program on layers wide
+    enough for 384 of them, 4 on narrower ones (more programs for the SMs); 0.5-0.7 % slower
+    than each shape's fastest over all ten, within 1.17x of each."""
+    if weight_bytes == 1:
+        if n >= 6144:
+            return Launch(block_n=16, block_k=512, num_warps=8)
+        return Launch(block_n=4, block_k=2048, num_warps=8)
+    if n * k <= 1 << 24:  # 32 MB of 16-bit weights: longer steps, more warps in flight
         return Launch(block_n=8, block_k=1024, num_warps=8)
     return Launch(block_n=8, block_k=512, num_warps=4)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None,
-         act: str = "") -> torch.Tensor:
+         act: str = "", scale: torch.Tensor | None = None) -> torch.Tensor:
     """`x [1, K]` (float16 / bfloat16 / float32, contiguous) times the transpose of `weight
-    [N, K]` (same dtype, unit column stride): `[1, N]` in x's dtype. With `act`, `x` is
-    `[1, 2K]` (gate | up) and the row multiplied is `act(gate) * up`."""
+    [N, K]` (unit column stride; x's dtype, or with `scale [N]` int8 / float8_e4m3fn):
+    `[1, N]` in x's dtype. With `act`, `x` is `[1, 2K]` (gate | up) and the row multiplied
+    is `act(gate) * up`."""
     assert x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous(), (x.shape, x.stride())
     assert weight.dim() == 2 and weight.stride(1) == 1, (weight.shape, weight.stride())
     assert act in ("", "silu", "gelu_tanh"), act
     assert weight.shape[1] * (2 if act else 1) == x.shape[1], (weight.shape, x.shape)
-    assert weight.dtype == x.dtype, (weight.dtype, x.dtype)
+    if scale is None:
+        assert weight.dtype == x.dtype, (weight.dtype, x.dtype)
+    else:
+        assert weight.dtype in (torch.int8, torch.float8_e4m3fn), weight.dtype
+        assert scale.shape == weight.shape[:1] and scale.is_contiguous(), scale.shape
     n, k = weight.shape
-    block_n, block_k, num_warps = launch or default_launch(n, k)
+    block_n, block_k, num_warps = launch or default_launch(n, k, weight.element_size())
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if n == 0 or k == 0:
         return y.zero_()
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, ACT=act, num_warps=num_warps,
-        **dependent_launch.launch_options(),
+        x, weight, weight if scale is None else scale, y, n, k, weight.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, ACT=act,
+        SCALED=scale is not None, PTX=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
+        num_warps=num_warps, **dependent_launch.launch_options(),
     )
     return y

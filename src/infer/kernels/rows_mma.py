@@ -48,7 +48,7 @@ from infer.kernels import dependent_launch, launch_counters, sm_count
 from infer.kernels.activation import gated
 from infer.kernels.gemv import _row, _weights
 from infer.kernels.split_k import k_slice, sum_of_parts
-from infer.kernels.w8a16_matmul import _to_float
+from infer.kernels.weight_cast import to_float
 
 MAX_ROWS = 64
 BLOCK_N, BLOCK_K = 128, 128  # the default launch
@@ -111,7 +111,7 @@ def _cuda_core_rows(x_ptr, w_rows, s_row, stride_xm, M, k_begin, k_end, K,
         part = tl.zeros((BLOCK_N, STEP), dtype=tl.float32)
         for k0 in range(k_begin, k_end, STEP):
             kk = k0 + rk
-            w = _to_float(tl.load(w_rows + kk[None, :], mask=kk[None, :] < K, other=0.0), PTX)
+            w = to_float(tl.load(w_rows + kk[None, :], mask=kk[None, :] < K, other=0.0), PTX)
             if SCALE_COLS > 0:
                 w *= tl.load(s_row + k0 // SCALE_COLS)
             x = _row(x_ptr + r * stride_xm, kk, K, False, ACT).to(tl.float32)

@@ -21,42 +21,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels import dependent_launch
-
-
-@triton.jit
-def _to_float(w, PTX: tl.constexpr):
-    """8-bit weights as float32. int8 without the quarter-rate integer convert: `w + 128`
-    in the low byte of the float 2^23 (bit pattern 0x4B000000) is 2^23 + 128 + w exactly
-    (faster for one row on the H100; slower feeding `tl.dot`, which converts to 16 bits).
-    With PTX (a GPU; the interpreter has no inline assembly) four weights a register."""
-    if w.dtype == tl.int8:
-        if PTX:
-            return _int8_to_float_ptx(w)
-        bits = (w.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x80) | 0x4B000000
-        return bits.to(tl.float32, bitcast=True) - 8388736.0
-    return w.to(tl.float32)
-
-
-@triton.jit
-def _int8_to_float_ptx(w):
-    """`_to_float`'s int8 path on the four int8 weights of each 32-bit register: one xor
-    adds 128 to all four (as bytes), one prmt per weight puts its byte under the exponent
-    of 2^23 (0x4B0000nn), one subtraction takes 2^23 + 128 away."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t, m;
-        xor.b32 t, $4, 0x80808080;
-        mov.b32 m, 0x4B000000;
-        prmt.b32 $0, t, m, 0x7540;
-        prmt.b32 $1, t, m, 0x7541;
-        prmt.b32 $2, t, m, 0x7542;
-        prmt.b32 $3, t, m, 0x7543;
-        sub.f32 $0, $0, 0f4B000080;
-        sub.f32 $1, $1, 0f4B000080;
-        sub.f32 $2, $2, 0f4B000080;
-        sub.f32 $3, $3, 0f4B000080;
-        }""",
-        constraints="=r,=r,=r,=r,r", args=[w], dtype=tl.float32, is_pure=True, pack=4)
+from infer.kernels.weight_cast import to_float
 
 
 @triton.jit
@@ -70,7 +35,7 @@ def _one_row_step(acc2, w, x_ptr, s_ptr, pid_m, pid_n, rn, kk, N, K, stride_xm, 
                   BLOCK_N: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                   SCALE_IN_X: tl.constexpr, PTX: tl.constexpr):
     """acc2 plus one K step's products of the weight tile `w` and x's columns kk."""
-    wf = _to_float(w, PTX)
+    wf = to_float(w, PTX)
     if SCALE_COLS > 0 and not SCALE_IN_X:  # a scale per weight
         wf *= tl.load(s_ptr + (rn[:, None] // SCALE_ROWS) * stride_sn + kk[None, :] // SCALE_COLS,
                       mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
@@ -125,7 +90,7 @@ def _w8a16_kernel(
                 s = tl.load(s_ptr + (rn[:, None] // SCALE_ROWS) * stride_sn
                             + kk[None, :] // SCALE_COLS,
                             mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-                w = _to_float(w, PTX) * s
+                w = to_float(w, PTX) * s
             x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + kk[None, :],
                         mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
             if IEEE:  # float32 inputs: no TF32 rounding
@@ -142,10 +107,15 @@ def _w8a16_kernel(
              acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-# One row on tensor cores pays only where a layer has columns for many 128-wide tiles
-# (`w8a16_sweep.py --tensor-cores`, H200: the LM head 128 vs 157 µs, the 8B gate_up 36.5
-# vs 38.5; the narrow 8B qkv / o / down lost 12-30 %). From 2 rows on it gains on nearly
-# every projection (5 rows, 8B down: 25 vs 39 µs).
+# One row with a scale per channel: `gemv.py`'s kernel (its unmasked loads and launch rule)
+# rather than this one's one-row form or rows_mma (`gemv_sweep.py --dtype int8`, H200: the
+# 8B gate_up 32.8 µs against 37.9 and 36.6, the 1B 11.4 against 13.6 and 13.9; the LM heads
+# within 2 % of rows_mma). This kernel's one-row form stays for tile scales and for timing.
+ONE_ROW_GEMV = True
+# One row on tensor cores pays (against this kernel's one-row form) only where a layer has
+# columns for many 128-wide tiles (`w8a16_sweep.py --tensor-cores`, H200: the LM head 128 vs
+# 157 µs, the 8B gate_up 36.5 vs 38.5; the narrow 8B qkv / o / down lost 12-30 %). From 2
+# rows on it gains on nearly every projection (5 rows, 8B down: 25 vs 39 µs).
 TENSOR_CORES_ONE_ROW_MIN_N = 16384
 
 
@@ -155,13 +125,18 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """`x [M, K]` (float16 / bfloat16 / float32, unit column stride), `weight [N, K]` int8
     or float8_e4m3fn, contiguous, `scale [N]`, or with `scale_block = (rows, cols)` one
     float32 scale per tile of the weight, `scale [ceil(N / rows), ceil(K / cols)]`
-    (block-wise FP8 checkpoints): `[M, N]` in x's dtype. With `tensor_core_rows` (0: off)
-    the steps `rows_mma.py` takes (16-bit x, up to its MAX_ROWS) go there where they gained
-    on an H200: 2 to `tensor_core_rows` rows, or one row of a layer at least
-    TENSOR_CORES_ONE_ROW_MIN_N wide."""
+    (block-wise FP8 checkpoints): `[M, N]` in x's dtype. One row scaled per channel goes to
+    `gemv.py` (ONE_ROW_GEMV). With `tensor_core_rows` (0: off) the steps `rows_mma.py` takes
+    (16-bit x, up to its MAX_ROWS) go there where they gained on an H200: 2 to
+    `tensor_core_rows` rows, or one row of a layer at least TENSOR_CORES_ONE_ROW_MIN_N
+    wide."""
     from infer.kernels import rows_mma
 
     rows = x.shape[0]
+    if rows == 1 and scale_block is None and ONE_ROW_GEMV:
+        from infer.kernels.gemv import gemv
+
+        return gemv(x, weight, scale=scale)
     if (tensor_core_rows and rows_mma.takes(scale_block)
             and rows <= min(tensor_core_rows, rows_mma.MAX_ROWS)
             and x.dtype in (torch.float16, torch.bfloat16)
@@ -171,13 +146,27 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     # L2 cache (benchmarks/w8a16_sweep.py): one row runs the dot-free kernel on 8 channels
     # a program (enough programs to keep every SM's loads in flight); more rows use
     # `tl.dot` on 16 channels a program, 64 when the layer has channels for 256 programs.
-    if x.shape[0] == 1:
+    if rows == 1:
         launch = dict(block_n=8, block_k=1024, one_row_gemv=True, num_stages=2)
     elif weight.shape[0] >= 256 * 64:
         launch = dict(block_n=64, block_k=128, one_row_gemv=False, num_stages=3)
     else:
         launch = dict(block_n=16, block_k=256, one_row_gemv=False, num_stages=3)
     return _matmul(x, weight, scale, scale_block, split=1, num_warps=4, **launch)
+
+
+def gated_row(gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act: str
+              ) -> torch.Tensor | None:
+    """`act(gate) * up` of a gated MLP's one row `gate_up [..., 2K]` (16-bit, on CUDA)
+    times the 8-bit `weight [N, K]` with `scale [N]`, the activation inside `gemv.py`'s
+    launch (as 16-bit weights take it); None for anything else."""
+    if not (ONE_ROW_GEMV and gate_up.is_cuda and gate_up.numel() == gate_up.shape[-1]
+            and gate_up.dtype in (torch.float16, torch.bfloat16)):
+        return None
+    from infer.kernels.gemv import gemv
+
+    y = gemv(gate_up.reshape(1, -1).contiguous(), weight, act=act, scale=scale)
+    return y.view(*gate_up.shape[:-1], weight.shape[0])
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

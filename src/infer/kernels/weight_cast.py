@@ -1,0 +1,44 @@
+"""8-bit weights (int8, or FP8 e4m3 on a GPU) made float32 inside a kernel, for the
+CUDA-core matmuls that multiply them in float32 (`gemv.py`, `w8a16_matmul.py`,
+`rows_mma.py`'s overflow path)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def to_float(w, PTX: tl.constexpr):
+    """8-bit weights as float32. int8 without the quarter-rate integer convert: `w + 128`
+    in the low byte of the float 2^23 (bit pattern 0x4B000000) is 2^23 + 128 + w exactly
+    (faster for one row on the H100; slower feeding `tl.dot`, which converts to 16 bits).
+    With PTX (a GPU; the interpreter has no inline assembly) four weights a register."""
+    if w.dtype == tl.int8:
+        if PTX:
+            return _int8_to_float_ptx(w)
+        bits = (w.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x80) | 0x4B000000
+        return bits.to(tl.float32, bitcast=True) - 8388736.0
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _int8_to_float_ptx(w):
+    """`to_float`'s int8 path on the four int8 weights of each 32-bit register: one xor
+    adds 128 to all four (as bytes), one prmt per weight puts its byte under the exponent
+    of 2^23 (0x4B0000nn), one subtraction takes 2^23 + 128 away."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, m;
+        xor.b32 t, $4, 0x80808080;
+        mov.b32 m, 0x4B000000;
+        prmt.b32 $0, t, m, 0x7540;
+        prmt.b32 $1, t, m, 0x7541;
+        prmt.b32 $2, t, m, 0x7542;
+        prmt.b32 $3, t, m, 0x7543;
+        sub.f32 $0, $0, 0f4B000080;
+        sub.f32 $1, $1, 0f4B000080;
+        sub.f32 $2, $2, 0f4B000080;
+        sub.f32 $3, $3, 0f4B000080;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[w], dtype=tl.float32, is_pure=True, pack=4)
