@@ -13,8 +13,16 @@ step's layers do; every launch's result is checked against cuBLAS's first. Past 
 rows_mma is also timed with the weight as the MMA's first operand in the engine's tiles
 (`EngineConfig.mma_weight_first`); `--weight-first` sweeps that form's launches.
 
+With `--dtype int8` or `float8_e4m3fn` (one row) the weight is 8-bit with a scale per
+channel, through the GEMV's scaled form, and `w8a16_matmul.py`'s own one-row kernel in its
+last default launch is timed beside it (with dependent launch, as the GEMV's "dependent").
+With `--act silu` only the down projections run, x their gated MLP's `[gate | up]` row and
+the activation inside the launch (`gemv(..., act=)`, as `apply_gated` calls it); cuBLAS,
+w8a16's kernel and rows_mma then take the activated row (the activation's launch not timed).
+
     python benchmarks/gemv_sweep.py [--shapes 1b 8b 8b-tp2] [--quick | --defaults-only]
-        [--rows 5 [--weight-first] --suffix _rows5]
+        [--rows 5 [--weight-first] --suffix _rows5] [--dtype int8 --suffix _int8]
+        [--act silu --suffix _silu]
 """
 
 from __future__ import annotations
@@ -52,13 +60,15 @@ def weight_first_launches(**extra: bool) -> list[dict]:
                 (64, 128), (128, 256), (1, 2, 4), (3, 4))]
 
 
-def launches(quick: bool, rows: int, weight_first: bool = False) -> list[dict]:
+def launches(quick: bool, rows: int, weight_first: bool = False,
+             eight_bit: bool = False) -> list[dict]:
     """The GEMV's launches (one row) or rows_mma's (splits None: its own rule)."""
     if weight_first:
         return weight_first_launches(weight_first=True)
     if rows == 1:
+        steps = (512, 1024, 2048, 4096) if eight_bit else (256, 512, 1024)
         out = [dict(block_n=bn, block_k=bk, num_warps=warps) for bn, bk, warps in
-               itertools.product((4, 8, 16), (256, 512, 1024), (4, 8))]
+               itertools.product((4, 8, 16), steps, (4, 8))]
     else:
         out = [dict(block_n=bn, block_k=bk, splits=splits, num_warps=warps,
                     num_stages=stages)
@@ -79,20 +89,37 @@ def main() -> None:
     parser.add_argument("--weight-first", action="store_true",
                         help="past one row, sweep rows_mma with the weight as the first "
                         "operand")
+    parser.add_argument("--dtype", default="bfloat16",
+                        choices=["bfloat16", "int8", "float8_e4m3fn"],
+                        help="the weight's dtype (8-bit: one row, a scale per channel)")
+    parser.add_argument("--act", choices=["", "silu"], default="",
+                        help="the down projections only, the activation in the launch")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gemv_sweep.py times CUDA kernels: no GPU here")
     from infer.kernels import dependent_launch
     from infer.kernels.gemv import Launch, default_launch, gemv
     from infer.kernels.rows_mma import MAX_ROWS, rows_mma, weight_first_launch
+    from infer.kernels.w8a16_matmul import _matmul as w8a16_kernel
 
     if not 1 <= args.rows <= MAX_ROWS:
         raise SystemExit(f"--rows: 1 to {MAX_ROWS}")
+    wdtype = getattr(torch, args.dtype)
+    eight_bit = wdtype != torch.bfloat16
+    if eight_bit and args.rows != 1:
+        raise SystemExit("--dtype int8 / float8_e4m3fn: one row")
 
-    def run(x: torch.Tensor, weight: torch.Tensor, launch: dict) -> torch.Tensor:
+    def run(x: torch.Tensor, weight: torch.Tensor, launch: dict,
+            scale: torch.Tensor | None = None) -> torch.Tensor:
         if args.rows == 1:
-            return gemv(x, weight, Launch(**launch) if launch else None)
-        return rows_mma(x, weight, **launch)
+            return gemv(x, weight, Launch(**launch) if launch else None, act=args.act,
+                        scale=scale)
+        return rows_mma(x, weight, act=args.act, **launch)
+
+    def w8a16_one_row(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
+                      ) -> torch.Tensor:  # w8a16_matmul's one-row default before the GEMV
+        return w8a16_kernel(x, weight, scale, None, block_n=8, block_k=1024, split=1,
+                            one_row_gemv=True, num_warps=4, num_stages=2)
 
     def checked_us(kernel, x: torch.Tensor, weights: list[torch.Tensor],
                    expected: torch.Tensor) -> float:
@@ -107,32 +134,51 @@ def main() -> None:
     rows, sweep = [], []
     for model in args.shapes:
         for shape, n, k in SHAPES[model]:
-            copies = max(1, -(-3 * L2_BYTES // (2 * n * k)))
-            x = torch.randn(args.rows, k, device="cuda", dtype=torch.bfloat16)
-            weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-                       for _ in range(copies)]
-            expected = F.linear(x, weights[0]).float()
-            moved = 2 * n * k + 2 * args.rows * (k + n)
+            if args.act and shape != "down":
+                continue
+            x = torch.randn(args.rows, k * (2 if args.act else 1), device="cuda",
+                            dtype=torch.bfloat16)
+            row = (F.silu(x[:, :k].float()) * x[:, k:].float()).to(x.dtype) if args.act else x
+            w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                   for _ in range(max(1, -(-3 * L2_BYTES // (2 * n * k))))]
+            cublas_us = time_cycled(F.linear, row, w16, replays=10)
+            scale = None
+            if eight_bit:
+                del w16
+                weights = [torch.randint(-100, 100, (n, k), device="cuda", dtype=torch.int8)
+                           .to(wdtype) for _ in range(max(1, -(-3 * L2_BYTES // (n * k))))]
+                scale = torch.rand(n, device="cuda") * 1e-3 + 1e-4
+                expected = F.linear(row, (weights[0].float() * scale[:, None]).to(x.dtype))
+            else:
+                weights = w16
+                expected = F.linear(row, weights[0])
+            expected = expected.float()
+            moved = (weights[0].nbytes + 2 * args.rows * (x.shape[1] + n)
+                     + (0 if scale is None else scale.nbytes))
 
             def frac(us: float, moved: int = moved) -> float:
                 return moved / us / 1e3 / copy_gbs
 
-            def timed(launch, x=x, weights=weights, expected=expected) -> float:
-                return checked_us(partial(run, launch=launch), x, weights, expected)
+            def timed(launch, x=x, weights=weights, expected=expected, scale=scale) -> float:
+                return checked_us(partial(run, launch=launch, scale=scale), x, weights,
+                                  expected)
 
-            cublas_us = time_cycled(F.linear, x, weights, replays=10)
-            default = default_launch(n, k)._asdict() if args.rows == 1 else {}
+            default = (default_launch(n, k, weights[0].element_size())._asdict()
+                       if args.rows == 1 else {})
             default_us = timed(default)
             dependent_launch.set_enabled(True)  # each call's launch under the one before
             pdl_us = timed(default)
+            w8a16_us = (checked_us(partial(w8a16_one_row, scale=scale), row, weights, expected)
+                        if eight_bit else None)
             dependent_launch.set_enabled(False)
             mma_us = w_first_us = None
-            if args.rows == 1:  # the tensor-core kernel's default at one row, for comparison
-                mma_us = checked_us(rows_mma, x, weights, expected)
-            else:  # the weight as the first operand, in the engine's tiles
+            if args.rows == 1:  # the tensor-core kernel's, for comparison
+                mma_us = checked_us(partial(rows_mma, scale=scale), row, weights, expected)
+            elif args.rows > 1:  # the weight as the first operand, in the engine's tiles
                 w_first_us = timed(weight_first_launch(n, k, x.device))
             best, best_us = default, default_us
-            swept = launches(args.quick, args.rows, args.weight_first and args.rows > 1)
+            swept = launches(args.quick, args.rows, args.weight_first and args.rows > 1,
+                             eight_bit)
             for launch in ([] if args.defaults_only else swept):
                 try:
                     us = timed(launch)
@@ -143,9 +189,12 @@ def main() -> None:
                 if us < best_us:
                     best, best_us = launch, us
             row = dict(model=model, shape=shape, rows=args.rows, n=n, k=k, MB=moved / 1e6,
-                       cublas_us=cublas_us, cublas_frac=frac(cublas_us),
+                       cublas_us=cublas_us,
+                       cublas_frac=(2 * n * k + 2 * args.rows * (k + n)) / cublas_us / 1e3
+                       / copy_gbs,
                        default_us=default_us, default_frac=frac(default_us),
                        pdl_us=pdl_us, pdl_frac=frac(pdl_us), rows_mma_us=mma_us,
+                       w8a16_us=w8a16_us, w8a16_frac=w8a16_us and frac(w8a16_us),
                        w_first_us=w_first_us, w_first_frac=w_first_us and frac(w_first_us),
                        best_us=best_us, best_frac=frac(best_us), best=best,
                        best_vs_cublas=cublas_us / best_us)
@@ -156,12 +205,14 @@ def main() -> None:
             common.write_results("gemv_sweep", args, {"ceilings": ceil, "rows": rows,
                                                       "sweep": sweep})
     common.print_table(
-        f"{'GEMV' if args.rows == 1 else 'rows_mma'} of {args.rows} row(s), bf16 (us per "
+        f"{'GEMV' if args.rows == 1 else 'rows_mma'} of {args.rows} row(s), {args.dtype} "
+        f"weights{', ' + args.act + ' in the launch' if args.act else ''} (cuBLAS: bf16; us per "
         "call in a CUDA graph, weights cycled past L2)", rows,
         [("model", "model", ""), ("shape", "shape", ""), ("MB", "MB", ".1f"),
          ("cuBLAS us", "cublas_us", ".1f"), ("%copy", "cublas_frac", ".0%"),
          ("default us", "default_us", ".1f"), ("%copy", "default_frac", ".0%"),
          ("dependent us", "pdl_us", ".1f"), ("%copy", "pdl_frac", ".0%"),
+         ("W8A16 one-row us", "w8a16_us", ".1f"), ("%copy", "w8a16_frac", ".0%"),
          ("rows_mma us", "rows_mma_us", ".1f"), ("weight first us", "w_first_us", ".1f"),
          ("%copy", "w_first_frac", ".0%"), ("best us", "best_us", ".1f"),
          ("%copy", "best_frac", ".0%"),
