@@ -1,4 +1,5 @@
-"""One row times a 16-bit weight: `y [1, N] = x [1, K] @ w [N, K]^T`, float32 accumulation.
+"""One row times a weight (16-bit, or 8-bit scaled per channel):
+`y [1, N] = x [1, K] @ w [N, K]^T`, float32 accumulation.
 
 Batch-1 decode multiplies one row by every projection; the weight's bytes bound the time,
 and on small projections cuBLAS splits K over programs and then adds the parts in a
