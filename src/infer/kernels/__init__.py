@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
 
@@ -18,6 +19,12 @@ def triton_available() -> bool:
     """True when `triton` can be imported (kernels then run on CUDA, or on the CPU under
     `TRITON_INTERPRET=1`)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def gpu_compiled(device: torch.device) -> bool:
+    """True when a kernel on `device` is compiled for a GPU rather than run by Triton's
+    interpreter, which has neither inline PTX nor launch options."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @functools.lru_cache(maxsize=8)

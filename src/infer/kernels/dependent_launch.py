@@ -18,18 +18,17 @@ compute capability 9 and later; never under Triton's CPU interpreter.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from infer.kernels import gpu_compiled
 
 _enabled = False
 
 
 def supported(device: torch.device) -> bool:
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    return gpu_compiled(device) and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def set_enabled(on: bool) -> None:

@@ -19,14 +19,13 @@ With `scale` the weight is 8-bit (int8, or FP8 e4m3 on a GPU) standing for
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import dependent_launch
+from infer.kernels import dependent_launch, gpu_compiled
 from infer.kernels.activation import gated
 from infer.kernels.weight_cast import to_float
 
@@ -125,7 +124,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None,
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, weight if scale is None else scale, y, n, k, weight.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, ACT=act,
-        SCALED=scale is not None, PTX=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
+        SCALED=scale is not None, PTX=gpu_compiled(x.device),
         num_warps=num_warps, **dependent_launch.launch_options(),
     )
     return y

@@ -26,13 +26,11 @@ flat along the words: with `[.., 8, 4]` Triton 3.6 gave each thread a whole supe
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import dependent_launch, launch_counters
+from infer.kernels import dependent_launch, gpu_compiled, launch_counters
 from infer.kernels.gguf_gemv import MAX_BLOCKS, _f16_hi, _f16_lo, _q4_k_scales, _store_rows
 from infer.kernels.int8_rows import quantize_x
 
@@ -194,7 +192,7 @@ def run_int8x(kernel, x: torch.Tensor, words: torch.Tensor, cols: int, *, block_
     counts = launch_counters(kernel.fn.__name__, x.device, MAX_BLOCKS,
                              row_blocks * (split > 1))
     xq, side = quantized if quantized is not None else quantize_x(x)
-    ptx = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    ptx = gpu_compiled(x.device)
     kernel[(row_blocks, split)](
         words, xq.view(torch.int32), side, y, part, counts, n, supers, words.stride(0),
         split, per_split, BLOCK_N=block_n, UNITS=units, EVEN=supers % units == 0, PTX=ptx,

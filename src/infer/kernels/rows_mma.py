@@ -38,13 +38,11 @@ block, left at 0 for the next launch), so the launch needs no second kernel.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import dependent_launch, launch_counters, sm_count
+from infer.kernels import dependent_launch, gpu_compiled, launch_counters, sm_count
 from infer.kernels.activation import gated
 from infer.kernels.gemv import _row, _weights
 from infer.kernels.split_k import k_slice, sum_of_parts
@@ -357,7 +355,7 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
         BLOCK_M=block_rows(m), BLOCK_N=block_n, BLOCK_K=block_k,
         SCALE=scale is not None, SCALE_ROWS=scale_rows or 1, SCALE_COLS=scale_cols,
         EVEN_K=k % block_k == 0, ONE_ROW=m == 1 and not fp8_x, ACT=act,
-        PTX=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", FP8_X=fp8_x,
+        PTX=gpu_compiled(x.device), FP8_X=fp8_x,
         W_FIRST=weight_first or fp8_x,
         num_warps=num_warps, num_stages=num_stages, **dependent_launch.launch_options(),
     )

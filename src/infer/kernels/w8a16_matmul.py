@@ -14,13 +14,11 @@ rows go through `tl.dot`. The scale is applied once, to the accumulated sum. Lar
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import dependent_launch
+from infer.kernels import dependent_launch, gpu_compiled
 from infer.kernels.weight_cast import to_float
 
 
@@ -214,7 +212,7 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             scale.stride(0), per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             IEEE=x.dtype == torch.float32, SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols,
             TILE_SCALE=tile_scale, SCALE_IN_X=scale_in_x,
-            PTX=x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
+            PTX=gpu_compiled(x.device),
             num_warps=num_warps, num_stages=num_stages, **dependent_launch.launch_options(),
         )
     return y if split == 1 else y.sum(0).to(x.dtype)
