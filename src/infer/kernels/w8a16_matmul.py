@@ -109,6 +109,9 @@ def _w8a16_kernel(
 # rather than this one's one-row form or rows_mma (`gemv_sweep.py --dtype int8`, H200: the
 # 8B gate_up 32.8 µs against 37.9 and 36.6, the 1B 11.4 against 13.6 and 13.9; the LM heads
 # within 2 % of rows_mma). This kernel's one-row form stays for tile scales and for timing.
+# A gated MLP's activation stays in its own launch before the down projection: inside the
+# 8-bit GEMV every program works it out for the whole row again, and the 8B INT8 step took
+# 2.84 ms that way against 2.63 (`decode.py`, H200, session 43; wider launches 3.06-3.69).
 ONE_ROW_GEMV = True
 # One row on tensor cores pays (against this kernel's one-row form) only where a layer has
 # columns for many 128-wide tiles (`w8a16_sweep.py --tensor-cores`, H200: the LM head 128 vs
@@ -151,20 +154,6 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     else:
         launch = dict(block_n=16, block_k=256, one_row_gemv=False, num_stages=3)
     return _matmul(x, weight, scale, scale_block, split=1, num_warps=4, **launch)
-
-
-def gated_row(gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act: str
-              ) -> torch.Tensor | None:
-    """`act(gate) * up` of a gated MLP's one row `gate_up [..., 2K]` (16-bit, on CUDA)
-    times the 8-bit `weight [N, K]` with `scale [N]`, the activation inside `gemv.py`'s
-    launch (as 16-bit weights take it); None for anything else."""
-    if not (ONE_ROW_GEMV and gate_up.is_cuda and gate_up.numel() == gate_up.shape[-1]
-            and gate_up.dtype in (torch.float16, torch.bfloat16)):
-        return None
-    from infer.kernels.gemv import gemv
-
-    y = gemv(gate_up.reshape(1, -1).contiguous(), weight, act=act, scale=scale)
-    return y.view(*gate_up.shape[:-1], weight.shape[0])
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

@@ -106,16 +106,6 @@ class Fp8LinearMethod(LinearMethod):
         y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
         return y if bias is None else y + bias
 
-    def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor, act: str,
-                    bias: torch.Tensor | None) -> torch.Tensor | None:
-        """One row read weight-only on CUDA: the activation inside the GEMV
-        (`w8a16_matmul.gated_row`)."""
-        if bias is not None or getattr(layer, "fp8_decode_activations", False):
-            return None
-        from infer.kernels.w8a16_matmul import gated_row
-
-        return gated_row(gate_up, layer.weight, layer.weight_scale, act)
-
 
 def _scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, layer: nn.Module,
                out_dtype: torch.dtype) -> torch.Tensor:

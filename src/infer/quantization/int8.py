@@ -97,15 +97,6 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
         y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
         return y if bias is None else y + bias
 
-    def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor, act: str,
-                    bias: torch.Tensor | None) -> torch.Tensor | None:
-        """One row on CUDA: the activation inside the GEMV (`w8a16_matmul.gated_row`)."""
-        if bias is not None or gate_up.dtype != layer.compute_dtype:
-            return None
-        from infer.kernels.w8a16_matmul import gated_row
-
-        return gated_row(gate_up, layer.weight, layer.weight_scale, act)
-
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         rows = F.embedding(ids, layer.weight).float() * layer.weight_scale[ids, None].float()
         return rows.to(layer.dtype)
