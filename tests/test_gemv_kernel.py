@@ -179,7 +179,7 @@ def test_an_8bit_gated_row_is_the_activation_kernels_then_the_gemv(wdtype, act):
 def test_an_8bit_gated_mlp_launches_its_activation_apart(method, rows, monkeypatch):
     """INT8 / FP8 (weight-only at decode) down projections take the activated rows from the
     activation's own launch, one row too (unlike 16-bit weights: in the 8-bit GEMV the
-    activation cost more than its launch, `w8a16_matmul.ONE_ROW_GEMV`). Every step matches
+    activation cost more than its launch: docs/architecture.md). Every step matches
     torch on the dequantized weights."""
     if method == "fp8" and DEVICE != "cuda":
         pytest.skip("FP8 weights are read by the Triton kernels on CUDA only")

@@ -171,10 +171,26 @@ def test_the_engine_knob_reaches_every_linear_layer_and_the_lm_head(on, backend,
     assert layers and all(m.w8a16_tensor_core_rows == (16 if wanted else 0) for m in layers)
 
 
+@pytest.mark.parametrize(("on", "backend", "wanted"), [
+    (True, "triton", True), (False, "triton", False), (True, "torch", False)])
+def test_triton_gemv_sends_one_8bit_row_to_the_gemv(on, backend, wanted):
+    from server_fixtures import tiny_model_dir
+
+    from infer import LLM
+    from infer.models.linear import LinearBase, ParallelLMHead
+
+    llm = LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
+              kernel_backend=backend, triton_gemv=on, cuda_graphs=False)
+    layers = [m for m in llm.engine.core.runner.model.modules()
+              if isinstance(m, (LinearBase, ParallelLMHead))]
+    assert layers and all(m.w8a16_one_row_gemv == wanted for m in layers)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the layers take the kernel on CUDA only")
 @pytest.mark.parametrize("method", ["int8", "fp8"])
-@pytest.mark.parametrize(("rows", "width"), [(1, 16384), (7, 384), (40, 384)])
-def test_8bit_layers_with_the_knob_match_float64(method, rows, width):
+@pytest.mark.parametrize(("rows", "width"), [(1, 16384), (1, 384), (7, 384), (40, 384)])
+@pytest.mark.parametrize("one_row_gemv", [False, True])
+def test_8bit_layers_with_the_knob_match_float64(method, rows, width, one_row_gemv):
     from infer.models.linear import ColumnParallelLinear
     from infer.quantization.fp8 import Fp8LinearMethod
     from infer.quantization.int8 import Int8WeightOnlyLinearMethod
@@ -186,6 +202,7 @@ def test_8bit_layers_with_the_knob_match_float64(method, rows, width):
     layer = layer.to(DEVICE, torch.bfloat16)
     (Int8WeightOnlyLinearMethod() if method == "int8" else Fp8LinearMethod()).quantize(layer)
     layer.w8a16_tensor_core_rows = 64
+    layer.w8a16_one_row_gemv = one_row_gemv
     x = torch.randn(rows, 512, generator=gen).to(DEVICE, torch.bfloat16)
     y = layer(x).double()
     ref = x.double() @ (layer.weight.double() * layer.weight_scale.double()[:, None]).T
@@ -247,7 +264,7 @@ def test_a_captured_graph_replays_with_its_counters_left_at_zero():
     (1, 512, 0, False, "w8a16")])
 def test_8bit_weights_go_to_tensor_cores_where_they_gained(monkeypatch, rows, width, most,
                                                           one_row_gemv, wanted):
-    """From 2 to `most` rows; one row to the GEMV (ONE_ROW_GEMV), or without it to rows_mma
+    """From 2 to `most` rows; one row to the GEMV (`one_row_gemv`), or without it to rows_mma
     on a wide layer (the threshold lowered to 512 here); none with `most` 0."""
     from infer.kernels import gemv, rows_mma, w8a16_matmul
 
@@ -257,10 +274,9 @@ def test_8bit_weights_go_to_tensor_cores_where_they_gained(monkeypatch, rows, wi
         monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k:
                             calls.append(name) or real(*a, **k))
     monkeypatch.setattr(w8a16_matmul, "TENSOR_CORES_ONE_ROW_MIN_N", 512)
-    monkeypatch.setattr(w8a16_matmul, "ONE_ROW_GEMV", one_row_gemv)
     x, w, scale = _case(rows, width, 128, torch.float16, seed=rows)
     y = w8a16_matmul.w8a16_matmul(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE),
-                                  tensor_core_rows=most)
+                                  tensor_core_rows=most, one_row_gemv=one_row_gemv)
     assert calls == ([] if wanted == "w8a16" else [wanted])
     ref = _reference(x, w, scale)
     assert (y.double().cpu() - ref).abs().max() <= 1e-2 * ref.abs().max()

@@ -50,7 +50,8 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
 
 def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: str) -> None:
     """Which kernels `model`'s decode-sized matmuls take: infer's GEMV for 16-bit weights
-    (`triton_gemv`, `gemv_max_rows`), tensor cores for 8-bit ones (`w8a16_tensor_cores`,
+    (`triton_gemv`, `gemv_max_rows`) and one row of per-channel 8-bit ones (`triton_gemv`),
+    tensor cores for 8-bit ones (`w8a16_tensor_cores`,
     `w8a16_tensor_core_rows`), FP8 by FP8 in infer's kernel for FP8 ones
     (`fp8_decode_activations`, `fp8_mma_rows`), either operand first there
     (`mma_weight_first`), the int8 tensor cores for INT8 ones
@@ -71,7 +72,8 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
     fp8_rows = config.fp8_mma_rows if fp8_mma else 0
     tensor_cores = config.w8a16_tensor_cores and triton
     set_8bit_kernels(model, config.w8a16_tensor_core_rows if tensor_cores else 0, fp8_x,
-                     fp8_rows, config.int8_mma_rows if triton else 0)
+                     fp8_rows, config.int8_mma_rows if triton else 0,
+                     config.triton_gemv and triton)
     set_gguf_int8_activations(model, config.gguf_int8_activations and triton,
                               config.gguf_fused_x_rounding)
 

@@ -89,7 +89,8 @@ class Fp8LinearMethod(LinearMethod):
             from infer.kernels.w8a16_matmul import w8a16_matmul
 
             y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale,
-                             tensor_core_rows=tensor_core_rows)
+                             tensor_core_rows=tensor_core_rows,
+                             one_row_gemv=getattr(layer, "w8a16_one_row_gemv", False))
         elif x2.is_cuda:
             from infer.kernels.fp8_quant import fp8_quantize_rows
 
