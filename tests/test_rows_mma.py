@@ -156,34 +156,25 @@ def test_tiny_inputs_move_a_sum_by_no_more_than_half_a_float16_subnormal_step():
     assert (y != 0).any()  # not flushed away
 
 
+@pytest.mark.parametrize(("knob", "attribute", "on_value"), [
+    ("w8a16_tensor_cores", "w8a16_tensor_core_rows", 16),
+    ("triton_gemv", "w8a16_one_row_gemv", True)])
 @pytest.mark.parametrize(("on", "backend", "wanted"), [
     (True, "triton", True), (False, "triton", False), (True, "torch", False)])
-def test_the_engine_knob_reaches_every_linear_layer_and_the_lm_head(on, backend, wanted):
+def test_the_engine_knobs_reach_every_linear_layer_and_the_lm_head(knob, attribute, on_value,
+                                                                   on, backend, wanted):
     from server_fixtures import tiny_model_dir
 
     from infer import LLM
     from infer.models.linear import LinearBase, ParallelLMHead
 
     llm = LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
-              kernel_backend=backend, w8a16_tensor_cores=on, cuda_graphs=False)
+              kernel_backend=backend, cuda_graphs=False, **{knob: on})
     layers = [m for m in llm.engine.core.runner.model.modules()
               if isinstance(m, (LinearBase, ParallelLMHead))]
-    assert layers and all(m.w8a16_tensor_core_rows == (16 if wanted else 0) for m in layers)
-
-
-@pytest.mark.parametrize(("on", "backend", "wanted"), [
-    (True, "triton", True), (False, "triton", False), (True, "torch", False)])
-def test_triton_gemv_sends_one_8bit_row_to_the_gemv(on, backend, wanted):
-    from server_fixtures import tiny_model_dir
-
-    from infer import LLM
-    from infer.models.linear import LinearBase, ParallelLMHead
-
-    llm = LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
-              kernel_backend=backend, triton_gemv=on, cuda_graphs=False)
-    layers = [m for m in llm.engine.core.runner.model.modules()
-              if isinstance(m, (LinearBase, ParallelLMHead))]
-    assert layers and all(m.w8a16_one_row_gemv == wanted for m in layers)
+    off_value = type(on_value)()  # 0 rows / False
+    assert layers and all(getattr(m, attribute) == (on_value if wanted else off_value)
+                          for m in layers)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the layers take the kernel on CUDA only")
