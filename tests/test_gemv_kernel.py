@@ -95,15 +95,15 @@ def test_the_gated_row_is_the_activation_kernels_then_the_gemv(act, dtype, k):
     assert (got - ref).abs().max().item() < 2 * TOLERANCE[dtype] * ref.abs().max().item()
 
 
-@pytest.mark.parametrize(("rows", "max_rows", "dtype"), [
-    (1, 1, torch.float32), (2, 1, torch.float32), (3, 4, torch.float16),
-    (1, 4, torch.float16)])
+@pytest.mark.parametrize(("rows", "max_rows", "dtype", "gated"), [
+    (1, 1, torch.float32, True), (2, 1, torch.float32, True), (3, 4, torch.float16, True),
+    (1, 4, torch.float16, True), (1, 4, torch.float16, False)])
 def test_a_gated_mlps_one_row_takes_one_launch_and_every_step_matches_torch(
-        rows, max_rows, dtype, monkeypatch):
-    """One row: the activation inside the down projection's GEMV. More (rows_mma, or
-    cuBLAS past `max_rows`): the activation kernel first, since inside rows_mma each
-    program would work the activation out again (the 8B down projection at two rows took
-    58 µs that way on an H200, 31 after the activation's own launch)."""
+        rows, max_rows, dtype, gated, monkeypatch):
+    """One row: the activation inside the down projection's GEMV (unless `gated` is off).
+    More (rows_mma, or cuBLAS past `max_rows`): the activation kernel first, since inside
+    rows_mma each program would work the activation out again (the 8B down projection at
+    two rows took 58 µs that way on an H200, 31 after the activation's own launch)."""
     import infer.kernels.activation as activation
     from infer.models.layers import GatedMLP, set_kernel_backend
     from infer.models.linear import set_triton_gemv
@@ -117,13 +117,28 @@ def test_a_gated_mlps_one_row_takes_one_launch_and_every_step_matches_torch(
     x = torch.randn(rows, 64, generator=gen).to(DEVICE, dtype)
     ref = mlp(x).double()  # torch
     set_kernel_backend(mlp, "triton")
-    set_triton_gemv(mlp, True, max_rows)
+    set_triton_gemv(mlp, True, max_rows, gated)
     calls = []
     real = activation.gated_rows
     monkeypatch.setattr(activation, "gated_rows", lambda *a: calls.append(1) or real(*a))
     got = mlp(x).double()
-    assert len(calls) == (0 if rows == 1 else 1)
+    assert len(calls) == (0 if rows == 1 and gated else 1)
     assert (got - ref).abs().max().item() < 4 * TOLERANCE[dtype] * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_the_gated_activation_knob_reaches_every_16bit_layer(gated):
+    from server_fixtures import tiny_model_dir
+
+    from infer import LLM
+    from infer.models.linear import LinearBase, UnquantizedLinearMethod
+
+    llm = LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
+              kernel_backend="triton", gemv_gated_activation=gated, cuda_graphs=False)
+    methods = [m.quant_method for m in llm.engine.core.runner.model.modules()
+               if isinstance(m, LinearBase)]
+    assert methods and all(isinstance(q, UnquantizedLinearMethod) for q in methods)
+    assert all(q.gemv_gated == gated for q in methods)
 
 
 EIGHT_BIT = [torch.int8] + ([torch.float8_e4m3fn] if DEVICE == "cuda" else [])

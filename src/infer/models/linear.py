@@ -71,6 +71,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def __init__(self) -> None:
         self.gemv_rows = 0
+        self.gemv_gated = True
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_sizes: list[int],
@@ -85,11 +86,13 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor, act: str,
                     bias: torch.Tensor | None) -> torch.Tensor | None:
         """One row in infer's GEMV (kernels/gemv.py) where `layer`'s one-row matmuls go
-        there (`set_triton_gemv`; a layer with a bias never). Not more rows: each of
+        there and `gemv_gated` (`set_triton_gemv`; a layer with a bias never). Not more
+        rows: each of
         rows_mma's programs would work out the activation of its K slice of every row
         again, and on an H200 the 8B down projection took 58 µs at two rows that way
         against 31 after the activation's own launch (~2 µs)."""
-        if not _gemv_takes(gate_up, layer.weight, layer.bias, min(self.gemv_rows, 1)):
+        if not (self.gemv_gated
+                and _gemv_takes(gate_up, layer.weight, layer.bias, min(self.gemv_rows, 1))):
             return None
         return _gemv(gate_up, layer.weight, act)
 
@@ -133,13 +136,17 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, act: str = "") -> torch.Tensor:
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1) -> None:
+def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1, gated: bool = True
+                    ) -> None:
     """Matmuls of up to `max_rows` rows by `model`'s plain 16-bit weights (projections, LM
-    head) through infer's Triton GEMV (`on`) or cuBLAS."""
+    head) through infer's Triton GEMV (`on`) or cuBLAS; a gated MLP's one row with its
+    activation inside the down projection's GEMV (`gated`) or after the activation's own
+    launch."""
     rows = max_rows if on else 0
     for m in model.modules():
         if isinstance(m, LinearBase) and isinstance(m.quant_method, UnquantizedLinearMethod):
             m.quant_method.gemv_rows = rows
+            m.quant_method.gemv_gated = gated
         elif isinstance(m, ParallelLMHead):
             m.gemv_rows = rows
 
