@@ -114,21 +114,22 @@ TENSOR_CORES_ONE_ROW_MIN_N = 16384
 
 def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                  scale_block: tuple[int, int] | None = None,
-                 tensor_core_rows: int = 0, one_row_gemv: bool = False) -> torch.Tensor:
+                 tensor_core_rows: int = 0, one_row_to_gemv: bool = False) -> torch.Tensor:
     """`x [M, K]` (float16 / bfloat16 / float32, unit column stride), `weight [N, K]` int8
     or float8_e4m3fn, contiguous, `scale [N]`, or with `scale_block = (rows, cols)` one
     float32 scale per tile of the weight, `scale [ceil(N / rows), ceil(K / cols)]`
-    (block-wise FP8 checkpoints): `[M, N]` in x's dtype. With `one_row_gemv` one row scaled
-    per channel goes to `gemv.py`: its unmasked loads and launch rule beat this kernel's
-    one-row form and rows_mma (`gemv_sweep.py --dtype int8`, H200: the 8B gate_up 32.8 µs
-    against 37.9 and 36.6, the 1B 11.4 against 13.6 and 13.9; the LM heads within 2 % of
-    rows_mma). With `tensor_core_rows` (0: off) the steps `rows_mma.py` takes (16-bit x, up
-    to its MAX_ROWS) go there where they gained on an H200: 2 to `tensor_core_rows` rows, or
-    one row of a layer at least TENSOR_CORES_ONE_ROW_MIN_N wide."""
+    (block-wise FP8 checkpoints): `[M, N]` in x's dtype. With `one_row_to_gemv` one row
+    scaled per channel goes to `gemv.py`, whose unmasked loads and launch rule beat this
+    kernel's dot-free one-row form (`_matmul`'s `one_row_gemv`) and rows_mma
+    (`gemv_sweep.py --dtype int8`, H200: the 8B gate_up 32.8 µs against 37.9 and 36.6, the
+    1B 11.4 against 13.6 and 13.9; the LM heads within 2 % of rows_mma). With
+    `tensor_core_rows` (0: off) the steps `rows_mma.py` takes (16-bit x, up to its MAX_ROWS)
+    go there where they gained on an H200: 2 to `tensor_core_rows` rows, or one row of a
+    layer at least TENSOR_CORES_ONE_ROW_MIN_N wide."""
     from infer.kernels import rows_mma
 
     rows = x.shape[0]
-    if rows == 1 and scale_block is None and one_row_gemv:
+    if rows == 1 and scale_block is None and one_row_to_gemv:
         from infer.kernels.gemv import gemv
 
         return gemv(x, weight, scale=scale)

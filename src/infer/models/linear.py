@@ -87,10 +87,9 @@ class UnquantizedLinearMethod(LinearMethod):
                     bias: torch.Tensor | None) -> torch.Tensor | None:
         """One row in infer's GEMV (kernels/gemv.py) where `layer`'s one-row matmuls go
         there and `gemv_gated` (`set_triton_gemv`; a layer with a bias never). Not more
-        rows: each of
-        rows_mma's programs would work out the activation of its K slice of every row
-        again, and on an H200 the 8B down projection took 58 µs at two rows that way
-        against 31 after the activation's own launch (~2 µs)."""
+        rows: each of rows_mma's programs would work out the activation of its K slice of
+        every row again, and on an H200 the 8B down projection took 58 µs at two rows that
+        way against 31 after the activation's own launch (~2 µs)."""
         if not (self.gemv_gated
                 and _gemv_takes(gate_up, layer.weight, layer.bias, min(self.gemv_rows, 1))):
             return None
@@ -153,11 +152,11 @@ def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1, gated: bool =
 
 def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: bool,
                      fp8_mma_rows: int = 0, int8_mma_rows: int = 0,
-                     one_row_gemv: bool = False) -> None:
+                     one_row_to_gemv: bool = False) -> None:
     """How `model`'s 8-bit layers (projections, LM head) multiply decode-sized steps:
     weight-only INT8 / FP8 on tensor cores up to `tensor_core_rows` rows where they gain
     (`w8a16_matmul.py`'s rule; 0: never) or CUDA cores, one row scaled per channel in
-    infer's GEMV (`one_row_gemv`); FP8 ones with x quantized too, FP8
+    infer's GEMV (`one_row_to_gemv`); FP8 ones with x quantized too, FP8
     by FP8 (`fp8_activations`), and FP8 by FP8 steps of up to `fp8_mma_rows` rows in
     `kernels/rows_mma.py` rather than `torch._scaled_mm`; INT8 ones of 2 to
     `int8_mma_rows` rows on the int8 tensor cores (`kernels/int8_x16.py`; 0: never)."""
@@ -167,7 +166,7 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
             m.fp8_decode_activations = fp8_activations
             m.fp8_mma_rows = fp8_mma_rows
             m.int8_mma_rows = int8_mma_rows
-            m.w8a16_one_row_gemv = one_row_gemv
+            m.w8a16_one_row_to_gemv = one_row_to_gemv
 
 
 # What a linear layer built without a `quant_method` gets (`linear_method_default`).

@@ -92,7 +92,7 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
 
             y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale,
                              tensor_core_rows=getattr(layer, "w8a16_tensor_core_rows", 0),
-                             one_row_gemv=getattr(layer, "w8a16_one_row_gemv", False))
+                             one_row_to_gemv=getattr(layer, "w8a16_one_row_to_gemv", False))
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, layer.weight, layer.weight_scale)
         y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
