@@ -86,16 +86,16 @@ class EngineConfig:
         BACKENDS)
     triton_gemv: bool = knob(
         True, "one-row matmuls of 16-bit weights (batch-1 decode: projections without a "
-        "bias, LM head, a gated MLP's activation with its down projection) through infer's "
-        "Triton GEMV (kernels/gemv.py) instead of cuBLAS, and those of INT8 / FP8 weights "
-        "scaled per channel instead of the W8A16 kernel or rows_mma (an H200's 8B INT8 "
-        "batch-1 step 2.86 -> 2.63 ms); with kernel_backend triton only")
+        "bias, LM head) through infer's Triton GEMV (kernels/gemv.py) instead of cuBLAS, "
+        "and those of INT8 / FP8 weights scaled per channel instead of the W8A16 kernel or "
+        "rows_mma (an H200's 8B INT8 batch-1 step 2.86 -> 2.63 ms); with kernel_backend "
+        "triton only")
     gemv_gated_activation: bool = knob(
-        True, "with triton_gemv, a gated MLP's one row of 16-bit weights computes "
+        False, "with triton_gemv, a gated MLP's one row of 16-bit weights computes "
         "act(gate) * up inside the down projection's GEMV (every program for the whole row) "
-        "instead of after the activation's own launch; one H200 run (session 43, "
-        "docs/performance.md) had the 8B batch-1 step 4.19 ms with it, 4.08 without (the "
-        "1B's equal): on until more runs agree")
+        "instead of after the activation's own launch; off: three alternated H200 runs had "
+        "the 8B batch-1 step 4.20 ms with it, 4.09 without (the 1B's equal; "
+        "docs/performance.md)")
     gemv_max_rows: int = knob(
         16, "with triton_gemv, the most rows a matmul of 16-bit weights sends to infer's "
         "kernels instead of cuBLAS: one row to the GEMV, 2 to 16 (a verify step's k + 1 "

@@ -71,7 +71,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def __init__(self) -> None:
         self.gemv_rows = 0
-        self.gemv_gated = True
+        self.gemv_gated = False
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_sizes: list[int],
@@ -135,7 +135,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, act: str = "") -> torch.Tensor:
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1, gated: bool = True
+def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1, gated: bool = False
                     ) -> None:
     """Matmuls of up to `max_rows` rows by `model`'s plain 16-bit weights (projections, LM
     head) through infer's Triton GEMV (`on`) or cuBLAS; a gated MLP's one row with its
