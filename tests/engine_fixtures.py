@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_gguf import fast_gguf_reads
 from real_models import gemma3_gguf, smollm2_gguf
 
 from infer.engine import engine_core
@@ -46,9 +47,10 @@ def make_llm(path: Path | None = None, **config) -> LLM:
 def hf_model(path: str):
     transformers = pytest.importorskip("transformers")
     p = Path(path)
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        p.parent, gguf_file=p.name, dtype=torch.float32
-    ).eval()
+    with fast_gguf_reads():
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            p.parent, gguf_file=p.name, dtype=torch.float32
+        ).eval()
 
 
 def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -246,11 +246,11 @@ def random_hf_model(config):
 
 
 # Row lengths (hidden and intermediate sizes) are multiples of 256 for the k-quants.
-def llama_config():
+def llama_config(layers: int = 2):
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=512,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
                        tie_word_embeddings=False)
 
