@@ -34,7 +34,7 @@ PROMPTS = [
     f"Copy: {LIST}. Copy:",
     "The capital of France is",
 ]
-GREEDY = SamplingParams(max_tokens=40, temperature=0)
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
 # float32 weights: the kept-quantized default computes its logits through bfloat16 (steps
 # of 1/8 at their size), where a step over several positions may round a near-tie the
 # other way than one over one position; in float32 the text must be the same.
@@ -173,12 +173,12 @@ def test_a_draft_models_drafts_stay_on_the_device_unless_the_host_needs_them(
 
 def test_greedy_rows_are_unchanged_beside_sampled_ones(plain, spec):
     want = reference_tokens(plain, PROMPTS[:2], GREEDY)
-    mixed = [GREEDY, SamplingParams(max_tokens=40, temperature=0.9, seed=1),
-             SamplingParams(max_tokens=40, temperature=1.0, top_p=0.8, n=2), GREEDY]
+    mixed = [GREEDY, SamplingParams(max_tokens=24, temperature=0.9, seed=1),
+             SamplingParams(max_tokens=24, temperature=1.0, top_p=0.8, n=2), GREEDY]
     outs = spec.generate(PROMPTS[:2] * 2, mixed, use_tqdm=False)
     assert_same_greedy(plain, PROMPTS[:2], want,
                        [outs[0].outputs[0].token_ids, outs[3].outputs[0].token_ids])
-    assert all(0 < len(c.token_ids) <= 40 and c.finish_reason in ("stop", "length")
+    assert all(0 < len(c.token_ids) <= 24 and c.finish_reason in ("stop", "length")
                for o in outs for c in o.outputs)
     assert spec.engine.stats()["kv_blocks_used"] == 0
 
@@ -336,7 +336,7 @@ def test_the_model_as_its_own_draft_has_every_draft_accepted(spec):
     tokens(spec, PROMPTS, GREEDY)
     drafted = core.num_draft_tokens - before[0]
     accepted = core.num_accepted_tokens - before[1]
-    assert drafted > 100 and accepted >= 0.97 * drafted, (accepted, drafted)
+    assert drafted > 50 and accepted >= 0.97 * drafted, (accepted, drafted)
 
 
 def test_bad_speculative_settings_are_refused():
@@ -480,7 +480,7 @@ def test_rounds_queued_behind_their_verify_steps_draft_as_the_host_would(tmp_pat
     block kept."""
     prompts = [[5, 6, 7, 8, 9] * 6, [5, 6, 5, 6] * 7, [7, 8, 9] * 5]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2)
-              for n in (12, 30, 30)]
+              for n in (12, 24, 24)]
     flags = dict(device=DEVICE, dtype="float32", num_blocks=96, block_size=4,
                  max_model_len=96, num_speculative_tokens=3)
     requests = [{"prompt_token_ids": p} for p in prompts]
@@ -521,7 +521,7 @@ ACTIONS = st.lists(st.one_of(
     st.tuples(st.just("abort"), st.integers(0, 9)),
 ), max_size=25)
 # Five sequences that outgrow the 24 blocks (preemption), one aborted, one added after.
-PREEMPTING = ([("add", [5, 6, 7, 8, 9] * 6, 24, i % 2 == 1) for i in range(5)]
+PREEMPTING = ([("add", [5, 6, 7, 8, 9] * 6, 12, i % 2 == 1) for i in range(5)]
               + [("step", 3), ("abort", 1), ("add", [5, 6, 5, 6] * 7, 20, False),
                  ("step", 2)])
 SLOW_FIXTURES = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
@@ -540,7 +540,7 @@ def test_no_kv_block_leaks_whatever_is_added_stepped_and_aborted(tiny, actions):
 
 
 # Fewer examples: every step runs the interpreter's attention.
-@settings(max_examples=6, deadline=None, derandomize=True,
+@settings(max_examples=4, deadline=None, derandomize=True,
           suppress_health_check=SLOW_FIXTURES)
 @given(actions=ACTIONS)
 @example(actions=PREEMPTING)
