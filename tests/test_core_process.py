@@ -30,6 +30,10 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc")]
 TINY = {"num_blocks": 64, "max_model_len": 128, "block_size": 8, "device": "cpu"}
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+# `httpx.get` and the like make a client, and with it an SSL context, per call: ~60 ms of
+# CPU each. One client instead, keeping no connection: each request opens its own, as
+# theirs did (so goes to any API process, and never waits on a stopped one's).
+HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 
 
 def _children(pid: int) -> set[int]:
@@ -233,7 +237,7 @@ def _serve(*flags: str, spawned: int = 1, poll_s: float = 0.2
             assert proc.poll() is None, proc.stdout.read()
             assert time.monotonic() < deadline, "the server did not become healthy"
             try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                if HTTP.get(url + "/health", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
@@ -273,9 +277,9 @@ def _wait_for_line(proc: subprocess.Popen, text: str, timeout: float) -> None:
 def test_a_dead_core_fails_its_requests_and_stops_the_server():
     with _serve() as (proc, url, core):
         events, started = [], threading.Event()
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        model = HTTP.get(url + "/v1/models").json()["data"][0]["id"]
         body = {"model": model, "prompt": "Hi", "max_tokens": 4}
-        assert httpx.post(url + "/v1/completions", json=body).status_code == 200
+        assert HTTP.post(url + "/v1/completions", json=body).status_code == 200
         client = threading.Thread(target=_stream_into, args=(url, model, events, started),
                                   daemon=True)
         client.start()
@@ -295,7 +299,7 @@ def test_a_dead_core_fails_its_requests_and_stops_the_server():
 def _stream_into(url: str, model: str, events: list[str], started: threading.Event) -> None:
     body = {"model": model, "prompt": "The quick brown fox", "max_tokens": 100,
             "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+    with HTTP.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 events.append(line[6:])
@@ -330,8 +334,8 @@ def test_health_turns_503_when_the_core_dies():
             pid = engine.core_pid
             os.kill(pid, signal.SIGKILL)
             assert died.wait(30) and not engine.alive
-            assert httpx.get(server.url + "/health").status_code == 503
-            r = httpx.post(server.url + "/v1/completions",
+            assert HTTP.get(server.url + "/health").status_code == 503
+            r = HTTP.post(server.url + "/v1/completions",
                            json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
             assert r.status_code == 500 and "core is not running" in r.json()["error"]["message"]
     finally:
@@ -347,20 +351,20 @@ def _metric(text: str, name: str) -> float:
 
 def test_further_api_processes_serve_the_port_and_any_death_stops_all():
     with _serve("--api-server-count", "2", spawned=2) as (proc, url, (core, api)):
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        model = HTTP.get(url + "/v1/models").json()["data"][0]["id"]
         body = {"model": model, "prompt": "Hi", "max_tokens": 4}
         os.kill(proc.pid, signal.SIGSTOP)  # only the further process can answer now
         try:
             for _ in range(3):
-                r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+                r = HTTP.post(url + "/v1/completions", json=body, timeout=30)
                 assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         finally:
             os.kill(proc.pid, signal.SIGCONT)
-        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+        assert HTTP.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
         # Whichever process answers a scrape, it counts all four requests' tokens.
         deadline = time.monotonic() + 20
         while True:
-            scrapes = [httpx.get(url + "/metrics", timeout=10).text for _ in range(6)]
+            scrapes = [HTTP.get(url + "/metrics", timeout=10).text for _ in range(6)]
             tokens = [_metric(m, "infer:generation_tokens_total") for m in scrapes]
             requests = [_metric(m, "infer:e2e_request_latency_seconds_count") for m in scrapes]
             if set(tokens) == {16.0} and set(requests) == {4.0}:
@@ -374,28 +378,17 @@ def test_further_api_processes_serve_the_port_and_any_death_stops_all():
         _wait_gone(descendants)
 
 
-def test_once_health_is_200_every_api_process_answers():
+def test_once_health_is_200_every_api_process_answers_and_sigterm_stops_them_all():
     """No process may say "loading" after any has said it is ready: a client that polls
     /health and then sends requests (each on a new connection, so to any process) gets
-    answers from the first request on."""
-    with _serve("--api-server-count", "3", spawned=3, poll_s=0.005) as (_, url, _):
-        codes = [httpx.get(url + "/v1/models", timeout=10).status_code for _ in range(24)]
+    answers from the first request on. Stopped, the server stops every process it
+    spawned."""
+    with _serve("--api-server-count", "3", spawned=3, poll_s=0.005) as (proc, url, spawned):
+        codes = [HTTP.get(url + "/v1/models", timeout=10).status_code for _ in range(24)]
         assert set(codes) == {200}, codes
-
-
-def test_a_server_with_further_api_processes_stops_them_all():
-    with _serve("--api-server-count", "2", spawned=2) as (proc, _, spawned):
         descendants = _descendants_holding(proc.pid, set(spawned))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == -15
-        _wait_gone(descendants)
-
-
-def test_a_killed_server_leaves_no_further_api_process_behind():
-    with _serve("--api-server-count", "2", spawned=2) as (proc, _, spawned):
-        descendants = _descendants_holding(proc.pid, set(spawned))
-        proc.kill()
-        proc.wait(10)
         _wait_gone(descendants)
 
 
@@ -453,7 +446,9 @@ def test_an_orphaned_api_process_exits_even_if_its_server_never_stops():
         parent.kill()
 
 
-def test_further_api_processes_take_the_chat_template_and_cors_flags(tmp_path):
+def test_further_api_processes_take_the_flags_and_a_killed_server_leaves_none(tmp_path):
+    """A further process answers with the chat template and CORS origins given; the
+    server's first process killed, no further process (nor the core) is left behind."""
     from infer.loader.tokenizer import Tokenizer
 
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
@@ -463,7 +458,7 @@ def test_further_api_processes_take_the_chat_template_and_cors_flags(tmp_path):
     expected = Tokenizer.from_hf_dir(tiny_model_dir()).encode_chat(chat, chat_template=template)
     preflight = {"Access-Control-Request-Method": "POST"}
     with _serve("--api-server-count", "2", "--chat-template", str(tmp_path / "t.jinja"),
-                "--allowed-origins", origin, spawned=2) as (proc, url, _):
+                "--allowed-origins", origin, spawned=2) as (proc, url, spawned):
         # The first process answers /health just before it lets the further one serve
         # (it prints "serving on" then): stopped in between, it never would.
         _wait_for_line(proc, "infer: serving on", 60)
@@ -471,13 +466,17 @@ def test_further_api_processes_take_the_chat_template_and_cors_flags(tmp_path):
         try:
             # The further process may still be starting its server (seconds on a loaded
             # 2-core machine); it accepts the waiting connection once it serves.
-            r = httpx.post(url + "/tokenize", json={"messages": chat}, timeout=90)
+            r = HTTP.post(url + "/tokenize", json={"messages": chat}, timeout=90)
             assert r.status_code == 200 and r.json()["tokens"] == expected
-            allowed = httpx.options(url + "/v1/completions", timeout=30,
+            allowed = HTTP.options(url + "/v1/completions", timeout=30,
                                     headers={**preflight, "Origin": origin})
             assert allowed.headers["access-control-allow-origin"] == origin
-            other = httpx.options(url + "/v1/completions", timeout=30,
+            other = HTTP.options(url + "/v1/completions", timeout=30,
                                   headers={**preflight, "Origin": "http://b.example"})
             assert other.status_code == 400
         finally:
             os.kill(proc.pid, signal.SIGCONT)
+        descendants = _descendants_holding(proc.pid, set(spawned))
+        proc.kill()
+        proc.wait(10)
+        _wait_gone(descendants)

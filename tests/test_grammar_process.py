@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+from functools import cache
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -58,13 +59,30 @@ def _requests() -> tuple[list[str], list[SamplingParams]]:
         return SamplingParams(max_tokens=40, temperature=0.8, seed=seed,
                               structured_outputs=StructuredOutputsParams(**kind))
 
-    plain = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     params = [constrained(1, json=SCHEMA), plain, constrained(2, regex=r"[a-c]{2,5}x"),
               constrained(3, choice=["red", "green", "a blue one"]),
               SamplingParams(max_tokens=30, temperature=0,
                              structured_outputs=StructuredOutputsParams(json=SCHEMA)),
               constrained(4, json_object=True)]
     return [PROMPT] * len(params), params
+
+
+@cache
+def _on_the_loop(async_scheduling: bool) -> tuple[list[list[int]], list[str]]:
+    """`_requests()`' tokens and finish reasons with the matchers on the step loop."""
+    prompts, params = _requests()
+    outs = _llm(False, async_scheduling=async_scheduling).generate(prompts, params,
+                                                                    use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].finish_reason for o in outs]
+
+
+@cache
+def _plain_alone() -> list[int]:
+    """The tokens of `_requests()`' unconstrained request, alone on an engine."""
+    prompts, params = _requests()
+    [alone] = _llm(False).generate(prompts[1:2], params[1:2], use_tqdm=False)
+    return alone.outputs[0].token_ids
 
 
 @pytest.mark.parametrize(("async_scheduling", "workers"), [(True, 1), (False, 1), (True, 3)])
@@ -75,11 +93,9 @@ def test_the_worker_gives_the_tokens_the_step_loop_gives(async_scheduling, worke
     core = llm.engine.core
     assert core._grammar_process is not None and core._grammar_process.alive()
     assert len(core._grammar_process.processes) == workers
-    loop = _llm(False, async_scheduling=async_scheduling).generate(prompts, params,
-                                                                    use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in worker] == [o.outputs[0].token_ids for o in loop]
-    assert [o.outputs[0].finish_reason for o in worker] == \
-        [o.outputs[0].finish_reason for o in loop]
+    loop_tokens, loop_reasons = _on_the_loop(async_scheduling)
+    assert [o.outputs[0].token_ids for o in worker] == loop_tokens
+    assert [o.outputs[0].finish_reason for o in worker] == loop_reasons
     texts = [o.outputs[0].text for o in worker]
     assert all(o.outputs[0].finish_reason in ("stop", "length") for o in worker)
     if worker[0].outputs[0].finish_reason == "stop":
@@ -139,8 +155,9 @@ def test_a_dead_worker_ends_the_constrained_sequences_only(workers):
     device waits for every worker's masks), the others go on untouched."""
     prompts, params = _requests()
     llm = _llm(True, grammar_workers=workers)
-    llm.generate(prompts[:1], params[:1], use_tqdm=False)  # the workers are up
-    [alone] = _llm(False).generate(prompts[1:2], params[1:2], use_tqdm=False)
+    up = SamplingParams(max_tokens=2, structured_outputs=params[0].structured_outputs)
+    llm.generate(prompts[:1], [up], use_tqdm=False)  # the workers are up
+    alone = _plain_alone()
     process = llm.engine.core._grammar_process.processes[-1]
     process.kill()
     process.wait()
@@ -151,14 +168,14 @@ def test_a_dead_worker_ends_the_constrained_sequences_only(workers):
     for i, p in enumerate(params):
         out = last[f"r{i}"]
         if p.structured_outputs is None:  # untouched, token for token
-            assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+            assert out.outputs[0].token_ids == alone
             assert out.error is None and out.outputs[0].finish_reason == "length"
         else:
             assert out.outputs[0].finish_reason == "error", out
             assert "grammar worker exited" in out.error
     assert llm.engine.stats()["kv_blocks_used"] == 0
     [after] = llm.generate(prompts[1:2], params[1:2], use_tqdm=False)
-    assert after.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert after.outputs[0].token_ids == alone
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one worker", "two workers"])
@@ -253,17 +270,18 @@ def test_two_workers_share_out_the_librarys_threads():
     grammar = StructuredOutputs(tokenizer, tokenizer.vocab_size, 1).compile(
         StructuredOutputsParams(regex="ab"))
     share = worker_threads(usable_cores(), 2)  # the CPUs the engine counts
-    counts = []
-    for threads in (0, share, 1):
+    counts = {}
+    for threads in dict.fromkeys((0, share, 1)):  # share may be 1
         process = GrammarProcess(tokenizer, tokenizer.vocab_size, 2, torch.device("cpu"),
                                  threads, workers=2)
         try:
             process.masks(2, [(0, process.matcher(grammar)), (1, process.matcher(grammar))])
-            counts.append([len(os.listdir(f"/proc/{p.pid}/task")) for p in process.processes])
+            counts[threads] = [len(os.listdir(f"/proc/{p.pid}/task"))
+                               for p in process.processes]
         finally:
             process.close()
-    assert counts[0] == counts[1], counts
-    assert [a - b for a, b in zip(counts[0], counts[2])] == [share - 1] * 2, counts
+    assert counts[0] == counts[share], counts
+    assert [a - b for a, b in zip(counts[0], counts[1])] == [share - 1] * 2, counts
 
 
 @pytest.mark.parametrize("apart", [False, True])
@@ -410,10 +428,12 @@ def test_the_worker_makes_the_matchers_sent_before_a_fill_before_taking_it(spin)
     shared_memory.SharedMemory(name=name).unlink()
 
 
-def test_a_script_without_a_main_guard_starts_the_worker_and_runs_once(tmp_path):
+def test_a_script_without_a_main_guard_runs_once_and_leaves_no_block(tmp_path):
     """The worker starts in a fresh interpreter: a script that makes an engine at its top
-    level (no `if __name__ == "__main__"`) is not run again inside it. Closed, the process
-    leaves no shared block behind and no resource tracker warns of one."""
+    level (no `if __name__ == "__main__"`) is not run again inside it. Closed, a process
+    leaves no shared block behind; never closed (as `LLM(...)` scripts end, without
+    shutting their engine down), its block is unlinked when the interpreter exits; and no
+    resource tracker warns of either."""
     script = tmp_path / "unguarded.py"
     script.write_text(textwrap.dedent(f"""
         import os
@@ -430,6 +450,9 @@ def test_a_script_without_a_main_guard_starts_the_worker_and_runs_once(tmp_path)
         name = process._shm.name
         process.close()
         print("left behind:", os.path.exists("/dev/shm/" + name), flush=True)
+        unclosed = GrammarProcess(tokenizer, tokenizer.vocab_size, 1, torch.device("cpu"))
+        unclosed.masks(1, [])
+        print("unclosed", unclosed._shm.name, flush=True)
     """))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
@@ -437,28 +460,7 @@ def test_a_script_without_a_main_guard_starts_the_worker_and_runs_once(tmp_path)
     assert done.stdout.count("script body") == 1, done.stdout
     assert "masks 1 -1" in done.stdout  # a row no matcher names allows every token
     assert "left behind: False" in done.stdout
-    assert "shared_memory" not in done.stderr, done.stderr
-
-
-def test_a_script_that_never_closes_the_process_leaves_no_block_and_no_warning(tmp_path):
-    """As `LLM(...)` scripts end, without shutting their engine down: the block's name is
-    unlinked when the interpreter exits, not left for the resource tracker to warn of."""
-    script = tmp_path / "unclosed.py"
-    script.write_text(textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        import torch
-        from reference_tokenizers import ours
-        from infer.engine.grammar_process import GrammarProcess
-        tokenizer = ours("smollm2")
-        process = GrammarProcess(tokenizer, tokenizer.vocab_size, 1, torch.device("cpu"))
-        process.masks(1, [])
-        print("name", process._shm.name, flush=True)
-    """))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    name = done.stdout.split("name ", 1)[1].split()[0]
+    name = done.stdout.split("unclosed ", 1)[1].split()[0]
     assert not os.path.exists("/dev/shm/" + name.lstrip("/"))
     assert "shared_memory" not in done.stderr, done.stderr
 

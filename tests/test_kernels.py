@@ -257,7 +257,7 @@ def _paged_case(query_lens: list[int], seq_lens: list[int], heads: int, kv_heads
 
 ATTN_CASES = [
     # heads, kv_heads, head_dim, window, softcap
-    (4, 4, 64, None, None),
+    (2, 2, 64, None, None),
     (4, 2, 64, 20, None),
     (8, 2, 64, None, 30.0),
     (6, 2, 80, 7, 20.0),

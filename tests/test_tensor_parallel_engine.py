@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from checkpoints import save_random_checkpoint, save_word_tokenizer
+from engine_fixtures import make_llm
 from server_fixtures import live_server, tiny_model_dir
 from test_core_process import _descendants, _running, _wait_gone
 
@@ -112,10 +113,11 @@ def test_prefix_hits_sampling_and_prompt_logprobs_match_one_rank(model_dir, alon
 def test_smollm2_split_over_three_ranks_writes_the_same_text():
     """The real model: 9 query heads and 3 KV heads, one of each KV head per rank."""
     prompts = ["The capital of France is", "def fibonacci(n):\n    "]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    config = dict(device="cpu", num_blocks=64, max_model_len=256, quantization="none")
-    want = [o.outputs[0].text for o in LLM(**config).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(**config, tensor_parallel_size=3)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    config = dict(num_blocks=64, max_model_len=256)
+    want = [o.outputs[0].text for o in make_llm(**config).generate(prompts, params,
+                                                                    use_tqdm=False)]
+    llm = LLM(**config, device="cpu", quantization="none", tensor_parallel_size=3)
     try:
         got = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
