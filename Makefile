@@ -34,7 +34,8 @@ lint: $(VENV)/.dev
 	$(BIN)/ruff check src tests benchmarks
 
 # Two worker processes (CI's two cores; each test pins one torch thread), a test file to a
-# worker so that a module's fixtures load once: 25 -> 12.5 minutes on a 2-core machine.
+# worker so that a module's fixtures load once: 16.5 minutes of tests on CI's 2 cores
+# (session 44; 26.5 before its cuts).
 test: lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
