@@ -13,15 +13,19 @@ step's layers do; every launch's result is checked against cuBLAS's first. Past 
 rows_mma is also timed with the weight as the MMA's first operand in the engine's tiles
 (`EngineConfig.mma_weight_first`); `--weight-first` sweeps that form's launches.
 
-With `--dtype int8` or `float8_e4m3fn` (one row) the weight is 8-bit with a scale per
-channel, through the GEMV's scaled form, and `w8a16_matmul.py`'s own one-row kernel in its
-last default launch is timed beside it (with dependent launch, as the GEMV's "dependent").
+With `--dtype int8` or `float8_e4m3fn` the weight is 8-bit with a scale per channel,
+through the GEMV's scaled form, and `w8a16_matmul.py`'s own one-row kernel in its last
+default launch is timed beside it (with dependent launch, as the GEMV's "dependent").
+With `--gemv`, two rows (gemv.MAX_ROWS) go through the GEMV too, its launches swept, and
+the kernel the engine took for them before is timed beside it with dependent launch: INT8
+int8_x16 (its launch to split x included), FP8 and 16-bit rows_mma.
 With `--act silu` only the down projections run, x their gated MLP's `[gate | up]` row and
 the activation inside the launch (`gemv(..., act=)`, as `apply_gated` calls it); cuBLAS,
 w8a16's kernel and rows_mma then take the activated row (the activation's launch not timed).
 
     python benchmarks/gemv_sweep.py [--shapes 1b 8b 8b-tp2] [--quick | --defaults-only]
         [--rows 5 [--weight-first] --suffix _rows5] [--dtype int8 --suffix _int8]
+        [--gemv --rows 2 [--dtype int8] --suffix _gemv2_int8]
         [--act silu --suffix _silu]
 """
 
@@ -60,12 +64,12 @@ def weight_first_launches(**extra: bool) -> list[dict]:
                 (64, 128), (128, 256), (1, 2, 4), (3, 4))]
 
 
-def launches(quick: bool, rows: int, weight_first: bool = False,
+def launches(quick: bool, gemv: bool, weight_first: bool = False,
              eight_bit: bool = False) -> list[dict]:
-    """The GEMV's launches (one row) or rows_mma's (splits None: its own rule)."""
+    """The GEMV's launches or rows_mma's (splits None: its own rule)."""
     if weight_first:
         return weight_first_launches(weight_first=True)
-    if rows == 1:
+    if gemv:
         steps = (512, 1024, 2048, 4096) if eight_bit else (256, 512, 1024)
         out = [dict(block_n=bn, block_k=bk, num_warps=warps) for bn, bk, warps in
                itertools.product((4, 8, 16), steps, (4, 8))]
@@ -92,13 +96,18 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16",
                         choices=["bfloat16", "int8", "float8_e4m3fn"],
                         help="the weight's dtype (8-bit: one row, a scale per channel)")
+    parser.add_argument("--gemv", action="store_true",
+                        help="past one row, the GEMV (up to gemv.MAX_ROWS rows) against "
+                        "the engine's kernel before it")
     parser.add_argument("--act", choices=["", "silu"], default="",
                         help="the down projections only, the activation in the launch")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gemv_sweep.py times CUDA kernels: no GPU here")
     from infer.kernels import dependent_launch
+    from infer.kernels import gemv as gemv_kernel
     from infer.kernels.gemv import Launch, default_launch, gemv
+    from infer.kernels.int8_x16 import int8_x16_matmul
     from infer.kernels.rows_mma import MAX_ROWS, rows_mma, weight_first_launch
     from infer.kernels.w8a16_matmul import _matmul as w8a16_kernel
 
@@ -106,12 +115,15 @@ def main() -> None:
         raise SystemExit(f"--rows: 1 to {MAX_ROWS}")
     wdtype = getattr(torch, args.dtype)
     eight_bit = wdtype != torch.bfloat16
-    if eight_bit and args.rows != 1:
-        raise SystemExit("--dtype int8 / float8_e4m3fn: one row")
+    through_gemv = args.rows == 1 or args.gemv
+    if args.gemv and not 1 <= args.rows <= gemv_kernel.MAX_ROWS:
+        raise SystemExit(f"--gemv: 1 to {gemv_kernel.MAX_ROWS} rows")
+    if eight_bit and not through_gemv:
+        raise SystemExit("--dtype int8 / float8_e4m3fn: one row, or --gemv")
 
     def run(x: torch.Tensor, weight: torch.Tensor, launch: dict,
             scale: torch.Tensor | None = None) -> torch.Tensor:
-        if args.rows == 1:
+        if through_gemv:
             return gemv(x, weight, Launch(**launch) if launch else None, act=args.act,
                         scale=scale)
         return rows_mma(x, weight, act=args.act, **launch)
@@ -120,6 +132,14 @@ def main() -> None:
                       ) -> torch.Tensor:  # w8a16_matmul's one-row default before the GEMV
         return w8a16_kernel(x, weight, scale, None, block_n=8, block_k=1024, split=1,
                             one_row_gemv=True, num_warps=4, num_stages=2)
+
+    def before_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
+                    ) -> torch.Tensor:  # the engine's kernel for a few rows before --gemv
+        if weight.dtype == torch.int8:
+            return int8_x16_matmul(x, weight, scale)
+        if scale is not None:
+            return rows_mma(x, weight, scale)
+        return rows_mma(x, weight, **weight_first_launch(*weight.shape, x.device))
 
     def checked_us(kernel, x: torch.Tensor, weights: list[torch.Tensor],
                    expected: torch.Tensor) -> float:
@@ -164,21 +184,23 @@ def main() -> None:
                                   expected)
 
             default = (default_launch(n, k, weights[0].element_size())._asdict()
-                       if args.rows == 1 else {})
+                       if through_gemv else {})
             default_us = timed(default)
             dependent_launch.set_enabled(True)  # each call's launch under the one before
             pdl_us = timed(default)
             w8a16_us = (checked_us(partial(w8a16_one_row, scale=scale), row, weights, expected)
-                        if eight_bit else None)
+                        if eight_bit and args.rows == 1 else None)
+            before_us = (checked_us(partial(before_gemv, scale=scale), row, weights, expected)
+                         if args.gemv and args.rows > 1 else None)
             dependent_launch.set_enabled(False)
             mma_us = w_first_us = None
             if args.rows == 1:  # the tensor-core kernel's, for comparison
                 mma_us = checked_us(partial(rows_mma, scale=scale), row, weights, expected)
-            elif args.rows > 1:  # the weight as the first operand, in the engine's tiles
+            elif not args.gemv:  # the weight as the first operand, in the engine's tiles
                 w_first_us = timed(weight_first_launch(n, k, x.device))
             best, best_us = default, default_us
-            swept = launches(args.quick, args.rows, args.weight_first and args.rows > 1,
-                             eight_bit)
+            swept = launches(args.quick, through_gemv,
+                             args.weight_first and not through_gemv, eight_bit)
             for launch in ([] if args.defaults_only else swept):
                 try:
                     us = timed(launch)
@@ -195,6 +217,7 @@ def main() -> None:
                        default_us=default_us, default_frac=frac(default_us),
                        pdl_us=pdl_us, pdl_frac=frac(pdl_us), rows_mma_us=mma_us,
                        w8a16_us=w8a16_us, w8a16_frac=w8a16_us and frac(w8a16_us),
+                       before_us=before_us, pdl_vs_before=before_us and before_us / pdl_us,
                        w_first_us=w_first_us, w_first_frac=w_first_us and frac(w_first_us),
                        best_us=best_us, best_frac=frac(best_us), best=best,
                        best_vs_cublas=cublas_us / best_us)
@@ -205,7 +228,7 @@ def main() -> None:
             common.write_results("gemv_sweep", args, {"ceilings": ceil, "rows": rows,
                                                       "sweep": sweep})
     common.print_table(
-        f"{'GEMV' if args.rows == 1 else 'rows_mma'} of {args.rows} row(s), {args.dtype} "
+        f"{'GEMV' if through_gemv else 'rows_mma'} of {args.rows} row(s), {args.dtype} "
         f"weights{', ' + args.act + ' in the launch' if args.act else ''} (cuBLAS: bf16; us per "
         "call in a CUDA graph, weights cycled past L2)", rows,
         [("model", "model", ""), ("shape", "shape", ""), ("MB", "MB", ".1f"),
@@ -213,6 +236,7 @@ def main() -> None:
          ("default us", "default_us", ".1f"), ("%copy", "default_frac", ".0%"),
          ("dependent us", "pdl_us", ".1f"), ("%copy", "pdl_frac", ".0%"),
          ("W8A16 one-row us", "w8a16_us", ".1f"), ("%copy", "w8a16_frac", ".0%"),
+         ("engine before us", "before_us", ".1f"), ("before/dependent", "pdl_vs_before", ".2f"),
          ("rows_mma us", "rows_mma_us", ".1f"), ("weight first us", "w_first_us", ".1f"),
          ("%copy", "w_first_frac", ".0%"), ("best us", "best_us", ".1f"),
          ("%copy", "best_frac", ".0%"),

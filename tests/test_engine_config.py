@@ -34,6 +34,8 @@ def test_defaults_are_valid():
         (dict(mixed_step_graphs="yes"), ["mixed_step_graphs", "piecewise"]),
         (dict(grammar_threads=-1), ["grammar_threads"]),
         (dict(gemv_max_rows=0), ["gemv_max_rows"]),
+        (dict(gemv_8bit_max_rows=0), ["gemv_8bit_max_rows", "[1, 2]"]),
+        (dict(gemv_8bit_max_rows=3), ["gemv_8bit_max_rows", "MAX_ROWS"]),
         (dict(gemv_max_rows=17), ["gemv_max_rows", "16"]),
         (dict(w8a16_tensor_core_rows=1), ["w8a16_tensor_core_rows", "[2, 64]"]),
         (dict(w8a16_tensor_core_rows=65), ["w8a16_tensor_core_rows", "MAX_ROWS"]),

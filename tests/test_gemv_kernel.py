@@ -1,6 +1,6 @@
-"""The one-row GEMV Triton kernel (in the interpreter on the CPU; on the GPU with
-INFER_TEST_DEVICE=cuda) against float64, and the linear layers that use it and, for a few
-rows, kernels/rows_mma.py (tested on its own in test_rows_mma.py)."""
+"""The GEMV Triton kernel, one row or up to its MAX_ROWS (in the interpreter on the CPU; on
+the GPU with INFER_TEST_DEVICE=cuda) against float64, and the linear layers that use it and,
+for a few rows, kernels/rows_mma.py (tested on its own in test_rows_mma.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not in
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+EIGHT_BIT = [torch.int8] + ([torch.float8_e4m3fn] if DEVICE == "cuda" else [])
 
 
 def launches():
@@ -42,6 +43,37 @@ def test_gemv_matches_float64(dtype, case):
     assert y.dtype == dtype and y.shape == (1, n)
     error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
     assert error < TOLERANCE[dtype], error
+
+
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, *EIGHT_BIT])
+@pytest.mark.parametrize("act", ["", "silu"])
+@pytest.mark.parametrize("case", [0, 1, 4, 5])
+def test_two_rows_are_each_the_one_row_product(case, act, wdtype):
+    """Each row of a two-row launch: bit for bit the row's own one-row launch (the same
+    float32 sums in the same order), and float64's product."""
+    from infer.kernels.gemv import gemv
+
+    n, k, launch = launches()[case]
+    rows = 2
+    gen = torch.Generator().manual_seed(20 + case)
+    x = torch.randn(rows, k * (2 if act else 1), generator=gen).to(torch.bfloat16).to(DEVICE)
+    if wdtype == torch.bfloat16:
+        w, scale = torch.randn(n, k, generator=gen).to(wdtype).to(DEVICE), None
+        dense = w.double()
+    else:
+        w, scale = _eight_bit_weight(n, k, wdtype, gen)
+        w, scale = w.to(DEVICE), scale.to(DEVICE)
+        dense = w.double() * scale.double()[:, None]
+    y = gemv(x, w, launch, act=act, scale=scale)
+    assert y.shape == (rows, n) and y.dtype == x.dtype
+    for r in range(rows):
+        assert torch.equal(y[r:r + 1], gemv(x[r:r + 1], w, launch, act=act, scale=scale))
+    if act:
+        gate, up = x.double().chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
+    ref = x.double() @ dense.T
+    error = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+    assert error < 4 * TOLERANCE[torch.bfloat16], error
 
 
 @pytest.mark.parametrize(("rows", "max_rows", "dtype"), [
@@ -141,9 +173,6 @@ def test_the_gated_activation_knob_reaches_every_16bit_layer(gated):
     assert all(q.gemv_gated == gated for q in methods)
 
 
-EIGHT_BIT = [torch.int8] + ([torch.float8_e4m3fn] if DEVICE == "cuda" else [])
-
-
 def _eight_bit_weight(n: int, k: int, dtype: torch.dtype, gen: torch.Generator):
     """A weight of `dtype` (int8 across its range, or FP8 values) and a scale per channel."""
     if dtype == torch.int8:
@@ -221,3 +250,4 @@ def test_an_8bit_gated_mlp_launches_its_activation_apart(method, rows, monkeypat
     got = mlp(x).double()
     assert len(calls) == 1
     assert (got - ref).abs().max().item() < 4 * TOLERANCE[torch.bfloat16] * ref.abs().max().item()
+

@@ -158,7 +158,7 @@ def test_tiny_inputs_move_a_sum_by_no_more_than_half_a_float16_subnormal_step():
 
 @pytest.mark.parametrize(("knob", "attribute", "on_value"), [
     ("w8a16_tensor_cores", "w8a16_tensor_core_rows", 16),
-    ("triton_gemv", "w8a16_one_row_to_gemv", True)])
+    ("triton_gemv", "w8a16_gemv_rows", 2)])
 @pytest.mark.parametrize(("on", "backend", "wanted"), [
     (True, "triton", True), (False, "triton", False), (True, "torch", False)])
 def test_the_engine_knobs_reach_every_linear_layer_and_the_lm_head(knob, attribute, on_value,
@@ -172,16 +172,16 @@ def test_the_engine_knobs_reach_every_linear_layer_and_the_lm_head(knob, attribu
               kernel_backend=backend, cuda_graphs=False, **{knob: on})
     layers = [m for m in llm.engine.core.runner.model.modules()
               if isinstance(m, (LinearBase, ParallelLMHead))]
-    off_value = type(on_value)()  # 0 rows / False
+    off_value = 0  # rows
     assert layers and all(getattr(m, attribute) == (on_value if wanted else off_value)
                           for m in layers)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the layers take the kernel on CUDA only")
 @pytest.mark.parametrize("method", ["int8", "fp8"])
-@pytest.mark.parametrize(("rows", "width"), [(1, 16384), (1, 384), (7, 384), (40, 384)])
-@pytest.mark.parametrize("one_row_to_gemv", [False, True])
-def test_8bit_layers_with_the_knob_match_float64(method, rows, width, one_row_to_gemv):
+@pytest.mark.parametrize(("rows", "width"), [(1, 16384), (1, 384), (2, 384), (7, 384), (40, 384)])
+@pytest.mark.parametrize("gemv_rows", [0, 1, 2])
+def test_8bit_layers_with_the_knob_match_float64(method, rows, width, gemv_rows):
     from infer.models.linear import ColumnParallelLinear
     from infer.quantization.fp8 import Fp8LinearMethod
     from infer.quantization.int8 import Int8WeightOnlyLinearMethod
@@ -193,7 +193,7 @@ def test_8bit_layers_with_the_knob_match_float64(method, rows, width, one_row_to
     layer = layer.to(DEVICE, torch.bfloat16)
     (Int8WeightOnlyLinearMethod() if method == "int8" else Fp8LinearMethod()).quantize(layer)
     layer.w8a16_tensor_core_rows = 64
-    layer.w8a16_one_row_to_gemv = one_row_to_gemv
+    layer.w8a16_gemv_rows = gemv_rows
     x = torch.randn(rows, 512, generator=gen).to(DEVICE, torch.bfloat16)
     y = layer(x).double()
     ref = x.double() @ (layer.weight.double() * layer.weight_scale.double()[:, None]).T
@@ -247,16 +247,19 @@ def test_a_captured_graph_replays_with_its_counters_left_at_zero():
         assert int(launch_counters("rows_mma", x.device, MAX_BLOCKS).abs().sum()) == 0
 
 
-@pytest.mark.parametrize(("rows", "width", "most", "one_row_to_gemv", "wanted"), [
-    (1, 256, 16, False, "w8a16"), (1, 512, 16, False, "rows_mma"), (1, 512, 16, True, "gemv"),
-    (1, 256, 0, True, "gemv"), (2, 256, 16, True, "rows_mma"), (16, 256, 16, True, "rows_mma"),
-    (17, 256, 16, True, "w8a16"), (17, 256, 64, True, "rows_mma"),
-    (64, 256, 64, True, "rows_mma"), (65, 256, 64, True, "w8a16"), (3, 256, 0, True, "w8a16"),
-    (1, 512, 0, False, "w8a16")])
+@pytest.mark.parametrize(("rows", "width", "most", "gemv_rows", "wanted"), [
+    (1, 256, 16, 0, "w8a16"), (1, 512, 16, 0, "rows_mma"), (1, 512, 16, 1, "gemv"),
+    (1, 256, 0, 1, "gemv"), (2, 256, 16, 1, "rows_mma"), (16, 256, 16, 1, "rows_mma"),
+    (2, 256, 16, 2, "gemv"), (3, 512, 16, 2, "rows_mma"), (2, 256, 0, 2, "gemv"),
+    (2, 4096, 16, 2, "rows_mma"),
+    (17, 256, 16, 1, "w8a16"), (17, 256, 64, 1, "rows_mma"),
+    (64, 256, 64, 1, "rows_mma"), (65, 256, 64, 1, "w8a16"), (3, 256, 0, 1, "w8a16"),
+    (1, 512, 0, 0, "w8a16")])
 def test_8bit_weights_go_to_tensor_cores_where_they_gained(monkeypatch, rows, width, most,
-                                                          one_row_to_gemv, wanted):
-    """From 2 to `most` rows; one row to the GEMV (`one_row_to_gemv`), or without it to rows_mma
-    on a wide layer (the threshold lowered to 512 here); none with `most` 0."""
+                                                          gemv_rows, wanted):
+    """Up to `gemv_rows` rows to the GEMV (two on narrow layers only); past them from 2 to
+    `most` rows rows_mma, and one row there too on a wide layer (the threshold lowered to 512
+    here); none with `most` 0."""
     from infer.kernels import gemv, rows_mma, w8a16_matmul
 
     calls = []
@@ -267,7 +270,7 @@ def test_8bit_weights_go_to_tensor_cores_where_they_gained(monkeypatch, rows, wi
     monkeypatch.setattr(w8a16_matmul, "TENSOR_CORES_ONE_ROW_MIN_N", 512)
     x, w, scale = _case(rows, width, 128, torch.float16, seed=rows)
     y = w8a16_matmul.w8a16_matmul(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE),
-                                  tensor_core_rows=most, one_row_to_gemv=one_row_to_gemv)
+                                  tensor_core_rows=most, gemv_rows=gemv_rows)
     assert calls == ([] if wanted == "w8a16" else [wanted])
     ref = _reference(x, w, scale)
     assert (y.double().cpu() - ref).abs().max() <= 1e-2 * ref.abs().max()

@@ -90,6 +90,14 @@ class EngineConfig:
         "and those of INT8 / FP8 weights scaled per channel instead of the W8A16 kernel or "
         "rows_mma (an H200's 8B INT8 batch-1 step 2.86 -> 2.63 ms); with kernel_backend "
         "triton only")
+    gemv_8bit_max_rows: int = knob(
+        2, "with triton_gemv, the most rows (1 or 2, kernels/gemv.py MAX_ROWS) a matmul of "
+        "INT8 / FP8 weights scaled per channel sends to the GEMV, each weight made float32 "
+        "once for both rows, before the tensor-core kernels (int8_mma_rows, "
+        "w8a16_tensor_cores); two rows only on layers at most 3,072 wide, where they gained "
+        "(w8a16_matmul.gemv_takes): on an H200 the INT8 1B draft's two-row first forward of "
+        "a speculative round made the drafted step 7.07-7.08 ms against 7.15-7.17 with 1 "
+        "(docs/performance.md)")
     gemv_gated_activation: bool = knob(
         False, "with triton_gemv, a gated MLP's one row of 16-bit weights computes "
         "act(gate) * up inside the down projection's GEMV (every program for the whole row) "
@@ -330,6 +338,9 @@ class EngineConfig:
         if not 2 <= self.w8a16_tensor_core_rows <= 64:
             raise ValueError(f"w8a16_tensor_core_rows must be in [2, 64] (kernels/rows_mma.py "
                              f"MAX_ROWS), got {self.w8a16_tensor_core_rows}")
+        if not 1 <= self.gemv_8bit_max_rows <= 2:
+            raise ValueError(f"gemv_8bit_max_rows must be in [1, 2] (kernels/gemv.py "
+                             f"MAX_ROWS), got {self.gemv_8bit_max_rows}")
         if not 1 <= self.gemv_max_rows <= 16:
             raise ValueError(f"gemv_max_rows must be in [1, 16], "
                              f"got {self.gemv_max_rows}")

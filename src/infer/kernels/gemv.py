@@ -1,5 +1,5 @@
-"""One row times a weight (16-bit, or 8-bit scaled per channel):
-`y [1, N] = x [1, K] @ w [N, K]^T`, float32 accumulation.
+"""One row (or two) times a weight (16-bit, or 8-bit scaled per channel):
+`y [M, N] = x [M, K] @ w [N, K]^T`, float32 accumulation, M 1 or 2.
 
 Batch-1 decode multiplies one row by every projection; the weight's bytes bound the time,
 and on small projections cuBLAS splits K over programs and then adds the parts in a
@@ -15,6 +15,11 @@ so the product is the one `gemv(swiglu(gate_up), w)` computes, without its launc
 With `scale` the weight is 8-bit (int8, or FP8 e4m3 on a GPU) standing for
 `w * scale[:, None]`, a scale per output channel: each weight is made float32 in registers
 (`weight_cast.py`) and each channel's sum scaled once, at the end.
+
+Two rows (MAX_ROWS) go the same way, each weight made float32 once for both. On an H200 the
+second row adds 50-90 % to a one-row launch of 8-bit weights (its multiply-adds on the CUDA
+cores), which beats the tensor-core kernels on narrow layers only: the engine sends two
+rows here where `w8a16_matmul.gemv_takes` (`EngineConfig.gemv_8bit_max_rows`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import triton.language as tl
 from infer.kernels import dependent_launch, gpu_compiled
 from infer.kernels.activation import gated
 from infer.kernels.weight_cast import to_float
+
+MAX_ROWS = 2
 
 
 class Launch(NamedTuple):
@@ -60,9 +67,9 @@ def _row(x_ptr, kk, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr,
-    SCALED: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
+    ACT: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -73,11 +80,26 @@ def _gemv_kernel(
     w = _weights(w_rows, rk, K, EVEN_K)
     dependent_launch.wait(PDL)
     dependent_launch.release(PDL)
-    acc = to_float(w, PTX) * _row(x_ptr, rk, K, EVEN_K, ACT).to(tl.float32)[None, :]
+    # A second row shares each weight made float32 (two accumulators of the one-row
+    # layout: a third dimension for the rows made the kernel 2-3x slower on an H200).
+    w = to_float(w, PTX)
+    acc = w * _row(x_ptr, rk, K, EVEN_K, ACT).to(tl.float32)[None, :]
+    if ROWS == 2:
+        acc_2 = w * _row(x_ptr + stride_xm, rk, K, EVEN_K, ACT).to(tl.float32)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + rk
-        acc += (to_float(_weights(w_rows, kk, K, EVEN_K), PTX)
-                * _row(x_ptr, kk, K, EVEN_K, ACT).to(tl.float32)[None, :])
+        w = to_float(_weights(w_rows, kk, K, EVEN_K), PTX)
+        acc += w * _row(x_ptr, kk, K, EVEN_K, ACT).to(tl.float32)[None, :]
+        if ROWS == 2:
+            acc_2 += w * _row(x_ptr + stride_xm, kk, K, EVEN_K, ACT).to(tl.float32)[None, :]
+    _store(acc, s_ptr, y_ptr, rn, N, SCALED)
+    if ROWS == 2:
+        _store(acc_2, s_ptr, y_ptr + stride_ym, rn, N, SCALED)
+
+
+@triton.jit
+def _store(acc, s_ptr, y_ptr, rn, N, SCALED: tl.constexpr):
+    """A row's sums of `acc [BLOCK_N, BLOCK_K]`, scaled per channel where SCALED."""
     y = tl.sum(acc, axis=1)
     if SCALED:
         y *= tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
@@ -103,11 +125,12 @@ def default_launch(n: int, k: int, weight_bytes: int = 2) -> Launch:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None,
          act: str = "", scale: torch.Tensor | None = None) -> torch.Tensor:
-    """`x [1, K]` (float16 / bfloat16 / float32, contiguous) times the transpose of `weight
-    [N, K]` (unit column stride; x's dtype, or with `scale [N]` int8 / float8_e4m3fn):
-    `[1, N]` in x's dtype. With `act`, `x` is `[1, 2K]` (gate | up) and the row multiplied
-    is `act(gate) * up`."""
-    assert x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous(), (x.shape, x.stride())
+    """`x [M, K]` (1 to MAX_ROWS rows of float16 / bfloat16 / float32, unit column stride)
+    times the transpose of `weight [N, K]` (unit column stride; x's dtype, or with `scale
+    [N]` int8 / float8_e4m3fn): `[M, N]` in x's dtype. With `act`, `x` is `[M, 2K]` (gate |
+    up) and each row multiplied is `act(gate) * up`."""
+    assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, (x.shape,
+                                                                                x.stride())
     assert weight.dim() == 2 and weight.stride(1) == 1, (weight.shape, weight.stride())
     assert act in ("", "silu", "gelu_tanh"), act
     assert weight.shape[1] * (2 if act else 1) == x.shape[1], (weight.shape, x.shape)
@@ -116,14 +139,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None,
     else:
         assert weight.dtype in (torch.int8, torch.float8_e4m3fn), weight.dtype
         assert scale.shape == weight.shape[:1] and scale.is_contiguous(), scale.shape
+    m = x.shape[0]
     n, k = weight.shape
     block_n, block_k, num_warps = launch or default_launch(n, k, weight.element_size())
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0 or k == 0:
         return y.zero_()
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, weight if scale is None else scale, y, n, k, weight.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, ACT=act,
+        x, weight, weight if scale is None else scale, y, n, k, x.stride(0),
+        weight.stride(0), y.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, ROWS=m, EVEN_K=k % block_k == 0, ACT=act,
         SCALED=scale is not None, PTX=gpu_compiled(x.device),
         num_warps=num_warps, **dependent_launch.launch_options(),
     )

@@ -110,26 +110,39 @@ def _w8a16_kernel(
 # 157 µs, the 8B gate_up 36.5 vs 38.5; the narrow 8B qkv / o / down lost 12-30 %). From 2
 # rows on it gains on nearly every projection (5 rows, 8B down: 25 vs 39 µs).
 TENSOR_CORES_ONE_ROW_MIN_N = 16384
+# Two rows in the GEMV pay only on narrow layers, where the tensor-core kernels have few
+# column tiles (`gemv_sweep.py --gemv --rows 2`, H200, µs against int8_x16 / rows_mma: the 1B
+# qkv 6.5 / 6.2 against 8.0 / 6.9, o 4.8 / 4.4 against 7.9 / 6.5, down 10.3 / 10.1 against
+# 13.4 / 10.7; the 8B o 11.8 against 10.6 and every wider layer lost, up to 2x).
+GEMV_TWO_ROWS_MAX_N = 3072
+
+
+def gemv_takes(rows: int, n: int, gemv_rows: int) -> bool:
+    """Whether a step of `rows` rows by an `[n, K]` weight scaled per channel goes to
+    `gemv.py`, the engine letting it take up to `gemv_rows` (0: none)."""
+    return rows <= gemv_rows and (rows == 1 or n <= GEMV_TWO_ROWS_MAX_N)
+
 
 
 def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                  scale_block: tuple[int, int] | None = None,
-                 tensor_core_rows: int = 0, one_row_to_gemv: bool = False) -> torch.Tensor:
+                 tensor_core_rows: int = 0, gemv_rows: int = 0) -> torch.Tensor:
     """`x [M, K]` (float16 / bfloat16 / float32, unit column stride), `weight [N, K]` int8
     or float8_e4m3fn, contiguous, `scale [N]`, or with `scale_block = (rows, cols)` one
     float32 scale per tile of the weight, `scale [ceil(N / rows), ceil(K / cols)]`
-    (block-wise FP8 checkpoints): `[M, N]` in x's dtype. With `one_row_to_gemv` one row
-    scaled per channel goes to `gemv.py`, whose unmasked loads and launch rule beat this
-    kernel's dot-free one-row form (`_matmul`'s `one_row_gemv`) and rows_mma
-    (`gemv_sweep.py --dtype int8`, H200: the 8B gate_up 32.8 µs against 37.9 and 36.6, the
-    1B 11.4 against 13.6 and 13.9; the LM heads within 2 % of rows_mma). With
+    (block-wise FP8 checkpoints): `[M, N]` in x's dtype. Up to `gemv_rows` rows (0: none)
+    scaled per channel go to `gemv.py` (two only where `gemv_takes`), whose unmasked loads
+    and launch rule beat this kernel's dot-free one-row form (`_matmul`'s `one_row_gemv`)
+    and rows_mma at one row (`gemv_sweep.py --dtype int8`, H200: the 8B gate_up 32.8 µs
+    against 37.9 and 36.6, the 1B 11.4 against 13.6 and 13.9; the LM heads within 2 % of
+    rows_mma). With
     `tensor_core_rows` (0: off) the steps `rows_mma.py` takes (16-bit x, up to its MAX_ROWS)
     go there where they gained on an H200: 2 to `tensor_core_rows` rows, or one row of a
     layer at least TENSOR_CORES_ONE_ROW_MIN_N wide."""
     from infer.kernels import rows_mma
 
     rows = x.shape[0]
-    if rows == 1 and scale_block is None and one_row_to_gemv:
+    if scale_block is None and gemv_takes(rows, weight.shape[0], gemv_rows):
         from infer.kernels.gemv import gemv
 
         return gemv(x, weight, scale=scale)

@@ -152,21 +152,23 @@ def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1, gated: bool =
 
 def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: bool,
                      fp8_mma_rows: int = 0, int8_mma_rows: int = 0,
-                     one_row_to_gemv: bool = False) -> None:
+                     gemv_rows: int = 0) -> None:
     """How `model`'s 8-bit layers (projections, LM head) multiply decode-sized steps:
     weight-only INT8 / FP8 on tensor cores up to `tensor_core_rows` rows where they gain
-    (`w8a16_matmul.py`'s rule; 0: never) or CUDA cores, one row scaled per channel in
-    infer's GEMV (`one_row_to_gemv`); FP8 ones with x quantized too, FP8
-    by FP8 (`fp8_activations`), and FP8 by FP8 steps of up to `fp8_mma_rows` rows in
+    (`w8a16_matmul.py`'s rule; 0: never) or CUDA cores, up to `gemv_rows` rows scaled per
+    channel in infer's GEMV (0: none; two on narrow layers only, `w8a16_matmul.gemv_takes`),
+    before the tensor cores; FP8 ones with x quantized too, FP8 by FP8 (`fp8_activations`),
+    and FP8 by FP8 steps of up to `fp8_mma_rows` rows in
     `kernels/rows_mma.py` rather than `torch._scaled_mm`; INT8 ones of 2 to
-    `int8_mma_rows` rows on the int8 tensor cores (`kernels/int8_x16.py`; 0: never)."""
+    `int8_mma_rows` rows on the int8 tensor cores (`kernels/int8_x16.py`; 0: never), past
+    `gemv_rows`."""
     for m in model.modules():
         if isinstance(m, (LinearBase, ParallelLMHead)):
             m.w8a16_tensor_core_rows = tensor_core_rows
             m.fp8_decode_activations = fp8_activations
             m.fp8_mma_rows = fp8_mma_rows
             m.int8_mma_rows = int8_mma_rows
-            m.w8a16_one_row_to_gemv = one_row_to_gemv
+            m.w8a16_gemv_rows = gemv_rows
 
 
 # What a linear layer built without a `quant_method` gets (`linear_method_default`).

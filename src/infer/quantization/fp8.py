@@ -90,7 +90,7 @@ class Fp8LinearMethod(LinearMethod):
 
             y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale,
                              tensor_core_rows=tensor_core_rows,
-                             one_row_to_gemv=getattr(layer, "w8a16_one_row_to_gemv", False))
+                             gemv_rows=getattr(layer, "w8a16_gemv_rows", 0))
         elif x2.is_cuda:
             from infer.kernels.fp8_quant import fp8_quantize_rows
 

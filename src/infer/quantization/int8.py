@@ -81,9 +81,11 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
               ) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(layer.compute_dtype)
+        gemv_rows = getattr(layer, "w8a16_gemv_rows", 0)
         if x2.is_cuda and len(x2) > DEQUANTIZE_ROWS:  # compute-bound: cuBLAS on a copy
             y = F.linear(x2, layer.weight.to(x2.dtype)) * layer.weight_scale
-        elif x2.is_cuda and 1 < len(x2) <= getattr(layer, "int8_mma_rows", 0):
+        elif (x2.is_cuda and 1 < len(x2) <= getattr(layer, "int8_mma_rows", 0)
+              and not _to_gemv(len(x2), layer.weight.shape[0], gemv_rows)):
             from infer.kernels.int8_x16 import int8_x16_matmul
 
             y = int8_x16_matmul(x2.contiguous(), layer.weight, layer.weight_scale)
@@ -92,7 +94,7 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
 
             y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale,
                              tensor_core_rows=getattr(layer, "w8a16_tensor_core_rows", 0),
-                             one_row_to_gemv=getattr(layer, "w8a16_one_row_to_gemv", False))
+                             gemv_rows=gemv_rows)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, layer.weight, layer.weight_scale)
         y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
@@ -130,6 +132,12 @@ class Int8W8A8LinearMethod(Int8WeightOnlyLinearMethod):
             * layer.weight_scale.float()
         y = y.reshape(*shape[:-1], n).to(x.dtype)
         return y if bias is None else y + bias
+
+
+def _to_gemv(rows: int, n: int, gemv_rows: int) -> bool:
+    from infer.kernels.w8a16_matmul import gemv_takes
+
+    return gemv_takes(rows, n, gemv_rows)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
