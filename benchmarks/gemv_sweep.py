@@ -95,7 +95,8 @@ def main() -> None:
                         "operand")
     parser.add_argument("--dtype", default="bfloat16",
                         choices=["bfloat16", "int8", "float8_e4m3fn"],
-                        help="the weight's dtype (8-bit: one row, a scale per channel)")
+                        help="the weight's dtype (8-bit: one row or --gemv's two, a scale "
+                        "per channel)")
     parser.add_argument("--gemv", action="store_true",
                         help="past one row, the GEMV (up to gemv.MAX_ROWS rows) against "
                         "the engine's kernel before it")
