@@ -251,3 +251,79 @@ def test_an_8bit_gated_mlp_launches_its_activation_apart(method, rows, monkeypat
     assert len(calls) == 1
     assert (got - ref).abs().max().item() < 4 * TOLERANCE[torch.bfloat16] * ref.abs().max().item()
 
+
+
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, *EIGHT_BIT])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("case", [0, 1, 5])
+def test_the_norm_inside_the_gemv_matches_float64(case, residual, wdtype):
+    """`gemv_normed`: the product of RMSNorm(x + residual) computed in float64, as close as
+    the norm kernel then the GEMV are; the residual stream it stores is the one the norm
+    kernel's fused add stores, bit for bit, and the residual handed in is left as it was."""
+    from infer.kernels.gemv import gemv, gemv_normed
+    from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+
+    n, k, launch = launches()[case]
+    gen = torch.Generator().manual_seed(50 + case)
+    x = (torch.randn(1, k, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
+    res = torch.randn(1, k, generator=gen).to(torch.bfloat16).to(DEVICE) if residual else None
+    norm_w = (torch.rand(k, generator=gen) + 0.5).to(torch.bfloat16).to(DEVICE)
+    if wdtype == torch.bfloat16:
+        w, scale = torch.randn(n, k, generator=gen).to(wdtype).to(DEVICE), None
+        dense = w.double()
+    else:
+        w, scale = _eight_bit_weight(n, k, wdtype, gen)
+        w, scale = w.to(DEVICE), scale.to(DEVICE)
+        dense = w.double() * scale.double()[:, None]
+    kept = None if res is None else res.clone()
+    y, h = gemv_normed(x, w, norm_w, 1e-5, res, scale, launch)
+    if residual:
+        normed, stream = fused_add_rmsnorm(x.clone(), kept.clone(), norm_w, 1e-5)
+        assert torch.equal(res, kept) and torch.equal(h, stream)
+    else:
+        normed, stream = rmsnorm(x, norm_w, 1e-5), x
+        assert h is x
+    hd = stream.double()
+    ref = (hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.double()) @ dense.T
+    unfused = gemv(normed, w, launch, scale=scale).double()
+    assert y.shape == (1, n) and y.dtype == x.dtype
+    scale_of = ref.abs().max().item()
+    assert (y.double() - ref).abs().max().item() < TOLERANCE[torch.bfloat16] * scale_of
+    assert (unfused - ref).abs().max().item() < 2 * TOLERANCE[torch.bfloat16] * scale_of
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_a_llama_layers_norms_run_inside_its_gemvs_with_the_same_tokens(quantization,
+                                                                         monkeypatch):
+    """`gemv_fused_norm`: a one-row step launches no norm before q/k/v or gate/up (only the
+    final norm's), and greedy tokens and logprobs are those of the norms' own launches."""
+    if quantization == "int8" and DEVICE != "cuda":
+        pytest.skip("INT8 layers read their weights through the GEMV on CUDA only")
+    from server_fixtures import tiny_model_dir
+
+    import infer.kernels.rmsnorm as rmsnorm_kernel
+    from infer import LLM, SamplingParams
+
+    calls = []
+    for name in ("rmsnorm", "fused_add_rmsnorm"):
+        real = getattr(rmsnorm_kernel, name)
+        monkeypatch.setattr(rmsnorm_kernel, name, lambda *a, _r=real, **kw:
+                            calls.append(1) or _r(*a, **kw))
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2)
+    outs = {}
+    for fused in (True, False):
+        llm = LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
+                  kernel_backend="triton", gemv_fused_norm=fused, cuda_graphs=False,
+                  quantization=quantization, async_scheduling=False)
+        layers = llm.engine.core.runner.model_config.num_layers
+        calls.clear()
+        out = llm.generate(["The tiny model says"], params)[0].outputs[0]
+        # The prompt's step: two norms a layer and the final one; then three one-row steps.
+        per_step = 1 if fused else 2 * layers + 1
+        assert len(calls) == 2 * layers + 1 + 3 * per_step, (fused, len(calls))
+        outs[fused] = (out.token_ids, [sorted(p.items()) for p in out.logprobs])
+        del llm
+    assert outs[True][0] == outs[False][0]
+    for a, b in zip(outs[True][1], outs[False][1]):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert all(abs(p.logprob - q.logprob) < 1e-4 for (_, p), (_, q) in zip(a, b))
