@@ -57,13 +57,7 @@ def test_two_rows_are_each_the_one_row_product(case, act, wdtype):
     rows = 2
     gen = torch.Generator().manual_seed(20 + case)
     x = torch.randn(rows, k * (2 if act else 1), generator=gen).to(torch.bfloat16).to(DEVICE)
-    if wdtype == torch.bfloat16:
-        w, scale = torch.randn(n, k, generator=gen).to(wdtype).to(DEVICE), None
-        dense = w.double()
-    else:
-        w, scale = _eight_bit_weight(n, k, wdtype, gen)
-        w, scale = w.to(DEVICE), scale.to(DEVICE)
-        dense = w.double() * scale.double()[:, None]
+    w, scale, dense = _weight_on_device(n, k, wdtype, gen)
     y = gemv(x, w, launch, act=act, scale=scale)
     assert y.shape == (rows, n) and y.dtype == x.dtype
     for r in range(rows):
@@ -182,6 +176,17 @@ def _eight_bit_weight(n: int, k: int, dtype: torch.dtype, gen: torch.Generator):
     return w, torch.rand(n, generator=gen) * 0.02 + 1e-3
 
 
+def _weight_on_device(n: int, k: int, dtype: torch.dtype, gen: torch.Generator):
+    """(weight, scale or None, the float64 weight it stands for), the first two on DEVICE:
+    bfloat16, or 8-bit scaled per channel (`_eight_bit_weight`)."""
+    if dtype == torch.bfloat16:
+        w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
+        return w, None, w.double()
+    w, scale = _eight_bit_weight(n, k, dtype, gen)
+    w, scale = w.to(DEVICE), scale.to(DEVICE)
+    return w, scale, w.double() * scale.double()[:, None]
+
+
 @pytest.mark.parametrize("wdtype", EIGHT_BIT)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", range(6))
@@ -268,13 +273,7 @@ def test_the_norm_inside_the_gemv_matches_float64(case, residual, wdtype):
     x = (torch.randn(1, k, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
     res = torch.randn(1, k, generator=gen).to(torch.bfloat16).to(DEVICE) if residual else None
     norm_w = (torch.rand(k, generator=gen) + 0.5).to(torch.bfloat16).to(DEVICE)
-    if wdtype == torch.bfloat16:
-        w, scale = torch.randn(n, k, generator=gen).to(wdtype).to(DEVICE), None
-        dense = w.double()
-    else:
-        w, scale = _eight_bit_weight(n, k, wdtype, gen)
-        w, scale = w.to(DEVICE), scale.to(DEVICE)
-        dense = w.double() * scale.double()[:, None]
+    w, scale, dense = _weight_on_device(n, k, wdtype, gen)
     kept = None if res is None else res.clone()
     y, h = gemv_normed(x, w, norm_w, 1e-5, res, scale, launch)
     if residual:
