@@ -98,14 +98,6 @@ class EngineConfig:
         "(w8a16_matmul.gemv_takes): on an H200 the 1B INT8 batch-2 decode step 0.84 ms "
         "against 0.95 with 1, and a 1B INT8 draft's speculative step (its round's first "
         "forward has two rows) 7.07-7.08 against 7.15-7.17 (docs/performance.md)")
-    gemv_fused_norm: bool = knob(
-        False, "with triton_gemv, a Llama-family layer's one-row RMSNorm (and the residual "
-        "add before it) runs inside the GEMV of the q/k/v or gate/up projection it feeds, "
-        "in the same pass over the row (kernels/gemv.py gemv_normed), instead of the norm's "
-        "own launch: two launches fewer a layer; the normalised row is not rounded to the "
-        "model dtype before it is multiplied. Off until timed: a first form that reduced "
-        "the row before its products made an H200's 8B batch-1 step 4.26 ms against 4.04 "
-        "(docs/performance.md)")
     gemv_gated_activation: bool = knob(
         False, "with triton_gemv, a gated MLP's one row of 16-bit weights computes "
         "act(gate) * up inside the down projection's GEMV (every program for the whole row) "

@@ -20,7 +20,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.memory import plan_kv_cache
 from infer.engine.model_runner import ModelRunner
 from infer.engine.setup import pick_backend
-from infer.models.layers import set_kernel_backend, set_norms_into_gemv
+from infer.models.layers import set_kernel_backend
 from infer.models.linear import set_8bit_kernels, set_triton_gemv
 from infer.quantization.gguf_gpu import set_gguf_int8_activations
 
@@ -52,8 +52,7 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
     """Which kernels `model`'s decode-sized matmuls take: infer's GEMV for 16-bit weights
     (`triton_gemv`, `gemv_max_rows`, a gated MLP's activation inside it with
     `gemv_gated_activation`) and for up to `gemv_8bit_max_rows` rows of per-channel 8-bit
-    ones (`triton_gemv`), a one-row RMSNorm inside the GEMV it feeds (`gemv_fused_norm`),
-    tensor cores for 8-bit ones past those (`w8a16_tensor_cores`,
+    ones (`triton_gemv`), tensor cores for 8-bit ones past those (`w8a16_tensor_cores`,
     `w8a16_tensor_core_rows`), FP8 by FP8 in infer's kernel for FP8 ones
     (`fp8_decode_activations`, `fp8_mma_rows`), either operand first there
     (`mma_weight_first`), the int8 tensor cores for INT8 ones (`int8_mma_rows`), dp4a for
@@ -78,7 +77,6 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
                      config.gemv_8bit_max_rows if config.triton_gemv and triton else 0)
     set_gguf_int8_activations(model, config.gguf_int8_activations and triton,
                               config.gguf_fused_x_rounding)
-    set_norms_into_gemv(model, config.gemv_fused_norm and config.triton_gemv and triton)
 
 
 def _has_fp8_mma() -> bool:

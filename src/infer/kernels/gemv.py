@@ -20,12 +20,6 @@ Two rows (MAX_ROWS) go the same way, each weight made float32 once for both. On 
 second row adds 50-90 % to a one-row launch of 8-bit weights (its multiply-adds on the CUDA
 cores), which beats the tensor-core kernels on narrow layers only: the engine sends two
 rows here where `w8a16_matmul.gemv_takes` (`EngineConfig.gemv_8bit_max_rows`).
-
-`gemv_normed` multiplies one row's RMSNorm (after the residual add) without the norm's own
-launch (`EngineConfig.gemv_fused_norm`): in the same pass over the row, each program sums
-the squares of the stream beside its products and scales each channel's sum by 1 / rms at
-the end, so no program waits on a reduction of the whole row before its first multiply (a
-form that did lost on an H200, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -72,34 +66,10 @@ def _row(x_ptr, kk, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
 
 
 @triton.jit
-def _normed_row(x_ptr, res_ptr, nw_ptr, h_ptr, kk, K, EVEN_K: tl.constexpr,
-                RESIDUAL: tl.constexpr):
-    """`(h * nw, h * h)` at columns kk, float32: h the residual stream (x, or x + residual
-    rounded to x's dtype as rmsnorm.py's fused add stores it, stored to h_ptr by the first
-    program), nw the norm's weight; 1 / rms(h) is applied to the sums at the end."""
-    inside = kk < K
-    if EVEN_K:
-        h = tl.load(x_ptr + kk)
-        nw = tl.load(nw_ptr + kk)
-    else:
-        h = tl.load(x_ptr + kk, mask=inside, other=0.0)
-        nw = tl.load(nw_ptr + kk, mask=inside, other=0.0)
-    if RESIDUAL:
-        r = tl.load(res_ptr + kk) if EVEN_K else tl.load(res_ptr + kk, mask=inside, other=0.0)
-        h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
-        if tl.program_id(0) == 0:
-            tl.store(h_ptr + kk, h, mask=inside)
-    h = h.to(tl.float32)
-    return h * nw.to(tl.float32), h * h
-
-
-@triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, res_ptr, nw_ptr, h_ptr, N, K, stride_xm, stride_wn,
-    stride_ym, eps,
+    x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
-    ACT: tl.constexpr, SCALED: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-    PTX: tl.constexpr, PDL: tl.constexpr,
+    ACT: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -113,37 +83,24 @@ def _gemv_kernel(
     # A second row shares each weight made float32 (two accumulators of the one-row
     # layout: a third dimension for the rows made the kernel 2-3x slower on an H200).
     w = to_float(w, PTX)
-    if NORM:  # one pass: the sum of squares beside the products
-        x, squares = _normed_row(x_ptr, res_ptr, nw_ptr, h_ptr, rk, K, EVEN_K, RESIDUAL)
-        acc = w * x[None, :]
-    else:
-        acc = w * _row(x_ptr, rk, K, EVEN_K, ACT).to(tl.float32)[None, :]
+    acc = w * _row(x_ptr, rk, K, EVEN_K, ACT).to(tl.float32)[None, :]
     if ROWS == 2:
         acc_2 = w * _row(x_ptr + stride_xm, rk, K, EVEN_K, ACT).to(tl.float32)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + rk
         w = to_float(_weights(w_rows, kk, K, EVEN_K), PTX)
-        if NORM:
-            x, part = _normed_row(x_ptr, res_ptr, nw_ptr, h_ptr, kk, K, EVEN_K, RESIDUAL)
-            acc += w * x[None, :]
-            squares += part
-        else:
-            acc += w * _row(x_ptr, kk, K, EVEN_K, ACT).to(tl.float32)[None, :]
+        acc += w * _row(x_ptr, kk, K, EVEN_K, ACT).to(tl.float32)[None, :]
         if ROWS == 2:
             acc_2 += w * _row(x_ptr + stride_xm, kk, K, EVEN_K, ACT).to(tl.float32)[None, :]
-    rstd = 1.0
-    if NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
-    _store(acc, s_ptr, y_ptr, rn, N, SCALED, rstd)
+    _store(acc, s_ptr, y_ptr, rn, N, SCALED)
     if ROWS == 2:
-        _store(acc_2, s_ptr, y_ptr + stride_ym, rn, N, SCALED, 1.0)
+        _store(acc_2, s_ptr, y_ptr + stride_ym, rn, N, SCALED)
 
 
 @triton.jit
-def _store(acc, s_ptr, y_ptr, rn, N, SCALED: tl.constexpr, factor):
-    """A row's sums of `acc [BLOCK_N, BLOCK_K]` times `factor`, scaled per channel where
-    SCALED."""
-    y = tl.sum(acc, axis=1) * factor
+def _store(acc, s_ptr, y_ptr, rn, N, SCALED: tl.constexpr):
+    """A row's sums of `acc [BLOCK_N, BLOCK_K]`, scaled per channel where SCALED."""
+    y = tl.sum(acc, axis=1)
     if SCALED:
         y *= tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
@@ -172,38 +129,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None,
     times the transpose of `weight [N, K]` (unit column stride; x's dtype, or with `scale
     [N]` int8 / float8_e4m3fn): `[M, N]` in x's dtype. With `act`, `x` is `[M, 2K]` (gate |
     up) and each row multiplied is `act(gate) * up`."""
-    assert act in ("", "silu", "gelu_tanh"), act
-    assert weight.shape[1] * (2 if act else 1) == x.shape[1], (weight.shape, x.shape)
-    return _launch(x, weight, launch, scale, act=act)
-
-
-def gemv_normed(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                residual: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-                launch: Launch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(gemv(rmsnorm(h), weight), h)` for one row, h = `x + residual` rounded to x's dtype
-    (`residual` None: x itself), in one launch and one pass over the row: each program
-    sums h's squares beside its products by `h * norm_weight` and applies `1 / rms(h)` to
-    each channel's sum at the end (RMSNorm's `x * w` form, `norm_weight [K]`). Equal to the
-    norm kernel then the GEMV within rounding: the normalised row is not rounded to x's dtype
-    before it is multiplied. Where `residual` is given h is a new tensor (`residual` is left
-    as it was)."""
-    assert x.shape[0] == 1, x.shape
-    assert norm_weight.shape == (x.shape[1],) and norm_weight.is_contiguous()
-    assert weight.shape[1] == x.shape[1], (weight.shape, x.shape)
-    if residual is None:
-        return _launch(x, weight, launch, scale, norm=(norm_weight, eps, None, None)), x
-    assert residual.shape == x.shape and residual.stride(1) == 1, residual.shape
-    h = torch.empty_like(x)
-    return _launch(x, weight, launch, scale, norm=(norm_weight, eps, residual, h)), h
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
-            scale: torch.Tensor | None, act: str = "",
-            norm: tuple[torch.Tensor, float, torch.Tensor | None, torch.Tensor | None]
-            | None = None) -> torch.Tensor:
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, (x.shape,
                                                                                 x.stride())
     assert weight.dim() == 2 and weight.stride(1) == 1, (weight.shape, weight.stride())
+    assert act in ("", "silu", "gelu_tanh"), act
+    assert weight.shape[1] * (2 if act else 1) == x.shape[1], (weight.shape, x.shape)
     if scale is None:
         assert weight.dtype == x.dtype, (weight.dtype, x.dtype)
     else:
@@ -215,13 +145,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0 or k == 0:
         return y.zero_()
-    norm_weight, eps, residual, h = norm or (x, 0.0, None, None)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, weight if scale is None else scale, y,
-        x if residual is None else residual, norm_weight, x if h is None else h,
-        n, k, x.stride(0), weight.stride(0), y.stride(0), eps,
+        x, weight, weight if scale is None else scale, y, n, k, x.stride(0),
+        weight.stride(0), y.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, ROWS=m, EVEN_K=k % block_k == 0, ACT=act,
-        SCALED=scale is not None, NORM=norm is not None, RESIDUAL=residual is not None,
-        PTX=gpu_compiled(x.device), num_warps=num_warps, **dependent_launch.launch_options(),
+        SCALED=scale is not None, PTX=gpu_compiled(x.device),
+        num_warps=num_warps, **dependent_launch.launch_options(),
     )
     return y

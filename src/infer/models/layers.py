@@ -10,11 +10,7 @@ from torch import nn
 
 from infer.config import RopeConfig
 from infer.distributed.group import TensorParallelGroup
-from infer.models.linear import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    RowParallelLinear,
-)
+from infer.models.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
 def activation_dtype(model: nn.Module) -> torch.dtype:
@@ -36,9 +32,7 @@ class RMSNorm(nn.Module):
     rank's partial sum, all-reduced first: in the same kernel where the group has the
     fused one (`kernels/all_reduce_norm.py`). With `int8_rows` (set with the GGUF int8-x
     kernels, `set_gguf_int8_activations`) a one-row output carries its rounding to int8
-    for the projections it goes into (`kernels/int8_rows.py`). `into(linear, ...)` hands
-    the output to one linear layer, in that layer's GEMV launch where `into_gemv`
-    (`set_norms_into_gemv`) and the layer takes it.
+    for the projections it goes into (`kernels/int8_rows.py`).
     """
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
@@ -49,7 +43,6 @@ class RMSNorm(nn.Module):
         self.use_triton = False
         self.reduce_input: TensorParallelGroup | None = None
         self.int8_rows = False
-        self.into_gemv = False
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -71,21 +64,6 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         residual = residual + x
         return self._norm(residual), residual
-
-    def into(self, linear: ColumnParallelLinear, x: torch.Tensor,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(linear(norm(h)), h)`, h the residual stream (`x + residual`, or `x`), where the
-        norm's output goes to `linear` alone; with `into_gemv`, in one launch where the
-        layer's method takes the norm (`forward_normed`: one row of infer's GEMV)."""
-        if (self.into_gemv and self.reduce_input is None and not self.int8_rows
-                and self.offset == 0.0):
-            fused = linear.forward_normed(x, residual, self.weight, self.eps)
-            if fused is not None:
-                return fused
-        if residual is None:
-            return linear(self(x)), x
-        h, residual = self(x, residual)
-        return linear(h), residual
 
     def _with_int8_rows(self, x: torch.Tensor, residual: torch.Tensor | None
                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -237,10 +215,7 @@ class GatedMLP(nn.Module):
         self.use_triton = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x))
-
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The down projection of `act(gate) * up`, from gate_up_proj's output."""
+        gate_up = self.gate_up_proj(x)
         if self.use_triton and self.act_name in _TRITON_ACT:
             act = _TRITON_ACT[self.act_name]
             y = self.down_proj.forward_gated(gate_up, act)
@@ -252,14 +227,6 @@ class GatedMLP(nn.Module):
                                                      act))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
-
-
-def set_norms_into_gemv(model: nn.Module, on: bool) -> None:
-    """Whether `model`'s RMSNorms called with `into` run inside the GEMV of the linear layer
-    they feed (one row; `RMSNorm.into`)."""
-    for m in model.modules():
-        if isinstance(m, RMSNorm):
-            m.into_gemv = on
 
 
 def set_kernel_backend(model: nn.Module, name: str) -> None:

@@ -56,15 +56,6 @@ class LinearMethod:
         where it does not."""
         return None
 
-    def apply_normed(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-                     norm_weight: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`(apply(rmsnorm(h)), h)`, h = `x + residual` rounded to x's dtype (x where
-        `residual` is None), the norm RMSNorm's `x * w` one with weight `norm_weight`,
-        where this method does the add, the norm and the matmul in one launch (no bias);
-        None where it does not."""
-        return None
-
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of an embedding table this method stores."""
         raise NotImplementedError(f"{type(self).__name__} does not store embedding tables")
@@ -104,38 +95,8 @@ class UnquantizedLinearMethod(LinearMethod):
             return None
         return _gemv(gate_up, layer.weight, act)
 
-    def apply_normed(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-                     norm_weight: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One row in infer's GEMV where `layer`'s one-row matmuls go there."""
-        if not _gemv_takes(x, layer.weight, layer.bias, min(self.gemv_rows, 1)):
-            return None
-        return gemv_normed(x, layer.weight, residual, norm_weight, eps)
-
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight.float()
-
-
-def gemv_normed(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
-                norm_weight: torch.Tensor, eps: float, scale: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`apply_normed` through kernels/gemv.py for one row `x` (any leading shape), the
-    result and the stream shaped as x."""
-    from infer.kernels import gemv
-
-    row = x.reshape(1, x.shape[-1]).contiguous()
-    y, h = gemv.gemv_normed(row, weight, norm_weight, eps,
-                            None if residual is None else residual.reshape(row.shape),
-                            scale)
-    return y.view(*x.shape[:-1], weight.shape[0]), (x if residual is None else h.view(x.shape))
-
-
-def eight_bit_gemv_row(layer: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether an 8-bit layer scaled per channel sends `x` to infer's GEMV as it stands:
-    one row on CUDA in `dtype` (the layer's activations'), its one-row steps going there
-    (`set_8bit_kernels`)."""
-    return (x.is_cuda and x.numel() == x.shape[-1] > 0 and x.dtype == dtype
-            and getattr(layer, "w8a16_gemv_rows", 0) >= 1)
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -294,16 +255,6 @@ class ColumnParallelLinear(LinearBase):
         """(part, parts): which of how many equal parts of the checkpoint's tensor for
         `shard_id` this rank holds."""
         return self.tp_rank, self.tp_size
-
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
-                       norm_weight: torch.Tensor, eps: float
-                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`(forward(rmsnorm(h)), h)`, h the residual stream `x + residual`, where the
-        weight's method does the add, the norm and the matmul in one launch
-        (`apply_normed`); None where it does not (a bias, among others)."""
-        if self.bias is not None:
-            return None
-        return self.quant_method.apply_normed(self, x, residual, norm_weight, eps)
 
     def rank_part(self, shard_id: ShardId = None) -> RankPart:
         if shard_id is None:

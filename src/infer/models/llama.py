@@ -38,13 +38,14 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream is `x + residual` (`residual` None: just `x`, the embedding);
-        returns the layer's output in the same split form, for the fused add + norm (each
-        norm's output goes to one projection: `RMSNorm.into`)."""
-        qkv, residual = self.input_layernorm.into(self.self_attn.qkv_proj, x, residual)
-        h = self.self_attn.attend(positions, qkv, meta)
-        gate_up, residual = self.post_attention_layernorm.into(self.mlp.gate_up_proj, h,
-                                                               residual)
-        return self.mlp.down(gate_up), residual
+        returns the layer's output in the same split form, for the fused add + norm."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(CausalLM):

@@ -47,11 +47,5 @@ class SelfAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(x), meta)
-
-    def attend(
-        self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """The block after its q/k/v projection (`qkv`: qkv_proj's output)."""
-        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         return self.o_proj(self.attn(q, k, v, meta, positions))

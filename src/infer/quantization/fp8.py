@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from infer.models.linear import LinearMethod, eight_bit_gemv_row, gemv_normed
+from infer.models.linear import LinearMethod
 from infer.models.weights import WeightLoader
 from infer.quantization.stored import channel_scale, quantized_as_loaded, stored_weight
 
@@ -76,17 +76,6 @@ class Fp8LinearMethod(LinearMethod):
         layer.register_parameter("weight", nn.Parameter(q, requires_grad=False))
         layer.register_parameter("weight_scale", nn.Parameter(scale, requires_grad=False))
         layer.quant_method = self
-
-    def apply_normed(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-                     norm_weight: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One 16-bit row in infer's GEMV where the layer's one-row matmuls go there (the
-        weight read as stored, x not quantized)."""
-        if (getattr(layer, "fp8_decode_activations", False)
-                or x.dtype not in (torch.float16, torch.bfloat16)
-                or not eight_bit_gemv_row(layer, x, x.dtype)):
-            return None
-        return gemv_normed(x, layer.weight, residual, norm_weight, eps, layer.weight_scale)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
               ) -> torch.Tensor:

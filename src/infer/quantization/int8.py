@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.models.linear import LinearMethod, eight_bit_gemv_row, gemv_normed
+from infer.models.linear import LinearMethod
 from infer.models.weights import WeightLoader
 from infer.quantization.stored import channel_scale, quantized_as_loaded, stored_weight
 from infer.quantization.tables import convert_table
@@ -99,14 +99,6 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
             y = torch.ops.aten._weight_int8pack_mm(x2, layer.weight, layer.weight_scale)
         y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
         return y if bias is None else y + bias
-
-    def apply_normed(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-                     norm_weight: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One row in infer's GEMV where the layer's one-row matmuls go there."""
-        if not eight_bit_gemv_row(layer, x, layer.compute_dtype):
-            return None
-        return gemv_normed(x, layer.weight, residual, norm_weight, eps, layer.weight_scale)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         rows = F.embedding(ids, layer.weight).float() * layer.weight_scale[ids, None].float()
