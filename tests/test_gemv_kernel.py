@@ -255,3 +255,100 @@ def test_an_8bit_gated_mlp_launches_its_activation_apart(method, rows, monkeypat
     got = mlp(x).double()
     assert len(calls) == 1
     assert (got - ref).abs().max().item() < 4 * TOLERANCE[torch.bfloat16] * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, *EIGHT_BIT])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("case", [0, 1, 3, 5])
+def test_the_gate_up_gemv_stores_what_the_activation_kernel_would(case, rows, act, wdtype):
+    """`gemv_gate_up`: bit for bit the GEMV's `[gate | up]` then the activation kernel (each
+    program multiplies the gate and up rows of its channels; channels past I in the last
+    program are not stored), and float64's `act(x W_gate^T) * (x W_up^T)`."""
+    from infer.kernels.activation import gated_rows
+    from infer.kernels.gemv import gemv, gemv_gate_up
+
+    inter, k, launch = launches()[case]
+    gen = torch.Generator().manual_seed(60 + case)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    w, scale, dense = _weight_on_device(2 * inter, k, wdtype, gen)
+    y = gemv_gate_up(x, w, act, scale, launch)
+    assert y.shape == (rows, inter) and y.dtype == x.dtype
+    assert torch.equal(y, gated_rows(gemv(x, w, launch, scale=scale), act))
+    gate, up = (x.double() @ dense.T).chunk(2, dim=-1)
+    activation = {"silu": torch.nn.functional.silu,
+                  "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh")}[act]
+    ref = activation(gate) * up
+    error = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+    assert error < 4 * TOLERANCE[torch.bfloat16], error
+
+
+@pytest.mark.parametrize(("method", "rows", "launches_activation"), [
+    ("none", 1, False), ("none", 2, True), ("int8", 1, False), ("int8", 2, True),
+    ("fp8", 1, False)])
+def test_a_gated_mlps_gate_up_gemv_stores_the_activation(method, rows, launches_activation,
+                                                         monkeypatch):
+    """With `set_gate_up_activation`, rows that go to the GEMV take no activation launch
+    (16-bit: one row; 8-bit: up to gemv_8bit_max_rows, two only on layers at most 3,072
+    wide: not the 8-bit one's 2 x 4,096), and the MLP's output is bit for bit the one with
+    the activation's own launch; other steps launch it as before."""
+    if method != "none" and DEVICE != "cuda":
+        pytest.skip("8-bit layers read their weights through the GEMV on CUDA only")
+    import infer.kernels.activation as activation
+    from infer.models.layers import GatedMLP, set_gate_up_activation, set_kernel_backend
+    from infer.models.linear import set_8bit_kernels, set_triton_gemv
+    from infer.quantization.fp8 import Fp8LinearMethod
+    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
+
+    gen = torch.Generator().manual_seed(70 + rows)
+    mlp = GatedMLP(64, 96 if method == "none" else 4096, "silu")
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    mlp = mlp.to(DEVICE, torch.bfloat16)
+    if method != "none":
+        quantize = {"int8": Int8WeightOnlyLinearMethod, "fp8": Fp8LinearMethod}[method]
+        for layer in (mlp.gate_up_proj, mlp.down_proj):
+            quantize().quantize(layer)
+    set_kernel_backend(mlp, "triton")
+    set_triton_gemv(mlp, True, 4)
+    set_8bit_kernels(mlp, 0, False, gemv_rows=2)
+    x = torch.randn(rows, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    apart = mlp(x)
+    set_gate_up_activation(mlp, True)
+    calls = []
+    real = activation.gated_rows
+    monkeypatch.setattr(activation, "gated_rows", lambda *a: calls.append(1) or real(*a))
+    got = mlp(x)
+    assert len(calls) == int(launches_activation)
+    assert torch.equal(got, apart)
+
+
+def test_the_gate_up_activation_knob_keeps_a_models_tokens_and_logprobs(monkeypatch):
+    """`gemv_gate_up_activation`: every gated MLP asks its gate_up projection; the one-row
+    steps launch no activation; greedy tokens and logprobs are those with it off."""
+    from server_fixtures import tiny_model_dir
+
+    import infer.kernels.activation as activation
+    from infer import LLM, SamplingParams
+    from infer.models.layers import GatedMLP
+
+    calls = []
+    real = activation.gated_rows
+    monkeypatch.setattr(activation, "gated_rows", lambda *a: calls.append(1) or real(*a))
+    params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=2)
+    outs = {}
+    for on in (True, False):
+        llm = LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
+                  kernel_backend="triton", gemv_gate_up_activation=on, cuda_graphs=False,
+                  async_scheduling=False)
+        mlps = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, GatedMLP)]
+        assert mlps and all(m.act_in_gate_up == on for m in mlps)
+        calls.clear()
+        out = llm.generate(["The tiny model says"], params)[0].outputs[0]
+        # The prompt's step launches it in each layer; the two one-row steps only when off.
+        assert len(calls) == len(mlps) * (1 if on else 3), (on, len(calls))
+        outs[on] = (out.token_ids, [sorted((t, p.logprob) for t, p in lp.items())
+                                    for lp in out.logprobs])
+        del llm
+    assert outs[True] == outs[False]

@@ -104,6 +104,12 @@ class EngineConfig:
         "instead of after the activation's own launch; off: three alternated H200 runs had "
         "the 8B batch-1 step 4.20 ms with it, 4.09 without (the 1B's equal; "
         "docs/performance.md)")
+    gemv_gate_up_activation: bool = knob(
+        False, "with triton_gemv, a gated MLP's rows that go to the GEMV (one of 16-bit "
+        "weights; those gemv_8bit_max_rows sends of INT8 / FP8 ones) get act(gate) * up "
+        "from the gate_up projection's own launch, each program storing it for the "
+        "channels whose gate and up rows it multiplied (kernels/gemv.py gemv_gate_up), "
+        "instead of after the activation's own launch; off until timed on a GPU")
     gemv_max_rows: int = knob(
         16, "with triton_gemv, the most rows a matmul of 16-bit weights sends to infer's "
         "kernels instead of cuBLAS: one row to the GEMV, 2 to 16 (a verify step's k + 1 "

@@ -10,7 +10,10 @@ fastest launch for none of the 1B, 8B and 8B-at-TP=2 projections, `gemv_sweep_h2
 
 With `act` ("silu" / "gelu_tanh") the row is a gated MLP's `gate_up [1, 2K]`: the kernel
 multiplies by `act(gate) * up`, rounded to x's dtype as the activation kernel stores it,
-so the product is the one `gemv(swiglu(gate_up), w)` computes, without its launch.
+so the product is the one `gemv(swiglu(gate_up), w)` computes, without its launch (every
+program works the activation out for the whole row). `gemv_gate_up` does it the other way
+round, in the gate_up projection's own GEMV: each program multiplies the gate and up rows
+of the same channels and stores `act(gate) * up` for them, so no work is repeated.
 
 With `scale` the weight is 8-bit (int8, or FP8 e4m3 on a GPU) standing for
 `w * scale[:, None]`, a scale per output channel: each weight is made float32 in registers
@@ -69,12 +72,19 @@ def _row(x_ptr, kk, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
-    ACT: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
+    ACT: tl.constexpr, GATE_UP: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, BLOCK_N)
+    if GATE_UP == "":
+        rn = tl.program_id(0) * BLOCK_N + r
+        wn = tl.minimum(rn, N - 1)
+    else:  # weight rows 2N: tile row 2c is gate channel c's, 2c + 1 up channel c's
+        rn = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        wn = tl.minimum(tl.program_id(0) * (BLOCK_N // 2) + r // 2, N - 1) + (r % 2) * N
     rk = tl.arange(0, BLOCK_K)
     # Rows past N read row N - 1 (no mask on the weight's loads) and are not stored.
-    w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
+    w_rows = w_ptr + wn.to(tl.int64)[:, None] * stride_wn
     # The first weight tile is read before the kernel before this one has finished
     # (dependent_launch.py); x only after.
     w = _weights(w_rows, rk, K, EVEN_K)
@@ -92,18 +102,24 @@ def _gemv_kernel(
         acc += w * _row(x_ptr, kk, K, EVEN_K, ACT).to(tl.float32)[None, :]
         if ROWS == 2:
             acc_2 += w * _row(x_ptr + stride_xm, kk, K, EVEN_K, ACT).to(tl.float32)[None, :]
-    _store(acc, s_ptr, y_ptr, rn, N, SCALED)
+    _store(acc, s_ptr, y_ptr, rn, wn, N, SCALED, GATE_UP)
     if ROWS == 2:
-        _store(acc_2, s_ptr, y_ptr + stride_ym, rn, N, SCALED)
+        _store(acc_2, s_ptr, y_ptr + stride_ym, rn, wn, N, SCALED, GATE_UP)
 
 
 @triton.jit
-def _store(acc, s_ptr, y_ptr, rn, N, SCALED: tl.constexpr):
-    """A row's sums of `acc [BLOCK_N, BLOCK_K]`, scaled per channel where SCALED."""
+def _store(acc, s_ptr, y_ptr, rn, wn, N, SCALED: tl.constexpr, GATE_UP: tl.constexpr):
+    """A row's sums of `acc [BLOCK_N, BLOCK_K]` (weight rows wn), scaled per channel where
+    SCALED, rounded to y's dtype; with GATE_UP, `act(gate) * up` of each channel's pair
+    (rounded as the activation kernel rounds what it reads and stores), stored at rn."""
     y = tl.sum(acc, axis=1)
     if SCALED:
-        y *= tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+        y *= tl.load(s_ptr + wn).to(tl.float32)
+    y = y.to(y_ptr.dtype.element_ty)
+    if GATE_UP != "":
+        gate, up = tl.split(tl.reshape(y, (y.shape[0] // 2, 2)))
+        y = gated(gate, up, GATE_UP).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rn, y, mask=rn < N)
 
 
 def default_launch(n: int, k: int, weight_bytes: int = 2) -> Launch:
@@ -129,27 +145,48 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None,
     times the transpose of `weight [N, K]` (unit column stride; x's dtype, or with `scale
     [N]` int8 / float8_e4m3fn): `[M, N]` in x's dtype. With `act`, `x` is `[M, 2K]` (gate |
     up) and each row multiplied is `act(gate) * up`."""
+    assert act in ("", "silu", "gelu_tanh"), act
+    assert weight.shape[1] * (2 if act else 1) == x.shape[1], (weight.shape, x.shape)
+    return _launch(x, weight, launch, scale, act=act)
+
+
+def gemv_gate_up(x: torch.Tensor, weight: torch.Tensor, act: str,
+                 scale: torch.Tensor | None = None, launch: Launch | None = None
+                 ) -> torch.Tensor:
+    """`act(gate) * up` of `gemv(x, weight)` (`weight [2I, K]`, gate's rows then up's, as a
+    gated MLP's fused gate_up projection stores them): `[M, I]`, in one launch. Each
+    program owns `block_n / 2` channels of both halves (the launch is the whole weight's), so
+    the activation's own launch goes and no program does another's work; bit for bit the
+    GEMV's `[M, 2I]` then `kernels/activation.py`'s `gated_rows`."""
+    assert act in ("silu", "gelu_tanh"), act
+    assert weight.shape[0] % 2 == 0 and weight.shape[1] == x.shape[1], (weight.shape, x.shape)
+    return _launch(x, weight, launch, scale, gate_up=act)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
+            scale: torch.Tensor | None, act: str = "", gate_up: str = "") -> torch.Tensor:
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, (x.shape,
                                                                                 x.stride())
     assert weight.dim() == 2 and weight.stride(1) == 1, (weight.shape, weight.stride())
-    assert act in ("", "silu", "gelu_tanh"), act
-    assert weight.shape[1] * (2 if act else 1) == x.shape[1], (weight.shape, x.shape)
     if scale is None:
         assert weight.dtype == x.dtype, (weight.dtype, x.dtype)
     else:
         assert weight.dtype in (torch.int8, torch.float8_e4m3fn), weight.dtype
         assert scale.shape == weight.shape[:1] and scale.is_contiguous(), scale.shape
     m = x.shape[0]
-    n, k = weight.shape
-    block_n, block_k, num_warps = launch or default_launch(n, k, weight.element_size())
+    rows, k = weight.shape
+    block_n, block_k, num_warps = launch or default_launch(rows, k, weight.element_size())
+    n = rows // 2 if gate_up else rows
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0 or k == 0:
-        return y.zero_()
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        return y.zero_()  # act(0) * 0 = 0 too
+    channels = block_n // 2 if gate_up else block_n
+    assert channels * (2 if gate_up else 1) == block_n, block_n
+    _gemv_kernel[(triton.cdiv(n, channels),)](
         x, weight, weight if scale is None else scale, y, n, k, x.stride(0),
         weight.stride(0), y.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, ROWS=m, EVEN_K=k % block_k == 0, ACT=act,
-        SCALED=scale is not None, PTX=gpu_compiled(x.device),
+        GATE_UP=gate_up, SCALED=scale is not None, PTX=gpu_compiled(x.device),
         num_warps=num_warps, **dependent_launch.launch_options(),
     )
     return y

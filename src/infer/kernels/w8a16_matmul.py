@@ -123,6 +123,16 @@ def gemv_takes(rows: int, n: int, gemv_rows: int) -> bool:
     return rows <= gemv_rows and (rows == 1 or n <= GEMV_TWO_ROWS_MAX_N)
 
 
+def gate_up_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act: str,
+                 gemv_rows: int) -> torch.Tensor | None:
+    """`act(gate) * up` of `w8a16_matmul(x, weight, scale, gemv_rows=gemv_rows)` for a gated
+    MLP's `[gate | up]` weight scaled per channel, from the GEMV's own launch
+    (`gemv.gemv_gate_up`) where the rows go to the GEMV; None where they do not."""
+    if not gemv_takes(x.shape[0], weight.shape[0], gemv_rows):
+        return None
+    from infer.kernels.gemv import gemv_gate_up
+
+    return gemv_gate_up(x, weight, act, scale)
 
 def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                  scale_block: tuple[int, int] | None = None,

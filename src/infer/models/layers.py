@@ -213,8 +213,13 @@ class GatedMLP(nn.Module):
         self.act = activation(act)
         self.act_name = act
         self.use_triton = False
+        self.act_in_gate_up = False  # set_gate_up_activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton and self.act_in_gate_up and self.act_name in _TRITON_ACT:
+            h = self.gate_up_proj.forward_gate_up(x, _TRITON_ACT[self.act_name])
+            if h is not None:  # few rows: the activation in the gate_up matmul's launch
+                return self.down_proj(h)
         gate_up = self.gate_up_proj(x)
         if self.use_triton and self.act_name in _TRITON_ACT:
             act = _TRITON_ACT[self.act_name]
@@ -227,6 +232,15 @@ class GatedMLP(nn.Module):
                                                      act))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+
+def set_gate_up_activation(model: nn.Module, on: bool) -> None:
+    """Whether `model`'s gated MLPs ask their gate_up projection for `act(gate) * up`
+    (`forward_gate_up`: its weight's method stores it from the matmul's own launch where it
+    can) before launching the activation apart."""
+    for m in model.modules():
+        if isinstance(m, GatedMLP):
+            m.act_in_gate_up = on
 
 
 def set_kernel_backend(model: nn.Module, name: str) -> None:

@@ -56,6 +56,13 @@ class LinearMethod:
         where it does not."""
         return None
 
+    def apply_gate_up(self, layer: nn.Module, x: torch.Tensor, act: str,
+                      bias: torch.Tensor | None) -> torch.Tensor | None:
+        """`act(gate) * up` of `apply(layer, x, bias)` for a gated MLP's fused `[gate | up]`
+        weight, where this method's kernel for these rows stores it in the same launch
+        (`kernels/gemv.py`'s `gemv_gate_up`); None where it does not."""
+        return None
+
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of an embedding table this method stores."""
         raise NotImplementedError(f"{type(self).__name__} does not store embedding tables")
@@ -94,6 +101,16 @@ class UnquantizedLinearMethod(LinearMethod):
                 and _gemv_takes(gate_up, layer.weight, layer.bias, min(self.gemv_rows, 1))):
             return None
         return _gemv(gate_up, layer.weight, act)
+
+    def apply_gate_up(self, layer: nn.Module, x: torch.Tensor, act: str,
+                      bias: torch.Tensor | None) -> torch.Tensor | None:
+        """One row, where it goes to infer's GEMV."""
+        if not _gemv_takes(x, layer.weight, bias, min(self.gemv_rows, 1)):
+            return None
+        from infer.kernels.gemv import gemv_gate_up
+
+        y = gemv_gate_up(x.reshape(1, -1).contiguous(), layer.weight, act)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight.float()
@@ -302,6 +319,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             self, input_size, [_divide(n, tp.size) for n in output_sizes], bias,
             tuple(range(len(output_sizes))), quant_method, tp,
         )
+
+
+    def forward_gate_up(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
+        """`act(gate) * up` of `forward(x)` (shards gate, up) where the weight's method
+        stores it from the matmul's own launch (`apply_gate_up`); None where it does not."""
+        return self.quant_method.apply_gate_up(self, x, act, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):

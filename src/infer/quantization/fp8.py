@@ -107,6 +107,18 @@ class Fp8LinearMethod(LinearMethod):
         y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
         return y if bias is None else y + bias
 
+    def apply_gate_up(self, layer: nn.Module, x: torch.Tensor, act: str,
+                      bias: torch.Tensor | None) -> torch.Tensor | None:
+        x2 = x.reshape(-1, x.shape[-1])
+        if (bias is not None or getattr(layer, "fp8_decode_activations", False)
+                or not reads_weight_only(x2, getattr(layer, "w8a16_tensor_core_rows", 0))):
+            return None
+        from infer.kernels.w8a16_matmul import gate_up_gemv
+
+        y = gate_up_gemv(x2.contiguous(), layer.weight, layer.weight_scale, act,
+                         getattr(layer, "w8a16_gemv_rows", 0))
+        return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1])
+
 
 def _scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, layer: nn.Module,
                out_dtype: torch.dtype) -> torch.Tensor:

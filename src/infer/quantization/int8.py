@@ -100,6 +100,17 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
         y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
         return y if bias is None else y + bias
 
+    def apply_gate_up(self, layer: nn.Module, x: torch.Tensor, act: str,
+                      bias: torch.Tensor | None) -> torch.Tensor | None:
+        x2 = x.reshape(-1, x.shape[-1])
+        if not x2.is_cuda or bias is not None:
+            return None
+        from infer.kernels.w8a16_matmul import gate_up_gemv
+
+        y = gate_up_gemv(x2.to(layer.compute_dtype).contiguous(), layer.weight,
+                         layer.weight_scale, act, getattr(layer, "w8a16_gemv_rows", 0))
+        return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         rows = F.embedding(ids, layer.weight).float() * layer.weight_scale[ids, None].float()
         return rows.to(layer.dtype)
