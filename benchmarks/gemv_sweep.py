@@ -19,14 +19,14 @@ default launch is timed beside it (with dependent launch, as the GEMV's "depende
 With `--gemv`, two rows (gemv.MAX_ROWS) go through the GEMV too, its launches swept, and
 the kernel the engine took for them before is timed beside it with dependent launch: INT8
 int8_x16 (its launch to split x included), FP8 and 16-bit rows_mma.
-With `--act silu` only the down projections run, x their gated MLP's `[gate | up]` row and
-the activation inside the launch (`gemv(..., act=)`, as `apply_gated` calls it); cuBLAS,
-w8a16's kernel and rows_mma then take the activated row (the activation's launch not timed).
+With `--gate-up silu` only the gate_up projections run, through `gemv_gate_up` (the
+launch stores `silu(gate) * up`, as `gemv_gate_up_activation` has the engine do); cuBLAS,
+w8a16's kernel and rows_mma store `[gate | up]` (the activation's launch not timed).
 
     python benchmarks/gemv_sweep.py [--shapes 1b 8b 8b-tp2] [--quick | --defaults-only]
         [--rows 5 [--weight-first] --suffix _rows5] [--dtype int8 --suffix _int8]
         [--gemv --rows 2 [--dtype int8] --suffix _gemv2_int8]
-        [--act silu --suffix _silu]
+        [--gate-up silu --suffix _gate_up]
 """
 
 from __future__ import annotations
@@ -100,14 +100,15 @@ def main() -> None:
     parser.add_argument("--gemv", action="store_true",
                         help="past one row, the GEMV (up to gemv.MAX_ROWS rows) against "
                         "the engine's kernel before it")
-    parser.add_argument("--act", choices=["", "silu"], default="",
-                        help="the down projections only, the activation in the launch")
+    parser.add_argument("--gate-up", choices=["", "silu"], default="",
+                        help="the gate_up projections only, the activation stored by the "
+                        "launch (gemv_gate_up)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gemv_sweep.py times CUDA kernels: no GPU here")
     from infer.kernels import dependent_launch
     from infer.kernels import gemv as gemv_kernel
-    from infer.kernels.gemv import Launch, default_launch, gemv
+    from infer.kernels.gemv import Launch, default_launch, gemv, gemv_gate_up
     from infer.kernels.int8_x16 import int8_x16_matmul
     from infer.kernels.rows_mma import MAX_ROWS, rows_mma, weight_first_launch
     from infer.kernels.w8a16_matmul import _matmul as w8a16_kernel
@@ -125,9 +126,11 @@ def main() -> None:
     def run(x: torch.Tensor, weight: torch.Tensor, launch: dict,
             scale: torch.Tensor | None = None) -> torch.Tensor:
         if through_gemv:
-            return gemv(x, weight, Launch(**launch) if launch else None, act=args.act,
-                        scale=scale)
-        return rows_mma(x, weight, act=args.act, **launch)
+            launch = Launch(**launch) if launch else None
+            if args.gate_up:
+                return gemv_gate_up(x, weight, args.gate_up, scale, launch)
+            return gemv(x, weight, launch, scale=scale)
+        return rows_mma(x, weight, **launch)
 
     def w8a16_one_row(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
                       ) -> torch.Tensor:  # w8a16_matmul's one-row default before the GEMV
@@ -155,11 +158,9 @@ def main() -> None:
     rows, sweep = [], []
     for model in args.shapes:
         for shape, n, k in SHAPES[model]:
-            if args.act and shape != "down":
+            if args.gate_up and shape != "gate_up":
                 continue
-            x = torch.randn(args.rows, k * (2 if args.act else 1), device="cuda",
-                            dtype=torch.bfloat16)
-            row = (F.silu(x[:, :k].float()) * x[:, k:].float()).to(x.dtype) if args.act else x
+            row = x = torch.randn(args.rows, k, device="cuda", dtype=torch.bfloat16)
             w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                    for _ in range(max(1, -(-3 * L2_BYTES // (2 * n * k))))]
             cublas_us = time_cycled(F.linear, row, w16, replays=10)
@@ -174,13 +175,17 @@ def main() -> None:
                 weights = w16
                 expected = F.linear(row, weights[0])
             expected = expected.float()
+            # What `run` stores: the activation of the product, with --gate-up.
+            run_expected = (F.silu(expected[:, :n // 2]) * expected[:, n // 2:]
+                            if args.gate_up else expected)
             moved = (weights[0].nbytes + 2 * args.rows * (x.shape[1] + n)
                      + (0 if scale is None else scale.nbytes))
 
             def frac(us: float, moved: int = moved) -> float:
                 return moved / us / 1e3 / copy_gbs
 
-            def timed(launch, x=x, weights=weights, expected=expected, scale=scale) -> float:
+            def timed(launch, x=x, weights=weights, expected=run_expected,
+                      scale=scale) -> float:
                 return checked_us(partial(run, launch=launch, scale=scale), x, weights,
                                   expected)
 
@@ -230,7 +235,8 @@ def main() -> None:
                                                       "sweep": sweep})
     common.print_table(
         f"{'GEMV' if through_gemv else 'rows_mma'} of {args.rows} row(s), {args.dtype} "
-        f"weights{', ' + args.act + ' in the launch' if args.act else ''} (cuBLAS: bf16; us per "
+        f"weights{', ' + args.gate_up + ' stored by the launch' if args.gate_up else ''} "
+        "(cuBLAS: bf16; us per "
         "call in a CUDA graph, weights cycled past L2)", rows,
         [("model", "model", ""), ("shape", "shape", ""), ("MB", "MB", ".1f"),
          ("cuBLAS us", "cublas_us", ".1f"), ("%copy", "cublas_frac", ".0%"),

@@ -184,7 +184,7 @@ def step_profile(llm, rng, vocab: int, prompt_len: int, new_tokens: int) -> dict
 
     def per_step(table: dict) -> list[dict]:
         return [dict(name=name[:90], per_step=c / steps, ms_per_step=t / steps / 1e3)
-                for name, (c, t) in sorted(table.items(), key=lambda kv: -kv[1][1])[:10]]
+                for name, (c, t) in sorted(table.items(), key=lambda kv: -kv[1][1])[:16]]
 
     return dict(steps=steps, wall_ms=wall / steps / 1e3, gpu_busy_ms=busy / steps / 1e3,
                 idle_ms=(wall - busy) / steps / 1e3,

@@ -28,17 +28,17 @@ def test_a_cpu_engine_never_launches_dependently():
 
 
 def _chain(x, weights, norm_weight, w8, w8_scale):
-    """Layers of a decode step at one row: norm, GEMV, add + norm, gated GEMV, W8A16."""
+    """Layers of a decode step at one row: norm, GEMV storing its activation, GEMV,
+    add + norm, activation, W8A16."""
     from infer.kernels.activation import swiglu
-    from infer.kernels.gemv import gemv
+    from infer.kernels.gemv import gemv, gemv_gate_up
     from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
     from infer.kernels.w8a16_matmul import w8a16_matmul
 
     residual = x.clone()
     h = rmsnorm(x, norm_weight, 1e-6)
     for up, down in weights:
-        gate_up = gemv(h, up)
-        h, residual = fused_add_rmsnorm(gemv(gate_up, down, act="silu"), residual,
+        h, residual = fused_add_rmsnorm(gemv(gemv_gate_up(h, up, "silu"), down), residual,
                                         norm_weight, 1e-6)
         h = w8a16_matmul(swiglu(gemv(h, up)), w8, w8_scale)
     return h, residual

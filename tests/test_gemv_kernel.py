@@ -46,9 +46,8 @@ def test_gemv_matches_float64(dtype, case):
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, *EIGHT_BIT])
-@pytest.mark.parametrize("act", ["", "silu"])
 @pytest.mark.parametrize("case", [0, 1, 4, 5])
-def test_two_rows_are_each_the_one_row_product(case, act, wdtype):
+def test_two_rows_are_each_the_one_row_product(case, wdtype):
     """Each row of a two-row launch: bit for bit the row's own one-row launch (the same
     float32 sums in the same order), and float64's product."""
     from infer.kernels.gemv import gemv
@@ -56,15 +55,12 @@ def test_two_rows_are_each_the_one_row_product(case, act, wdtype):
     n, k, launch = launches()[case]
     rows = 2
     gen = torch.Generator().manual_seed(20 + case)
-    x = torch.randn(rows, k * (2 if act else 1), generator=gen).to(torch.bfloat16).to(DEVICE)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).to(DEVICE)
     w, scale, dense = _weight_on_device(n, k, wdtype, gen)
-    y = gemv(x, w, launch, act=act, scale=scale)
+    y = gemv(x, w, launch, scale=scale)
     assert y.shape == (rows, n) and y.dtype == x.dtype
     for r in range(rows):
-        assert torch.equal(y[r:r + 1], gemv(x[r:r + 1], w, launch, act=act, scale=scale))
-    if act:
-        gate, up = x.double().chunk(2, dim=-1)
-        x = torch.nn.functional.silu(gate) * up
+        assert torch.equal(y[r:r + 1], gemv(x[r:r + 1], w, launch, scale=scale))
     ref = x.double() @ dense.T
     error = ((y.double() - ref).abs().max() / ref.abs().max()).item()
     assert error < 4 * TOLERANCE[torch.bfloat16], error
@@ -99,72 +95,6 @@ def test_linear_layers_take_infers_kernels_up_to_max_rows(rows, max_rows, dtype,
     wanted = [] if rows > max_rows else ["gemv"] if rows == 1 else (
         ["rows_mma"] if dtype != torch.float32 else [])
     assert calls == wanted
-
-
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k", [200, 256])  # steps of 64: the last one partial, or none
-def test_the_gated_row_is_the_activation_kernels_then_the_gemv(act, dtype, k):
-    from infer.kernels import activation
-    from infer.kernels.gemv import Launch, gemv
-
-    gen = torch.Generator().manual_seed(len(act) + k)
-    gate_up = (torch.randn(1, 2 * k, generator=gen) * 3).to(dtype).to(DEVICE)
-    w = torch.randn(24, k, generator=gen).to(dtype).to(DEVICE)
-    row = {"silu": activation.swiglu, "gelu_tanh": activation.geglu_tanh}[act](gate_up)
-    launch = Launch(8, 64, 4)
-    assert torch.equal(gemv(gate_up, w, launch, act=act), gemv(row, w, launch))
-    gate, up = gate_up.double().chunk(2, dim=-1)
-    ref = {"silu": torch.nn.functional.silu(gate),
-           "gelu_tanh": torch.nn.functional.gelu(gate, approximate="tanh")}[act] * up @ w.double().T
-    got = gemv(gate_up, w, act=act).double()
-    assert (got - ref).abs().max().item() < 2 * TOLERANCE[dtype] * ref.abs().max().item()
-
-
-@pytest.mark.parametrize(("rows", "max_rows", "dtype", "gated"), [
-    (1, 1, torch.float32, True), (2, 1, torch.float32, True), (3, 4, torch.float16, True),
-    (1, 4, torch.float16, True), (1, 4, torch.float16, False)])
-def test_a_gated_mlps_one_row_takes_one_launch_and_every_step_matches_torch(
-        rows, max_rows, dtype, gated, monkeypatch):
-    """One row: the activation inside the down projection's GEMV (unless `gated` is off).
-    More (rows_mma, or cuBLAS past `max_rows`): the activation kernel first, since inside
-    rows_mma each program would work the activation out again (the 8B down projection at
-    two rows took 58 µs that way on an H200, 31 after the activation's own launch)."""
-    import infer.kernels.activation as activation
-    from infer.models.layers import GatedMLP, set_kernel_backend
-    from infer.models.linear import set_triton_gemv
-
-    gen = torch.Generator().manual_seed(7)
-    mlp = GatedMLP(64, 96, "silu")
-    with torch.no_grad():
-        for p in mlp.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    mlp = mlp.to(DEVICE, dtype)
-    x = torch.randn(rows, 64, generator=gen).to(DEVICE, dtype)
-    ref = mlp(x).double()  # torch
-    set_kernel_backend(mlp, "triton")
-    set_triton_gemv(mlp, True, max_rows, gated)
-    calls = []
-    real = activation.gated_rows
-    monkeypatch.setattr(activation, "gated_rows", lambda *a: calls.append(1) or real(*a))
-    got = mlp(x).double()
-    assert len(calls) == (0 if rows == 1 and gated else 1)
-    assert (got - ref).abs().max().item() < 4 * TOLERANCE[dtype] * ref.abs().max().item()
-
-
-@pytest.mark.parametrize("gated", [True, False])
-def test_the_gated_activation_knob_reaches_every_16bit_layer(gated):
-    from server_fixtures import tiny_model_dir
-
-    from infer import LLM
-    from infer.models.linear import LinearBase, UnquantizedLinearMethod
-
-    llm = LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
-              kernel_backend="triton", gemv_gated_activation=gated, cuda_graphs=False)
-    methods = [m.quant_method for m in llm.engine.core.runner.model.modules()
-               if isinstance(m, LinearBase)]
-    assert methods and all(isinstance(q, UnquantizedLinearMethod) for q in methods)
-    assert all(q.gemv_gated == gated for q in methods)
 
 
 def _eight_bit_weight(n: int, k: int, dtype: torch.dtype, gen: torch.Generator):
@@ -206,34 +136,18 @@ def test_gemv_of_8bit_weights_matches_float64(wdtype, dtype, case):
     assert error < TOLERANCE[dtype], error
 
 
-@pytest.mark.parametrize("wdtype", EIGHT_BIT)
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_an_8bit_gated_row_is_the_activation_kernels_then_the_gemv(wdtype, act):
-    from infer.kernels import activation
-    from infer.kernels.gemv import Launch, gemv
-
-    k = 200
-    gen = torch.Generator().manual_seed(len(act))
-    gate_up = (torch.randn(1, 2 * k, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
-    w, scale = _eight_bit_weight(24, k, wdtype, gen)
-    w, scale = w.to(DEVICE), scale.to(DEVICE)
-    row = {"silu": activation.swiglu, "gelu_tanh": activation.geglu_tanh}[act](gate_up)
-    launch = Launch(8, 64, 4)
-    assert torch.equal(gemv(gate_up, w, launch, act=act, scale=scale),
-                       gemv(row, w, launch, scale=scale))
-
-
-@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("method", ["none", "int8", "fp8"])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_an_8bit_gated_mlp_launches_its_activation_apart(method, rows, monkeypatch):
-    """INT8 / FP8 (weight-only at decode) down projections take the activated rows from the
-    activation's own launch, one row too (unlike 16-bit weights: in the 8-bit GEMV the
-    activation cost more than its launch: docs/architecture.md). Every step matches
-    torch on the dequantized weights."""
+def test_a_gated_mlp_without_the_gate_up_activation_launches_it_apart(method, rows,
+                                                                      monkeypatch):
+    """Without `set_gate_up_activation` a gated MLP's rows, one too, take the activation's
+    own launch between infer's matmuls (16-bit: the GEMV or rows_mma; INT8 / FP8: their
+    decode kernels), and every step matches torch on the same (dequantized) weights."""
     if method == "fp8" and DEVICE != "cuda":
         pytest.skip("FP8 weights are read by the Triton kernels on CUDA only")
     import infer.kernels.activation as activation
     from infer.models.layers import GatedMLP, set_kernel_backend
+    from infer.models.linear import set_triton_gemv
     from infer.quantization.fp8 import Fp8LinearMethod
     from infer.quantization.int8 import Int8WeightOnlyLinearMethod
 
@@ -242,13 +156,17 @@ def test_an_8bit_gated_mlp_launches_its_activation_apart(method, rows, monkeypat
     with torch.no_grad():
         for p in mlp.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    mlp = mlp.to(DEVICE, torch.bfloat16)
-    quantize = {"int8": Int8WeightOnlyLinearMethod, "fp8": Fp8LinearMethod}[method]
-    for layer in (mlp.gate_up_proj, mlp.down_proj):
-        quantize().quantize(layer)
-    x = torch.randn(rows, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    # 16-bit: float16 (the interpreter's tensor-core products take no bfloat16).
+    dtype = torch.float16 if method == "none" else torch.bfloat16
+    mlp = mlp.to(DEVICE, dtype)
+    if method != "none":
+        quantize = {"int8": Int8WeightOnlyLinearMethod, "fp8": Fp8LinearMethod}[method]
+        for layer in (mlp.gate_up_proj, mlp.down_proj):
+            quantize().quantize(layer)
+    x = torch.randn(rows, 64, generator=gen).to(DEVICE, dtype)
     ref = mlp(x).double()  # torch's activation, then the same layers
     set_kernel_backend(mlp, "triton")
+    set_triton_gemv(mlp, True, 4)
     calls = []
     real = activation.gated_rows
     monkeypatch.setattr(activation, "gated_rows", lambda *a: calls.append(1) or real(*a))
@@ -305,7 +223,9 @@ def test_a_gated_mlps_gate_up_gemv_stores_the_activation(method, rows, launches_
     with torch.no_grad():
         for p in mlp.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    mlp = mlp.to(DEVICE, torch.bfloat16)
+    # 16-bit: float16 (the interpreter's tensor-core products take no bfloat16).
+    dtype = torch.float16 if method == "none" else torch.bfloat16
+    mlp = mlp.to(DEVICE, dtype)
     if method != "none":
         quantize = {"int8": Int8WeightOnlyLinearMethod, "fp8": Fp8LinearMethod}[method]
         for layer in (mlp.gate_up_proj, mlp.down_proj):
@@ -313,7 +233,7 @@ def test_a_gated_mlps_gate_up_gemv_stores_the_activation(method, rows, launches_
     set_kernel_backend(mlp, "triton")
     set_triton_gemv(mlp, True, 4)
     set_8bit_kernels(mlp, 0, False, gemv_rows=2)
-    x = torch.randn(rows, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    x = torch.randn(rows, 64, generator=gen).to(DEVICE, dtype)
     apart = mlp(x)
     set_gate_up_activation(mlp, True)
     calls = []

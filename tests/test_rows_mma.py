@@ -62,29 +62,6 @@ def test_16bit_weights_match_float64(dtype, m, n, k, splits, weight_first):
 
 
 @pytest.mark.parametrize("weight_first", [False, True])
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize(("m", "weights"), [(3, "16-bit"), (1, "int8"), (4, "int8"),
-                                            (20, "int8")])
-def test_gated_rows_are_the_activation_kernels_then_the_matmul(act, m, weights,
-                                                               weight_first):
-    from infer.kernels import activation
-    from infer.kernels.rows_mma import rows_mma
-
-    gen = torch.Generator().manual_seed(len(act) + m)
-    gate_up = (torch.randn(m, 2 * 200, generator=gen) * 3).to(torch.float16).to(DEVICE)
-    if weights == "16-bit":
-        w, scale = torch.randn(24, 200, generator=gen).to(torch.float16), None
-    else:
-        w = torch.randint(-128, 128, (24, 200), dtype=torch.int8, generator=gen)
-        scale = (torch.rand(24, generator=gen) * 0.02).to(torch.float16).to(DEVICE)
-    w = w.to(DEVICE)
-    rows = {"silu": activation.swiglu, "gelu_tanh": activation.geglu_tanh}[act](gate_up)
-    got = rows_mma(gate_up, w, scale, act=act, weight_first=weight_first)
-    want = rows_mma(rows.contiguous(), w, scale, weight_first=weight_first)
-    assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("weight_first", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("m", "n", "k", "splits"), [
     (1, 200, 300, 1), (1, 200, 512, 3), (3, 40, 256, 2), (16, 130, 384, 1), (5, 64, 1000, 4),

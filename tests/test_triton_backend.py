@@ -107,27 +107,28 @@ def test_triton_backend_matches_torch(model_dir):
 
 
 def test_one_sequence_through_the_gemv_matches_torch(model_dir, monkeypatch):
-    """Every decode step of one sequence is one row: its matmuls without a bias (and,
-    with `gemv_gated_activation`, the gated MLPs' activation with them) go through
-    kernels/gemv.py."""
+    """Every decode step of one sequence is one row: its matmuls without a bias go through
+    kernels/gemv.py, a gated MLP's gate_up projection storing its activation
+    (`gemv_gate_up`)."""
     import infer.kernels.gemv as gemv
 
     calls = []
-    real = gemv.gemv
-    monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: calls.append(kw.get("act")) or
-                        real(*a, **kw))
+    for name in ("gemv", "gemv_gate_up"):
+        real = getattr(gemv, name)
+        monkeypatch.setattr(gemv, name, lambda *a, _name=name, _real=real, **kw:
+                            calls.append(_name) or _real(*a, **kw))
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0)
     prompt = _prompts()[:1]
     outs = {}
     for backend in ("torch", "triton"):
         llm = LLM(str(model_dir), device=DEVICE, dtype="float32", cuda_graphs=False,
                   block_size=4, max_model_len=64, max_num_seqs=2, attention_backend=backend,
-                  kernel_backend=backend, triton_gemv=True, gemv_gated_activation=True)
+                  kernel_backend=backend, triton_gemv=True)
         outs[backend] = llm.generate(prompt, params, use_tqdm=False)
         assert bool(calls) == (backend == "triton"), backend
     _assert_same(outs["triton"], outs["torch"])
     if "gpt2" not in model_dir.name:  # GPT-2's projections all carry a bias
-        assert "silu" in calls or "gelu_tanh" in calls
+        assert "gemv_gate_up" in calls
 
 
 @pytest.mark.parametrize("model_dir", ATTENTION_CASES, indirect=True)

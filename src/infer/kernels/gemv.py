@@ -8,12 +8,11 @@ multiplying in registers and reducing once at the end: one launch. (Splitting K 
 programs, the last of a row block adding the parts, was tried: on an H200 it was the
 fastest launch for none of the 1B, 8B and 8B-at-TP=2 projections, `gemv_sweep_h200.json`.)
 
-With `act` ("silu" / "gelu_tanh") the row is a gated MLP's `gate_up [1, 2K]`: the kernel
-multiplies by `act(gate) * up`, rounded to x's dtype as the activation kernel stores it,
-so the product is the one `gemv(swiglu(gate_up), w)` computes, without its launch (every
-program works the activation out for the whole row). `gemv_gate_up` does it the other way
-round, in the gate_up projection's own GEMV: each program multiplies the gate and up rows
-of the same channels and stores `act(gate) * up` for them, so no work is repeated.
+`gemv_gate_up` multiplies a gated MLP's `[gate | up]` weight and stores `act(gate) * up`
+("silu" / "gelu_tanh"), without the activation's own launch: each program multiplies the
+gate and up rows of the same channels, so no program repeats another's work. (The
+activation in the down projection's GEMV instead, each program working it out for the
+whole row, lost on an H200, as did the RMSNorm in the GEMV after it: docs/performance.md.)
 
 With `scale` the weight is 8-bit (int8, or FP8 e4m3 on a GPU) standing for
 `w * scale[:, None]`, a scale per output channel: each weight is made float32 in registers
@@ -55,25 +54,18 @@ def _weights(w_rows, kk, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _row(x_ptr, kk, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
-    """x's columns kk (or act(gate) * up there, rounded to x's dtype)."""
+def _row(x_ptr, kk, K, EVEN_K: tl.constexpr):
+    """x's columns kk."""
     if EVEN_K:
-        x = tl.load(x_ptr + kk)
-        if ACT != "":
-            x = gated(x, tl.load(x_ptr + K + kk), ACT).to(x.dtype)
-    else:
-        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
-        if ACT != "":
-            x = gated(x, tl.load(x_ptr + K + kk, mask=kk < K, other=0.0), ACT).to(x.dtype)
-    return x
+        return tl.load(x_ptr + kk)
+    return tl.load(x_ptr + kk, mask=kk < K, other=0.0)
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
-    ACT: tl.constexpr, GATE_UP: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr,
-    PDL: tl.constexpr,
+    GATE_UP: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
 ):
     r = tl.arange(0, BLOCK_N)
     if GATE_UP == "":
@@ -93,15 +85,15 @@ def _gemv_kernel(
     # A second row shares each weight made float32 (two accumulators of the one-row
     # layout: a third dimension for the rows made the kernel 2-3x slower on an H200).
     w = to_float(w, PTX)
-    acc = w * _row(x_ptr, rk, K, EVEN_K, ACT).to(tl.float32)[None, :]
+    acc = w * _row(x_ptr, rk, K, EVEN_K).to(tl.float32)[None, :]
     if ROWS == 2:
-        acc_2 = w * _row(x_ptr + stride_xm, rk, K, EVEN_K, ACT).to(tl.float32)[None, :]
+        acc_2 = w * _row(x_ptr + stride_xm, rk, K, EVEN_K).to(tl.float32)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + rk
         w = to_float(_weights(w_rows, kk, K, EVEN_K), PTX)
-        acc += w * _row(x_ptr, kk, K, EVEN_K, ACT).to(tl.float32)[None, :]
+        acc += w * _row(x_ptr, kk, K, EVEN_K).to(tl.float32)[None, :]
         if ROWS == 2:
-            acc_2 += w * _row(x_ptr + stride_xm, kk, K, EVEN_K, ACT).to(tl.float32)[None, :]
+            acc_2 += w * _row(x_ptr + stride_xm, kk, K, EVEN_K).to(tl.float32)[None, :]
     _store(acc, s_ptr, y_ptr, rn, wn, N, SCALED, GATE_UP)
     if ROWS == 2:
         _store(acc_2, s_ptr, y_ptr + stride_ym, rn, wn, N, SCALED, GATE_UP)
@@ -140,14 +132,12 @@ def default_launch(n: int, k: int, weight_bytes: int = 2) -> Launch:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None = None,
-         act: str = "", scale: torch.Tensor | None = None) -> torch.Tensor:
+         scale: torch.Tensor | None = None) -> torch.Tensor:
     """`x [M, K]` (1 to MAX_ROWS rows of float16 / bfloat16 / float32, unit column stride)
     times the transpose of `weight [N, K]` (unit column stride; x's dtype, or with `scale
-    [N]` int8 / float8_e4m3fn): `[M, N]` in x's dtype. With `act`, `x` is `[M, 2K]` (gate |
-    up) and each row multiplied is `act(gate) * up`."""
-    assert act in ("", "silu", "gelu_tanh"), act
-    assert weight.shape[1] * (2 if act else 1) == x.shape[1], (weight.shape, x.shape)
-    return _launch(x, weight, launch, scale, act=act)
+    [N]` int8 / float8_e4m3fn): `[M, N]` in x's dtype."""
+    assert weight.shape[1] == x.shape[1], (weight.shape, x.shape)
+    return _launch(x, weight, launch, scale)
 
 
 def gemv_gate_up(x: torch.Tensor, weight: torch.Tensor, act: str,
@@ -160,11 +150,11 @@ def gemv_gate_up(x: torch.Tensor, weight: torch.Tensor, act: str,
     GEMV's `[M, 2I]` then `kernels/activation.py`'s `gated_rows`."""
     assert act in ("silu", "gelu_tanh"), act
     assert weight.shape[0] % 2 == 0 and weight.shape[1] == x.shape[1], (weight.shape, x.shape)
-    return _launch(x, weight, launch, scale, gate_up=act)
+    return _launch(x, weight, launch, scale, act)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
-            scale: torch.Tensor | None, act: str = "", gate_up: str = "") -> torch.Tensor:
+            scale: torch.Tensor | None, gate_up: str = "") -> torch.Tensor:
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, (x.shape,
                                                                                 x.stride())
     assert weight.dim() == 2 and weight.stride(1) == 1, (weight.shape, weight.stride())
@@ -185,8 +175,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
     _gemv_kernel[(triton.cdiv(n, channels),)](
         x, weight, weight if scale is None else scale, y, n, k, x.stride(0),
         weight.stride(0), y.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, ROWS=m, EVEN_K=k % block_k == 0, ACT=act,
-        GATE_UP=gate_up, SCALED=scale is not None, PTX=gpu_compiled(x.device),
-        num_warps=num_warps, **dependent_launch.launch_options(),
+        BLOCK_N=block_n, BLOCK_K=block_k, ROWS=m, EVEN_K=k % block_k == 0, GATE_UP=gate_up,
+        SCALED=scale is not None, PTX=gpu_compiled(x.device), num_warps=num_warps,
+        **dependent_launch.launch_options(),
     )
     return y

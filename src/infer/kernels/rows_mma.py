@@ -1,9 +1,7 @@
 """A few rows times a weight on tensor cores: `y [M, N] = x [M, K] @ W^T` for M up to 64,
 float32 accumulation, W either 16-bit (x's dtype) or 8-bit (int8, or FP8 e4m3 on a GPU)
 with `W = w * scale[:, None]`, a scale per output channel or per tile of the weight (as
-block-wise FP8 checkpoints store it: each K step's sums scaled by its tile's). With `act`,
-x is a gated MLP's `gate_up [M, 2K]` and each row multiplied is `act(gate) * up`, rounded
-to x's dtype as the activation kernel stores it.
+block-wise FP8 checkpoints store it: each K step's sums scaled by its tile's).
 
 Decode's matmuls read each weight once per step. On the CUDA cores that costs instructions
 for every weight: the one-row GEMV (`gemv.py`) issues 1.7 a weight byte, the W8A16 kernel
@@ -43,7 +41,6 @@ import triton
 import triton.language as tl
 
 from infer.kernels import dependent_launch, gpu_compiled, launch_counters, sm_count
-from infer.kernels.activation import gated
 from infer.kernels.gemv import _row, _weights
 from infer.kernels.split_k import k_slice, sum_of_parts
 from infer.kernels.weight_cast import to_float
@@ -80,25 +77,20 @@ def _int8_to_f16_ptx(w):
 
 
 @triton.jit
-def _x_rows(x_ptr, stride_xm, M, kk, K, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-            ACT: tl.constexpr):
-    """x's columns kk, [BLOCK_M, len(kk)] (rows past M and columns past K: 0), or
-    act(gate) * up there, in x's dtype."""
+def _x_rows(x_ptr, stride_xm, M, kk, K, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """x's columns kk, [BLOCK_M, len(kk)] (rows past M and columns past K: 0)."""
     rm = tl.arange(0, BLOCK_M)
     mask = rm[:, None] < M
     if not EVEN_K:
         mask = mask & (kk[None, :] < K)
     at = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :]
-    x = tl.load(at, mask=mask, other=0.0)
-    if ACT != "":
-        x = gated(x, tl.load(at + K, mask=mask, other=0.0), ACT).to(x.dtype)
-    return x
+    return tl.load(at, mask=mask, other=0.0)
 
 
 @triton.jit
 def _cuda_core_rows(x_ptr, w_rows, s_row, stride_xm, M, k_begin, k_end, K,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr,
-                    SCALE_COLS: tl.constexpr, ACT: tl.constexpr, PTX: tl.constexpr):
+                    SCALE_COLS: tl.constexpr, PTX: tl.constexpr):
     """The same [BLOCK_M, BLOCK_N] sums over K in [k_begin, k_end), x and the weights as
     float32, one row at a time, in short K steps (few registers: the overflow path); with
     tile scales (`s_row`: the program's row of them), each step's weights scaled."""
@@ -112,7 +104,7 @@ def _cuda_core_rows(x_ptr, w_rows, s_row, stride_xm, M, k_begin, k_end, K,
             w = to_float(tl.load(w_rows + kk[None, :], mask=kk[None, :] < K, other=0.0), PTX)
             if SCALE_COLS > 0:
                 w *= tl.load(s_row + k0 // SCALE_COLS)
-            x = _row(x_ptr + r * stride_xm, kk, K, False, ACT).to(tl.float32)
+            x = _row(x_ptr + r * stride_xm, kk, K, False).to(tl.float32)
             part += w * x[None, :]
         acc = tl.where(rm[:, None] == r, tl.sum(part, axis=1)[None, :], acc)
     return acc
@@ -136,7 +128,7 @@ def _rows_mma_kernel(
     M, N, K, stride_xm, stride_wn, stride_ym, stride_sn, steps_per_split, splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-    EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr, ACT: tl.constexpr, PTX: tl.constexpr,
+    EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr, PTX: tl.constexpr,
     FP8_X: tl.constexpr, W_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     """SCALE: the weight is 8-bit, scaled per channel (SCALE_COLS 0) or per tile; else it
@@ -171,16 +163,16 @@ def _rows_mma_kernel(
         kk = k0 + rk
         w = _weights(w_rows, kk, K, EVEN_K)
         if FP8_X:  # bytes, zeros past the rows
-            x = _x_rows(x_ptr, stride_xm, M, kk, K, EVEN_K, BLOCK_M, ACT)
+            x = _x_rows(x_ptr, stride_xm, M, kk, K, EVEN_K, BLOCK_M)
             x = x.to(tl.float8e4nv, bitcast=True)
         elif ONE_ROW:  # one vector, broadcast: loaded and converted once, not per padded row
-            x1 = _row(x_ptr, kk, K, EVEN_K, ACT)
+            x1 = _row(x_ptr, kk, K, EVEN_K)
             if SCALE:
                 x_max = tl.maximum(x_max, tl.abs(x1.to(tl.float32)))
                 x1 = x1.to(tl.float16)
             x = tl.where(rm[:, None] == 0, x1[None, :], 0.0).to(x1.dtype)
         else:
-            x = _x_rows(x_ptr, stride_xm, M, kk, K, EVEN_K, BLOCK_M, ACT)
+            x = _x_rows(x_ptr, stride_xm, M, kk, K, EVEN_K, BLOCK_M)
             if SCALE:
                 x_max = tl.maximum(x_max, tl.abs(x.to(tl.float32)))
                 x = x.to(tl.float16)
@@ -204,7 +196,7 @@ def _rows_mma_kernel(
     if SCALE and not FP8_X:  # noqa: SIM102 (constexpr; the test below runs)
         if tl.max(x_max) > F16_MAX:  # an |x| overflowed float16: this part again, in float32
             acc = _cuda_core_rows(x_ptr, w_rows, s_row, stride_xm, M, k_begin, k_end, K,
-                                  BLOCK_M, BLOCK_N, 32, SCALE_COLS, ACT, PTX)
+                                  BLOCK_M, BLOCK_N, 32, SCALE_COLS, PTX)
     y_rows = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if splits == 1:
@@ -296,7 +288,7 @@ def takes(scale_block: tuple[int, int] | None, block_n: int = BLOCK_N,
 
 
 def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-             scale_block: tuple[int, int] | None = None, act: str = "", *,
+             scale_block: tuple[int, int] | None = None, *,
              x_scale: torch.Tensor | None = None, block_n: int = BLOCK_N,
              block_k: int = BLOCK_K,
              splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
@@ -304,9 +296,8 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
     """`x [M, K]` (M <= MAX_ROWS; float16 / bfloat16, unit column stride) times the
     transpose of `weight [N, K]` (contiguous): x's dtype, unscaled (`scale` None), or int8 /
     float8_e4m3fn scaled by `scale [N]`, or with `scale_block = (rows, cols)` (`takes` it)
-    by one float32 scale per tile, `scale [ceil(N / rows), ceil(K / cols)]`. With `act`
-    ("silu" / "gelu_tanh"), `x` is `[M, 2K]` (gate | up) and each row multiplied is
-    `act(gate) * up`. `[M, N]` in x's dtype. With `x_scale [M]` (float32; FP8 weights
+    by one float32 scale per tile, `scale [ceil(N / rows), ceil(K / cols)]`: `[M, N]` in x's
+    dtype. With `x_scale [M]` (float32; FP8 weights
     scaled per channel, on a GPU): x is float8_e4m3fn, `x * x_scale[:, None]` the rows (as
     `fp8_quant.fp8_quantize_rows` gives them), multiplied FP8 by FP8; `out_dtype` (16-bit)
     then names y's dtype. `weight_first`: the weight tile is the MMA's first operand (as
@@ -316,9 +307,8 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
     assert x.shape[0] == 1 or x.stride(0) >= x.shape[1], x.stride()
     assert x.dtype == torch.float8_e4m3fn if fp8_x else x.dtype in (torch.float16,
                                                                     torch.bfloat16), x.dtype
-    assert act in ("", "silu", "gelu_tanh"), act
     assert weight.dim() == 2 and weight.is_contiguous()
-    assert weight.shape[1] * (2 if act else 1) == x.shape[1], (weight.shape, x.shape)
+    assert weight.shape[1] == x.shape[1], (weight.shape, x.shape)
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     scale_rows, scale_cols = scale_block or (0, 0)
     if scale is None:
@@ -334,7 +324,7 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
             assert scale.stride(1) == 1
     if fp8_x:
         assert weight.dtype == torch.float8_e4m3fn and scale_block is None, weight.dtype
-        assert not act and x_scale.shape == (m,) and x_scale.dtype == torch.float32
+        assert x_scale.shape == (m,) and x_scale.dtype == torch.float32
         assert out_dtype in (torch.float16, torch.bfloat16), out_dtype
         x = x.view(torch.int8)  # its bytes: loads with zeros past the rows
     y = torch.empty((m, n), dtype=out_dtype if fp8_x else x.dtype, device=x.device)
@@ -354,7 +344,7 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
         1 if scale is None else scale.stride(0), per_split, splits,
         BLOCK_M=block_rows(m), BLOCK_N=block_n, BLOCK_K=block_k,
         SCALE=scale is not None, SCALE_ROWS=scale_rows or 1, SCALE_COLS=scale_cols,
-        EVEN_K=k % block_k == 0, ONE_ROW=m == 1 and not fp8_x, ACT=act,
+        EVEN_K=k % block_k == 0, ONE_ROW=m == 1 and not fp8_x,
         PTX=gpu_compiled(x.device), FP8_X=fp8_x,
         W_FIRST=weight_first or fp8_x,
         num_warps=num_warps, num_stages=num_stages, **dependent_launch.launch_options(),

@@ -78,7 +78,6 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def __init__(self) -> None:
         self.gemv_rows = 0
-        self.gemv_gated = False
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_sizes: list[int],
@@ -89,18 +88,6 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return matmul(x, layer.weight, bias, self.gemv_rows)
-
-    def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor, act: str,
-                    bias: torch.Tensor | None) -> torch.Tensor | None:
-        """One row in infer's GEMV (kernels/gemv.py) where `layer`'s one-row matmuls go
-        there and `gemv_gated` (`set_triton_gemv`; a layer with a bias never). Not more
-        rows: each of rows_mma's programs would work out the activation of its K slice of
-        every row again, and on an H200 the 8B down projection took 58 µs at two rows that
-        way against 31 after the activation's own launch (~2 µs)."""
-        if not (self.gemv_gated
-                and _gemv_takes(gate_up, layer.weight, layer.bias, min(self.gemv_rows, 1))):
-            return None
-        return _gemv(gate_up, layer.weight, act)
 
     def apply_gate_up(self, layer: nn.Module, x: torch.Tensor, act: str,
                       bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -134,7 +121,7 @@ def _gemv_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                                and weight.is_contiguous())))
 
 
-def _gemv(x: torch.Tensor, weight: torch.Tensor, act: str = "") -> torch.Tensor:
+def _gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The rows of `x` (any leading shape) times `weight`, the result shaped alike: one row
     through kernels/gemv.py (CUDA cores), more through kernels/rows_mma.py (tensor cores:
     on the CUDA cores several rows cost more instructions a weight byte than the SMs issue
@@ -143,26 +130,22 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, act: str = "") -> torch.Tensor:
     if len(rows) == 1:
         from infer.kernels import gemv
 
-        y = gemv.gemv(rows.contiguous(), weight, act=act)
+        y = gemv.gemv(rows.contiguous(), weight)
     else:
         from infer.kernels import rows_mma
 
         y = rows_mma.rows_mma(rows if rows.stride(-1) == 1 else rows.contiguous(), weight,
-                              act=act, **rows_mma.engine_launch(*weight.shape, x.device))
+                              **rows_mma.engine_launch(*weight.shape, x.device))
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1, gated: bool = False
-                    ) -> None:
+def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1) -> None:
     """Matmuls of up to `max_rows` rows by `model`'s plain 16-bit weights (projections, LM
-    head) through infer's Triton GEMV (`on`) or cuBLAS; a gated MLP's one row with its
-    activation inside the down projection's GEMV (`gated`) or after the activation's own
-    launch."""
+    head) through infer's Triton kernels (`on`) or cuBLAS."""
     rows = max_rows if on else 0
     for m in model.modules():
         if isinstance(m, LinearBase) and isinstance(m.quant_method, UnquantizedLinearMethod):
             m.quant_method.gemv_rows = rows
-            m.quant_method.gemv_gated = gated
         elif isinstance(m, ParallelLMHead):
             m.gemv_rows = rows
 
