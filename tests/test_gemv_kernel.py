@@ -145,31 +145,16 @@ def test_a_gated_mlp_without_the_gate_up_activation_launches_it_apart(method, ro
     decode kernels), and every step matches torch on the same (dequantized) weights."""
     if method == "fp8" and DEVICE != "cuda":
         pytest.skip("FP8 weights are read by the Triton kernels on CUDA only")
-    import infer.kernels.activation as activation
-    from infer.models.layers import GatedMLP, set_kernel_backend
+    from infer.models.layers import set_kernel_backend
     from infer.models.linear import set_triton_gemv
-    from infer.quantization.fp8 import Fp8LinearMethod
-    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
 
     gen = torch.Generator().manual_seed(rows)
-    mlp = GatedMLP(64, 96, "silu")
-    with torch.no_grad():
-        for p in mlp.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    # 16-bit: float16 (the interpreter's tensor-core products take no bfloat16).
-    dtype = torch.float16 if method == "none" else torch.bfloat16
-    mlp = mlp.to(DEVICE, dtype)
-    if method != "none":
-        quantize = {"int8": Int8WeightOnlyLinearMethod, "fp8": Fp8LinearMethod}[method]
-        for layer in (mlp.gate_up_proj, mlp.down_proj):
-            quantize().quantize(layer)
+    mlp, dtype = _gated_mlp(method, 96, gen, 0.2)
     x = torch.randn(rows, 64, generator=gen).to(DEVICE, dtype)
     ref = mlp(x).double()  # torch's activation, then the same layers
     set_kernel_backend(mlp, "triton")
     set_triton_gemv(mlp, True, 4)
-    calls = []
-    real = activation.gated_rows
-    monkeypatch.setattr(activation, "gated_rows", lambda *a: calls.append(1) or real(*a))
+    calls = _count_activation_launches(monkeypatch)
     got = mlp(x).double()
     assert len(calls) == 1
     assert (got - ref).abs().max().item() < 4 * TOLERANCE[torch.bfloat16] * ref.abs().max().item()
@@ -212,36 +197,52 @@ def test_a_gated_mlps_gate_up_gemv_stores_the_activation(method, rows, launches_
     the activation's own launch; other steps launch it as before."""
     if method != "none" and DEVICE != "cuda":
         pytest.skip("8-bit layers read their weights through the GEMV on CUDA only")
-    import infer.kernels.activation as activation
-    from infer.models.layers import GatedMLP, set_gate_up_activation, set_kernel_backend
+    from infer.models.layers import set_gate_up_activation, set_kernel_backend
     from infer.models.linear import set_8bit_kernels, set_triton_gemv
-    from infer.quantization.fp8 import Fp8LinearMethod
-    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
 
     gen = torch.Generator().manual_seed(70 + rows)
-    mlp = GatedMLP(64, 96 if method == "none" else 4096, "silu")
-    with torch.no_grad():
-        for p in mlp.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    # 16-bit: float16 (the interpreter's tensor-core products take no bfloat16).
-    dtype = torch.float16 if method == "none" else torch.bfloat16
-    mlp = mlp.to(DEVICE, dtype)
-    if method != "none":
-        quantize = {"int8": Int8WeightOnlyLinearMethod, "fp8": Fp8LinearMethod}[method]
-        for layer in (mlp.gate_up_proj, mlp.down_proj):
-            quantize().quantize(layer)
+    mlp, dtype = _gated_mlp(method, 96 if method == "none" else 4096, gen, 0.1)
     set_kernel_backend(mlp, "triton")
     set_triton_gemv(mlp, True, 4)
     set_8bit_kernels(mlp, 0, False, gemv_rows=2)
     x = torch.randn(rows, 64, generator=gen).to(DEVICE, dtype)
     apart = mlp(x)
     set_gate_up_activation(mlp, True)
-    calls = []
-    real = activation.gated_rows
-    monkeypatch.setattr(activation, "gated_rows", lambda *a: calls.append(1) or real(*a))
+    calls = _count_activation_launches(monkeypatch)
     got = mlp(x)
     assert len(calls) == int(launches_activation)
     assert torch.equal(got, apart)
+
+
+def _gated_mlp(method: str, inter: int, gen: torch.Generator, spread: float):
+    """(A 64 -> `inter` -> 64 SiLU-gated MLP on DEVICE with random weights times `spread`,
+    its dtype): 16-bit ("none": float16, as the interpreter's tensor-core products take no
+    bfloat16), or bfloat16 made INT8 / FP8 ("int8", "fp8")."""
+    from infer.models.layers import GatedMLP
+    from infer.quantization.fp8 import Fp8LinearMethod
+    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
+
+    mlp = GatedMLP(64, inter, "silu")
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * spread)
+    dtype = torch.float16 if method == "none" else torch.bfloat16
+    mlp = mlp.to(DEVICE, dtype)
+    if method != "none":
+        quantize = {"int8": Int8WeightOnlyLinearMethod, "fp8": Fp8LinearMethod}[method]
+        for layer in (mlp.gate_up_proj, mlp.down_proj):
+            quantize().quantize(layer)
+    return mlp, dtype
+
+
+def _count_activation_launches(monkeypatch) -> list:
+    """A list that gets an item for each launch of the activation kernel from now on."""
+    import infer.kernels.activation as activation
+
+    calls = []
+    real = activation.gated_rows
+    monkeypatch.setattr(activation, "gated_rows", lambda *a: calls.append(1) or real(*a))
+    return calls
 
 
 def test_the_gate_up_activation_knob_keeps_a_models_tokens_and_logprobs(monkeypatch):
@@ -249,13 +250,10 @@ def test_the_gate_up_activation_knob_keeps_a_models_tokens_and_logprobs(monkeypa
     steps launch no activation; greedy tokens and logprobs are those with it off."""
     from server_fixtures import tiny_model_dir
 
-    import infer.kernels.activation as activation
     from infer import LLM, SamplingParams
     from infer.models.layers import GatedMLP
 
-    calls = []
-    real = activation.gated_rows
-    monkeypatch.setattr(activation, "gated_rows", lambda *a: calls.append(1) or real(*a))
+    calls = _count_activation_launches(monkeypatch)
     params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=2)
     outs = {}
     for on in (True, False):
