@@ -122,6 +122,8 @@ def main() -> None:
         raise SystemExit(f"--gemv: 1 to {gemv_kernel.MAX_ROWS} rows")
     if eight_bit and not through_gemv:
         raise SystemExit("--dtype int8 / float8_e4m3fn: one row, or --gemv")
+    if args.gate_up and not through_gemv:
+        raise SystemExit("--gate-up: one row, or --gemv (gemv_gate_up is the GEMV's)")
 
     def run(x: torch.Tensor, weight: torch.Tensor, launch: dict,
             scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -160,25 +162,26 @@ def main() -> None:
         for shape, n, k in SHAPES[model]:
             if args.gate_up and shape != "gate_up":
                 continue
-            row = x = torch.randn(args.rows, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(args.rows, k, device="cuda", dtype=torch.bfloat16)
             w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                    for _ in range(max(1, -(-3 * L2_BYTES // (2 * n * k))))]
-            cublas_us = time_cycled(F.linear, row, w16, replays=10)
+            cublas_us = time_cycled(F.linear, x, w16, replays=10)
             scale = None
             if eight_bit:
                 del w16
                 weights = [torch.randint(-100, 100, (n, k), device="cuda", dtype=torch.int8)
                            .to(wdtype) for _ in range(max(1, -(-3 * L2_BYTES // (n * k))))]
                 scale = torch.rand(n, device="cuda") * 1e-3 + 1e-4
-                expected = F.linear(row, (weights[0].float() * scale[:, None]).to(x.dtype))
+                expected = F.linear(x, (weights[0].float() * scale[:, None]).to(x.dtype))
             else:
                 weights = w16
-                expected = F.linear(row, weights[0])
+                expected = F.linear(x, weights[0])
             expected = expected.float()
             # What `run` stores: the activation of the product, with --gate-up.
             run_expected = (F.silu(expected[:, :n // 2]) * expected[:, n // 2:]
                             if args.gate_up else expected)
-            moved = (weights[0].nbytes + 2 * args.rows * (x.shape[1] + n)
+            stored = n // 2 if args.gate_up else n  # output columns
+            moved = (weights[0].nbytes + 2 * args.rows * (x.shape[1] + stored)
                      + (0 if scale is None else scale.nbytes))
 
             def frac(us: float, moved: int = moved) -> float:
@@ -194,14 +197,14 @@ def main() -> None:
             default_us = timed(default)
             dependent_launch.set_enabled(True)  # each call's launch under the one before
             pdl_us = timed(default)
-            w8a16_us = (checked_us(partial(w8a16_one_row, scale=scale), row, weights, expected)
+            w8a16_us = (checked_us(partial(w8a16_one_row, scale=scale), x, weights, expected)
                         if eight_bit and args.rows == 1 else None)
-            before_us = (checked_us(partial(before_gemv, scale=scale), row, weights, expected)
+            before_us = (checked_us(partial(before_gemv, scale=scale), x, weights, expected)
                          if args.gemv and args.rows > 1 else None)
             dependent_launch.set_enabled(False)
             mma_us = w_first_us = None
             if args.rows == 1:  # the tensor-core kernel's, for comparison
-                mma_us = checked_us(partial(rows_mma, scale=scale), row, weights, expected)
+                mma_us = checked_us(partial(rows_mma, scale=scale), x, weights, expected)
             elif not args.gemv:  # the weight as the first operand, in the engine's tiles
                 w_first_us = timed(weight_first_launch(n, k, x.device))
             best, best_us = default, default_us

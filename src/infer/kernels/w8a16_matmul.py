@@ -134,6 +134,7 @@ def gate_up_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act
 
     return gemv_gate_up(x, weight, act, scale)
 
+
 def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                  scale_block: tuple[int, int] | None = None,
                  tensor_core_rows: int = 0, gemv_rows: int = 0) -> torch.Tensor:

@@ -303,7 +303,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             tuple(range(len(output_sizes))), quant_method, tp,
         )
 
-
     def forward_gate_up(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
         """`act(gate) * up` of `forward(x)` (shards gate, up) where the weight's method
         stores it from the matmul's own launch (`apply_gate_up`); None where it does not."""
