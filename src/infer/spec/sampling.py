@@ -18,6 +18,7 @@ from infer.engine.sampler import (
     filter_logits,
     raw_logprobs,
 )
+from infer.kernels import triton_available
 from infer.spec.rejection import Verified, verify, verify_greedy
 from infer.transfer import to_device
 
@@ -42,7 +43,12 @@ def verify_drafts(logits: torch.Tensor, batch: SamplingBatch, counts: list[int],
             draft_ids[i, :len(ids)] = ids
     num_drafts = to_device(torch.tensor([len(d) for d in drafts]), device)
     if all(greedy):  # a draft's verdict needs only the argmax
-        return verify_greedy(argmax(x)[index].view(b, k + 1), draft_ids, num_drafts)
+        best = argmax(x)
+        if best.is_cuda and triton_available():
+            from infer.kernels.greedy_verdict import greedy_verdict
+
+            return Verified(*greedy_verdict(best, index, draft_ids, num_drafts))
+        return verify_greedy(best[index].view(b, k + 1), draft_ids, num_drafts)
     probs = (x if batch.all_greedy else filter_logits(x, batch)).softmax(dim=-1)
     target = probs[index].view(b, k + 1, v)
     uniforms = torch.rand(b, k, device=device)
