@@ -192,7 +192,7 @@ def main() -> None:
                 return checked_us(partial(run, launch=launch, scale=scale), x, weights,
                                   expected)
 
-            default = (default_launch(n, k, weights[0].element_size())._asdict()
+            default = (default_launch(n, k, weights[0].element_size(), x.shape[0])._asdict()
                        if through_gemv else {})
             default_us = timed(default)
             dependent_launch.set_enabled(True)  # each call's launch under the one before

@@ -48,9 +48,9 @@ def test_gemv_matches_float64(dtype, case):
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, *EIGHT_BIT])
 @pytest.mark.parametrize("case", [0, 1, 4, 5])
 def test_two_rows_are_each_the_one_row_product(case, wdtype):
-    """Each row of a two-row launch: bit for bit the row's own one-row launch (the same
-    float32 sums in the same order), and float64's product."""
-    from infer.kernels.gemv import gemv
+    """Each row of a two-row launch: bit for bit the row's own one-row launch of the same
+    tiles (the same float32 sums in the same order), and float64's product."""
+    from infer.kernels.gemv import default_launch, gemv
 
     n, k, launch = launches()[case]
     rows = 2
@@ -58,6 +58,7 @@ def test_two_rows_are_each_the_one_row_product(case, wdtype):
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).to(DEVICE)
     w, scale, dense = _weight_on_device(n, k, wdtype, gen)
     y = gemv(x, w, launch, scale=scale)
+    launch = launch or default_launch(n, k, w.element_size(), rows)
     assert y.shape == (rows, n) and y.dtype == x.dtype
     for r in range(rows):
         assert torch.equal(y[r:r + 1], gemv(x[r:r + 1], w, launch, scale=scale))

@@ -114,14 +114,21 @@ def _store(acc, s_ptr, y_ptr, rn, wn, N, SCALED: tl.constexpr, GATE_UP: tl.const
     tl.store(y_ptr + rn, y, mask=rn < N)
 
 
-def default_launch(n: int, k: int, weight_bytes: int = 2) -> Launch:
-    """The launch for an `[n, k]` weight of `weight_bytes`-byte elements, from
-    `benchmarks/gemv_sweep.py` on an H200 over the 1B and 8B projections (and 8B-at-TP=2 for
-    16-bit weights). 16-bit (`gemv_sweep_h200.json`): the best single rule, within 1.14x of
-    each shape's fastest launch, 1.7 % slower than those over all fifteen (cuBLAS: 8.5 %).
-    8-bit (`gemv_sweep_h200_s41_{int8,fp8}.json`): 16 channels a program on layers wide
-    enough for 384 of them, 4 on narrower ones (more programs for the SMs); 0.5-0.7 % slower
-    than each shape's fastest over all ten, within 1.17x of each."""
+def default_launch(n: int, k: int, weight_bytes: int = 2, rows: int = 1) -> Launch:
+    """The launch for `rows` rows times an `[n, k]` weight of `weight_bytes`-byte elements,
+    from `benchmarks/gemv_sweep.py` on an H200 over the 1B and 8B projections (and
+    8B-at-TP=2 for 16-bit weights). 16-bit (`gemv_sweep_h200.json`): the best single rule,
+    within 1.14x of each shape's fastest launch, 1.7 % slower than those over all fifteen
+    (cuBLAS: 8.5 %). 8-bit (`gemv_sweep_h200_s41_{int8,fp8}.json`): 16 channels a program
+    on layers wide enough for 384 of them, 4 on narrower ones (more programs for the SMs);
+    0.5-0.7 % slower than each shape's fastest over all ten, within 1.17x of each. Two rows
+    of 8-bit weights (the layers `w8a16_matmul.gemv_takes` sends here, narrow ones; INT8,
+    `gemv_sweep_h200_s45b_gemv2_int8.json`): shorter K steps, the one-row launch's
+    2048 costing the 1B qkv / o / down 7.4 / 5.6 / 11.1 µs against 5.6 / 4.7 / 11.0."""
+    if weight_bytes == 1 and rows == 2:
+        if n >= 3072:
+            return Launch(block_n=4, block_k=512, num_warps=4)
+        return Launch(block_n=4, block_k=1024, num_warps=8)
     if weight_bytes == 1:
         if n >= 6144:
             return Launch(block_n=16, block_k=512, num_warps=8)
@@ -165,7 +172,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
         assert scale.shape == weight.shape[:1] and scale.is_contiguous(), scale.shape
     m = x.shape[0]
     rows, k = weight.shape
-    block_n, block_k, num_warps = launch or default_launch(rows, k, weight.element_size())
+    block_n, block_k, num_warps = launch or default_launch(rows, k, weight.element_size(), m)
     n = rows // 2 if gate_up else rows
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0 or k == 0:
