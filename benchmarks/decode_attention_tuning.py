@@ -4,11 +4,14 @@ the copy bandwidth measured in the same run) per setting; the first row is the d
 Launched as the engine's graphs launch it: the splits combined by the last of them
 (`split_counters`); a verify step's case brings k + 1 = 5 tokens a sequence.
 
-    PYTHONPATH=src python benchmarks/decode_attention_tuning.py [out.json]
+    PYTHONPATH=src python benchmarks/decode_attention_tuning.py [out.json] [--cases b1 ...]
+
+`--cases`: only the cases whose name contains one of these words.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import sys
@@ -29,7 +32,10 @@ CASES = [  # name, batch, context (or a (low, high) range to draw from), heads, 
     ("qwen3-0.6b b256 ctx U[100,2000]", 256, (100, 2000), 16, 8, 128, 1),
     ("llama-3.1-8b b1 ctx 256", 1, 256, 32, 8, 128, 1),
     ("llama-3.1-8b verify k=4 b1 ctx 256", 1, 256, 32, 8, 128, 5),
+    ("llama-3.1-8b verify k=4 b1 ctx 1024", 1, 1024, 32, 8, 128, 5),
     ("llama-3.2-1b b1 ctx 256", 1, 256, 32, 8, 64, 1),
+    # a draft model's first forward of a round queued behind its verify step
+    ("llama-3.2-1b 2 tokens b1 ctx 256", 1, 256, 32, 8, 64, 2),
     ("llama-3.1-8b b32 ctx 2048", 32, 2048, 32, 8, 128, 1),
 ]
 SETTINGS = [(None, None, None), *itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4))]
@@ -37,11 +43,17 @@ SPLITS = (1, 2, 4, 8)  # tried at the default launch besides the policy's own
 
 
 def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out", nargs="?", type=Path,
+                   default=Path(__file__).parent / "results" / "decode_attention_tuning.json")
+    p.add_argument("--cases", nargs="+", default=None)
+    opts = p.parse_args()
+    cases = [c for c in CASES if opts.cases is None or any(w in c[0] for w in opts.cases)]
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
     rows = []
     gen = torch.Generator().manual_seed(0)
-    for name, batch, ctx, heads, kvh, d, qlen in CASES:
+    for name, batch, ctx, heads, kvh, d, qlen in cases:
         lens = (torch.randint(ctx[0], ctx[1] + 1, (batch,), generator=gen).tolist()
                 if isinstance(ctx, tuple) else [ctx] * batch)
         meta, kc, vc = paged_setup([qlen] * batch, lens, kvh, d)
@@ -68,13 +80,12 @@ def main() -> None:
             rows.append(dict(case=name, splits=n_splits, block_n=block_n, num_warps=warps,
                              num_stages=stages, us=ms * 1e3, GBps=nbytes / ms / 1e6,
                              frac_copy=nbytes / ms / 1e6 / copy_gbs, max_err=err))
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else (
-        Path(__file__).parent / "results" / "decode_attention_tuning.json")
+    out = opts.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_GBps=copy_gbs,
                                    rows=rows), indent=2))
     print(f"copy bandwidth {copy_gbs:.0f} GB/s; best 5 settings per case (first: default)")
-    for name, *_ in CASES:
+    for name, *_ in cases:
         case = [r for r in rows if r["case"] == name]
         if not case:
             continue

@@ -141,11 +141,14 @@ def round_profile(llm, timed: TimedDrafter, rng, vocab: int, prompt_len: int,
                      for name, (c, t) in top])
 
 
-def step_profile(llm, rng, vocab: int, prompt_len: int, new_tokens: int) -> dict:
+def step_profile(llm, rng, vocab: int, prompt_len: int, new_tokens: int,
+                 timeline_ms: float = 0.0) -> dict:
     """Where a decode step's time goes on the GPU: one run of `new_tokens` under the
     profiler, from its first kernel to its last; per step the wall time, the time some
     kernel ran (overlapping kernels counted once), the idle rest, the kernels that took
-    most of it, and the idle time by the pair of kernels around it."""
+    most of it, and the idle time by the pair of kernels around it. `timeline_ms`: also
+    every kernel of that long a stretch from the middle of the run, as [start µs from the
+    stretch's first, duration µs, name]."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -186,10 +189,16 @@ def step_profile(llm, rng, vocab: int, prompt_len: int, new_tokens: int) -> dict
         return [dict(name=name[:90], per_step=c / steps, ms_per_step=t / steps / 1e3)
                 for name, (c, t) in sorted(table.items(), key=lambda kv: -kv[1][1])[:16]]
 
-    return dict(steps=steps, wall_ms=wall / steps / 1e3, gpu_busy_ms=busy / steps / 1e3,
-                idle_ms=(wall - busy) / steps / 1e3,
-                kernels_per_step=sum(c for c, _ in kernels.values()) / steps,
-                top=per_step(kernels), idle=per_step(gaps))
+    result = dict(steps=steps, wall_ms=wall / steps / 1e3, gpu_busy_ms=busy / steps / 1e3,
+                  idle_ms=(wall - busy) / steps / 1e3,
+                  kernels_per_step=sum(c for c, _ in kernels.values()) / steps,
+                  top=per_step(kernels), idle=per_step(gaps))
+    if timeline_ms and spans:
+        first = (spans[0][0] + reach) / 2
+        window = [s for s in spans if first <= s[0] < first + timeline_ms * 1e3]
+        result["timeline"] = [[round(start - window[0][0], 2), round(end - start, 2), name[:60]]
+                              for start, end, name in window]
+    return result
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -246,6 +255,9 @@ def main() -> None:
     p.add_argument("--profile-steps", action="store_true",
                    help="also profile whole steps (torch.profiler): the plain target's, the "
                    "fixed drafts' verify and the engine's own drafted step, at k = --k-e2e")
+    p.add_argument("--timeline-ms", type=float, default=0.0,
+                   help="with --profile-steps: also every kernel of that many ms from the "
+                        "middle of each profiled run")
     p.add_argument("--k-e2e", type=int, default=4)
     p.add_argument("--skip-own-draft", action="store_true",
                    help="skip the end-to-end run with the target as its own draft")
@@ -276,7 +288,8 @@ def main() -> None:
     print(f"[plain] target decode {t1:.3f} ms/step", flush=True)
     step_profiles = {}
     if args.profile_steps:
-        step_profiles["plain"] = step_profile(llm, rng, vocab, prompt_len, new_tokens)
+        step_profiles["plain"] = step_profile(llm, rng, vocab, prompt_len, new_tokens,
+                                              args.timeline_ms)
     del llm
 
     rows, profiles = [], {}
@@ -319,11 +332,11 @@ def main() -> None:
         if args.profile_steps:
             core.drafter = FixedDrafter(args.k_e2e)
             step_profiles[f"verify k={args.k_e2e}"] = step_profile(
-                llm, rng, vocab, prompt_len, new_tokens)
+                llm, rng, vocab, prompt_len, new_tokens, args.timeline_ms)
             model_drafter.k = args.k_e2e
             core.drafter = model_drafter
             step_profiles[f"{label} drafted k={args.k_e2e}"] = step_profile(
-                llm, rng, vocab, prompt_len, new_tokens)
+                llm, rng, vocab, prompt_len, new_tokens, args.timeline_ms)
             result["step_profiles"] = step_profiles
             common.write_results("spec_cost", args, result)
         if args.profile_round:
