@@ -122,9 +122,10 @@ def default_launch(n: int, k: int, weight_bytes: int = 2, rows: int = 1) -> Laun
     (cuBLAS: 8.5 %). 8-bit (`gemv_sweep_h200_s41_{int8,fp8}.json`): 16 channels a program
     on layers wide enough for 384 of them, 4 on narrower ones (more programs for the SMs);
     0.5-0.7 % slower than each shape's fastest over all ten, within 1.17x of each. Two rows
-    of 8-bit weights (the layers `w8a16_matmul.gemv_takes` sends here, narrow ones; INT8,
-    `gemv_sweep_h200_s45b_gemv2_int8.json`): shorter K steps, the one-row launch's
-    2048 costing the 1B qkv / o / down 7.4 / 5.6 / 11.1 µs against 5.6 / 4.7 / 11.0."""
+    of 8-bit weights (the layers `w8a16_matmul.gemv_takes` sends here, narrow ones):
+    shorter K steps, the one-row launch's 2048 costing the 1B qkv / o / down 7.4 / 5.6 /
+    11.1 µs against 5.6 / 4.7 / 11.0 for INT8 (`gemv_sweep_h200_s45b_gemv2_int8.json`),
+    FP8 7.0 / 5.2 / 10.7 against 5.2 / 4.3 / 10.1 (`..._s47_gemv2_fp8.json`)."""
     if weight_bytes == 1 and rows == 2:
         if n >= 3072:
             return Launch(block_n=4, block_k=512, num_warps=4)
