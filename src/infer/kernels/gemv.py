@@ -172,9 +172,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
         assert weight.dtype in (torch.int8, torch.float8_e4m3fn), weight.dtype
         assert scale.shape == weight.shape[:1] and scale.is_contiguous(), scale.shape
     m = x.shape[0]
-    rows, k = weight.shape
-    block_n, block_k, num_warps = launch or default_launch(rows, k, weight.element_size(), m)
-    n = rows // 2 if gate_up else rows
+    weight_rows, k = weight.shape
+    block_n, block_k, num_warps = launch or default_launch(weight_rows, k,
+                                                           weight.element_size(), m)
+    n = weight_rows // 2 if gate_up else weight_rows
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0 or k == 0:
         return y.zero_()  # act(0) * 0 = 0 too

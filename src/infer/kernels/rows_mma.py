@@ -297,11 +297,10 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
     transpose of `weight [N, K]` (contiguous): x's dtype, unscaled (`scale` None), or int8 /
     float8_e4m3fn scaled by `scale [N]`, or with `scale_block = (rows, cols)` (`takes` it)
     by one float32 scale per tile, `scale [ceil(N / rows), ceil(K / cols)]`: `[M, N]` in x's
-    dtype. With `x_scale [M]` (float32; FP8 weights
-    scaled per channel, on a GPU): x is float8_e4m3fn, `x * x_scale[:, None]` the rows (as
-    `fp8_quant.fp8_quantize_rows` gives them), multiplied FP8 by FP8; `out_dtype` (16-bit)
-    then names y's dtype. `weight_first`: the weight tile is the MMA's first operand (as
-    FP8 by FP8 always is)."""
+    dtype. With `x_scale [M]` (float32; FP8 weights scaled per channel, on a GPU): x is
+    float8_e4m3fn, `x * x_scale[:, None]` the rows (as `fp8_quant.fp8_quantize_rows` gives
+    them), multiplied FP8 by FP8; `out_dtype` (16-bit) then names y's dtype.
+    `weight_first`: the weight tile is the MMA's first operand (as FP8 by FP8 always is)."""
     fp8_x = x_scale is not None
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, x.shape
     assert x.shape[0] == 1 or x.stride(0) >= x.shape[1], x.stride()
