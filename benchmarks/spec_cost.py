@@ -16,8 +16,12 @@ Random weights accept almost no drafts, so the costs are measured apart and comb
   ones before): tokens per round E = (1 - a^(k+1)) / (1 - a); speed-up =
   E x T_1 / (T_verify(k) + T_round(k)).
 - "Queued": a step of the engine's own drafted decoding, its drafts left on the device
-  and the verify step planned and queued while the round runs (every draft rejected:
-  one round and one verify a step), and the speed-up E x T_1 / that step.
+  and the verify step planned and queued while the round runs, timed twice: every draft
+  rejected (random weights), and every draft accepted (the verdict overruled after it is
+  worked out: `accepting_every_draft`, three small launches more). A round after a verdict
+  that accepted all k also computes the draft's KV of the last draft (only then: its first
+  forward's catch-up row), so at acceptance a the step costs
+  T_q = (1 - a^k) T_rejected + a^k T_accepted, and the speed-up is E x T_1 / T_q.
 - With `--profile-round`: where a draft round's time goes (k = --k-e2e): the GPU's busy
   time inside the rounds (kernels that ran between a round's start and its read-back)
   against their wall time, and the kernels that took most of it.
@@ -46,6 +50,7 @@ import argparse
 import random
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -95,6 +100,41 @@ class TimedDrafter:
 
     def mirror(self, out, requests, device_input_ids=None) -> None:
         self.inner.mirror(out, requests, device_input_ids)
+
+
+@contextmanager
+def accepting_every_draft():
+    """Within: every verify step's verdict (worked out as usual) replaced by one that
+    accepts all its drafts, then the target's first token as the last (any token would do:
+    random weights)."""
+    import infer.engine.engine_core as engine_core
+    from infer.spec.rejection import Verified
+
+    verify = engine_core.verify_drafts
+
+    def overruled(logits, batch, counts, drafts, greedy, seeds, positions, on_device=None):
+        verdict = verify(logits, batch, counts, drafts, greedy, seeds, positions, on_device)
+        tokens = verdict.token_ids
+        k = tokens.shape[1] - 1
+        if all(c == k + 1 for c in counts) and on_device and all(d is not None
+                                                                 for d in on_device):
+            # (the steps timed: three small launches)
+            tokens[:, k] = tokens[:, 0]
+            tokens[:, :k] = on_device[0][None] if len(on_device) == 1 else torch.stack(on_device)
+            return Verified(tokens, verdict.num_tokens.fill_(k + 1))
+        for i, count in enumerate(counts):  # fewer drafts near a sequence's end
+            taken = (on_device[i] if on_device and on_device[i] is not None
+                     else torch.tensor(drafts[i], device=tokens.device))
+            tokens[i, count - 1] = tokens[i, 0].clone()
+            tokens[i, :count - 1] = taken[:count - 1]
+        num_tokens = torch.tensor(counts, device=tokens.device)
+        return Verified(tokens, num_tokens)
+
+    engine_core.verify_drafts = overruled
+    try:
+        yield
+    finally:
+        engine_core.verify_drafts = verify
 
 
 def warm(llm, timed: TimedDrafter) -> None:
@@ -314,17 +354,23 @@ def main() -> None:
             core.drafter = model_drafter
             ahead = model_drafter.num_rounds_ahead
             queued = decode_run(llm, rng, vocab, prompt_len, new_tokens)
+            rounds_ahead = model_drafter.num_rounds_ahead - ahead
+            with accepting_every_draft():
+                accepted = decode_run(llm, rng, vocab, prompt_len, new_tokens)
             row = dict(draft_quantization=label, k=k, verify_ms=verify["step_ms"],
                        verify_x=verify["step_ms"] / t1, round_ms=round_ms,
                        round_x=round_ms / t1, draft_forward_ms=round_ms / k,
                        spec_step_ms=drafted["step_ms"], queued_step_ms=queued["step_ms"],
                        # of the queued run's rounds, those queued behind their verify step
-                       queued_rounds_ahead=model_drafter.num_rounds_ahead - ahead,
-                       queued_steps=queued["steps"])
+                       queued_rounds_ahead=rounds_ahead, queued_steps=queued["steps"],
+                       queued_accepted_step_ms=accepted["step_ms"],
+                       queued_accepted_tokens_per_step=accepted["tokens"] / accepted["steps"])
             cost = verify["step_ms"] + round_ms
             for a in ACCEPTANCE:
                 row[f"pred_{a}"] = expected_tokens(a, k) * t1 / cost
-                row[f"pred_queued_{a}"] = expected_tokens(a, k) * t1 / queued["step_ms"]
+                every = a ** k  # the verdict before accepted all k: the round catches up
+                step = (1 - every) * queued["step_ms"] + every * accepted["step_ms"]
+                row[f"pred_queued_{a}"] = expected_tokens(a, k) * t1 / step
             rows.append(row)
             print(f"[{label} k={k}] {row}", flush=True)
             result["costs"] = rows
@@ -388,6 +434,7 @@ def main() -> None:
                            ("per draft ms", "draft_forward_ms", ".3f"),
                            *[(f"pred a={a}", f"pred_{a}", ".2f") for a in ACCEPTANCE],
                            ("queued step ms", "queued_step_ms", ".3f"),
+                           ("all accepted", "queued_accepted_step_ms", ".3f"),
                            *[(f"queued a={a}", f"pred_queued_{a}", ".2f")
                              for a in ACCEPTANCE]])
     if e2e is not None:

@@ -71,3 +71,63 @@ def test_compiling_the_kernel_ahead_leaves_a_graphs_buffers_as_prepared(q):
     meta.compile_advance()
     after = (meta.seq_lens, meta.slot_mapping, meta.token_rows, meta.block_tables)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("offsets", [[0], [2], [3], [1, 3, 0]])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_a_catch_up_token_moved_on_fewer_than_k_is_marked_done(offsets, kernel):
+    """`catch_up` graphs (a draft's two-token ones) moved on with `done_below = k`: a
+    sequence moved on fewer than k tokens has its first token's slot -1 (its KV is in the
+    cache already), the other slots where the step prepared there puts them; the first-row
+    flag is set only for a lone sequence so moved, and `prepare_replay` clears it."""
+    k, q, batch, width = 3, 2, 4, 6
+    n = len(offsets)
+    tables = [[1 + i * width + j for j in range(width)] for i in range(n)]
+    seq_lens = [7 + 2 * i for i in range(n)]
+    meta = GraphMetadata(batch, q, width, BLOCK, DEVICE, catch_up=True)
+    meta.first_row_skipped.fill_(1)
+    positions = [p for length in seq_lens for p in range(length - q, length)]
+    meta.prepare_replay(batch, seq_lens, tables, [None, positions])
+    assert meta.first_row_skipped.item() == 0
+    moved = torch.tensor(offsets, device=DEVICE)
+    if kernel:
+        from infer.kernels.advance_step import advance_step
+
+        advance_step(moved, meta.seq_lens, meta.token_rows[1], meta.slot_mapping,
+                     meta.block_tables, q, BLOCK, k, meta.first_row_skipped)
+    elif DEVICE.type == "cpu":
+        meta.advance(n, moved, meta.token_rows[1], done_below=k)
+    else:
+        pytest.skip("on a GPU `advance` takes the kernel")
+    lens, want_positions, want_slots = moved_by_hand(tables, seq_lens, q, offsets)
+    for i, offset in enumerate(offsets):
+        if offset < k:
+            want_slots[i * q] = -1
+    assert meta.seq_lens[:n].tolist() == lens
+    assert meta.token_rows[1][:n * q].tolist() == want_positions
+    assert meta.slot_mapping[:n * q].tolist() == want_slots
+    assert meta.first_row_skipped.item() == int(n == 1 and offsets[0] < k)
+
+
+def test_catch_up_goes_with_two_tokens_a_sequence():
+    with pytest.raises(ValueError, match="two tokens"):
+        GraphMetadata(4, 3, 6, BLOCK, DEVICE, catch_up=True)
+
+
+@pytest.mark.parametrize("with_input", [True, False])
+def test_a_rounds_inputs_are_where_its_verdict_ends(with_input):
+    """`round_inputs`: per sequence, accepted = num_tokens - 1, then (the verify step's
+    input at accepted, with_input) and the verdict's token there; the kernel (the
+    interpreter on a CPU) as the torch path and a hand-worked case."""
+    from infer.kernels.advance_step import round_inputs as kernel
+    from infer.spec.model_drafter import round_inputs
+
+    verify_ids = torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]])
+    tokens = torch.tensor([[11, 12, 7, -1], [8, -1, -1, -1], [31, 32, 33, 9]])
+    num_tokens = torch.tensor([3, 1, 4])
+    ids, accepted = round_inputs(verify_ids, tokens, num_tokens, with_input)
+    assert accepted.tolist() == [2, 0, 3]
+    assert ids.tolist() == ([12, 7, 20, 8, 33, 9] if with_input else [7, 8, 9])
+    on = [t.to(DEVICE) for t in (verify_ids, tokens, num_tokens)]
+    got = kernel(*on, with_input)
+    assert [t.tolist() for t in got] == [ids.tolist(), accepted.tolist()]

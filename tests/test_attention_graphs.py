@@ -258,3 +258,29 @@ def test_decode_graphs_give_the_lm_heads_logits(model, in_graph: bool) -> None:
     torch.testing.assert_close(runner.sample_logits(hidden, two), expected[[0, 2]])
     copy = hidden.clone()
     assert runner.sample_logits(copy, inputs).data_ptr() != logits.data_ptr()
+
+
+def test_two_token_graphs_give_the_logits_of_each_last_token(model) -> None:
+    """`last_token_logits` (a draft's two-token forward): the graphs compute the LM head
+    of each sequence's last token only, which a step sampling those rows reads; a step
+    sampling other rows runs the head on them."""
+    from infer.engine.model_runner import ModelRunner, StepInputs
+
+    net, config = model
+    runner = ModelRunner(net, config, NUM_BLOCKS, BLOCK, DEVICE, torch.float32,
+                         attention_backend="triton", kernel_backend="torch")
+    graphs = runner.enable_decode_graphs(4, MAX_LEN, capture=DEVICE.type == "cuda",
+                                         tokens_per_seq=2, logits=True, catch_up=True,
+                                         last_token_logits=True)
+    seq_lens, tables = [3, 6], [[3, 9], [6, 1]]
+    positions = [p for n in seq_lens for p in (n - 2, n - 1)]
+    inputs = StepInputs([5, 17, 40, 8], positions, [2, 2], seq_lens, tables, [1, 3],
+                        ["a", "b"], [1, 1])
+    hidden = runner.forward(inputs)
+    logits = runner.sample_logits(hidden, inputs)
+    assert graphs.last_logits is logits and logits.shape[0] == 2
+    with torch.inference_mode():
+        expected = net.compute_logits(hidden.clone())
+    torch.testing.assert_close(logits, expected[[1, 3]])
+    every = StepInputs(*([] for _ in range(5)), [0, 1, 2, 3], ["a", "b"], [2, 2])
+    torch.testing.assert_close(runner.sample_logits(hidden, every), expected)

@@ -67,6 +67,42 @@ def test_two_rows_are_each_the_one_row_product(case, wdtype):
     assert error < 4 * TOLERANCE[torch.bfloat16], error
 
 
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, *EIGHT_BIT])
+@pytest.mark.parametrize("act", ["", "silu"])
+@pytest.mark.parametrize("case", [0, 1, 5])
+def test_a_set_skip_flag_leaves_the_first_of_two_rows_out(case, act, wdtype):
+    """Inside `row_skip.first_row_skipped_where(flag)`: flag 1 -> a two-row launch's second
+    row is bit for bit its one-row launch of the same tiles, whatever the first row holds
+    (NaN here); flag 0 -> both rows as outside; one-row launches never read the flag."""
+    from infer.kernels.gemv import default_launch, gemv, gemv_gate_up
+    from infer.kernels.row_skip import first_row_skipped_where
+
+    n, k, launch = launches()[case]
+    gen = torch.Generator().manual_seed(80 + case)
+    x = torch.randn(2, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    w, scale, _ = _weight_on_device(2 * n, k, wdtype, gen)
+    launch = launch or default_launch(2 * n, k, w.element_size(), 2)
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        if act:
+            return gemv_gate_up(rows, w, act, scale, launch)
+        return gemv(rows, w, launch, scale=scale)
+
+    both = product(x)
+    flag = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    poisoned = x.clone()
+    poisoned[0] = float("nan")
+    with first_row_skipped_where(flag):
+        second = product(poisoned)[1:]
+        one_row = product(x[1:])
+        flag.zero_()
+        unskipped = product(x)
+    assert torch.equal(second, product(x[1:]))
+    assert torch.equal(second, both[1:])
+    assert torch.equal(one_row, product(x[1:]))
+    assert torch.equal(unskipped, both)
+
+
 @pytest.mark.parametrize(("rows", "max_rows", "dtype"), [
     (1, 1, torch.float32), (3, 1, torch.float16), (3, 4, torch.float16), (5, 4, torch.float16),
     (3, 4, torch.float32)])

@@ -495,7 +495,8 @@ def test_rounds_queued_behind_their_verify_steps_draft_as_the_host_would(tmp_pat
                   speculative_round_ahead=ahead)
         drafter = llm.engine.core.drafter
         if DEVICE == "cpu":  # (elsewhere the engine captured them)
-            drafter.enable_graphs(4, 96, capture=False, ahead_batch=4 if ahead else 0)
+            drafter.enable_graphs(4, 96, capture=False, logits=True,
+                                  ahead_batch=4 if ahead else 0)
         got = llm.generate(requests, params, use_tqdm=False)
         for w, g in zip(want, got):
             w, g = w.outputs[0], g.outputs[0]

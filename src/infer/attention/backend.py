@@ -58,10 +58,12 @@ class AttentionBackend(Protocol):
     def init_graph_metadata(
         self, max_batch: int, query_len: int, max_seq_len: int, block_size: int,
         num_kv_heads: int, device: torch.device, split_keys: bool = False,
+        catch_up: bool = False,
     ) -> GraphMetadata:
         """Static buffers for graphs of up to `max_batch` sequences of `query_len` new tokens
         each (raises if this backend's launches cannot be captured); `split_keys`: steps of
-        several tokens a sequence split the keys as decode steps do."""
+        several tokens a sequence split the keys as decode steps do; `catch_up`: see
+        `GraphMetadata`."""
         ...
 
     def init_varlen_graph_metadata(

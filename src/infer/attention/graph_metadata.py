@@ -9,6 +9,11 @@ of `batch` rows owns tokens `i * query_len .. (i + 1) * query_len - 1` and atten
 Rows past the step's sequences are padding: slot -1 (nothing is written to the cache),
 length `query_len`, block ids zero (or an earlier step's), so their queries read keys of
 blocks that exist; their outputs are ignored.
+
+With `catch_up` (a draft's two-token graphs for rounds queued ahead) each sequence's first
+token is one the draft's cache may already hold: `advance(..., done_below=k)` by fewer
+than k tokens marks it done (slot -1; for a lone sequence `first_row_skipped`, which the
+graphs' two-row GEMVs read: `kernels/row_skip.py`).
 """
 
 from __future__ import annotations
@@ -28,10 +33,13 @@ class GraphMetadata:
     def __init__(
         self, max_batch: int, query_len: int, max_blocks_per_seq: int, block_size: int,
         device: torch.device, decode_splits: Callable[[int], int] | None = None,
-        num_kv_heads: int = 0, token_rows: int = 2,
+        num_kv_heads: int = 0, token_rows: int = 2, catch_up: bool = False,
     ) -> None:
         if query_len < 1:
             raise ValueError(f"query_len must be >= 1, got {query_len}")
+        if catch_up and query_len != 2:
+            raise ValueError(f"catch_up goes with two tokens a sequence, not {query_len}")
+        self.catch_up = catch_up
         self.max_batch = max_batch
         self.query_len = query_len
         self.block_size = block_size
@@ -42,14 +50,16 @@ class GraphMetadata:
                                            device=device) if decode_splits else None)
         tokens = max_batch * query_len
         # int64 rows: the slots, then `token_rows` of the model's own inputs (e.g. ids and
-        # positions); int32: the lengths, then the step's packed block tables.
-        self.staging = StepStaging(1 + token_rows, tokens, max_batch * (1 + max_blocks_per_seq),
-                                   device)
+        # positions); int32: the lengths, the first-row flag, the packed block tables.
+        self._tables_at = max_batch + 1
+        self.staging = StepStaging(1 + token_rows, tokens,
+                                   self._tables_at + max_batch * max_blocks_per_seq, device)
         self.slot_mapping = self.staging.i64[0]
         self.slot_mapping.fill_(-1)
         self.token_rows = self.staging.i64[1:]
         self.seq_lens = self.staging.i32[:max_batch]
         self.seq_lens.fill_(query_len)
+        self.first_row_skipped = self.staging.i32[max_batch:self._tables_at]
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32,
                                             device=device) * query_len
         self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32,
@@ -84,15 +94,17 @@ class GraphMetadata:
         write_rows(i64[1:], token_rows, tokens)
         i32[:n] = seq_lens
         i32[n:batch] = q
-        width = self._tables.pack(block_tables, batch, i32[self.max_batch:])
+        i32[self.max_batch] = 0  # first_row_skipped
+        at = self._tables_at
+        width = self._tables.pack(block_tables, batch, i32[at:])
         if q == 1:  # the common case, in numpy
-            tables = i32[self.max_batch:self.max_batch + batch * width].reshape(batch, width)
+            tables = i32[at:at + batch * width].reshape(batch, width)
             last = i32[:n].astype(np.int64) - 1
             i64[0, :n] = tables[np.arange(n), last // bs] * bs + last % bs
         else:
             i64[0, :n * q] = new_token_slots([q] * n, seq_lens, block_tables, bs)
         i64[0, n * q:tokens] = -1
-        self.staging.send_with_tables(self.max_batch, batch, width, self.block_tables)
+        self.staging.send_with_tables(at, batch, width, self.block_tables)
 
     def compile_advance(self) -> None:
         """Compile `advance`'s kernel now (while graphs are captured), where it runs."""
@@ -102,21 +114,29 @@ class GraphMetadata:
             compile_for(self.block_tables.device, self.query_len, self.block_size,
                         self.block_tables.shape[1])
 
-    def advance(self, n: int, offsets: torch.Tensor, positions: torch.Tensor) -> None:
+    def advance(self, n: int, offsets: torch.Tensor, positions: torch.Tensor,
+                done_below: int = 0) -> None:
         """Move the first `n` sequences of the step just prepared `offsets[i]` tokens on,
         on the device (a step whose lengths only the device knows yet): their lengths, the
         positions of their new tokens (`positions`, this step's row of them) and those
-        tokens' cache slots. Their block tables must already cover where they move to."""
+        tokens' cache slots. Their block tables must already cover where they move to.
+        `done_below` (with `catch_up`): see above."""
+        assert not done_below or self.catch_up, "done_below needs catch_up graphs"
         q, bs = self.query_len, self.block_size
         if offsets.is_cuda and triton_available():
             from infer.kernels.advance_step import advance_step
 
             advance_step(offsets, self.seq_lens, positions, self.slot_mapping,
-                         self.block_tables, q, bs)
+                         self.block_tables, q, bs, done_below, self.first_row_skipped)
             return
         self.seq_lens[:n] += offsets.to(torch.int32)
         moved = positions[:n * q]
         moved += offsets[:, None].expand(n, q).reshape(-1)
         sequence_of_token = torch.arange(n, device=moved.device).repeat_interleave(q)
         blocks = self.block_tables[sequence_of_token, moved // bs]
-        self.slot_mapping[:n * q] = blocks.long() * bs + moved % bs
+        slots = self.slot_mapping[:n * q]
+        slots.copy_(blocks.long() * bs + moved % bs)
+        if done_below:
+            done = offsets < done_below
+            slots[::q].masked_fill_(done, -1)
+            self.first_row_skipped.copy_(done[:1] & (n == 1))

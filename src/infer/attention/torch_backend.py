@@ -167,6 +167,7 @@ class TorchAttentionBackend:
     def init_graph_metadata(
         self, max_batch: int, query_len: int, max_seq_len: int, block_size: int,
         num_kv_heads: int, device: torch.device, split_keys: bool = False,
+        catch_up: bool = False,
     ) -> GraphMetadata:
         raise ValueError("decode graphs need attention_backend='triton'")
 

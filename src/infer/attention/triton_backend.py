@@ -158,6 +158,7 @@ class TritonAttentionBackend:
     def init_graph_metadata(
         self, max_batch: int, query_len: int, max_seq_len: int, block_size: int,
         num_kv_heads: int, device: torch.device, split_keys: bool = False,
+        catch_up: bool = False,
     ) -> GraphMetadata:
         # The dense (SDPA) path plans on host lengths, which graph metadata does not hold.
         if query_len >= DENSE_PREFILL_MIN_TOKENS:
@@ -171,7 +172,7 @@ class TritonAttentionBackend:
         # asked (`split_keys`), else the prefill kernel.
         return GraphMetadata(max_batch, query_len, -(-max_seq_len // block_size), block_size,
                              device, splits if query_len == 1 or split_keys else None,
-                             num_kv_heads)
+                             num_kv_heads, catch_up=catch_up)
 
     def init_varlen_graph_metadata(
         self, max_tokens: int, max_seqs: int, max_seq_len: int, block_size: int,

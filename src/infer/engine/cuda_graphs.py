@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
 from infer.attention.graph_metadata import GraphMetadata
 from infer.attention.varlen_graph_metadata import VarlenGraphMetadata
+from infer.kernels.row_skip import first_row_skipped_where
 
 
 @torch.inference_mode()
@@ -81,11 +83,17 @@ class DecodeGraphs:
     def __init__(
         self, model: nn.Module, attn: GraphMetadata, device: torch.device,
         capture: bool = True, pool: object = None, logits: bool = False,
+        float_logits: bool = True, last_token_logits: bool = False,
     ) -> None:
-        """`logits`: the graphs compute every row's float32 logits too (`last_logits`)."""
+        """`logits`: the graphs compute every row's logits too (`last_logits`, of the rows
+        `logit_rows` gives; float32, or without `float_logits` as
+        `model.compute_logits(as_float=False)` gives them); `last_token_logits`: only
+        each sequence's last token's (a draft's two-token forward samples only those)."""
         self.model = model
         self.attn = attn
         self.with_logits = logits
+        self.float_logits = float_logits
+        self.last_token_logits = last_token_logits
         self.logits: dict[int, torch.Tensor] = {}  # captured with `hidden`, when with_logits
         self.last_logits: torch.Tensor | None = None  # the last run's, when with_logits
         self.tokens_per_seq = attn.query_len
@@ -112,20 +120,33 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         tokens = size * self.tokens_per_seq
-        hidden = self.model(self.input_ids[:tokens], self.positions[:tokens],
-                            self.attn.metadata(size))
+        with (first_row_skipped_where(self.attn.first_row_skipped) if self.attn.catch_up
+              else nullcontext()):
+            hidden = self.model(self.input_ids[:tokens], self.positions[:tokens],
+                                self.attn.metadata(size))
         if self.with_logits:  # the captured call is the last, so its buffer stays
-            self.logits[size] = self.model.compute_logits(hidden)
+            q = self.tokens_per_seq
+            rows = hidden[q - 1::q] if self.last_token_logits else hidden
+            self.logits[size] = self.model.compute_logits(rows, self.float_logits)
         return hidden
+
+    def logit_rows(self, n: int) -> list[int]:
+        """The rows of a step of n sequences whose logits the graphs compute."""
+        q = self.tokens_per_seq
+        if self.last_token_logits:
+            return [i * q + q - 1 for i in range(n)]
+        return list(range(n * q))
 
     def run(
         self, input_ids: list[int] | torch.Tensor, positions: list[int], seq_lens: list[int],
         block_tables: list[list[int]], offsets: torch.Tensor | None = None,
+        done_below: int = 0,
     ) -> torch.Tensor:
         """Hidden states `[n * tokens_per_seq, hidden]` of one step of n <= max_batch
         sequences (flattened, sequence by sequence). `input_ids` may already be on the
         device (the tokens the step before sampled). `offsets` (on the device, `[n]`): each
-        sequence is that many tokens further on than `positions` and `seq_lens` say."""
+        sequence is that many tokens further on than `positions` and `seq_lens` say (and
+        `done_below`: `GraphMetadata.advance`'s)."""
         n = len(seq_lens)
         size = next(s for s in self.sizes if s >= n)
         self.steps += 1
@@ -136,14 +157,15 @@ class DecodeGraphs:
         if on_device:
             self.input_ids[:real].copy_(input_ids)
         if offsets is not None:
-            self.attn.advance(n, offsets, self.positions)
+            self.attn.advance(n, offsets, self.positions, done_below)
         if size in self.graphs:
             self.graphs[size].replay()
             hidden = self.hidden[size]
         else:
             with torch.inference_mode():
                 hidden = self._forward(size)
-        self.last_logits = self.logits[size][:real] if self.with_logits else None
+        self.last_logits = (self.logits[size][:n if self.last_token_logits else real]
+                            if self.with_logits else None)
         return hidden[:real]
 
 

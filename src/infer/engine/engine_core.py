@@ -669,7 +669,8 @@ class EngineCore:
         batch = self._sampling_batch(
             [seq for seq, c in zip(seqs, counts) for _ in range(c)],
             drafted=[d[:j] for d, c in zip(spec_drafts, counts) for j in range(c)])
-        spec_logits = logits[to_device(torch.tensor(spec_rows), logits.device)]
+        spec_logits = (logits if spec_rows == list(range(len(logits)))
+                       else logits[to_device(torch.tensor(spec_rows), logits.device)])
         verified = verify_drafts(
             spec_logits, batch, counts, spec_drafts, [seq.params.greedy for seq in seqs],
             [seq.params.seed for seq in seqs],

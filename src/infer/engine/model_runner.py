@@ -88,25 +88,32 @@ class ModelRunner:
         self.verify_graphs: DecodeGraphs | None = None
         self.mixed: MixedGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
-        # The last forward's hidden states and their logits, where its graph computed them.
-        self._graph_logits: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The last forward's hidden states, the rows of them its graph computed the logits
+        # of, and those logits.
+        self._graph_logits: tuple[torch.Tensor, list[int], torch.Tensor] | None = None
+        # Off: logits in the LM head's dtype (a draft's, of which only the argmax is taken).
+        self.float_logits = True
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int,
                              capture: bool = True, tokens_per_seq: int = 1,
-                             logits: bool = False, split_keys: bool = False
+                             logits: bool = False, split_keys: bool = False,
+                             catch_up: bool = False, last_token_logits: bool = False
                              ) -> DecodeGraphs:
         """Capture graphs for steps whose sequences each bring `tokens_per_seq` tokens (if
         the backend allows: Triton attention only): decode steps (1), or steps that verify
         k drafts of every sequence (k + 1; `verify_graphs`; `split_keys`: their attention
         through the split-K decode kernel). `logits`: the graphs end with the LM head
-        (`sample_logits` then reads their output). `capture=False` runs the same
-        static-buffer path eagerly (CPU tests)."""
+        (`sample_logits` then reads their output; `last_token_logits`: only each
+        sequence's last token's). `capture=False` runs the same static-buffer path eagerly
+        (CPU tests). `catch_up`: a draft's two-token steps (`GraphMetadata`)."""
         attn = self.backend.init_graph_metadata(
             max_num_seqs, tokens_per_seq, max_model_len, self.block_size,
-            self._layers[0].num_kv_heads, self.device, split_keys)
+            self._layers[0].num_kv_heads, self.device, split_keys, catch_up)
         self._bind()
         graphs = DecodeGraphs(self.model, attn, self.device, capture=capture,
-                              pool=self._graph_pool(), logits=logits)
+                              pool=self._graph_pool(), logits=logits,
+                              float_logits=self.float_logits,
+                              last_token_logits=last_token_logits)
         if tokens_per_seq == 1:
             self.graphs = graphs
         else:
@@ -183,11 +190,13 @@ class ModelRunner:
         return inputs
 
     def execute(self, inputs: StepInputs, device_input_ids: torch.Tensor | None = None,
-                offsets: torch.Tensor | None = None) -> torch.Tensor:
-        """Float32 logits `[len(sample_rows), vocab]`. `device_input_ids` replaces
-        `inputs.input_ids` with ids already on the device (async scheduling: the tokens the
-        step still in flight will have sampled). `offsets`: see `forward`."""
-        return self.sample_logits(self.forward(inputs, device_input_ids, offsets), inputs)
+                offsets: torch.Tensor | None = None, done_below: int = 0) -> torch.Tensor:
+        """Logits `[len(sample_rows), vocab]` (float32, unless `float_logits` is off).
+        `device_input_ids` replaces `inputs.input_ids` with ids already on the device
+        (async scheduling: the tokens the step still in flight will have sampled).
+        `offsets`, `done_below`: see `forward`."""
+        return self.sample_logits(self.forward(inputs, device_input_ids, offsets, done_below),
+                                  inputs)
 
     def takes_offsets(self, query_lens: list[int]) -> bool:
         """Whether `forward` can move a step of these query lengths by offsets on the
@@ -197,11 +206,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, device_input_ids: torch.Tensor | None = None,
-                offsets: torch.Tensor | None = None) -> torch.Tensor:
+                offsets: torch.Tensor | None = None, done_below: int = 0) -> torch.Tensor:
         """The step's hidden states `[tokens, hidden]`, in its token order (a graph's
         output buffer: read it before the next step runs). `offsets` (on the device, one
         per sequence; with `takes_offsets`): each sequence is that many tokens further on
-        than `inputs` says (its positions, length and slots; its table covers them)."""
+        than `inputs` says (its positions, length and slots; its table covers them).
+        `done_below` (graphs with `catch_up`): each sequence moved on fewer tokens has its
+        first token done (`GraphMetadata.advance`)."""
         if self._layers[0].k_cache is not self._views[0][0]:
             self._bind()
         ids = inputs.input_ids if device_input_ids is None else device_input_ids
@@ -212,9 +223,10 @@ class ModelRunner:
             raise ValueError("offsets need the static buffers of a uniform step")
         if decode is not None:
             hidden = decode.run(ids, inputs.positions, inputs.seq_lens, inputs.block_tables,
-                                offsets)
+                                offsets, done_below)
             if decode.last_logits is not None:
-                self._graph_logits = hidden, decode.last_logits
+                self._graph_logits = (hidden, decode.logit_rows(len(inputs.seq_lens)),
+                                      decode.last_logits)
         elif self.mixed is not None and self.mixed.fits(inputs.query_lens):
             hidden = self.mixed.run(ids, inputs.positions, inputs.query_lens,
                                     inputs.seq_lens, inputs.block_tables)
@@ -235,17 +247,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
-        """Float32 logits of the rows that sample, `[len(sample_rows), vocab]`."""
+        """Logits of the rows that sample, `[len(sample_rows), vocab]` (float32, unless
+        `float_logits` is off)."""
         if not inputs.sample_rows:
             return hidden[:0]
-        every_row = (len(inputs.sample_rows) == hidden.shape[0]
-                     and inputs.sample_rows == list(range(len(inputs.sample_rows))))
-        if every_row and self._graph_logits is not None and self._graph_logits[0] is hidden:
-            return self._graph_logits[1]
-        if not every_row:
+        graph = self._graph_logits
+        if graph is not None and graph[0] is hidden and inputs.sample_rows == graph[1]:
+            return graph[2]
+        if not (len(inputs.sample_rows) == hidden.shape[0]
+                and inputs.sample_rows == list(range(len(inputs.sample_rows)))):
             rows = to_device(torch.tensor(inputs.sample_rows), self.device)
             hidden = hidden[rows]
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, self.float_logits)
 
     def logits_of_rows(self, hidden: torch.Tensor, rows: list[int], chunk: int
                        ) -> Iterator[torch.Tensor]:

@@ -21,7 +21,9 @@ With `scale` the weight is 8-bit (int8, or FP8 e4m3 on a GPU) standing for
 Two rows (MAX_ROWS) go the same way, each weight made float32 once for both. On an H200 the
 second row adds 50-90 % to a one-row launch of 8-bit weights (its multiply-adds on the CUDA
 cores), which beats the tensor-core kernels on narrow layers only: the engine sends two
-rows here where `w8a16_matmul.gemv_takes` (`EngineConfig.gemv_8bit_max_rows`).
+rows here where `w8a16_matmul.gemv_takes` (`EngineConfig.gemv_8bit_max_rows`). Inside
+`row_skip.first_row_skipped_where(flag)` a two-row launch multiplies the second row alone
+(at the one-row cost) where the kernel finds the flag set.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import dependent_launch, gpu_compiled
+from infer.kernels import dependent_launch, gpu_compiled, row_skip
 from infer.kernels.activation import gated
 from infer.kernels.weight_cast import to_float
 
@@ -63,9 +65,10 @@ def _row(x_ptr, kk, K, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
+    x_ptr, w_ptr, s_ptr, skip_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
-    GATE_UP: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
+    GATE_UP: tl.constexpr, SCALED: tl.constexpr, SKIPS: tl.constexpr, PTX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     r = tl.arange(0, BLOCK_N)
     if GATE_UP == "":
@@ -78,10 +81,30 @@ def _gemv_kernel(
     # Rows past N read row N - 1 (no mask on the weight's loads) and are not stored.
     w_rows = w_ptr + wn.to(tl.int64)[:, None] * stride_wn
     # The first weight tile is read before the kernel before this one has finished
-    # (dependent_launch.py); x only after.
+    # (dependent_launch.py), and the skip flag, written before the graph holding this
+    # launch started (row_skip.py); x only after.
     w = _weights(w_rows, rk, K, EVEN_K)
+    if SKIPS:
+        skip = tl.load(skip_ptr)
     dependent_launch.wait(PDL)
     dependent_launch.release(PDL)
+    if SKIPS:  # two rows, the first left out where the flag is set
+        if skip != 0:
+            _rows(w, w_rows, rk, x_ptr + stride_xm, s_ptr, y_ptr + stride_ym, rn, wn, N, K,
+                  stride_xm, stride_ym, BLOCK_K, 1, EVEN_K, GATE_UP, SCALED, PTX)
+        else:
+            _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
+                  BLOCK_K, 2, EVEN_K, GATE_UP, SCALED, PTX)
+    else:
+        _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
+              BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX)
+
+
+@triton.jit
+def _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
+          BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
+          GATE_UP: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr):
+    """The program's channels of x's first ROWS rows, from the first weight tile `w`."""
     # A second row shares each weight made float32 (two accumulators of the one-row
     # layout: a third dimension for the rows made the kernel 2-3x slower on an H200).
     w = to_float(w, PTX)
@@ -181,11 +204,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
         return y.zero_()  # act(0) * 0 = 0 too
     channels = block_n // 2 if gate_up else block_n
     assert channels * (2 if gate_up else 1) == block_n, block_n
+    skip = row_skip.skip_flag() if m == 2 else None
+    if skip is not None:
+        assert skip.dtype == torch.int32 and skip.device == x.device, (skip.dtype, skip.device)
     _gemv_kernel[(triton.cdiv(n, channels),)](
-        x, weight, weight if scale is None else scale, y, n, k, x.stride(0),
-        weight.stride(0), y.stride(0),
+        x, weight, weight if scale is None else scale, x if skip is None else skip, y, n, k,
+        x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, ROWS=m, EVEN_K=k % block_k == 0, GATE_UP=gate_up,
-        SCALED=scale is not None, PTX=gpu_compiled(x.device), num_warps=num_warps,
+        SCALED=scale is not None, SKIPS=skip is not None, PTX=gpu_compiled(x.device),
+        num_warps=num_warps,
         **dependent_launch.launch_options(),
     )
     return y

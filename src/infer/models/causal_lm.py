@@ -98,10 +98,14 @@ class CausalLM(nn.Module):
         `num_layers`: of the first that many layers only (an early exit: self-drafts)."""
         return self.model(input_ids, positions, meta, num_layers)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor:
+        """float32 logits of `hidden`'s rows; without `as_float`, the LM head's own dtype
+        where nothing else needs float32 (a draft that takes only their argmax)."""
+        logits = self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap if cap else logits
+        if cap:
+            return torch.tanh(logits.float() / cap) * cap
+        return logits.float() if as_float else logits
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint"

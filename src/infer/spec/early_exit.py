@@ -26,5 +26,5 @@ class EarlyExit(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         return self.target(input_ids, positions, meta, self.num_layers)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.target.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor:
+        return self.target.compute_logits(hidden, as_float)

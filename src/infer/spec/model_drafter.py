@@ -22,8 +22,9 @@ A round may also be queued right behind the verify step it follows, before the h
 read that step's verdict (`propose_ahead`): whatever the verdict, a sequence of N tokens
 that verified k drafts goes on at N + m, m the drafts it accepted, so the round is the
 host's plan for m = 0 moved m tokens on, on the device. Its first forward takes the token
-the verdict ends on and, with a cache of its own, the one before (the draft's KV of that
-one is missing exactly when m = k; otherwise it is written again, the same token).
+the verdict ends on and, with a cache of its own, the one before, whose KV the draft's
+cache lacks exactly when m = k; otherwise that token is done (`done_below`): nothing
+stored, and for a lone sequence its row left out of the GEMVs (`kernels/row_skip.py`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,27 @@ from infer.engine.model_runner import ModelRunner, StepInputs
 from infer.engine.request import Request
 from infer.engine.sampler import argmax
 from infer.engine.scheduler import ScheduledRequest, SchedulerOutput
+from infer.kernels import triton_available
 from infer.spec.drafter import draft_budget
 from infer.spec.rejection import Verified
+
+
+def round_inputs(verify_ids: torch.Tensor, token_ids: torch.Tensor, num_tokens: torch.Tensor,
+                 with_input: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a round queued behind a verify step starts, from its verdict: (ids `[n * q]`,
+    accepted `[n]`), int64; sequence i's ids are the token its verdict ends on,
+    `token_ids[i, accepted[i]]`, after (`with_input`, q = 2) the verify step's input
+    there, `verify_ids[i, accepted[i]]`. `accepted = num_tokens - 1`; `verify_ids` and
+    `token_ids` `[n, K + 1]`."""
+    if token_ids.is_cuda and triton_available():
+        from infer.kernels import advance_step
+
+        return advance_step.round_inputs(verify_ids, token_ids, num_tokens, with_input)
+    accepted = num_tokens - 1
+    ids = token_ids.gather(1, accepted[:, None])
+    if with_input:
+        ids = torch.cat([verify_ids.gather(1, accepted[:, None]), ids], dim=1)
+    return ids.reshape(-1), accepted
 
 
 class ModelDrafter:
@@ -46,6 +66,7 @@ class ModelDrafter:
                  own_cache: bool) -> None:
         """`own_cache`: the runner's model is a separate draft model (see above)."""
         self.runner, self.kv = runner, kv
+        runner.float_logits = False  # a round takes only the argmax of its logits
         self.k, self.max_model_len = k, max_model_len
         self.own_cache = own_cache
         self.num_forwards = 0  # draft forwards run in proposal rounds
@@ -56,14 +77,15 @@ class ModelDrafter:
                       ) -> float:
         """CUDA graphs of the runner's one-token steps and, for rounds queued ahead of up
         to `ahead_batch` sequences with a cache of its own, of their two-token first
-        forward (`split_keys`: as the verify graphs' attention); `capture=False`: the same
-        static buffers, run eagerly (CPU tests). Seconds spent capturing."""
+        forward (`split_keys`: as the verify graphs' attention; `logits`: each graph ends
+        with the LM head, over the rows a round samples); `capture=False`: the same static
+        buffers, run eagerly (CPU tests). Seconds spent capturing."""
         graphs = [self.runner.enable_decode_graphs(max_batch, max_model_len, capture,
                                                    logits=logits)]
         if ahead_batch and self.own_cache:
             graphs.append(self.runner.enable_decode_graphs(
                 min(ahead_batch, max_batch), max_model_len, capture, tokens_per_seq=2,
-                split_keys=split_keys))
+                split_keys=split_keys, catch_up=True, logits=logits, last_token_logits=True))
         if ahead_batch:  # the rounds queued ahead move their graphs' steps on
             for g in graphs:
                 g.attn.compile_advance()
@@ -121,15 +143,14 @@ class ModelDrafter:
             r.slots_ahead = k + 1
         tables = [self.kv.tables[r.request_id] for r in requests]
         request_ids = [r.request_id for r in requests]
-        accepted = verdict.num_tokens - 1
-        ids = verdict.token_ids.gather(1, accepted[:, None])
-        if self.own_cache:
-            ids = torch.cat([verify_ids.gather(1, accepted[:, None]), ids], dim=1)
+        ids, accepted = round_inputs(verify_ids, verdict.token_ids, verdict.num_tokens,
+                                     self.own_cache)
         starts = [r.num_tokens + 1 - q for r in requests]
         inputs = StepInputs([], [p for s in starts for p in range(s, s + q)], [q] * n,
                             [s + q for s in starts], tables,
                             [i * q + q - 1 for i in range(n)], request_ids, [1] * n)
-        ids = argmax(self.runner.execute(inputs, ids.reshape(-1), accepted))
+        ids = argmax(self.runner.execute(inputs, ids, accepted,
+                                         done_below=k if self.own_cache else 0))
         proposed = [ids]
         for j in range(1, k):
             positions = [r.num_tokens + j for r in requests]

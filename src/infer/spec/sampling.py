@@ -35,13 +35,11 @@ def verify_drafts(logits: torch.Tensor, batch: SamplingBatch, counts: list[int],
     b, k = len(counts), max(counts) - 1
     v, device = logits.shape[1], logits.device
     x = apply_penalties(apply_bans_and_bias(logits.float(), batch), batch)
-    index = _padded_rows(counts, device)
-    draft_ids = to_device(torch.tensor([[max(t, 0) for t in d] + [0] * (k - len(d))
-                                        for d in drafts], dtype=torch.long), device)
-    for i, ids in enumerate(on_device or ()):
-        if ids is not None:
-            draft_ids[i, :len(ids)] = ids
-    num_drafts = to_device(torch.tensor([len(d) for d in drafts]), device)
+    # One copy to the device: the rows' index, then each request's number of drafts.
+    rows_and_counts = to_device(
+        torch.tensor(_padded_row_index(counts) + [len(d) for d in drafts]), device)
+    index, num_drafts = rows_and_counts[:b * (k + 1)], rows_and_counts[b * (k + 1):]
+    draft_ids = _draft_ids(drafts, k, on_device, device)
     if all(greedy):  # a draft's verdict needs only the argmax
         best = argmax(x)
         if best.is_cuda and triton_available():
@@ -88,9 +86,27 @@ def verified_logprobs(logits: torch.Tensor, counts: list[int], token_ids: torch.
 def _padded_rows(counts: list[int], device: torch.device) -> torch.Tensor:
     """[B x (K + 1)] row indices: request i's rows, its last one repeated past them (those
     are never read)."""
+    return to_device(torch.tensor(_padded_row_index(counts)), device)
+
+
+def _padded_row_index(counts: list[int]) -> list[int]:
     k1 = max(counts)
     index, start = [], 0
     for c in counts:
         index.extend(start + min(j, c - 1) for j in range(k1))
         start += c
-    return to_device(torch.tensor(index), device)
+    return index
+
+
+def _draft_ids(drafts: list[list[int]], k: int, on_device: list[torch.Tensor | None] | None,
+               device: torch.device) -> torch.Tensor:
+    """`[B, K]` int64 on the device: each request's drafts, zeros past them; those of
+    `on_device` taken from there (without a copy to make where one request has K)."""
+    if on_device and all(ids is not None and len(ids) == k for ids in on_device):
+        return on_device[0][None] if len(on_device) == 1 else torch.stack(on_device)
+    draft_ids = to_device(torch.tensor([[max(t, 0) for t in d] + [0] * (k - len(d))
+                                        for d in drafts], dtype=torch.long), device)
+    for i, ids in enumerate(on_device or ()):
+        if ids is not None:
+            draft_ids[i, :len(ids)] = ids
+    return draft_ids
