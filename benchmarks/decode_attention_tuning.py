@@ -21,7 +21,7 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import copy_bandwidth, paged_setup
+from kernel_times import copy_bandwidth, paged_setup
 
 from infer.kernels.paged_attention import default_num_splits, paged_decode
 

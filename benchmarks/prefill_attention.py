@@ -24,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import paged_setup, rel_err
+from kernel_times import paged_setup, rel_err
 
 from infer.attention import torch_backend
 from infer.attention.triton_backend import paged_attention_kernels as paged_attention

@@ -3,7 +3,7 @@ error against a float32 reference on the same inputs, and the device-to-device c
 bandwidth measured in the same run. Prints a table last; writes
 benchmarks/results/kernels_<device>.json.
 
-    PYTHONPATH=src python benchmarks/kernels.py
+    PYTHONPATH=src python benchmarks/kernel_times.py
 """
 
 from __future__ import annotations
