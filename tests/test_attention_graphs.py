@@ -284,3 +284,29 @@ def test_two_token_graphs_give_the_logits_of_each_last_token(model) -> None:
     torch.testing.assert_close(logits, expected[[1, 3]])
     every = StepInputs(*([] for _ in range(5)), [0, 1, 2, 3], ["a", "b"], [2, 2])
     torch.testing.assert_close(runner.sample_logits(hidden, every), expected)
+
+
+def test_logits_in_the_lm_heads_dtype_hold_the_float32_ones(tmp_path, monkeypatch) -> None:
+    """`compute_logits(as_float=False)` (a draft's, whose rounds take only the argmax): the
+    LM head's bfloat16 output, which float32 holds exactly, so the same values and the
+    same argmax; with a final softcap the logits are float32 either way."""
+    import dataclasses
+
+    from infer.loader import load_hf_dir
+
+    save_random_checkpoint(transformers.LlamaConfig(**BASE, num_attention_heads=4,
+                                                    num_key_value_heads=2), tmp_path, seed=2)
+    net, _ = load_hf_dir(tmp_path, dtype=torch.bfloat16, device=DEVICE)
+    hidden = torch.randn(3, BASE["hidden_size"], generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(DEVICE, torch.bfloat16)
+    with torch.inference_mode():
+        as_float = net.compute_logits(hidden)
+        raw = net.compute_logits(hidden, as_float=False)
+        assert as_float.dtype == torch.float32 and raw.dtype == torch.bfloat16
+        assert torch.equal(raw.float(), as_float)
+        assert torch.equal(raw.argmax(-1), as_float.argmax(-1))
+        monkeypatch.setattr(net, "config",
+                            dataclasses.replace(net.config, final_logit_softcapping=30.0))
+        capped = net.compute_logits(hidden, as_float=False)
+        assert capped.dtype == torch.float32
+        torch.testing.assert_close(capped, torch.tanh(as_float / 30.0) * 30.0)
