@@ -22,11 +22,14 @@ int8_x16 (its launch to split x included), FP8 and 16-bit rows_mma.
 With `--gate-up silu` only the gate_up projections run, through `gemv_gate_up` (the
 launch stores `silu(gate) * up`, as `gemv_gate_up_activation` has the engine do); cuBLAS,
 w8a16's kernel and rows_mma store `[gate | up]` (the activation's launch not timed).
+With `--first-row-skipped` (`--gemv --rows 2`) the GEMV's launches run with the skip flag
+set (`kernels/row_skip.py`: the second row alone, as a draft round's catch-up forward
+after a verdict that rejected a draft); the engine's kernel before it, without.
 
     python benchmarks/gemv_sweep.py [--shapes 1b 8b 8b-tp2] [--quick | --defaults-only]
         [--rows 5 [--weight-first] --suffix _rows5] [--dtype int8 --suffix _int8]
         [--gemv --rows 2 [--dtype int8] --suffix _gemv2_int8]
-        [--gate-up silu --suffix _gate_up]
+        [--gate-up silu --suffix _gate_up] [--gemv --rows 2 --first-row-skipped]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -103,10 +107,13 @@ def main() -> None:
     parser.add_argument("--gate-up", choices=["", "silu"], default="",
                         help="the gate_up projections only, the activation stored by the "
                         "launch (gemv_gate_up)")
+    parser.add_argument("--first-row-skipped", action="store_true",
+                        help="with --gemv --rows 2: the GEMV's launches with the skip flag "
+                        "set (the second row alone)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gemv_sweep.py times CUDA kernels: no GPU here")
-    from infer.kernels import dependent_launch
+    from infer.kernels import dependent_launch, row_skip
     from infer.kernels import gemv as gemv_kernel
     from infer.kernels.gemv import Launch, default_launch, gemv, gemv_gate_up
     from infer.kernels.int8_x16 import int8_x16_matmul
@@ -124,14 +131,20 @@ def main() -> None:
         raise SystemExit("--dtype int8 / float8_e4m3fn: one row, or --gemv")
     if args.gate_up and not through_gemv:
         raise SystemExit("--gate-up: one row, or --gemv (gemv_gate_up is the GEMV's)")
+    if args.first_row_skipped and not (args.gemv and args.rows == 2):
+        raise SystemExit("--first-row-skipped: with --gemv --rows 2")
+    flag = torch.ones(1, dtype=torch.int32, device="cuda")
+    checked_from = 1 if args.first_row_skipped else 0  # the rows a skipped launch writes
 
     def run(x: torch.Tensor, weight: torch.Tensor, launch: dict,
             scale: torch.Tensor | None = None) -> torch.Tensor:
         if through_gemv:
             launch = Launch(**launch) if launch else None
-            if args.gate_up:
-                return gemv_gate_up(x, weight, args.gate_up, scale, launch)
-            return gemv(x, weight, launch, scale=scale)
+            with (row_skip.first_row_skipped_where(flag) if args.first_row_skipped
+                  else nullcontext()):
+                if args.gate_up:
+                    return gemv_gate_up(x, weight, args.gate_up, scale, launch)
+                return gemv(x, weight, launch, scale=scale)
         return rows_mma(x, weight, **launch)
 
     def w8a16_one_row(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
@@ -148,9 +161,11 @@ def main() -> None:
         return rows_mma(x, weight, **weight_first_launch(*weight.shape, x.device))
 
     def checked_us(kernel, x: torch.Tensor, weights: list[torch.Tensor],
-                   expected: torch.Tensor) -> float:
-        """`kernel(x, weight)`'s time, once its result matches cuBLAS's."""
-        got = kernel(x, weights[0]).float()
+                   expected: torch.Tensor, first: int = 0) -> float:
+        """`kernel(x, weight)`'s time, once its result's rows from `first` on match
+        cuBLAS's."""
+        got = kernel(x, weights[0]).float()[first:]
+        expected = expected[first:]
         err = (got - expected).abs().max().item() / expected.abs().max().item()
         assert err < 2e-2, (kernel, err)
         return time_cycled(kernel, x, weights, replays=10)
@@ -190,7 +205,7 @@ def main() -> None:
             def timed(launch, x=x, weights=weights, expected=run_expected,
                       scale=scale) -> float:
                 return checked_us(partial(run, launch=launch, scale=scale), x, weights,
-                                  expected)
+                                  expected, checked_from)
 
             default = (default_launch(n, k, weights[0].element_size(), x.shape[0])._asdict()
                        if through_gemv else {})
