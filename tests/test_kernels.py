@@ -261,7 +261,7 @@ ATTN_CASES = [
     (4, 2, 64, 20, None),
     (8, 2, 64, None, 30.0),
     (6, 2, 80, 7, 20.0),
-    (4, 2, 128, None, None),  # the tuned decode launch (128 keys per tile, 4 warps)
+    (4, 2, 128, None, None),  # the tuned decode launches (paged_attention.decode_launch)
 ]
 
 
@@ -289,6 +289,25 @@ def test_paged_decode(heads, kv_heads, head_dim, window, softcap, num_splits,
         assert_close(out, expected)
         if counters:
             assert not split_counters.any(), "the counters must be back at zero"
+
+
+@pytest.mark.parametrize(("block_n", "warps"), [(64, 8), (128, 4)])
+@pytest.mark.parametrize(("num_splits", "counters"), [(1, False), (3, True)])
+def test_both_decode_launches_of_head_size_128(block_n, warps, num_splits, counters) -> None:
+    """`decode_launch`'s two launches for head size 128 (64 keys a tile and 8 warps for one
+    sequence's one-token step, 128 and 4 otherwise), each against the reference."""
+    seq_lens = [1, 63, 64, 65, 300]
+    meta, q, (k_cache, v_cache), (k_ref, v_ref) = _paged_case(
+        [1] * len(seq_lens), seq_lens, 8, 2, 128)
+    scale = 128 ** -0.5
+    expected = torch_backend.paged_attention(q, k_ref, v_ref, meta, scale)
+    split_counters = (torch.zeros(len(seq_lens) * 2, dtype=torch.int32, device=DEVICE)
+                      if counters else None)
+    out = torch.full_like(q, float("nan"))
+    paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
+                 num_splits=num_splits, out=out, split_counters=split_counters,
+                 min_split_keys=block_n, block_n=block_n, num_warps=warps)
+    assert_close(out, expected)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window", "softcap"), ATTN_CASES)

@@ -345,6 +345,19 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
     return triton.next_power_of_2(splits)
 
 
+def decode_launch(head_dim: int, query_len: int, num_seqs: int) -> tuple[int, int]:
+    """(keys per tile, warps) of a decode launch. Head size 128 was tuned on the H100
+    (benchmarks/decode_attention_tuning.py): 128 keys and 4 warps beat 64 and 8 by 5-20 %
+    from batch 1 to 256. But that launch takes 255 registers and spills (ptxas -v, sm_90);
+    for one sequence's one-token step 64 keys and 8 warps (193 registers, no spill) took an
+    H200's 8B batch-1 step 4.08 -> 4.04 ms (`spec_cost_h200_s49b_*.json`) and 4.106 ->
+    4.083 / 4.091 (`decode_h200_s49c_*.json`), INT8 2.638 -> 2.630; at batch 8 it lost
+    (4.397 -> 4.429). Other head sizes keep the untuned launch."""
+    if head_dim == 128:
+        return (64, 8) if query_len == 1 and num_seqs == 1 else (128, 4)
+    return (64 if head_dim < 128 else 32), 8
+
+
 def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
     block_tables: torch.Tensor, scale: float, sliding_window: int | None = None,
@@ -398,6 +411,7 @@ def paged_decode(
     else:
         part_o = part_lse = out  # unused
     last_combines = split and split_counters is not None
+    default_block_n, default_warps = decode_launch(head_dim, query_len, num_seqs)
     if last_combines:
         assert split_counters.dtype == torch.int32 and split_counters.is_contiguous()
         assert split_counters.numel() >= num_seqs * num_kv_heads, split_counters.shape
@@ -410,12 +424,9 @@ def paged_decode(
         QLEN=query_len, BLOCK_G=block_g,
         BLOCK_R=max(16, triton.next_power_of_2(query_len) * block_g),
         CAUSAL=query_len > 1, ROW_WINDOW=query_len > 1 and sliding_window is not None,
-        # Tuned on the H100 for head_dim 128 (benchmarks/decode_attention_tuning.py): 128
-        # keys per tile and 4 warps beat 64 and 8 by 5-20 % from batch 1 to 256. Other
-        # head sizes keep the untuned launch.
-        BLOCK_N=block_n or (128 if head_dim == 128 else 64 if head_dim < 128 else 32),
+        BLOCK_N=block_n or default_block_n,
         BLOCK_D=block_d, SPLIT=split, LAST_COMBINES=last_combines,
-        num_warps=num_warps or (4 if head_dim == 128 else 8),
+        num_warps=num_warps or default_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
         **dependent_launch.launch_options(),
     )
