@@ -115,11 +115,14 @@ def _decode_kernel(
     """A program: one (sequence, kv head, split). Its rows are (token, head of the GQA
     group) pairs, row r = token r // BLOCK_G, head r % BLOCK_G, for the sequence's QLEN
     new tokens (its last: token t at position seq_len - QLEN + t)."""
-    dependent_launch.wait(PDL)
-    dependent_launch.release(PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # Read before the dependent-launch wait: the lengths are written before the step's
+    # kernels start (by copies, or by kernels before its graph), never by the kernel right
+    # before this one, which stores the new keys and values. So splits without keys end
+    # before the wait, and a launch made for long sequences (a graph's: up to 64 splits of
+    # each kv head) does not keep the SMs with programs that only wait and leave.
     seq_len = tl.load(seq_lens_ptr + seq)
     lo = 0
     if WINDOW:  # the first token's window, the earliest
@@ -134,6 +137,8 @@ def _decode_kernel(
     if LAST_COMBINES:  # noqa: SIM102 (a constexpr branch: the runtime test is not compiled in)
         if split >= live:
             return
+    dependent_launch.wait(PDL)
+    dependent_launch.release(PDL)
     s_lo = lo + split * chunk
     s_hi = tl.minimum(s_lo + chunk, seq_len)
 
