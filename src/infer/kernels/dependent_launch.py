@@ -6,7 +6,8 @@ two of them is a large part of each.
 
 The contract of every kernel launched with `launch_options()`:
 - `wait(PDL)` before it reads anything an earlier kernel of the step wrote, or writes
-  anything one reads: only weights (never written while a step runs) may be read before;
+  anything one reads: only what no kernel of the step writes may be read before (weights;
+  a graph's metadata, staged by copies or by kernels before the graph starts);
 - `release(PDL)` after `wait`, which lets the next kernel be scheduled (so at most one
   kernel runs ahead of the one it waits for).
 `wait` returns once the kernel before has finished and its writes are visible; a kernel
