@@ -44,30 +44,42 @@ def _chain(x, weights, norm_weight, w8, w8_scale):
     return h, residual
 
 
-def _plain_eager_and_replayed(chain, inputs):
+def _plain_eager_and_replayed(chain, inputs, stage=lambda i: None):
     """`chain(x)` for each input launched plainly, with dependent launch eagerly, and with
-    it replayed from one CUDA graph."""
+    it replayed from one CUDA graph; `stage(i)` before input i's (as a graph's metadata is
+    staged before it runs)."""
     from infer.engine.runner_setup import set_dependent_launch
     from infer.kernels import dependent_launch
 
     device = torch.device("cuda")
+
+    def each(run):
+        out = []
+        for i, x in enumerate(inputs):
+            stage(i)
+            out.append(tuple(t.clone() for t in run(x)))
+        return out
+
     try:
         set_dependent_launch(False, device)
-        plain = [chain(x) for x in inputs]
+        plain = each(chain)
         set_dependent_launch(True, device)
         assert dependent_launch.enabled()
-        eager = [chain(x) for x in inputs]
+        eager = each(chain)
         static = inputs[0].clone()
+        stage(0)
         chain(static)  # compiled before capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = chain(static)
-        replayed = []
-        for x in inputs:
+
+        def replay(x):
             static.copy_(x)
             graph.replay()
-            replayed.append(tuple(t.clone() for t in out))
+            return out
+
+        replayed = each(replay)
         torch.cuda.synchronize()
     finally:
         set_dependent_launch(False, device)
@@ -128,6 +140,64 @@ def test_dependent_launches_of_the_gguf_one_row_kernels():
     gen = torch.Generator().manual_seed(1)
     inputs = [torch.randn(1, hidden, generator=gen).to("cuda", torch.bfloat16) for _ in range(3)]
     plain, eager, replayed = _plain_eager_and_replayed(chain, inputs)
+    for want, got_eager, got_graph in zip(plain, eager, replayed):
+        assert torch.isfinite(want[0]).all()
+        assert torch.equal(want[0], got_eager[0]) and torch.equal(want[0], got_graph[0])
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA GPU of compute capability 9+")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dependent_launches_of_a_layers_attention(head_dim):
+    """qkv GEMV, RoPE + KV store, split decode attention combined by its last split (a
+    graph's launch, made for 64 splits: those past the sequence's keys end before their
+    wait), o GEMV: each reading what the one before wrote, the lengths, positions and
+    slots staged before each run, sequences of 1 to 300 tokens."""
+    from infer.kernels.gemv import gemv
+    from infer.kernels.paged_attention import paged_decode
+    from infer.kernels.rope_kv_store import rope_store_kv
+
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, block_size, blocks = 8, 2, 16, 32
+    hidden = heads * head_dim
+    qkv_width = (heads + 2 * kv_heads) * head_dim
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).mul_(0.05).to("cuda", torch.bfloat16)
+
+    w_qkv, w_o = rand(qkv_width, hidden), rand(hidden, hidden)
+    pristine = [rand(blocks, block_size, kv_heads, head_dim) * 20 for _ in range(2)]
+    caches = [c.clone() for c in pristine]
+    angles = torch.arange(512.0)[:, None] / 10000 ** (torch.arange(head_dim // 2) / (head_dim // 2))
+    cos, sin = angles.cos().cuda(), angles.sin().cuda()
+    table = torch.randperm(blocks, generator=gen)[None].to("cuda", torch.int32)
+    seq_lens = torch.zeros(1, device="cuda", dtype=torch.int32)
+    positions = torch.zeros(1, device="cuda", dtype=torch.int64)
+    slots = torch.zeros(1, device="cuda", dtype=torch.int64)
+    counters = torch.zeros(kv_heads, device="cuda", dtype=torch.int32)
+    out = torch.empty(1, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    lengths = [300, 1, 65, 129]
+
+    def stage(i):  # every run from the same caches: each stores its token's keys
+        for cache, start in zip(caches, pristine):
+            cache.copy_(start)
+        n = lengths[i]
+        seq_lens.fill_(n)
+        positions.fill_(n - 1)
+        slots.fill_(int(table[0, (n - 1) // block_size]) * block_size + (n - 1) % block_size)
+
+    def chain(x):
+        qkv = gemv(x, w_qkv)
+        q = qkv[:, :hidden].view(1, heads, head_dim)
+        k = qkv[:, hidden:hidden + kv_heads * head_dim].view(1, kv_heads, head_dim)
+        v = qkv[:, hidden + kv_heads * head_dim:].view(1, kv_heads, head_dim)
+        rope_store_kv(q, k, v, *caches, slots, positions, cos, sin)
+        paged_decode(q, *caches, seq_lens, table, head_dim ** -0.5, num_splits=64, out=out,
+                     split_counters=counters, min_split_keys=64)
+        return (gemv(out.view(1, hidden), w_o),)
+
+    inputs = [rand(1, hidden) for _ in lengths]
+    plain, eager, replayed = _plain_eager_and_replayed(chain, inputs, stage)
+    assert len({float(p[0].float().norm()) for p in plain}) == len(lengths)
     for want, got_eager, got_graph in zip(plain, eager, replayed):
         assert torch.isfinite(want[0]).all()
         assert torch.equal(want[0], got_eager[0]) and torch.equal(want[0], got_graph[0])
