@@ -51,16 +51,20 @@ def _rope_kv_store_kernel(
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    dependent_launch.wait(PDL)
-    dependent_launch.release(PDL)
     tok = tl.program_id(0).to(tl.int64)
+    # Before the dependent-launch wait: positions and slots are written before the step's
+    # kernels start (copies, or kernels before its graph), never by the projection right
+    # before this kernel; the tables never change.
     pos = tl.load(pos_ptr + tok).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
     dmask = dims < half
     cos = tl.load(cos_ptr + pos * stride_cs + dims, mask=dmask, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + pos * stride_cs + dims, mask=dmask, other=0.0).to(tl.float32)
     cos = cos[None, :]
     sin = sin[None, :]
+    dependent_launch.wait(PDL)
+    dependent_launch.release(PDL)
 
     qh = tl.arange(0, BLOCK_HQ)[:, None]
     qmask = (qh < n_q_heads) & dmask[None, :]
@@ -71,7 +75,6 @@ def _rope_kv_store_kernel(
     tl.store(q1_ptr, r1.to(q1.dtype), mask=qmask)
     tl.store(q1_ptr + half, r2.to(q1.dtype), mask=qmask)
 
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
     kh = tl.arange(0, BLOCK_HK)[:, None]
     kmask = (kh < n_kv_heads) & dmask[None, :]
     k1_ptr = k_ptr + tok * stride_kt + kh * stride_kh + dims[None, :]
