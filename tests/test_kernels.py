@@ -293,12 +293,15 @@ def test_paged_decode(heads, kv_heads, head_dim, window, softcap, num_splits,
 
 @pytest.mark.parametrize(("block_n", "warps"), [(64, 8), (128, 4)])
 @pytest.mark.parametrize(("num_splits", "counters"), [(1, False), (3, True)])
-def test_both_decode_launches_of_head_size_128(block_n, warps, num_splits, counters) -> None:
-    """`decode_launch`'s two launches for head size 128 (64 keys a tile and 8 warps for one
-    sequence's one-token step, 128 and 4 otherwise), each against the reference."""
-    seq_lens = [1, 63, 64, 65, 300]
+@pytest.mark.parametrize("query_len", [1, 5])
+def test_both_decode_launches_of_head_size_128(block_n, warps, num_splits, counters,
+                                               query_len) -> None:
+    """`decode_launch`'s two launches for head size 128 (64 keys a tile and 8 warps for a
+    lone sequence's step, 128 and 4 otherwise), each against the reference, for one token
+    a sequence and for a verify step's five."""
+    seq_lens = [5, 63, 64, 65, 300]
     meta, q, (k_cache, v_cache), (k_ref, v_ref) = _paged_case(
-        [1] * len(seq_lens), seq_lens, 8, 2, 128)
+        [query_len] * len(seq_lens), seq_lens, 8, 2, 128)
     scale = 128 ** -0.5
     expected = torch_backend.paged_attention(q, k_ref, v_ref, meta, scale)
     split_counters = (torch.zeros(len(seq_lens) * 2, dtype=torch.int32, device=DEVICE)
@@ -306,7 +309,8 @@ def test_both_decode_launches_of_head_size_128(block_n, warps, num_splits, count
     out = torch.full_like(q, float("nan"))
     paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
                  num_splits=num_splits, out=out, split_counters=split_counters,
-                 min_split_keys=block_n, block_n=block_n, num_warps=warps)
+                 min_split_keys=block_n, block_n=block_n, num_warps=warps,
+                 query_len=query_len)
     assert_close(out, expected)
 
 

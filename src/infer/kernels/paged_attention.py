@@ -357,9 +357,11 @@ def decode_launch(head_dim: int, query_len: int, num_seqs: int) -> tuple[int, in
     for one sequence's one-token step 64 keys and 8 warps (193 registers, no spill) took an
     H200's 8B batch-1 step 4.08 -> 4.04 ms (`spec_cost_h200_s49b_*.json`) and 4.106 ->
     4.083 / 4.091 (`decode_h200_s49c_*.json`), INT8 2.638 -> 2.630; at batch 8 it lost
-    (4.397 -> 4.429). Other head sizes keep the untuned launch."""
+    (4.397 -> 4.429). A lone sequence's verify step of 5 tokens took it too: the queued
+    drafted step 6.746 / 6.751 against 6.770 / 6.779 ms (`spec_cost_h200_s50b_*.json`;
+    64 keys and 4 warps 6.790). Other head sizes keep the untuned launch."""
     if head_dim == 128:
-        return (64, 8) if query_len == 1 and num_seqs == 1 else (128, 4)
+        return (64, 8) if num_seqs == 1 else (128, 4)
     return (64 if head_dim < 128 else 32), 8
 
 
