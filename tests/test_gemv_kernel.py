@@ -103,6 +103,33 @@ def test_a_set_skip_flag_leaves_the_first_of_two_rows_out(case, act, wdtype):
     assert torch.equal(unskipped, both)
 
 
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, *EIGHT_BIT])
+@pytest.mark.parametrize("case", [0, 1, 5])
+def test_gate_up_rows_apart_launches_the_first_row_only_where_the_flag_is_clear(case, wdtype):
+    """`gemv_gate_up_rows_apart`: two one-row launches, each row bit for bit its own
+    `gemv_gate_up`; the first row's launch writes nothing where the flag is set (its
+    output row keeps what it held)."""
+    from infer.kernels.gemv import _launch, gemv_gate_up, gemv_gate_up_rows_apart
+    from infer.kernels.row_skip import first_row_skipped_where
+
+    inter, k, _ = launches()[case]
+    gen = torch.Generator().manual_seed(90 + case)
+    x = torch.randn(2, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    w, scale, _ = _weight_on_device(2 * inter, k, wdtype, gen)
+    rows = [gemv_gate_up(x[r:r + 1], w, "silu", scale) for r in range(2)]
+    flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with first_row_skipped_where(flag):
+        both = gemv_gate_up_rows_apart(x, w, "silu", scale)
+        flag.fill_(1)
+        second = gemv_gate_up_rows_apart(x, w, "silu", scale)[1:]
+    assert torch.equal(both, torch.cat(rows)) and torch.equal(second, rows[1])
+    for set_flag in (1, 0):
+        flag.fill_(set_flag)
+        out = torch.full((1, inter), 7.0, dtype=x.dtype, device=DEVICE)
+        _launch(x[:1], w, None, scale, "silu", out=out, skip_whole=flag)
+        assert torch.equal(out, torch.full_like(out, 7.0) if set_flag else rows[0])
+
+
 @pytest.mark.parametrize(("rows", "max_rows", "dtype"), [
     (1, 1, torch.float32), (3, 1, torch.float16), (3, 4, torch.float16), (5, 4, torch.float16),
     (3, 4, torch.float32)])
@@ -249,6 +276,41 @@ def test_a_gated_mlps_gate_up_gemv_stores_the_activation(method, rows, launches_
     got = mlp(x)
     assert len(calls) == int(launches_activation)
     assert torch.equal(got, apart)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_a_draft_rounds_two_rows_through_a_wide_gate_up_go_to_one_row_launches(method,
+                                                                               monkeypatch):
+    """With `gate_up_rows_apart`, two rows of a gated MLP too wide for the two-row GEMV,
+    inside `first_row_skipped_where(flag)`: no activation launch; flag clear, the MLP's
+    output as without it (the 8-bit matmul kernel, then the activation's launch), to
+    rounding; flag set, its second row as with the flag clear, bit for bit."""
+    if DEVICE != "cuda":
+        pytest.skip("8-bit layers read their weights through the GEMV on CUDA only")
+    from infer.kernels.row_skip import first_row_skipped_where
+    from infer.models.layers import set_gate_up_activation, set_kernel_backend
+    from infer.models.linear import set_8bit_kernels, set_triton_gemv
+
+    gen = torch.Generator().manual_seed(75)
+    mlp, dtype = _gated_mlp(method, 4096, gen, 0.1)
+    set_kernel_backend(mlp, "triton")
+    set_triton_gemv(mlp, True, 4)
+    set_gate_up_activation(mlp, True)
+    set_8bit_kernels(mlp, 0, False, gemv_rows=2)
+    x = torch.randn(2, 64, generator=gen).to(DEVICE, dtype)
+    flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with first_row_skipped_where(flag):
+        before = mlp(x)
+    set_8bit_kernels(mlp, 0, False, gemv_rows=2, gate_up_rows_apart=True)
+    calls = _count_activation_launches(monkeypatch)
+    with first_row_skipped_where(flag):
+        both = mlp(x)
+        flag.fill_(1)
+        second = mlp(x)[1:]
+    assert not calls
+    error = (both.double() - before.double()).abs().max().item()
+    assert error < 2e-2 * before.double().abs().max().item(), error
+    assert torch.equal(second, both[1:])
 
 
 def _gated_mlp(method: str, inter: int, gen: torch.Generator, spread: float):

@@ -106,6 +106,13 @@ class EngineConfig:
         "instead of after the activation's own launch: on an H200 batch-1 decode of the "
         "1B / 8B INT8 0.634 -> 0.615 / 2.633 -> 2.600 ms a step, 1B bf16 0.850 -> 0.843, "
         "8B bf16 4.044 -> 4.053 (docs/performance.md)")
+    gate_up_rows_apart: bool = knob(
+        False, "with triton_gemv and gemv_gate_up_activation, the two rows of a gated MLP "
+        "of INT8 / FP8 weights too wide for the two-row GEMV, in a draft round's first "
+        "forward (the token before the verdict's, then the verdict's), go to two one-row "
+        "GEMV launches, the first doing nothing where the device found that token done "
+        "(kernels/row_skip.py), instead of the tensor cores and the activation's own launch; "
+        "off until measured on a GPU")
     gemv_max_rows: int = knob(
         16, "with triton_gemv, the most rows a matmul of 16-bit weights sends to infer's "
         "kernels instead of cuBLAS: one row to the GEMV, 2 to 16 (a verify step's k + 1 "

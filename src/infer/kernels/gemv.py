@@ -23,7 +23,8 @@ second row adds 50-90 % to a one-row launch of 8-bit weights (its multiply-adds 
 cores), which beats the tensor-core kernels on narrow layers only: the engine sends two
 rows here where `w8a16_matmul.gemv_takes` (`EngineConfig.gemv_8bit_max_rows`). Inside
 `row_skip.first_row_skipped_where(flag)` a two-row launch multiplies the second row alone
-(at the one-row cost) where the kernel finds the flag set.
+(at the one-row cost) where the kernel finds the flag set; `gemv_gate_up_rows_apart`
+launches two rows one at a time, the first launch doing nothing where the flag is set.
 """
 
 from __future__ import annotations
@@ -67,9 +68,17 @@ def _row(x_ptr, kk, K, EVEN_K: tl.constexpr):
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, skip_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
-    GATE_UP: tl.constexpr, SCALED: tl.constexpr, SKIPS: tl.constexpr, PTX: tl.constexpr,
-    PDL: tl.constexpr,
+    GATE_UP: tl.constexpr, SCALED: tl.constexpr, SKIPS: tl.constexpr,
+    SKIPPED_WHOLE: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
 ):
+    if SKIPPED_WHOLE:  # noqa: SIM102 (a constexpr branch: the runtime test is not compiled in)
+        if tl.load(skip_ptr) != 0:  # one row, left out: the launch does nothing
+            # The kernel after this one waits for this one's end alone: program 0 waits
+            # for the kernel before, so that this one ends after it.
+            dependent_launch.release(PDL)
+            if tl.program_id(0) == 0:
+                dependent_launch.wait(PDL)
+            return
     r = tl.arange(0, BLOCK_N)
     if GATE_UP == "":
         rn = tl.program_id(0) * BLOCK_N + r
@@ -184,8 +193,25 @@ def gemv_gate_up(x: torch.Tensor, weight: torch.Tensor, act: str,
     return _launch(x, weight, launch, scale, act)
 
 
+def gemv_gate_up_rows_apart(x: torch.Tensor, weight: torch.Tensor, act: str,
+                            scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`gemv_gate_up` of two rows as two one-row launches, inside
+    `row_skip.first_row_skipped_where(flag)`: the first row's launch does nothing where
+    the kernel finds the flag set (its output row unwritten). For layers too wide for the
+    two-row launch, whose two rows otherwise go to the tensor cores and the activation's
+    own launch (a draft round's first forward: `EngineConfig.gate_up_rows_apart`)."""
+    flag = row_skip.skip_flag()
+    assert flag is not None and x.dim() == 2 and x.shape[0] == 2, (flag, x.shape)
+    assert flag.dtype == torch.int32 and flag.device == x.device, (flag.dtype, flag.device)
+    y = torch.empty((2, weight.shape[0] // 2), dtype=x.dtype, device=x.device)
+    _launch(x[:1], weight, None, scale, act, out=y[:1], skip_whole=flag)
+    _launch(x[1:], weight, None, scale, act, out=y[1:])
+    return y
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
-            scale: torch.Tensor | None, gate_up: str = "") -> torch.Tensor:
+            scale: torch.Tensor | None, gate_up: str = "", out: torch.Tensor | None = None,
+            skip_whole: torch.Tensor | None = None) -> torch.Tensor:
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, (x.shape,
                                                                                 x.stride())
     assert weight.dim() == 2 and weight.stride(1) == 1, (weight.shape, weight.stride())
@@ -199,7 +225,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
     block_n, block_k, num_warps = launch or default_launch(weight_rows, k,
                                                            weight.element_size(), m)
     n = weight_rows // 2 if gate_up else weight_rows
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (m, n) and y.stride(1) == 1 and y.dtype == x.dtype, (y.shape, n)
     if n == 0 or k == 0:
         return y.zero_()  # act(0) * 0 = 0 too
     channels = block_n // 2 if gate_up else block_n
@@ -207,11 +234,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
     skip = row_skip.skip_flag() if m == 2 else None
     if skip is not None:
         assert skip.dtype == torch.int32 and skip.device == x.device, (skip.dtype, skip.device)
+    assert skip_whole is None or m == 1, m
+    flag = skip if skip_whole is None else skip_whole
     _gemv_kernel[(triton.cdiv(n, channels),)](
-        x, weight, weight if scale is None else scale, x if skip is None else skip, y, n, k,
+        x, weight, weight if scale is None else scale, x if flag is None else flag, y, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, ROWS=m, EVEN_K=k % block_k == 0, GATE_UP=gate_up,
-        SCALED=scale is not None, SKIPS=skip is not None, PTX=gpu_compiled(x.device),
+        SCALED=scale is not None, SKIPS=skip is not None,
+        SKIPPED_WHOLE=skip_whole is not None, PTX=gpu_compiled(x.device),
         num_warps=num_warps,
         **dependent_launch.launch_options(),
     )

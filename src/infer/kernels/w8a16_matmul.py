@@ -124,15 +124,19 @@ def gemv_takes(rows: int, n: int, gemv_rows: int) -> bool:
 
 
 def gate_up_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act: str,
-                 gemv_rows: int) -> torch.Tensor | None:
+                 gemv_rows: int, rows_apart: bool = False) -> torch.Tensor | None:
     """`act(gate) * up` of `w8a16_matmul(x, weight, scale, gemv_rows=gemv_rows)` for a gated
     MLP's `[gate | up]` weight scaled per channel, from the GEMV's own launch
-    (`gemv.gemv_gate_up`) where the rows go to the GEMV; None where they do not."""
-    if not gemv_takes(x.shape[0], weight.shape[0], gemv_rows):
-        return None
-    from infer.kernels.gemv import gemv_gate_up
+    (`gemv.gemv_gate_up`) where the rows go to the GEMV; with `rows_apart`, two rows too
+    wide for its two-row launch whose first may be skipped (`row_skip`) as two one-row
+    launches (`gemv.gemv_gate_up_rows_apart`); None otherwise."""
+    from infer.kernels import gemv, row_skip
 
-    return gemv_gate_up(x, weight, act, scale)
+    if gemv_takes(x.shape[0], weight.shape[0], gemv_rows):
+        return gemv.gemv_gate_up(x, weight, act, scale)
+    if rows_apart and x.shape[0] == 2 and gemv_rows >= 1 and row_skip.skip_flag() is not None:
+        return gemv.gemv_gate_up_rows_apart(x, weight, act, scale)
+    return None
 
 
 def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

@@ -152,7 +152,7 @@ def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1) -> None:
 
 def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: bool,
                      fp8_mma_rows: int = 0, int8_mma_rows: int = 0,
-                     gemv_rows: int = 0) -> None:
+                     gemv_rows: int = 0, gate_up_rows_apart: bool = False) -> None:
     """How `model`'s 8-bit layers (projections, LM head) multiply decode-sized steps:
     weight-only INT8 / FP8 on tensor cores up to `tensor_core_rows` rows where they gain
     (`w8a16_matmul.py`'s rule; 0: never) or CUDA cores, up to `gemv_rows` rows scaled per
@@ -161,7 +161,8 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
     and FP8 by FP8 steps of up to `fp8_mma_rows` rows in
     `kernels/rows_mma.py` rather than `torch._scaled_mm`; INT8 ones of 2 to
     `int8_mma_rows` rows on the int8 tensor cores (`kernels/int8_x16.py`; 0: never), past
-    `gemv_rows`."""
+    `gemv_rows`; a gate_up projection's two rows whose first may be skipped as two one-row
+    GEMV launches with `gate_up_rows_apart` (`w8a16_matmul.gate_up_gemv`)."""
     for m in model.modules():
         if isinstance(m, (LinearBase, ParallelLMHead)):
             m.w8a16_tensor_core_rows = tensor_core_rows
@@ -169,6 +170,7 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
             m.fp8_mma_rows = fp8_mma_rows
             m.int8_mma_rows = int8_mma_rows
             m.w8a16_gemv_rows = gemv_rows
+            m.gate_up_rows_apart = gate_up_rows_apart
 
 
 # What a linear layer built without a `quant_method` gets (`linear_method_default`).

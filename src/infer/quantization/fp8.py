@@ -116,7 +116,8 @@ class Fp8LinearMethod(LinearMethod):
         from infer.kernels.w8a16_matmul import gate_up_gemv
 
         y = gate_up_gemv(x2.contiguous(), layer.weight, layer.weight_scale, act,
-                         getattr(layer, "w8a16_gemv_rows", 0))
+                         getattr(layer, "w8a16_gemv_rows", 0),
+                         getattr(layer, "gate_up_rows_apart", False))
         return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
