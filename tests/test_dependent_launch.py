@@ -201,3 +201,47 @@ def test_dependent_launches_of_a_layers_attention(head_dim):
     for want, got_eager, got_graph in zip(plain, eager, replayed):
         assert torch.isfinite(want[0]).all()
         assert torch.equal(want[0], got_eager[0]) and torch.equal(want[0], got_graph[0])
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA GPU of compute capability 9+")
+def test_dependent_launches_around_a_launch_that_does_nothing():
+    """Two rows through norms, the gate_up GEMV a row at a time whose first launch does
+    nothing where the row-skip flag is set (only its program 0 waits for the kernel before:
+    the kernels after still find what came before done), and the two-row down GEMV that
+    skips the first row with it; the flag staged set, clear, set: the second row (and,
+    where clear, the first) bit for bit the plain launches'."""
+    from infer.kernels.gemv import gemv, gemv_gate_up_rows_apart
+    from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+    from infer.kernels.row_skip import first_row_skipped_where
+
+    gen = torch.Generator().manual_seed(3)
+    hidden, inter = 1024, 4096
+
+    def int8(rows, cols):
+        w = torch.randint(-127, 128, (rows, cols), generator=gen, dtype=torch.int8).cuda()
+        return w, (torch.rand(rows, generator=gen) * 1e-3).to("cuda", torch.bfloat16)
+
+    layers = [(int8(2 * inter, hidden), int8(hidden, inter)) for _ in range(4)]
+    norm_weight = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+    flag = torch.zeros(1, device="cuda", dtype=torch.int32)
+    flags = [1, 0, 1]
+
+    def chain(x):
+        residual = x.clone()
+        h = rmsnorm(x, norm_weight, 1e-6)
+        with first_row_skipped_where(flag):
+            for (up, up_scale), (down, down_scale) in layers:
+                act = gemv_gate_up_rows_apart(h, up, "silu", up_scale)
+                h, residual = fused_add_rmsnorm(gemv(act, down, scale=down_scale), residual,
+                                                norm_weight, 1e-6)
+        return (h,)
+
+    inputs = [torch.randn(2, hidden, generator=gen).to("cuda", torch.bfloat16)
+              for _ in flags]
+    plain, eager, replayed = _plain_eager_and_replayed(
+        chain, inputs, lambda i: flag.fill_(flags[i]))
+    for set_flag, want, got_eager, got_graph in zip(flags, plain, eager, replayed):
+        rows = slice(1, 2) if set_flag else slice(0, 2)
+        want, got_eager, got_graph = (t[0][rows] for t in (want, got_eager, got_graph))
+        assert torch.isfinite(want).all()
+        assert torch.equal(want, got_eager) and torch.equal(want, got_graph)
