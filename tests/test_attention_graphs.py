@@ -160,6 +160,41 @@ def test_static_buffers_match_ordinary_path(model, query_len: int, split_keys: b
     assert runner.kv_pool[:, :, 0].isnan().all()
 
 
+def test_a_step_that_follows_the_last_moves_its_buffers_on_the_device(model) -> None:
+    """`DecodeGraphs.run(follows=True)` (a proposal round's next one-token forward): the
+    buffers of the step just run, moved one token on on the device, hold what preparing the
+    next step from the host writes, and give the same hidden states."""
+    from infer.engine.model_runner import ModelRunner
+
+    net, config = model
+    runner = ModelRunner(net, config, NUM_BLOCKS, BLOCK, DEVICE, torch.float32,
+                         attention_backend="triton", kernel_backend="torch")
+    graphs = runner.enable_decode_graphs(4, MAX_LEN, capture=DEVICE.type == "cuda")
+    tables = [[3, 9, 4], [6, 1], [8, 11, 2, 5]]
+    context = [3, 7, 8]  # the second sequence's next token starts a block
+    first = torch.tensor([11, 12, 13], device=DEVICE)
+    second = torch.tensor([21, 22, 23], device=DEVICE)
+    runner.kv_pool.normal_(generator=torch.Generator(DEVICE).manual_seed(0))
+    start = runner.kv_pool.clone()
+
+    def buffers() -> list[torch.Tensor]:
+        attn = graphs.attn
+        return [t.clone() for t in (attn.seq_lens, attn.slot_mapping, graphs.positions,
+                                    graphs.input_ids)]
+
+    results = {}
+    for follows in (False, True):
+        runner.kv_pool.copy_(start)
+        with torch.inference_mode():
+            graphs.run(first, context, [c + 1 for c in context], tables)
+            hidden = graphs.run(second, [c + 1 for c in context],
+                                [c + 2 for c in context], tables, follows=follows).clone()
+        results[follows] = hidden, buffers(), runner.kv_pool.clone()
+    (want, want_buffers, want_pool), (got, got_buffers, got_pool) = results.values()
+    assert torch.equal(got, want) and torch.equal(got_pool, want_pool)
+    assert all(torch.equal(a, b) for a, b in zip(got_buffers, want_buffers))
+
+
 def test_token_buckets() -> None:
     from infer.engine.cuda_graphs import token_buckets
 

@@ -105,6 +105,8 @@ class DecodeGraphs:
         self.pool = pool  # the graphs' memory pool (other graphs may share it)
         self.capture_seconds = 0.0
         self.steps = 0  # steps served through the static buffers
+        self._ones = torch.ones(attn.max_batch, dtype=torch.long, device=device)
+        self._last_run: tuple[int, ...] | None = None  # (n, size) of the last step run
         if capture:
             self.pool, self.capture_seconds = capture_graphs(
                 self.sizes, self._forward, self.graphs, self.hidden, device, pool)
@@ -140,24 +142,33 @@ class DecodeGraphs:
     def run(
         self, input_ids: list[int] | torch.Tensor, positions: list[int], seq_lens: list[int],
         block_tables: list[list[int]], offsets: torch.Tensor | None = None,
-        done_below: int = 0,
+        done_below: int = 0, follows: bool = False,
     ) -> torch.Tensor:
         """Hidden states `[n * tokens_per_seq, hidden]` of one step of n <= max_batch
         sequences (flattened, sequence by sequence). `input_ids` may already be on the
         device (the tokens the step before sampled). `offsets` (on the device, `[n]`): each
         sequence is that many tokens further on than `positions` and `seq_lens` say (and
-        `done_below`: `GraphMetadata.advance`'s)."""
+        `done_below`: `GraphMetadata.advance`'s). `follows`: the last step run here, each
+        sequence one token on (a proposal round's next one-token forward; ids on the
+        device): the buffers are moved on the device, not written from the host again."""
         n = len(seq_lens)
         size = next(s for s in self.sizes if s >= n)
         self.steps += 1
         real = n * self.tokens_per_seq
         on_device = isinstance(input_ids, torch.Tensor)
-        self.attn.prepare_replay(size, seq_lens, block_tables,
-                                 [None if on_device else input_ids, positions])
-        if on_device:
+        if follows:
+            assert on_device and self._last_run == (n, size) and self.tokens_per_seq == 1, (
+                "follows: one token on from the last step run here, its ids on the device")
             self.input_ids[:real].copy_(input_ids)
-        if offsets is not None:
-            self.attn.advance(n, offsets, self.positions, done_below)
+            self.attn.advance(n, self._ones[:n], self.positions)
+        else:
+            self.attn.prepare_replay(size, seq_lens, block_tables,
+                                     [None if on_device else input_ids, positions])
+            if on_device:
+                self.input_ids[:real].copy_(input_ids)
+            if offsets is not None:
+                self.attn.advance(n, offsets, self.positions, done_below)
+        self._last_run = (n, size)
         if size in self.graphs:
             self.graphs[size].replay()
             hidden = self.hidden[size]

@@ -190,13 +190,14 @@ class ModelRunner:
         return inputs
 
     def execute(self, inputs: StepInputs, device_input_ids: torch.Tensor | None = None,
-                offsets: torch.Tensor | None = None, done_below: int = 0) -> torch.Tensor:
+                offsets: torch.Tensor | None = None, done_below: int = 0,
+                follows: bool = False) -> torch.Tensor:
         """Logits `[len(sample_rows), vocab]` (float32, unless `float_logits` is off).
         `device_input_ids` replaces `inputs.input_ids` with ids already on the device
         (async scheduling: the tokens the step still in flight will have sampled).
-        `offsets`, `done_below`: see `forward`."""
-        return self.sample_logits(self.forward(inputs, device_input_ids, offsets, done_below),
-                                  inputs)
+        `offsets`, `done_below`, `follows`: see `forward`."""
+        return self.sample_logits(
+            self.forward(inputs, device_input_ids, offsets, done_below, follows), inputs)
 
     def takes_offsets(self, query_lens: list[int]) -> bool:
         """Whether `forward` can move a step of these query lengths by offsets on the
@@ -206,24 +207,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, device_input_ids: torch.Tensor | None = None,
-                offsets: torch.Tensor | None = None, done_below: int = 0) -> torch.Tensor:
+                offsets: torch.Tensor | None = None, done_below: int = 0,
+                follows: bool = False) -> torch.Tensor:
         """The step's hidden states `[tokens, hidden]`, in its token order (a graph's
         output buffer: read it before the next step runs). `offsets` (on the device, one
         per sequence; with `takes_offsets`): each sequence is that many tokens further on
         than `inputs` says (its positions, length and slots; its table covers them).
         `done_below` (graphs with `catch_up`): each sequence moved on fewer tokens has its
-        first token done (`GraphMetadata.advance`)."""
+        first token done (`GraphMetadata.advance`). `follows`: the last forward, every
+        sequence one token on, through the same static buffers (`DecodeGraphs.run`)."""
         if self._layers[0].k_cache is not self._views[0][0]:
             self._bind()
         ids = inputs.input_ids if device_input_ids is None else device_input_ids
         decode = next((g for g in (self.graphs, self.verify_graphs)
                        if g is not None and g.fits(inputs.query_lens)), None)
         self._graph_logits = None
-        if offsets is not None and decode is None:
+        if (offsets is not None or follows) and decode is None:
             raise ValueError("offsets need the static buffers of a uniform step")
         if decode is not None:
             hidden = decode.run(ids, inputs.positions, inputs.seq_lens, inputs.block_tables,
-                                offsets, done_below)
+                                offsets, done_below, follows)
             if decode.last_logits is not None:
                 self._graph_logits = (hidden, decode.logit_rows(len(inputs.seq_lens)),
                                       decode.last_logits)

@@ -156,7 +156,9 @@ class ModelDrafter:
             positions = [r.num_tokens + j for r in requests]
             inputs = StepInputs([], positions, [1] * n, [p + 1 for p in positions], tables,
                                 list(range(n)), request_ids, [1] * n)
-            ids = argmax(self.runner.execute(inputs, ids, accepted))
+            # The second one-token forward on moves the first's buffers on the device.
+            ids = argmax(self.runner.execute(inputs, ids, None if j > 1 else accepted,
+                                             follows=j > 1))
             proposed.append(ids)
         self.num_forwards += k
         self.num_rounds_ahead += 1
