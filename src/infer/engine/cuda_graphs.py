@@ -106,7 +106,7 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
         self.steps = 0  # steps served through the static buffers
         self._ones = torch.ones(attn.max_batch, dtype=torch.long, device=device)
-        self._last_run: tuple[int, ...] | None = None  # (n, size) of the last step run
+        self._last_run: tuple[int, int] | None = None  # (n, size) of the last step run
         if capture:
             self.pool, self.capture_seconds = capture_graphs(
                 self.sizes, self._forward, self.graphs, self.hidden, device, pool)

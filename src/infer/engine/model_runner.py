@@ -223,7 +223,7 @@ class ModelRunner:
                        if g is not None and g.fits(inputs.query_lens)), None)
         self._graph_logits = None
         if (offsets is not None or follows) and decode is None:
-            raise ValueError("offsets need the static buffers of a uniform step")
+            raise ValueError("offsets and follows need the static buffers of a uniform step")
         if decode is not None:
             hidden = decode.run(ids, inputs.positions, inputs.seq_lens, inputs.block_tables,
                                 offsets, done_below, follows)

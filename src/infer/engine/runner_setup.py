@@ -76,7 +76,7 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
     set_8bit_kernels(model, config.w8a16_tensor_core_rows if tensor_cores else 0, fp8_x,
                      fp8_rows, config.int8_mma_rows if triton else 0,
                      config.gemv_8bit_max_rows if config.triton_gemv and triton else 0,
-                     config.gate_up_rows_apart and config.gemv_gate_up_activation)
+                     config.gate_up_rows_apart)
     set_gguf_int8_activations(model, config.gguf_int8_activations and triton,
                               config.gguf_fused_x_rounding)
 

@@ -202,7 +202,6 @@ def gemv_gate_up_rows_apart(x: torch.Tensor, weight: torch.Tensor, act: str,
     own launch (a draft round's first forward: `EngineConfig.gate_up_rows_apart`)."""
     flag = row_skip.skip_flag()
     assert flag is not None and x.dim() == 2 and x.shape[0] == 2, (flag, x.shape)
-    assert flag.dtype == torch.int32 and flag.device == x.device, (flag.dtype, flag.device)
     y = torch.empty((2, weight.shape[0] // 2), dtype=x.dtype, device=x.device)
     _launch(x[:1], weight, None, scale, act, out=y[:1], skip_whole=flag)
     _launch(x[1:], weight, None, scale, act, out=y[1:])
@@ -232,10 +231,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
     channels = block_n // 2 if gate_up else block_n
     assert channels * (2 if gate_up else 1) == block_n, block_n
     skip = row_skip.skip_flag() if m == 2 else None
-    if skip is not None:
-        assert skip.dtype == torch.int32 and skip.device == x.device, (skip.dtype, skip.device)
     assert skip_whole is None or m == 1, m
     flag = skip if skip_whole is None else skip_whole
+    if flag is not None:
+        assert flag.dtype == torch.int32 and flag.device == x.device, (flag.dtype, flag.device)
     _gemv_kernel[(triton.cdiv(n, channels),)](
         x, weight, weight if scale is None else scale, x if flag is None else flag, y, n, k,
         x.stride(0), weight.stride(0), y.stride(0),

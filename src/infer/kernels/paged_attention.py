@@ -350,7 +350,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
     return triton.next_power_of_2(splits)
 
 
-def decode_launch(head_dim: int, query_len: int, num_seqs: int) -> tuple[int, int]:
+def decode_launch(head_dim: int, num_seqs: int) -> tuple[int, int]:
     """(keys per tile, warps) of a decode launch. Head size 128 was tuned on the H100
     (benchmarks/decode_attention_tuning.py): 128 keys and 4 warps beat 64 and 8 by 5-20 %
     from batch 1 to 256. But that launch takes 255 registers and spills (ptxas -v, sm_90);
@@ -418,7 +418,7 @@ def paged_decode(
     else:
         part_o = part_lse = out  # unused
     last_combines = split and split_counters is not None
-    default_block_n, default_warps = decode_launch(head_dim, query_len, num_seqs)
+    default_block_n, default_warps = decode_launch(head_dim, num_seqs)
     if last_combines:
         assert split_counters.dtype == torch.int32 and split_counters.is_contiguous()
         assert split_counters.numel() >= num_seqs * num_kv_heads, split_counters.shape
