@@ -369,3 +369,55 @@ def test_the_gate_up_activation_knob_keeps_a_models_tokens_and_logprobs(monkeypa
                                     for lp in out.logprobs])
         del llm
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("rows", [2, 5])
+def test_a_gated_mlps_few_rows_take_the_activation_in_the_tensor_core_launch(rows,
+                                                                             monkeypatch):
+    """With `gate_up_rows` (`mma_gate_up_activation`), 16-bit rows past one that go to
+    rows_mma take no activation launch, and the MLP's output is bit for bit the one with
+    the activation's own launch."""
+    from infer.models.layers import set_gate_up_activation, set_kernel_backend
+    from infer.models.linear import set_triton_gemv
+
+    gen = torch.Generator().manual_seed(80 + rows)
+    mlp, dtype = _gated_mlp("none", 96, gen, 0.1)
+    set_kernel_backend(mlp, "triton")
+    set_gate_up_activation(mlp, True)
+    set_triton_gemv(mlp, True, 16)
+    x = torch.randn(rows, 64, generator=gen).to(DEVICE, dtype)
+    apart = mlp(x)
+    set_triton_gemv(mlp, True, 16, gate_up_rows=16)
+    calls = _count_activation_launches(monkeypatch)
+    assert torch.equal(mlp(x), apart)
+    assert not calls
+
+
+def test_the_mma_gate_up_knob_keeps_a_models_tokens_and_logprobs(monkeypatch):
+    """`mma_gate_up_activation`: a float16 model's decode steps of three rows launch no
+    activation, and greedy tokens and logprobs are those with it off."""
+    from server_fixtures import tiny_model_dir
+
+    from infer import LLM, SamplingParams
+    from infer.models.layers import GatedMLP
+
+    calls = _count_activation_launches(monkeypatch)
+    params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, ignore_eos=True)
+    prompts = ["The tiny model says", "Once upon", "A list: one, two,"]
+    outs = {}
+    for on in (True, False):
+        llm = LLM(str(tiny_model_dir()), device=DEVICE, dtype="float16", num_blocks=64,
+                  max_model_len=128, kernel_backend="triton", mma_gate_up_activation=on,
+                  cuda_graphs=False, async_scheduling=False)
+        mlps = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, GatedMLP)]
+        assert mlps and all(m.gate_up_proj.quant_method.gate_up_rows == (16 if on else 1)
+                            for m in mlps)
+        calls.clear()
+        outs[on] = [(out.token_ids, [sorted((t, p.logprob) for t, p in lp.items())
+                                     for lp in out.logprobs])
+                    for o in llm.generate(prompts, params, use_tqdm=False)
+                    for out in o.outputs]
+        # The prompts' step launches it in each layer; the two 3-row steps only when off.
+        assert len(calls) == len(mlps) * (1 if on else 3), (on, len(calls))
+        del llm
+    assert outs[True] == outs[False]

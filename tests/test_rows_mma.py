@@ -95,6 +95,41 @@ def test_a_scale_per_tile_matches_float64(m, n, k, block, splits, big, weight_fi
     assert error < TOLERANCE[torch.bfloat16], error
 
 
+@pytest.mark.parametrize(("act", "m", "inter", "k", "splits", "weight_first", "eight_bit"), [
+    ("silu", 5, 100, 256, 1, True, False), ("gelu_tanh", 3, 72, 384, 3, True, False),
+    ("silu", 16, 40, 256, 2, False, False), ("silu", 2, 130, 300, 1, True, True),
+    ("gelu_tanh", 17, 64, 512, 2, True, True)])
+def test_a_gated_mlps_activation_is_the_product_then_the_activation_kernel(
+        act, m, inter, k, splits, weight_first, eight_bit):
+    """`gate_up`: `act(gate) * up` stored by the programs that multiplied each channel's
+    gate and up rows, bit for bit rows_mma's `[gate | up]` at the same launch then
+    `gated_rows` (ragged channels, K slices, 8-bit weights scaled per channel), and the
+    float64 activation of the float64 product within the output's rounding."""
+    from infer.kernels.activation import gated_rows
+    from infer.kernels.rows_mma import rows_mma
+
+    gen = torch.Generator().manual_seed(m + inter + k)
+    x = torch.randn(m, k, generator=gen).to(torch.float16)
+    if eight_bit:
+        w = torch.randint(-128, 128, (2 * inter, k), dtype=torch.int8, generator=gen)
+        scale = (torch.rand(2 * inter, generator=gen) * 0.01 + 1e-3).to(torch.float16)
+        dense = w.double() * scale.double()[:, None]
+    else:
+        w = (torch.randn(2 * inter, k, generator=gen) * 0.1).to(torch.float16)
+        scale, dense = None, w.double()
+    args = [t.to(DEVICE) if t is not None else None for t in (x, w, scale)]
+    launch = dict(splits=splits, weight_first=weight_first, block_n=64, block_k=128)
+    fused = rows_mma(*args, gate_up=act, **launch).cpu()
+    apart = gated_rows(rows_mma(*args, **launch), act).cpu()
+    assert fused.shape == (m, inter) and fused.dtype == torch.float16
+    assert torch.equal(fused, apart)
+    gate, up = (x.double() @ dense.T).chunk(2, dim=1)
+    ref = (torch.nn.functional.silu(gate) if act == "silu"
+           else torch.nn.functional.gelu(gate, approximate="tanh")) * up
+    error = (fused.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert error < 4 * TOLERANCE[torch.float16], error
+
+
 def test_counters_are_left_at_zero_and_a_second_launch_agrees():
     from infer.kernels import launch_counters
     from infer.kernels.rows_mma import MAX_BLOCKS

@@ -106,6 +106,13 @@ class EngineConfig:
         "instead of after the activation's own launch: on an H200 batch-1 decode of the "
         "1B / 8B INT8 0.634 -> 0.615 / 2.633 -> 2.600 ms a step, 1B bf16 0.850 -> 0.843, "
         "8B bf16 4.044 -> 4.053 (docs/performance.md)")
+    mma_gate_up_activation: bool = knob(
+        False, "with triton_gemv and gemv_gate_up_activation, a gated MLP's steps of 2 to "
+        "gemv_max_rows rows of 16-bit weights (a verify step's k + 1 positions, small "
+        "batches) get act(gate) * up from the gate_up projection's tensor-core launch "
+        "(kernels/rows_mma.py gate_up), each program multiplying the gate and up rows of "
+        "its channels, instead of after the activation's own launch; off until measured "
+        "on a GPU")
     gate_up_rows_apart: bool = knob(
         False, "with triton_gemv and gemv_gate_up_activation, the two rows of a gated MLP "
         "of INT8 / FP8 weights too wide for the two-row GEMV, in a draft round's first "

@@ -51,7 +51,8 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
 def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: str) -> None:
     """Which kernels `model`'s decode-sized matmuls take: infer's GEMV for 16-bit weights
     (`triton_gemv`, `gemv_max_rows`, a gated MLP's activation stored by the gate_up
-    projection's with `gemv_gate_up_activation`) and for up to `gemv_8bit_max_rows` rows
+    projection's with `gemv_gate_up_activation`, past one row with
+    `mma_gate_up_activation`) and for up to `gemv_8bit_max_rows` rows
     of per-channel 8-bit ones (`triton_gemv`), tensor cores for 8-bit ones past those
     (`w8a16_tensor_cores`, `w8a16_tensor_core_rows`), FP8 by FP8 in infer's kernel for FP8 ones
     (`fp8_decode_activations`, `fp8_mma_rows`), either operand first there
@@ -59,7 +60,8 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
     GGUF Q4_K, Q6_K and Q8_0 blocks (`gguf_int8_activations`, x rounded where it is made
     with `gguf_fused_x_rounding`)."""
     triton = kernel_backend == "triton"
-    set_triton_gemv(model, config.triton_gemv and triton, config.gemv_max_rows)
+    set_triton_gemv(model, config.triton_gemv and triton, config.gemv_max_rows,
+                    config.gemv_max_rows if config.mma_gate_up_activation else 1)
     set_gate_up_activation(model, config.gemv_gate_up_activation and config.triton_gemv
                            and triton)
     if triton:

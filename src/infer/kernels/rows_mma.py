@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels import dependent_launch, gpu_compiled, launch_counters, sm_count
+from infer.kernels.activation import gated
 from infer.kernels.gemv import _row, _weights
 from infer.kernels.split_k import k_slice, sum_of_parts
 from infer.kernels.weight_cast import to_float
@@ -111,15 +112,32 @@ def _cuda_core_rows(x_ptr, w_rows, s_row, stride_xm, M, k_begin, k_end, K,
 
 
 @triton.jit
-def _scaled(acc, s_ptr, rn, N, x_scale, SCALE: tl.constexpr, SCALE_COLS: tl.constexpr,
+def _scaled(acc, s_ptr, wn, x_scale, SCALE: tl.constexpr, SCALE_COLS: tl.constexpr,
             FP8_X: tl.constexpr):
-    """The float32 sums times what is left of their scales: the channels' (tile scales
-    were applied each K step) and, with FP8_X, the rows'."""
+    """The float32 sums times what is left of their scales: the channels' (weight rows
+    `wn`; tile scales were applied each K step) and, with FP8_X, the rows'."""
     if SCALE and SCALE_COLS == 0:
-        acc *= tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        acc *= tl.load(s_ptr + wn).to(tl.float32)[None, :]
     if FP8_X:
         acc = acc * x_scale[:, None]
     return acc
+
+
+@triton.jit
+def _store(acc, y_ptr, stride_ym, rm, M, pid_n, N, BLOCK_N: tl.constexpr,
+           GATE_UP: tl.constexpr):
+    """The program's sums `acc [BLOCK_M, BLOCK_N]`, rounded to y's dtype; with GATE_UP,
+    `act(gate) * up` of each channel's column pair (rounded as `activation.gated_rows`
+    rounds what it reads and stores)."""
+    y = acc.to(y_ptr.dtype.element_ty)
+    if GATE_UP == "":
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    else:
+        rn = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        gate, up = tl.split(tl.reshape(y, (y.shape[0], BLOCK_N // 2, 2)))
+        y = gated(gate, up, GATE_UP).to(y_ptr.dtype.element_ty)
+    y_rows = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+    tl.store(y_rows, y, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 @triton.jit
@@ -129,20 +147,32 @@ def _rows_mma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
     EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr, PTX: tl.constexpr,
-    FP8_X: tl.constexpr, W_FIRST: tl.constexpr, PDL: tl.constexpr,
+    FP8_X: tl.constexpr, W_FIRST: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr,
 ):
     """SCALE: the weight is 8-bit, scaled per channel (SCALE_COLS 0) or per tile; else it
     is 16-bit, x's dtype, unscaled. FP8_X (FP8 weights scaled per channel): x is FP8 (its
     bytes, as int8), scaled per row by `xs_ptr`'s, and multiplied FP8 by FP8. W_FIRST (always
-    with FP8_X): the weight tile is the MMA's first operand, the sums come out transposed."""
+    with FP8_X): the weight tile is the MMA's first operand, the sums come out transposed.
+    GATE_UP ("silu" / "gelu_tanh"; never with tile scales): the weight is a gated MLP's
+    `[gate | up]`, 2N rows, and y gets `act(gate) * up`, N channels."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     rm = tl.arange(0, BLOCK_M)
     k_begin, k_end = k_slice(pid_s, steps_per_split, K, BLOCK_K)
-    # Rows past N read row N - 1 (no mask on the weight's loads) and are not stored.
-    w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
+    # The tile's columns (its weight rows), and where they lie in the parts `[M, N]`, or
+    # with GATE_UP `[M, 2N]`: column 2c gate channel c's, 2c + 1 up channel c's.
+    rn = pid_n * BLOCK_N + r
+    if GATE_UP == "":
+        in_n = rn < N
+        wn = tl.minimum(rn, N - 1)
+    else:
+        channel = pid_n * (BLOCK_N // 2) + r // 2
+        in_n = channel < N
+        wn = tl.minimum(channel, N - 1) + (r % 2) * N
+    # Columns past N read row N - 1 (no mask on the weight's loads) and are not stored.
+    w_rows = w_ptr + wn.to(tl.int64)[:, None] * stride_wn
     # Tile scales (SCALE_COLS > 0): the program's rows and each K step lie in one tile.
     s_row = s_ptr + (pid_n * BLOCK_N // SCALE_ROWS) * stride_sn
     dependent_launch.wait(PDL)
@@ -197,17 +227,18 @@ def _rows_mma_kernel(
         if tl.max(x_max) > F16_MAX:  # an |x| overflowed float16: this part again, in float32
             acc = _cuda_core_rows(x_ptr, w_rows, s_row, stride_xm, M, k_begin, k_end, K,
                                   BLOCK_M, BLOCK_N, 32, SCALE_COLS, PTX)
-    y_rows = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
     if splits == 1:
-        acc = _scaled(acc, s_ptr, rn, N, x_scale, SCALE, SCALE_COLS, FP8_X)
-        tl.store(y_rows, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        acc = _scaled(acc, s_ptr, wn, x_scale, SCALE, SCALE_COLS, FP8_X)
+        _store(acc, y_ptr, stride_ym, rm, M, pid_n, N, BLOCK_N, GATE_UP)
     else:
-        parts = part_ptr + rm[:, None] * N + rn[None, :]  # [splits, M, N] float32
-        last, total = sum_of_parts(acc, parts, M * N, pid_s, splits, counts + pid_n, mask)
+        width = N if GATE_UP == "" else 2 * N
+        parts = part_ptr + rm[:, None] * width + rn[None, :]  # [splits, M, width] float32
+        mask = (rm[:, None] < M) & in_n[None, :]
+        last, total = sum_of_parts(acc, parts, M * width, pid_s, splits, counts + pid_n,
+                                   mask)
         if last:
-            total = _scaled(total, s_ptr, rn, N, x_scale, SCALE, SCALE_COLS, FP8_X)
-            tl.store(y_rows, total.to(y_ptr.dtype.element_ty), mask=mask)
+            total = _scaled(total, s_ptr, wn, x_scale, SCALE, SCALE_COLS, FP8_X)
+            _store(total, y_ptr, stride_ym, rm, M, pid_n, N, BLOCK_N, GATE_UP)
 
 
 # Row blocks a launch may have (8M output channels at 128 a block): a counter each.
@@ -292,7 +323,8 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
              x_scale: torch.Tensor | None = None, block_n: int = BLOCK_N,
              block_k: int = BLOCK_K,
              splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
-             out_dtype: torch.dtype | None = None, weight_first: bool = False) -> torch.Tensor:
+             out_dtype: torch.dtype | None = None, weight_first: bool = False,
+             gate_up: str = "") -> torch.Tensor:
     """`x [M, K]` (M <= MAX_ROWS; float16 / bfloat16, unit column stride) times the
     transpose of `weight [N, K]` (contiguous): x's dtype, unscaled (`scale` None), or int8 /
     float8_e4m3fn scaled by `scale [N]`, or with `scale_block = (rows, cols)` (`takes` it)
@@ -300,7 +332,11 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
     dtype. With `x_scale [M]` (float32; FP8 weights scaled per channel, on a GPU): x is
     float8_e4m3fn, `x * x_scale[:, None]` the rows (as `fp8_quant.fp8_quantize_rows` gives
     them), multiplied FP8 by FP8; `out_dtype` (16-bit) then names y's dtype.
-    `weight_first`: the weight tile is the MMA's first operand (as FP8 by FP8 always is)."""
+    `weight_first`: the weight tile is the MMA's first operand (as FP8 by FP8 always is).
+    `gate_up` ("silu" / "gelu_tanh"; not with `scale_block`): `weight [2I, K]` is a gated
+    MLP's gate rows then up rows, and the result `[M, I]` is `act(gate) * up`, stored by
+    the program that multiplied both (the activation's own launch saved), bit for bit the
+    product then `activation.gated_rows` at the same launch."""
     fp8_x = x_scale is not None
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, x.shape
     assert x.shape[0] == 1 or x.stride(0) >= x.shape[1], x.stride()
@@ -310,6 +346,9 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
     assert weight.shape[1] == x.shape[1], (weight.shape, x.shape)
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     scale_rows, scale_cols = scale_block or (0, 0)
+    if gate_up:
+        assert gate_up in ("silu", "gelu_tanh") and scale_block is None, gate_up
+        assert n % 2 == 0 and block_n % 2 == 0, (n, block_n)
     if scale is None:
         assert weight.dtype == x.dtype and scale_block is None, (weight.dtype, x.dtype)
     else:
@@ -326,9 +365,10 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
         assert x_scale.shape == (m,) and x_scale.dtype == torch.float32
         assert out_dtype in (torch.float16, torch.bfloat16), out_dtype
         x = x.view(torch.int8)  # its bytes: loads with zeros past the rows
-    y = torch.empty((m, n), dtype=out_dtype if fp8_x else x.dtype, device=x.device)
+    channels = n // 2 if gate_up else n
+    y = torch.empty((m, channels), dtype=out_dtype if fp8_x else x.dtype, device=x.device)
     if n == 0 or k == 0:
-        return y.zero_()
+        return y.zero_()  # act(0) * 0 = 0 too
     steps = triton.cdiv(k, block_k)
     splits = splits or splits_for(n, k, x.device, block_n, block_k)
     per_split = triton.cdiv(steps, min(splits, steps))
@@ -339,13 +379,13 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
     _rows_mma_kernel[(blocks, splits)](
         x, weight, y if scale is None else scale, x_scale if fp8_x else y, y, parts,
         launch_counters("rows_mma", x.device, MAX_BLOCKS, blocks),
-        m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        m, channels, k, x.stride(0), weight.stride(0), y.stride(0),
         1 if scale is None else scale.stride(0), per_split, splits,
         BLOCK_M=block_rows(m), BLOCK_N=block_n, BLOCK_K=block_k,
         SCALE=scale is not None, SCALE_ROWS=scale_rows or 1, SCALE_COLS=scale_cols,
         EVEN_K=k % block_k == 0, ONE_ROW=m == 1 and not fp8_x,
         PTX=gpu_compiled(x.device), FP8_X=fp8_x,
-        W_FIRST=weight_first or fp8_x,
+        W_FIRST=weight_first or fp8_x, GATE_UP=gate_up,
         num_warps=num_warps, num_stages=num_stages, **dependent_launch.launch_options(),
     )
     return y

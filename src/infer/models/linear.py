@@ -74,10 +74,12 @@ class LinearMethod:
 
 class UnquantizedLinearMethod(LinearMethod):
     """A plain `weight [out, in]` in the model's dtype; `F.linear`, or for up to
-    `gemv_rows` rows infer's GEMV kernel (`set_triton_gemv`; 0: never)."""
+    `gemv_rows` rows infer's GEMV kernel (`set_triton_gemv`; 0: never); a gated MLP's
+    activation in the gate_up projection's launch for up to `gate_up_rows` of those."""
 
     def __init__(self) -> None:
         self.gemv_rows = 0
+        self.gate_up_rows = 1
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_sizes: list[int],
@@ -91,12 +93,21 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply_gate_up(self, layer: nn.Module, x: torch.Tensor, act: str,
                       bias: torch.Tensor | None) -> torch.Tensor | None:
-        """One row, where it goes to infer's GEMV."""
-        if not _gemv_takes(x, layer.weight, bias, min(self.gemv_rows, 1)):
+        """One row where it goes to infer's GEMV, up to `gate_up_rows` where they go to
+        rows_mma."""
+        if not _gemv_takes(x, layer.weight, bias, min(self.gemv_rows, self.gate_up_rows)):
             return None
-        from infer.kernels.gemv import gemv_gate_up
+        rows = x.reshape(-1, x.shape[-1])
+        if len(rows) == 1:
+            from infer.kernels.gemv import gemv_gate_up
 
-        y = gemv_gate_up(x.reshape(1, -1).contiguous(), layer.weight, act)
+            y = gemv_gate_up(rows.contiguous(), layer.weight, act)
+        else:
+            from infer.kernels import rows_mma
+
+            y = rows_mma.rows_mma(rows if rows.stride(-1) == 1 else rows.contiguous(),
+                                  layer.weight, gate_up=act,
+                                  **rows_mma.engine_launch(*layer.weight.shape, x.device))
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
@@ -139,13 +150,17 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1) -> None:
+def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1,
+                    gate_up_rows: int = 1) -> None:
     """Matmuls of up to `max_rows` rows by `model`'s plain 16-bit weights (projections, LM
-    head) through infer's Triton kernels (`on`) or cuBLAS."""
+    head) through infer's Triton kernels (`on`) or cuBLAS; a gated MLP's activation stored
+    by its gate_up projection's launch for up to `gate_up_rows` of them (where the MLP
+    asks: `layers.set_gate_up_activation`)."""
     rows = max_rows if on else 0
     for m in model.modules():
         if isinstance(m, LinearBase) and isinstance(m.quant_method, UnquantizedLinearMethod):
             m.quant_method.gemv_rows = rows
+            m.quant_method.gate_up_rows = gate_up_rows
         elif isinstance(m, ParallelLMHead):
             m.gemv_rows = rows
 
