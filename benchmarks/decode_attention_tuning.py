@@ -1,8 +1,13 @@
 """Launch settings of the paged decode attention kernel (keys per tile, warps, pipeline
-stages) on the shapes that decide decode speed, bf16 on CUDA: GB/s of KV read (and % of
-the copy bandwidth measured in the same run) per setting; the first row is the default.
-Launched as the engine's graphs launch it: the splits combined by the last of them
-(`split_counters`); a verify step's case brings k + 1 = 5 tokens a sequence.
+stages, keys a split takes at least) on the shapes that decide decode speed, bf16 on CUDA:
+GB/s of KV read (and % of the copy bandwidth measured in the same run) per setting; the
+first row is the default. Launched as the engine's graphs launch it: the splits combined
+by the last of them (`split_counters`), inside a CUDA graph of many calls with dependent
+launch on where the GPU has it, each call reading a KV cache of its own from a set larger
+than the L2 cache three times over (as a decode step's layers find theirs: evicted by the
+weights since the step before); a verify step's case brings k + 1 = 5 tokens a sequence.
+(`do_bench`'s one launch at a time, timed before, gave 13-120 µs for launches that take
+5-10 µs in a step.)
 
     PYTHONPATH=src python benchmarks/decode_attention_tuning.py [out.json] [--cases b1 ...]
 
@@ -18,12 +23,13 @@ import sys
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_times import copy_bandwidth, paged_setup
+from quantized_gemv import L2_BYTES, cycling, graph_time_us
 
-from infer.kernels.paged_attention import default_num_splits, paged_decode
+from infer.kernels import dependent_launch
+from infer.kernels.paged_attention import default_num_splits, paged_decode, split_keys
 
 CASES = [  # name, batch, context (or a (low, high) range to draw from), heads, kv_heads,
     # head_dim, tokens a sequence
@@ -40,6 +46,8 @@ CASES = [  # name, batch, context (or a (low, high) range to draw from), heads, 
 ]
 SETTINGS = [(None, None, None), *itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4))]
 SPLITS = (1, 2, 4, 8)  # tried at the default launch besides the policy's own
+MIN_SPLIT_KEYS = (32, 64, 128, 256, 512)  # tried at the default launch besides the policy's
+MAX_CALLS = 512  # calls a graph captures at most
 
 
 def main() -> None:
@@ -51,6 +59,8 @@ def main() -> None:
     cases = [c for c in CASES if opts.cases is None or any(w in c[0] for w in opts.cases)]
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
+    l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or L2_BYTES
+    dependent_launch.set_enabled(dependent_launch.supported(torch.device("cuda")))
     rows = []
     gen = torch.Generator().manual_seed(0)
     for name, batch, ctx, heads, kvh, d, qlen in cases:
@@ -60,26 +70,39 @@ def main() -> None:
         q = torch.randn(batch * qlen, heads, d, device="cuda", dtype=torch.bfloat16)
         counters = torch.zeros(batch * kvh, dtype=torch.int32, device="cuda")
         splits = default_num_splits(batch, kvh, max(lens), q.device)
+        policy_keys = split_keys(batch, kvh, q.device)
         ref = paged_decode(q, kc, vc, meta.seq_lens, meta.block_tables, d ** -0.5,
                            num_splits=splits, query_len=qlen)
         nbytes = sum(lens) * kvh * d * 2 * 2
-        args = (q, kc, vc, meta.seq_lens, meta.block_tables, d ** -0.5)
-        launches = [(splits, *setting) for setting in SETTINGS]
-        launches += [(n, *SETTINGS[0]) for n in SPLITS if n != splits]
-        for n_splits, block_n, warps, stages in launches:
-            def run(a=args, n=n_splits, b=block_n, w=warps, s=stages, c=counters, t=qlen):
-                return paged_decode(*a, num_splits=n, block_n=b, num_warps=w, num_stages=s,
-                                    split_counters=c, query_len=t)
+        # Calls enough to pass the L2 three times, each with caches of its own.
+        calls = max(20, min(MAX_CALLS, -(-3 * l2_bytes // (kc.nbytes + vc.nbytes))))
+        caches = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(calls - 1)]
+        # (splits, block_n, warps, stages, min_split_keys); None: the policy's
+        launches = [(splits, *setting, None) for setting in SETTINGS]
+        launches += [(n, *SETTINGS[0], None) for n in SPLITS if n != splits]
+        launches += [(splits, *SETTINGS[0], keys) for keys in MIN_SPLIT_KEYS
+                     if keys != policy_keys]
+        for n_splits, block_n, warps, stages, keys in launches:
+            launch = dict(num_splits=n_splits, block_n=block_n, num_warps=warps,
+                          num_stages=stages, split_counters=counters, min_split_keys=keys,
+                          query_len=qlen)
+
+            def run(k_cache, v_cache, q=q, meta=meta, scale=d ** -0.5, launch=launch):
+                return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables,
+                                    scale, **launch)
             try:
-                err = (run().float() - ref.float()).abs().max().item()
-                ms = do_bench(run, warmup=20, rep=100, return_mode="median")
+                err = (run(kc, vc).float() - ref.float()).abs().max().item()
+                us = graph_time_us(cycling([lambda c=c: run(*c) for c in caches]),
+                                   replays=10, calls=calls)
             except Exception as e:  # out of resources etc.
-                print(f"{name} {n_splits} {block_n} {warps} {stages}: "
+                print(f"{name} {n_splits} {block_n} {warps} {stages} {keys}: "
                       f"{str(e).splitlines()[0][:80]}")
                 continue
             rows.append(dict(case=name, splits=n_splits, block_n=block_n, num_warps=warps,
-                             num_stages=stages, us=ms * 1e3, GBps=nbytes / ms / 1e6,
-                             frac_copy=nbytes / ms / 1e6 / copy_gbs, max_err=err))
+                             num_stages=stages, min_split_keys=keys or policy_keys, us=us,
+                             GBps=nbytes / us / 1e3, frac_copy=nbytes / us / 1e3 / copy_gbs,
+                             max_err=err, calls=calls))
+        del caches
     out = opts.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_GBps=copy_gbs,
@@ -91,9 +114,10 @@ def main() -> None:
             continue
         best = sorted(case[1:], key=lambda r: r["us"])[:5]
         for r in [case[0], *best]:
-            print(f"{name:28s} BLOCK_N {r['block_n']!s:>4s} warps {r['num_warps']} stages "
-                  f"{r['num_stages']!s:>4s} splits {r['splits']:2d}: {r['us']:8.1f} us "
-                  f"{r['GBps']:6.0f} GB/s {100 * r['frac_copy']:5.1f}% err {r['max_err']:.1e}")
+            print(f"{name:28s} BLOCK_N {r['block_n']!s:>4s} warps {r['num_warps']!s:>4s} "
+                  f"stages {r['num_stages']!s:>4s} splits {r['splits']:2d} keys "
+                  f"{r['min_split_keys']:3d}: {r['us']:8.2f} us {r['GBps']:6.0f} GB/s "
+                  f"{100 * r['frac_copy']:5.1f}% err {r['max_err']:.1e}")
 
 
 if __name__ == "__main__":

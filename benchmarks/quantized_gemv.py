@@ -61,8 +61,9 @@ def time_cycled(launch: Callable, x: torch.Tensor, weights: list[torch.Tensor],
                          replays=replays)
 
 
-def graph_time_us(fn: Callable[[], torch.Tensor], replays: int = 20) -> float:
-    """Median microseconds per call of `fn`, replayed in a CUDA graph of CALLS_PER_GRAPH."""
+def graph_time_us(fn: Callable[[], torch.Tensor], replays: int = 20,
+                  calls: int = CALLS_PER_GRAPH) -> float:
+    """Median microseconds per call of `fn`, replayed in a CUDA graph of `calls`."""
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for _ in range(3):
@@ -70,7 +71,7 @@ def graph_time_us(fn: Callable[[], torch.Tensor], replays: int = 20) -> float:
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        for _ in range(CALLS_PER_GRAPH):
+        for _ in range(calls):
             fn()
     times = []
     for _ in range(replays):
@@ -79,7 +80,7 @@ def graph_time_us(fn: Callable[[], torch.Tensor], replays: int = 20) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
+        times.append(start.elapsed_time(end) * 1e3 / calls)
     return sorted(times)[len(times) // 2]
 
 
