@@ -106,6 +106,12 @@ class EngineConfig:
         "instead of after the activation's own launch: on an H200 batch-1 decode of the "
         "1B / 8B INT8 0.634 -> 0.615 / 2.633 -> 2.600 ms a step, 1B bf16 0.850 -> 0.843, "
         "8B bf16 4.044 -> 4.053 (docs/performance.md)")
+    add_norm_epilogue: bool = knob(
+        False, "with triton_gemv, the residual add and RMSNorm after a Llama-family layer's "
+        "output and down projections run in that projection's one-row GEMV (its last "
+        "program normalises the row: kernels/add_norm.py) instead of a kernel of their own, "
+        "so that the next projection reads its weight while this one runs; batch-1 decode "
+        "on one GPU (16-bit, INT8 and FP8 weights); off until measured on a GPU")
     mma_gate_up_activation: bool = knob(
         False, "with triton_gemv and gemv_gate_up_activation, a gated MLP's steps of 2 to "
         "gemv_max_rows rows of 16-bit weights (a verify step's k + 1 positions, small "

@@ -35,8 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import dependent_launch, gpu_compiled, row_skip
+from infer.kernels import add_norm, dependent_launch, gpu_compiled, launch_counters, row_skip
 from infer.kernels.activation import gated
+from infer.kernels.add_norm import add_norm_epilogue
 from infer.kernels.weight_cast import to_float
 
 MAX_ROWS = 2
@@ -67,10 +68,15 @@ def _row(x_ptr, kk, K, EVEN_K: tl.constexpr):
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, skip_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
+    res_ptr, nw_ptr, count_ptr, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
     GATE_UP: tl.constexpr, SCALED: tl.constexpr, SKIPS: tl.constexpr,
-    SKIPPED_WHOLE: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
+    SKIPPED_WHOLE: tl.constexpr, ADD_NORM: tl.constexpr, OFFSET: tl.constexpr,
+    BLOCK_H: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
 ):
+    """ADD_NORM (one row): `res_ptr`'s row += the product, and y the RMSNorm of the sum
+    (weights `nw_ptr`, `eps`, OFFSET as `rmsnorm.py`'s), by the last program to count
+    itself in at `count_ptr` (`add_norm.py`)."""
     if SKIPPED_WHOLE:  # noqa: SIM102 (a constexpr branch: the runtime test is not compiled in)
         if tl.load(skip_ptr) != 0:  # one row, left out: the launch does nothing
             # The kernel after this one waits for this one's end alone: program 0 waits
@@ -104,9 +110,26 @@ def _gemv_kernel(
         else:
             _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
                   BLOCK_K, 2, EVEN_K, GATE_UP, SCALED, PTX)
+    elif ADD_NORM:
+        acc = _sums(w, w_rows, rk, x_ptr, K, BLOCK_K, EVEN_K, PTX)
+        y = _channels(acc, s_ptr, wn, SCALED).to(y_ptr.dtype.element_ty)
+        add_norm_epilogue(y, rn, N, res_ptr, nw_ptr, y_ptr, count_ptr, eps, OFFSET, BLOCK_H)
     else:
         _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
               BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX)
+
+
+@triton.jit
+def _sums(w, w_rows, rk, x_ptr, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+          PTX: tl.constexpr):
+    """One row's products with the program's weight rows, `[BLOCK_N, BLOCK_K]` float32
+    (from the first weight tile `w`), to be summed along K."""
+    acc = to_float(w, PTX) * _row(x_ptr, rk, K, EVEN_K).to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        kk = k0 + rk
+        acc += (to_float(_weights(w_rows, kk, K, EVEN_K), PTX)
+                * _row(x_ptr, kk, K, EVEN_K).to(tl.float32)[None, :])
+    return acc
 
 
 @triton.jit
@@ -136,14 +159,21 @@ def _store(acc, s_ptr, y_ptr, rn, wn, N, SCALED: tl.constexpr, GATE_UP: tl.const
     """A row's sums of `acc [BLOCK_N, BLOCK_K]` (weight rows wn), scaled per channel where
     SCALED, rounded to y's dtype; with GATE_UP, `act(gate) * up` of each channel's pair
     (rounded as the activation kernel rounds what it reads and stores), stored at rn."""
-    y = tl.sum(acc, axis=1)
-    if SCALED:
-        y *= tl.load(s_ptr + wn).to(tl.float32)
-    y = y.to(y_ptr.dtype.element_ty)
+    y = _channels(acc, s_ptr, wn, SCALED).to(y_ptr.dtype.element_ty)
     if GATE_UP != "":
         gate, up = tl.split(tl.reshape(y, (y.shape[0] // 2, 2)))
         y = gated(gate, up, GATE_UP).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + rn, y, mask=rn < N)
+
+
+@triton.jit
+def _channels(acc, s_ptr, wn, SCALED: tl.constexpr):
+    """The channels' sums of `acc [BLOCK_N, BLOCK_K]` (weight rows wn), float32, scaled
+    per channel where SCALED."""
+    y = tl.sum(acc, axis=1)
+    if SCALED:
+        y *= tl.load(s_ptr + wn).to(tl.float32)
+    return y
 
 
 def default_launch(n: int, k: int, weight_bytes: int = 2, rows: int = 1) -> Launch:
@@ -208,9 +238,26 @@ def gemv_gate_up_rows_apart(x: torch.Tensor, weight: torch.Tensor, act: str,
     return y
 
 
+def gemv_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                  norm_weight: torch.Tensor, eps: float, offset: float = 0.0,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`residual += gemv(x, weight, scale=scale)` (in place) and returns the RMSNorm of the
+    sum (`norm_weight`, `eps`, `offset` as `rmsnorm.py`'s), in one launch (`add_norm.py`):
+    bit for bit the GEMV then `rmsnorm.fused_add_rmsnorm`. One row; `residual [1, N]`
+    contiguous, x's dtype."""
+    assert x.shape[0] == 1 and offset in (0.0, 1.0), (x.shape, offset)
+    assert residual.shape == (1, weight.shape[0]) and residual.is_contiguous(), residual.shape
+    assert residual.dtype == x.dtype and residual.device == x.device, residual.dtype
+    assert norm_weight.shape == (weight.shape[0],) and norm_weight.is_contiguous()
+    assert x.shape[1] > 0 and weight.shape[0] > 0, (x.shape, weight.shape)
+    return _launch(x, weight, None, scale, norm=(residual, norm_weight, eps, offset))
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
             scale: torch.Tensor | None, gate_up: str = "", out: torch.Tensor | None = None,
-            skip_whole: torch.Tensor | None = None) -> torch.Tensor:
+            skip_whole: torch.Tensor | None = None,
+            norm: tuple[torch.Tensor, torch.Tensor, float, float] | None = None
+            ) -> torch.Tensor:
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, (x.shape,
                                                                                 x.stride())
     assert weight.dim() == 2 and weight.stride(1) == 1, (weight.shape, weight.stride())
@@ -235,12 +282,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
     flag = skip if skip_whole is None else skip_whole
     if flag is not None:
         assert flag.dtype == torch.int32 and flag.device == x.device, (flag.dtype, flag.device)
+    assert norm is None or (skip is None and not gate_up), "a norm after one row's product"
+    residual, norm_weight, eps, offset = norm or (y, y, 0.0, 0.0)
     _gemv_kernel[(triton.cdiv(n, channels),)](
         x, weight, weight if scale is None else scale, x if flag is None else flag, y, n, k,
-        x.stride(0), weight.stride(0), y.stride(0),
+        x.stride(0), weight.stride(0), y.stride(0), residual, norm_weight,
+        launch_counters("gemv_add_norm", x.device, 1), eps,
         BLOCK_N=block_n, BLOCK_K=block_k, ROWS=m, EVEN_K=k % block_k == 0, GATE_UP=gate_up,
         SCALED=scale is not None, SKIPS=skip is not None,
-        SKIPPED_WHOLE=skip_whole is not None, PTX=gpu_compiled(x.device),
+        SKIPPED_WHOLE=skip_whole is not None, ADD_NORM=norm is not None, OFFSET=offset,
+        BLOCK_H=add_norm.block_for(n) if norm is not None else 1, PTX=gpu_compiled(x.device),
         num_warps=num_warps,
         **dependent_launch.launch_options(),
     )

@@ -63,6 +63,15 @@ class LinearMethod:
         (`kernels/gemv.py`'s `gemv_gate_up`); None where it does not."""
         return None
 
+    def apply_add_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
+                       norm: nn.Module, bias: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`norm(apply(layer, x, bias), residual)` (an RMSNorm with a residual: `residual`
+        updated in place, `(normed, residual)` returned) where this method's kernel for
+        these rows does the add and the norm in the matmul's own launch
+        (`kernels/add_norm.py`); None where it does not."""
+        return None
+
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of an embedding table this method stores."""
         raise NotImplementedError(f"{type(self).__name__} does not store embedding tables")
@@ -110,8 +119,31 @@ class UnquantizedLinearMethod(LinearMethod):
                                   **rows_mma.engine_launch(*layer.weight.shape, x.device))
         return y.view(*x.shape[:-1], y.shape[-1])
 
+    def apply_add_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
+                       norm: nn.Module, bias: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One row, where it goes to infer's GEMV."""
+        if not _gemv_takes(x, layer.weight, bias, min(self.gemv_rows, 1)):
+            return None
+        return gemv_add_norm_rows(x, layer.weight, None, residual, norm)
+
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight.float()
+
+
+def gemv_add_norm_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                       residual: torch.Tensor, norm: nn.Module
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`apply_add_norm` through `gemv.gemv_add_norm`, for one row of x's dtype and a
+    contiguous residual of that dtype; None for anything else."""
+    if not (x.numel() == x.shape[-1] and residual.numel() == weight.shape[0]
+            and residual.dtype == x.dtype and residual.is_contiguous()):
+        return None
+    from infer.kernels.gemv import gemv_add_norm
+
+    out = gemv_add_norm(x.reshape(1, -1).contiguous(), weight, residual.view(1, -1),
+                        norm.weight, norm.eps, norm.offset, scale)
+    return out.view(residual.shape), residual
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -357,6 +389,19 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.tp_rank, self.tp_size
 
 
+class DeferredMatmul(NamedTuple):
+    """`layer(x)` not launched yet: left for the RMSNorm that takes it with a residual
+    (`RMSNorm.forward`), which has the layer's kernel add and normalise in its epilogue
+    (`RowParallelLinear.forward_add_norm`) or calls `resolve`. What a model's attention and
+    MLP return with `defer_output` (`layers.set_add_norm_epilogue`)."""
+
+    layer: nn.Module
+    x: torch.Tensor
+
+    def resolve(self) -> torch.Tensor:
+        return self.layer(self.x)
+
+
 class RowParallelLinear(LinearBase):
     """The input features are split across ranks: each rank multiplies its slice of `x` by
     its columns of `W`, giving a partial `y` that is summed over the ranks."""
@@ -391,6 +436,15 @@ class RowParallelLinear(LinearBase):
             return self.quant_method.apply(self, x, None)
         y = self.tp.all_reduce(self.quant_method.apply(self, x, None))
         return y if self.bias is None else y + self.bias
+
+    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`norm(forward(x), residual)` where the weight's method does the add and the
+        norm in the matmul's launch (`apply_add_norm`; one rank only); None where it does
+        not."""
+        if self.tp_size > 1:
+            return None
+        return self.quant_method.apply_add_norm(self, x, residual, norm, self.bias)
 
     def forward_gated(self, gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
         """`forward(act(gate) * up)` for the rows of `gate_up [rows, 2 * input]` where the

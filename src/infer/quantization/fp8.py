@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from infer.models.linear import LinearMethod
+from infer.models.linear import LinearMethod, gemv_add_norm_rows
 from infer.models.weights import WeightLoader
 from infer.quantization.stored import channel_scale, quantized_as_loaded, stored_weight
 
@@ -119,6 +119,17 @@ class Fp8LinearMethod(LinearMethod):
                          getattr(layer, "w8a16_gemv_rows", 0),
                          getattr(layer, "gate_up_rows_apart", False))
         return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def apply_add_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
+                       norm: nn.Module, bias: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if (bias is not None or getattr(layer, "fp8_decode_activations", False)
+                or x.dtype not in (torch.float16, torch.bfloat16)
+                or getattr(layer, "w8a16_gemv_rows", 0) < 1
+                or not reads_weight_only(x.reshape(-1, x.shape[-1]),
+                                         getattr(layer, "w8a16_tensor_core_rows", 0))):
+            return None
+        return gemv_add_norm_rows(x, layer.weight, layer.weight_scale, residual, norm)
 
 
 def _scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, layer: nn.Module,

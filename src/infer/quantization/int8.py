@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.models.linear import LinearMethod
+from infer.models.linear import LinearMethod, gemv_add_norm_rows
 from infer.models.weights import WeightLoader
 from infer.quantization.stored import channel_scale, quantized_as_loaded, stored_weight
 from infer.quantization.tables import convert_table
@@ -111,6 +111,14 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
                          layer.weight_scale, act, getattr(layer, "w8a16_gemv_rows", 0),
                          getattr(layer, "gate_up_rows_apart", False))
         return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
+    def apply_add_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
+                       norm: nn.Module, bias: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not (x.is_cuda and bias is None and x.dtype == layer.compute_dtype
+                and getattr(layer, "w8a16_gemv_rows", 0) >= 1):
+            return None
+        return gemv_add_norm_rows(x, layer.weight, layer.weight_scale, residual, norm)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if ids.is_cuda:  # the same rounding in one launch

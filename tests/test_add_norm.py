@@ -1,0 +1,93 @@
+"""The residual add and RMSNorm in the epilogue of the projection before them
+(`kernels/add_norm.py` through `gemv.gemv_add_norm`; the interpreter on the CPU, the GPU
+with INFER_TEST_DEVICE=cuda): bit for bit the GEMV then `fused_add_rmsnorm`, and float64's
+add and norm within rounding; the counter left at 0."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from infer.kernels import triton_available
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+EIGHT_BIT = [torch.int8] + ([torch.float8_e4m3fn] if DEVICE == "cuda" else [])
+EPS = 1e-5
+
+
+def _weight(n: int, k: int, wdtype: torch.dtype, gen: torch.Generator):
+    """(weight, scale or None, the float64 weight it stands for), on DEVICE."""
+    if wdtype in (torch.float16, torch.bfloat16):
+        w = (torch.randn(n, k, generator=gen) * 0.05).to(wdtype)
+        return w.to(DEVICE), None, w.double()
+    w = torch.randint(-100, 100, (n, k), dtype=torch.int8, generator=gen).to(wdtype)
+    scale = torch.rand(n, generator=gen) * 1e-3 + 1e-4
+    return w.to(DEVICE), scale.to(DEVICE), w.double() * scale.double()[:, None]
+
+
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16, *EIGHT_BIT])
+@pytest.mark.parametrize(("n", "k", "offset"), [
+    (37, 300, 0.0), (64, 2048, 1.0), (130, 96, 0.0), (1000, 64, 0.0)])
+def test_the_add_and_norm_are_the_gemv_then_the_fused_add_norm(n, k, offset, wdtype):
+    """Channels past the last program's block, K off the step, Gemma's `1 + w`, a row
+    wider than the last program's warps hold at once."""
+    from infer.kernels import launch_counters
+    from infer.kernels.gemv import gemv, gemv_add_norm
+    from infer.kernels.rmsnorm import fused_add_rmsnorm
+
+    gen = torch.Generator().manual_seed(n + k)
+    dtype = torch.float16 if wdtype == torch.float16 else torch.bfloat16
+    x = torch.randn(1, k, generator=gen).to(dtype).to(DEVICE)
+    w, scale, dense = _weight(n, k, wdtype, gen)
+    residual = torch.randn(1, n, generator=gen).to(dtype).to(DEVICE)
+    norm_w = (torch.rand(n, generator=gen) + 0.5).to(dtype).to(DEVICE)
+    want_res = residual.clone()
+    want, _ = fused_add_rmsnorm(gemv(x, w, scale=scale), want_res, norm_w, EPS, offset)
+    for _ in range(2):  # the second launch finds the counter as the first did
+        got_res = residual.clone()
+        got = gemv_add_norm(x, w, got_res, norm_w, EPS, offset, scale)
+        assert got.shape == (1, n) and got.dtype == dtype
+        assert torch.equal(got_res, want_res) and torch.equal(got, want)
+    device = torch.empty(0, device=DEVICE).device
+    assert int(launch_counters("gemv_add_norm", device, 1).abs().sum()) == 0
+    h = residual.double().cpu() + x.double().cpu() @ dense.T
+    ref = h / (h.pow(2).mean(-1, keepdim=True) + EPS).sqrt() * (norm_w.double().cpu() + offset)
+    assert (got_res.double().cpu() - h).abs().max() <= 2e-2 * h.abs().max()
+    assert (got.double().cpu() - ref).abs().max() <= 3e-2 * ref.abs().max()
+
+
+def test_a_model_with_the_add_and_norm_in_its_projections_keeps_its_tokens(monkeypatch):
+    """`add_norm_epilogue`: a Llama model's one-row decode steps launch no add + norm
+    kernel of their own (every norm with a residual is in the projection before it), a
+    prompt's step still does, and greedy tokens and logprobs are those with it off."""
+    from server_fixtures import tiny_model_dir
+
+    import infer.kernels.rmsnorm as rmsnorm
+    from infer import LLM, SamplingParams
+
+    calls = []
+    real = rmsnorm.fused_add_rmsnorm
+    monkeypatch.setattr(rmsnorm, "fused_add_rmsnorm",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, ignore_eos=True)
+    outs = {}
+    for on in (True, False):
+        llm = LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
+                  kernel_backend="triton", add_norm_epilogue=on, cuda_graphs=False,
+                  async_scheduling=False)
+        layers = len(llm.engine.core.runner.model.model.layers)
+        calls.clear()
+        out = llm.generate(["The tiny model says"], params, use_tqdm=False)[0].outputs[0]
+        # Per step: the output projection's norm in each layer, the down projection's in
+        # the next layer or the final norm: 2 * layers; the prompt's step and, when off,
+        # the three one-row steps.
+        assert len(calls) == 2 * layers * (1 if on else 4), (on, len(calls))
+        outs[on] = (out.token_ids, [sorted((t, p.logprob) for t, p in lp.items())
+                                    for lp in out.logprobs])
+        del llm
+    assert outs[True] == outs[False]
