@@ -61,10 +61,15 @@ def test_the_add_and_norm_are_the_gemv_then_the_fused_add_norm(n, k, offset, wdt
     assert (got.double().cpu() - ref).abs().max() <= 3e-2 * ref.abs().max()
 
 
-def test_a_model_with_the_add_and_norm_in_its_projections_keeps_its_tokens(monkeypatch):
-    """`add_norm_epilogue`: a Llama model's one-row decode steps launch no add + norm
-    kernel of their own (every norm with a residual is in the projection before it), a
-    prompt's step still does, and greedy tokens and logprobs are those with it off."""
+@pytest.mark.parametrize(("dtype", "prompts"), [
+    ("float32", ["The tiny model says"]),
+    ("float16", ["The tiny model says", "Once upon", "A list: one, two,"])])
+def test_a_model_with_the_add_and_norm_in_its_projections_keeps_its_tokens(dtype, prompts,
+                                                                          monkeypatch):
+    """`add_norm_epilogue`: a Llama model's decode steps (one row through the GEMV, three
+    16-bit rows through rows_mma) launch no add + norm kernel of their own (every norm
+    with a residual is in the projection before it), a prompt's step still does, and
+    greedy tokens and logprobs are those with it off."""
     from server_fixtures import tiny_model_dir
 
     import infer.kernels.rmsnorm as rmsnorm
@@ -77,17 +82,55 @@ def test_a_model_with_the_add_and_norm_in_its_projections_keeps_its_tokens(monke
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, ignore_eos=True)
     outs = {}
     for on in (True, False):
-        llm = LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
-                  kernel_backend="triton", add_norm_epilogue=on, cuda_graphs=False,
-                  async_scheduling=False)
+        llm = LLM(str(tiny_model_dir()), device=DEVICE, dtype=dtype, num_blocks=64,
+                  max_model_len=128, kernel_backend="triton", add_norm_epilogue=on,
+                  cuda_graphs=False, async_scheduling=False)
         layers = len(llm.engine.core.runner.model.model.layers)
         calls.clear()
-        out = llm.generate(["The tiny model says"], params, use_tqdm=False)[0].outputs[0]
+        outs[on] = [(out.token_ids, [sorted((t, p.logprob) for t, p in lp.items())
+                                     for lp in out.logprobs])
+                    for o in llm.generate(prompts, params, use_tqdm=False)
+                    for out in o.outputs]
         # Per step: the output projection's norm in each layer, the down projection's in
-        # the next layer or the final norm: 2 * layers; the prompt's step and, when off,
-        # the three one-row steps.
+        # the next layer or the final norm: 2 * layers; the prompts' step and, when off,
+        # the three decode steps.
         assert len(calls) == 2 * layers * (1 if on else 4), (on, len(calls))
-        outs[on] = (out.token_ids, [sorted((t, p.logprob) for t, p in lp.items())
-                                    for lp in out.logprobs])
         del llm
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize(("m", "n", "k", "splits", "weight_first", "offset", "eight_bit"), [
+    (5, 100, 256, 1, True, 0.0, False), (3, 72, 384, 3, True, 1.0, False),
+    (16, 40, 256, 2, False, 0.0, False), (2, 130, 300, 1, True, 0.0, True),
+    (7, 64, 512, 2, True, 0.0, True)])
+def test_few_rows_add_and_norm_in_the_tensor_core_launch(m, n, k, splits, weight_first,
+                                                          offset, eight_bit):
+    """`rows_mma(..., norm=)`: bit for bit rows_mma then `fused_add_rmsnorm` at the same
+    launch (ragged channels, K slices, 8-bit weights), float64's within rounding, the
+    counter left at 0."""
+    from infer.kernels import launch_counters
+    from infer.kernels.rmsnorm import fused_add_rmsnorm
+    from infer.kernels.rows_mma import rows_mma
+
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=gen).to(torch.float16).to(DEVICE)
+    w, scale, dense = _weight(n, k, torch.int8 if eight_bit else torch.float16, gen)
+    if eight_bit:
+        scale = scale.to(torch.float16)
+        dense = w.double().cpu() * scale.double().cpu()[:, None]
+    residual = torch.randn(m, n, generator=gen).to(torch.float16).to(DEVICE)
+    norm_w = (torch.rand(n, generator=gen) + 0.5).to(torch.float16).to(DEVICE)
+    launch = dict(splits=splits, weight_first=weight_first, block_n=64, block_k=128)
+    want_res = residual.clone()
+    want, _ = fused_add_rmsnorm(rows_mma(x, w, scale, **launch), want_res, norm_w, EPS,
+                                offset)
+    for _ in range(2):
+        got_res = residual.clone()
+        got = rows_mma(x, w, scale, norm=(got_res, norm_w, EPS, offset), **launch)
+        assert got.shape == (m, n) and torch.equal(got_res, want_res)
+        assert torch.equal(got, want)
+    device = torch.empty(0, device=DEVICE).device
+    assert int(launch_counters("rows_mma_add_norm", device, 1).abs().sum()) == 0
+    h = residual.double().cpu() + x.double().cpu() @ dense.T
+    ref = h / (h.pow(2).mean(-1, keepdim=True) + EPS).sqrt() * (norm_w.double().cpu() + offset)
+    assert (got.double().cpu() - ref).abs().max() <= 1e-2 * ref.abs().max()

@@ -108,10 +108,12 @@ class EngineConfig:
         "8B bf16 4.044 -> 4.053 (docs/performance.md)")
     add_norm_epilogue: bool = knob(
         False, "with triton_gemv, the residual add and RMSNorm after a Llama-family layer's "
-        "output and down projections run in that projection's one-row GEMV (its last "
-        "program normalises the row: kernels/add_norm.py) instead of a kernel of their own, "
-        "so that the next projection reads its weight while this one runs; batch-1 decode "
-        "on one GPU (16-bit, INT8 and FP8 weights); off until measured on a GPU")
+        "output and down projections run in that projection's launch where infer's kernels "
+        "take its rows (the GEMV's one row of 16-bit, INT8 or FP8 weights; rows_mma's 2 to "
+        "gemv_max_rows of 16-bit ones: a verify step, small batches), the last program "
+        "normalising the rows (kernels/add_norm.py), instead of a kernel of their own, so "
+        "that the next projection reads its weight while this one runs; one GPU; off until "
+        "measured on a GPU")
     mma_gate_up_activation: bool = knob(
         False, "with triton_gemv and gemv_gate_up_activation, a gated MLP's steps of 2 to "
         "gemv_max_rows rows of 16-bit weights (a verify step's k + 1 positions, small "

@@ -1,7 +1,8 @@
 """A residual add and the RMSNorm after it, done in the epilogue of the projection whose
-output they take (`gemv.gemv_add_norm`): each program adds its channels of the
-projection's row to the residual stream (in place), and the last program to finish, as
-a counter says (`launch_counters`, left at 0), normalises the whole row once.
+output they take (`gemv.gemv_add_norm`, `rows_mma(..., norm=)`): each program adds its
+channels of the projection's rows to the residual stream (in place), and the last
+program to finish, as a counter says (`launch_counters`, left at 0), normalises the rows
+once.
 
 In its own launch the norm costs a kernel between the projection and the next one (the
 q/k/v or gate/up projection), which can start reading its weight only once the norm runs
@@ -24,23 +25,29 @@ from infer.kernels.rmsnorm import normalised
 
 
 @triton.jit
-def add_norm_epilogue(y, rn, N, res_ptr, nw_ptr, out_ptr, counter, eps,
+def add_to_residual(y, res_ptrs, mask):
+    """The projection's values `y` (its dtype) added to the residual stream at `res_ptrs`
+    (where `mask`), the sum rounded to the residual's dtype and stored back."""
+    r = tl.load(res_ptrs, mask=mask, other=0.0)
+    tl.store(res_ptrs, (y.to(tl.float32) + r.to(tl.float32)).to(r.dtype), mask=mask)
+
+
+@triton.jit
+def normalise_if_last(res_ptr, stride_res, nw_ptr, out_ptr, stride_out, M, N, counter, eps,
                       OFFSET: tl.constexpr, BLOCK_H: tl.constexpr):
-    """This program's channels `rn` of the projection's row, `y` (its dtype), added to
-    the residual row at `res_ptr` (N values, stored back); the last program of the launch
-    stores the norm of the whole residual row, weights `nw_ptr`, at `out_ptr`."""
-    mask = rn < N
-    r = tl.load(res_ptr + rn, mask=mask, other=0.0)
-    tl.store(res_ptr + rn, (y.to(tl.float32) + r.to(tl.float32)).to(r.dtype), mask=mask)
-    tl.debug_barrier()  # every thread's channels stored before the count releases them
-    programs = tl.num_programs(0)
-    if tl.atomic_add(counter, 1, sem="acq_rel") == programs - 1:
+    """Once this program has added its part (every program of the launch's first grid
+    dimension does, once): it counts itself in, and the last normalises the M residual
+    rows of N values (weights `nw_ptr`) into `out_ptr`."""
+    tl.debug_barrier()  # every thread's part stored before the count releases them
+    if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         cols = tl.arange(0, BLOCK_H)
         inside = cols < N
-        h = tl.load(res_ptr + cols, mask=inside, other=0.0, cache_modifier=".cg")
         w = tl.load(nw_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-        out = normalised(h.to(tl.float32), w, N, eps, OFFSET, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + cols, out, mask=inside)
+        for row in range(0, M):
+            h = tl.load(res_ptr + row * stride_res + cols, mask=inside, other=0.0,
+                        cache_modifier=".cg")
+            out = normalised(h.to(tl.float32), w, N, eps, OFFSET, out_ptr.dtype.element_ty)
+            tl.store(out_ptr + row * stride_out + cols, out, mask=inside)
         tl.atomic_xchg(counter, 0, sem="relaxed")
 
 

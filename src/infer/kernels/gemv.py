@@ -37,7 +37,7 @@ import triton.language as tl
 
 from infer.kernels import add_norm, dependent_launch, gpu_compiled, launch_counters, row_skip
 from infer.kernels.activation import gated
-from infer.kernels.add_norm import add_norm_epilogue
+from infer.kernels.add_norm import add_to_residual, normalise_if_last
 from infer.kernels.weight_cast import to_float
 
 MAX_ROWS = 2
@@ -113,7 +113,8 @@ def _gemv_kernel(
     elif ADD_NORM:
         acc = _sums(w, w_rows, rk, x_ptr, K, BLOCK_K, EVEN_K, PTX)
         y = _channels(acc, s_ptr, wn, SCALED).to(y_ptr.dtype.element_ty)
-        add_norm_epilogue(y, rn, N, res_ptr, nw_ptr, y_ptr, count_ptr, eps, OFFSET, BLOCK_H)
+        add_to_residual(y, res_ptr + rn, rn < N)
+        normalise_if_last(res_ptr, 0, nw_ptr, y_ptr, 0, 1, N, count_ptr, eps, OFFSET, BLOCK_H)
     else:
         _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
               BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX)

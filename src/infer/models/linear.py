@@ -122,27 +122,38 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply_add_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
                        norm: nn.Module, bias: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One row, where it goes to infer's GEMV."""
-        if not _gemv_takes(x, layer.weight, bias, min(self.gemv_rows, 1)):
+        """Where the rows go to infer's kernels: one row to the GEMV, more to rows_mma."""
+        if not _gemv_takes(x, layer.weight, bias, self.gemv_rows):
             return None
-        return gemv_add_norm_rows(x, layer.weight, None, residual, norm)
+        return add_norm_rows(x, layer.weight, None, residual, norm)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight.float()
 
 
-def gemv_add_norm_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-                       residual: torch.Tensor, norm: nn.Module
-                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`apply_add_norm` through `gemv.gemv_add_norm`, for one row of x's dtype and a
-    contiguous residual of that dtype; None for anything else."""
-    if not (x.numel() == x.shape[-1] and residual.numel() == weight.shape[0]
-            and residual.dtype == x.dtype and residual.is_contiguous()):
+def add_norm_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                  residual: torch.Tensor, norm: nn.Module
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`apply_add_norm` in the launch of infer's kernel for x's rows: one row through
+    `gemv.gemv_add_norm`, more (16-bit weights) through `rows_mma(..., norm=)`; for a
+    contiguous residual of x's dtype (None otherwise)."""
+    n = weight.shape[0]
+    if not (residual.shape == (*x.shape[:-1], n) and residual.dtype == x.dtype
+            and residual.is_contiguous()):
         return None
-    from infer.kernels.gemv import gemv_add_norm
+    rows, parts = x.reshape(-1, x.shape[-1]), residual.view(-1, n)
+    if len(rows) == 1:
+        from infer.kernels.gemv import gemv_add_norm
 
-    out = gemv_add_norm(x.reshape(1, -1).contiguous(), weight, residual.view(1, -1),
-                        norm.weight, norm.eps, norm.offset, scale)
+        out = gemv_add_norm(rows.contiguous(), weight, parts, norm.weight, norm.eps,
+                            norm.offset, scale)
+    else:
+        from infer.kernels import rows_mma
+
+        assert scale is None, "8-bit weights take the add and norm at one row"
+        out = rows_mma.rows_mma(rows if rows.stride(-1) == 1 else rows.contiguous(), weight,
+                                norm=(parts, norm.weight, norm.eps, norm.offset),
+                                **rows_mma.engine_launch(*weight.shape, x.device))
     return out.view(residual.shape), residual
 
 

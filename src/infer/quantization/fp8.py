@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from infer.models.linear import LinearMethod, gemv_add_norm_rows
+from infer.models.linear import LinearMethod, add_norm_rows
 from infer.models.weights import WeightLoader
 from infer.quantization.stored import channel_scale, quantized_as_loaded, stored_weight
 
@@ -123,13 +123,13 @@ class Fp8LinearMethod(LinearMethod):
     def apply_add_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
                        norm: nn.Module, bias: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if (bias is not None or getattr(layer, "fp8_decode_activations", False)
+        """One row, where it goes to infer's GEMV."""
+        if (bias is not None or not x.is_cuda or x.numel() != x.shape[-1]
+                or getattr(layer, "fp8_decode_activations", False)
                 or x.dtype not in (torch.float16, torch.bfloat16)
-                or getattr(layer, "w8a16_gemv_rows", 0) < 1
-                or not reads_weight_only(x.reshape(-1, x.shape[-1]),
-                                         getattr(layer, "w8a16_tensor_core_rows", 0))):
+                or getattr(layer, "w8a16_gemv_rows", 0) < 1):
             return None
-        return gemv_add_norm_rows(x, layer.weight, layer.weight_scale, residual, norm)
+        return add_norm_rows(x, layer.weight, layer.weight_scale, residual, norm)
 
 
 def _scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, layer: nn.Module,

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.models.linear import LinearMethod, gemv_add_norm_rows
+from infer.models.linear import LinearMethod, add_norm_rows
 from infer.models.weights import WeightLoader
 from infer.quantization.stored import channel_scale, quantized_as_loaded, stored_weight
 from infer.quantization.tables import convert_table
@@ -115,10 +115,11 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
     def apply_add_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
                        norm: nn.Module, bias: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One row, where it goes to infer's GEMV."""
         if not (x.is_cuda and bias is None and x.dtype == layer.compute_dtype
-                and getattr(layer, "w8a16_gemv_rows", 0) >= 1):
+                and x.numel() == x.shape[-1] and getattr(layer, "w8a16_gemv_rows", 0) >= 1):
             return None
-        return gemv_add_norm_rows(x, layer.weight, layer.weight_scale, residual, norm)
+        return add_norm_rows(x, layer.weight, layer.weight_scale, residual, norm)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if ids.is_cuda:  # the same rounding in one launch
