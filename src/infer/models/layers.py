@@ -252,7 +252,7 @@ def set_add_norm_epilogue(model: nn.Module, on: bool) -> None:
     """Whether the attention and MLP of `model`'s layers whose outputs go only to RMSNorms
     with a residual (`norm_takes_outputs`) leave their last projection to that norm
     (`DeferredMatmul`), which then has the projection's kernel add and normalise in its
-    epilogue where it can (one row through the GEMV: `kernels/add_norm.py`)."""
+    epilogue where infer's kernels take the rows (`kernels/add_norm.py`)."""
     for m in model.modules():
         if getattr(m, "norm_takes_outputs", False):
             m.self_attn.defer_output = on
