@@ -1,7 +1,9 @@
 """The residual add and RMSNorm in the epilogue of the projection before them
-(`kernels/add_norm.py` through `gemv.gemv_add_norm`; the interpreter on the CPU, the GPU
-with INFER_TEST_DEVICE=cuda): bit for bit the GEMV then `fused_add_rmsnorm`, and float64's
-add and norm within rounding; the counter left at 0."""
+(`kernels/add_norm.py` through `gemv.gemv_add_norm` and `rows_mma(..., norm=)`; the
+interpreter on the CPU, the GPU with INFER_TEST_DEVICE=cuda): the residual bit for bit the
+product then `fused_add_rmsnorm`'s, the norm too under the interpreter and within an ulp
+on a GPU (its squares summed in another order), float64's add and norm within rounding;
+the counter left at 0."""
 
 from __future__ import annotations
 
@@ -18,6 +20,16 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
 EIGHT_BIT = [torch.int8] + ([torch.float8_e4m3fn] if DEVICE == "cuda" else [])
 EPS = 1e-5
+ULP = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+
+
+def _same_norm(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Bit for bit under the interpreter; on a GPU within an ulp of each value (the sum of
+    squares in another order moves 1 / rms by float32 rounding)."""
+    if INTERPRETED or DEVICE == "cpu":
+        return torch.equal(got, want)
+    return bool(((got.float() - want.float()).abs()
+                 <= ULP[want.dtype] * want.float().abs() + 1e-6).all())
 
 
 def _weight(n: int, k: int, wdtype: torch.dtype, gen: torch.Generator):
@@ -52,7 +64,7 @@ def test_the_add_and_norm_are_the_gemv_then_the_fused_add_norm(n, k, offset, wdt
         got_res = residual.clone()
         got = gemv_add_norm(x, w, got_res, norm_w, EPS, offset, scale)
         assert got.shape == (1, n) and got.dtype == dtype
-        assert torch.equal(got_res, want_res) and torch.equal(got, want)
+        assert torch.equal(got_res, want_res) and _same_norm(got, want)
     device = torch.empty(0, device=DEVICE).device
     assert int(launch_counters("gemv_add_norm", device, 1).abs().sum()) == 0
     h = residual.double().cpu() + x.double().cpu() @ dense.T
@@ -69,7 +81,8 @@ def test_a_model_with_the_add_and_norm_in_its_projections_keeps_its_tokens(dtype
     """`add_norm_epilogue`: a Llama model's decode steps (one row through the GEMV, three
     16-bit rows through rows_mma) launch no add + norm kernel of their own (every norm
     with a residual is in the projection before it), a prompt's step still does, and
-    greedy tokens and logprobs are those with it off."""
+    greedy tokens and logprobs are those with it off (on a GPU, the logprobs within
+    rounding while the tokens agree)."""
     from server_fixtures import tiny_model_dir
 
     import infer.kernels.rmsnorm as rmsnorm
@@ -87,8 +100,8 @@ def test_a_model_with_the_add_and_norm_in_its_projections_keeps_its_tokens(dtype
                   cuda_graphs=False, async_scheduling=False)
         layers = len(llm.engine.core.runner.model.model.layers)
         calls.clear()
-        outs[on] = [(out.token_ids, [sorted((t, p.logprob) for t, p in lp.items())
-                                     for lp in out.logprobs])
+        outs[on] = [(out.token_ids, [lp[t].logprob for t, lp in zip(out.token_ids,
+                                                                   out.logprobs)])
                     for o in llm.generate(prompts, params, use_tqdm=False)
                     for out in o.outputs]
         # Per step: the output projection's norm in each layer, the down projection's in
@@ -96,7 +109,14 @@ def test_a_model_with_the_add_and_norm_in_its_projections_keeps_its_tokens(dtype
         # the three decode steps.
         assert len(calls) == 2 * layers * (1 if on else 4), (on, len(calls))
         del llm
-    assert outs[True] == outs[False]
+    if DEVICE == "cpu":
+        assert outs[True] == outs[False]
+    for (tokens, lps), (want_tokens, want_lps) in zip(outs[True], outs[False]):
+        assert tokens[0] == want_tokens[0]
+        for token, lp, want_token, want_lp in zip(tokens, lps, want_tokens, want_lps):
+            if token != want_token:
+                break
+            assert lp == pytest.approx(want_lp, abs=2e-2)
 
 
 @pytest.mark.parametrize(("m", "n", "k", "splits", "weight_first", "offset", "eight_bit"), [
@@ -105,9 +125,9 @@ def test_a_model_with_the_add_and_norm_in_its_projections_keeps_its_tokens(dtype
     (7, 64, 512, 2, True, 0.0, True)])
 def test_few_rows_add_and_norm_in_the_tensor_core_launch(m, n, k, splits, weight_first,
                                                           offset, eight_bit):
-    """`rows_mma(..., norm=)`: bit for bit rows_mma then `fused_add_rmsnorm` at the same
-    launch (ragged channels, K slices, 8-bit weights), float64's within rounding, the
-    counter left at 0."""
+    """`rows_mma(..., norm=)`: rows_mma then `fused_add_rmsnorm` at the same launch
+    (ragged channels, K slices, 8-bit weights, rows by two and one left over), float64's
+    within rounding, the counter left at 0."""
     from infer.kernels import launch_counters
     from infer.kernels.rmsnorm import fused_add_rmsnorm
     from infer.kernels.rows_mma import rows_mma
@@ -128,7 +148,7 @@ def test_few_rows_add_and_norm_in_the_tensor_core_launch(m, n, k, splits, weight
         got_res = residual.clone()
         got = rows_mma(x, w, scale, norm=(got_res, norm_w, EPS, offset), **launch)
         assert got.shape == (m, n) and torch.equal(got_res, want_res)
-        assert torch.equal(got, want)
+        assert _same_norm(got, want)
     device = torch.empty(0, device=DEVICE).device
     assert int(launch_counters("rows_mma_add_norm", device, 1).abs().sum()) == 0
     h = residual.double().cpu() + x.double().cpu() @ dense.T

@@ -12,16 +12,17 @@ instead, each program working it out for the whole row again, lost on an H200:
 docs/performance.md, sessions 45 and 46.)
 
 Rounded as `rmsnorm.fused_add_rmsnorm` rounds: the projection's output to its dtype, the
-sum to the residual's, then `rmsnorm.normalised`: bit for bit the projection then that
-kernel.
+sum to the residual's (bit for bit the projection then that kernel), then the norm as
+`rmsnorm.normalised` computes it, but for the order in which the squares are summed (over
+this launch's warps, two rows at a time, not the norm kernel's): the same value to float32
+rounding, so the output may differ from that kernel's by an ulp where a product lies on a
+rounding boundary (bit for bit under the interpreter, whose sums do not depend on warps).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from infer.kernels.rmsnorm import normalised
 
 
 @triton.jit
@@ -34,21 +35,36 @@ def add_to_residual(y, res_ptrs, mask):
 
 @triton.jit
 def normalise_if_last(res_ptr, stride_res, nw_ptr, out_ptr, stride_out, M, N, counter, eps,
-                      OFFSET: tl.constexpr, BLOCK_H: tl.constexpr):
+                      OFFSET: tl.constexpr, BLOCK_H: tl.constexpr, ROWS_AT_ONCE: tl.constexpr):
     """Once this program has added its part (every program of the launch's first grid
     dimension does, once): it counts itself in, and the last normalises the M residual
-    rows of N values (weights `nw_ptr`) into `out_ptr`."""
+    rows of N values (weights `nw_ptr`) into `out_ptr`, ROWS_AT_ONCE rows a load (one
+    round trip to the L2 for each group)."""
     tl.debug_barrier()  # every thread's part stored before the count releases them
     if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         cols = tl.arange(0, BLOCK_H)
-        inside = cols < N
-        w = tl.load(nw_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-        for row in range(0, M):
-            h = tl.load(res_ptr + row * stride_res + cols, mask=inside, other=0.0,
-                        cache_modifier=".cg")
-            out = normalised(h.to(tl.float32), w, N, eps, OFFSET, out_ptr.dtype.element_ty)
-            tl.store(out_ptr + row * stride_out + cols, out, mask=inside)
+        w = tl.load(nw_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        if OFFSET != 0.0:
+            w = w + OFFSET
+        for r0 in range(0, M, ROWS_AT_ONCE):
+            rows = r0 + tl.arange(0, ROWS_AT_ONCE)
+            inside = (rows[:, None] < M) & (cols[None, :] < N)
+            h = tl.load(res_ptr + rows.to(tl.int64)[:, None] * stride_res + cols[None, :],
+                        mask=inside, other=0.0, cache_modifier=".cg").to(tl.float32)
+            inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / N + eps)
+            out = _normalised(h, inv_rms[:, None], w, OFFSET, out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], out,
+                     mask=inside)
         tl.atomic_xchg(counter, 0, sem="relaxed")
+
+
+@triton.jit
+def _normalised(h, inv_rms, w, OFFSET: tl.constexpr, dtype: tl.constexpr):
+    """`rmsnorm.normalised`'s rounding of rows `h` (float32) by `inv_rms`, weights `w`
+    (float32, with OFFSET added)."""
+    if OFFSET == 0.0:
+        return ((h * inv_rms).to(dtype).to(tl.float32) * w).to(dtype)
+    return (h * inv_rms * w).to(dtype)
 
 
 def block_for(n: int) -> int:

@@ -114,7 +114,8 @@ def _gemv_kernel(
         acc = _sums(w, w_rows, rk, x_ptr, K, BLOCK_K, EVEN_K, PTX)
         y = _channels(acc, s_ptr, wn, SCALED).to(y_ptr.dtype.element_ty)
         add_to_residual(y, res_ptr + rn, rn < N)
-        normalise_if_last(res_ptr, 0, nw_ptr, y_ptr, 0, 1, N, count_ptr, eps, OFFSET, BLOCK_H)
+        normalise_if_last(res_ptr, 0, nw_ptr, y_ptr, 0, 1, N, count_ptr, eps, OFFSET, BLOCK_H,
+                          1)
     else:
         _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
               BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX)
@@ -244,8 +245,8 @@ def gemv_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
                   scale: torch.Tensor | None = None) -> torch.Tensor:
     """`residual += gemv(x, weight, scale=scale)` (in place) and returns the RMSNorm of the
     sum (`norm_weight`, `eps`, `offset` as `rmsnorm.py`'s), in one launch (`add_norm.py`):
-    bit for bit the GEMV then `rmsnorm.fused_add_rmsnorm`. One row; `residual [1, N]`
-    contiguous, x's dtype."""
+    the GEMV then `rmsnorm.fused_add_rmsnorm`, to the order of the norm's sum of squares.
+    One row; `residual [1, N]` contiguous, x's dtype."""
     assert x.shape[0] == 1 and offset in (0.0, 1.0), (x.shape, offset)
     assert residual.shape == (1, weight.shape[0]) and residual.is_contiguous(), residual.shape
     assert residual.dtype == x.dtype and residual.device == x.device, residual.dtype

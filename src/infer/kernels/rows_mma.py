@@ -140,7 +140,7 @@ def _store(acc, y_ptr, stride_ym, rm, M, pid_n, N, BLOCK_N: tl.constexpr,
         add_to_residual(y, res_ptr + rm.to(tl.int64)[:, None] * stride_res + rn[None, :],
                         (rm[:, None] < M) & (rn[None, :] < N))
         normalise_if_last(res_ptr, stride_res, nw_ptr, y_ptr, stride_ym, M, N, counter, eps,
-                          OFFSET, BLOCK_H)
+                          OFFSET, BLOCK_H, 2)
         return
     if GATE_UP == "":
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -359,8 +359,8 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
     the program that multiplied both (the activation's own launch saved), bit for bit the
     product then `activation.gated_rows` at the same launch. `norm = (residual [M, N],
     weight [N], eps, offset)` (not with `gate_up` or `x_scale`): `residual += x @ W^T` in
-    place, and the result is the RMSNorm of the sum (`add_norm.py`), bit for bit the
-    product then `rmsnorm.fused_add_rmsnorm`."""
+    place, and the result is the RMSNorm of the sum (`add_norm.py`): the product then
+    `rmsnorm.fused_add_rmsnorm`, to the order of the norm's sum of squares."""
     fp8_x = x_scale is not None
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, x.shape
     assert x.shape[0] == 1 or x.stride(0) >= x.shape[1], x.stride()
