@@ -245,3 +245,49 @@ def test_dependent_launches_around_a_launch_that_does_nothing():
         want, got_eager, got_graph = (t[0][rows] for t in (want, got_eager, got_graph))
         assert torch.isfinite(want).all()
         assert torch.equal(want, got_eager) and torch.equal(want, got_graph)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA GPU of compute capability 9+")
+@pytest.mark.parametrize("rows", [1, 5])
+def test_dependent_launches_through_the_add_and_norm_epilogue(rows):
+    """Layers of the gate_up projection (its activation stored by its launch) and the down
+    projection with the residual add and RMSNorm in its epilogue (`add_norm.py`: the last
+    program normalises the rows, which the next layer's gate_up reads at once); one row
+    through the GEMV (INT8 weights), five through rows_mma (16-bit): bit for bit the
+    launches without dependent launch."""
+    from infer.kernels.gemv import gemv_add_norm, gemv_gate_up
+    from infer.kernels.rows_mma import rows_mma, weight_first_launch
+
+    gen = torch.Generator().manual_seed(4)
+    hidden, inter = 1024, 4096
+
+    def int8(n, k):
+        w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8).cuda()
+        return w, (torch.rand(n, generator=gen) * 1e-3).to("cuda", torch.bfloat16)
+
+    def bf16(n, k):
+        return (torch.randn(n, k, generator=gen) * 0.02).to("cuda", torch.bfloat16), None
+
+    make = int8 if rows == 1 else bf16
+    layers = [(make(2 * inter, hidden), make(hidden, inter)) for _ in range(4)]
+    norm_weight = (torch.rand(hidden, generator=gen) + 0.5).to("cuda", torch.bfloat16)
+
+    def chain(x):
+        residual, h = x.clone(), x
+        for (up, up_scale), (down, down_scale) in layers:
+            if rows == 1:
+                act = gemv_gate_up(h, up, "silu", up_scale)
+                h = gemv_add_norm(act, down, residual, norm_weight, 1e-6, 0.0, down_scale)
+            else:
+                act = rows_mma(h, up, gate_up="silu", **weight_first_launch(*up.shape, h.device))
+                h = rows_mma(act, down, norm=(residual, norm_weight, 1e-6, 0.0),
+                             **weight_first_launch(*down.shape, h.device))
+        return h, residual
+
+    inputs = [torch.randn(rows, hidden, generator=gen).to("cuda", torch.bfloat16)
+              for _ in range(3)]
+    plain, eager, replayed = _plain_eager_and_replayed(chain, inputs)
+    for want, got_eager, got_graph in zip(plain, eager, replayed):
+        assert torch.isfinite(want[0]).all()
+        for w, e, g in zip(want, got_eager, got_graph):
+            assert torch.equal(w, e) and torch.equal(w, g)
