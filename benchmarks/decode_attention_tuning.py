@@ -1,5 +1,6 @@
 """Launch settings of the paged decode attention kernel (keys per tile, warps, pipeline
-stages, keys a split takes at least) on the shapes that decide decode speed, bf16 on CUDA:
+stages, keys a split takes at least, the partials combined one split at a time or several
+at once) on the shapes that decide decode speed, bf16 on CUDA:
 GB/s of KV read (and % of the copy bandwidth measured in the same run) per setting; the
 first row is the default. Launched as the engine's graphs launch it: the splits combined
 by the last of them (`split_counters`), inside a CUDA graph of many calls with dependent
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_times import copy_bandwidth, paged_setup
 from quantized_gemv import L2_BYTES, cycling, graph_time_us
 
-from infer.kernels import dependent_launch
+from infer.kernels import dependent_launch, paged_attention
 from infer.kernels.paged_attention import default_num_splits, paged_decode, split_keys
 
 CASES = [  # name, batch, context (or a (low, high) range to draw from), heads, kv_heads,
@@ -77,12 +78,16 @@ def main() -> None:
         # Calls enough to pass the L2 three times, each with caches of its own.
         calls = max(20, min(MAX_CALLS, -(-3 * l2_bytes // (kc.nbytes + vc.nbytes))))
         caches = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(calls - 1)]
-        # (splits, block_n, warps, stages, min_split_keys); None: the policy's
-        launches = [(splits, *setting, None) for setting in SETTINGS]
-        launches += [(n, *SETTINGS[0], None) for n in SPLITS if n != splits]
-        launches += [(splits, *SETTINGS[0], keys) for keys in MIN_SPLIT_KEYS
+        # (splits, block_n, warps, stages, min_split_keys, partials combined at once);
+        # None: the policy's
+        launches = [(splits, *setting, None, False) for setting in SETTINGS]
+        launches += [(n, *SETTINGS[0], None, False) for n in SPLITS if n != splits]
+        launches += [(splits, *SETTINGS[0], keys, False) for keys in MIN_SPLIT_KEYS
                      if keys != policy_keys]
-        for n_splits, block_n, warps, stages, keys in launches:
+        launches += [(splits, *SETTINGS[0], keys, True) for keys in (None, *MIN_SPLIT_KEYS)
+                     if keys != policy_keys]
+        for n_splits, block_n, warps, stages, keys, at_once in launches:
+            paged_attention.set_combine_at_once(at_once)
             launch = dict(num_splits=n_splits, block_n=block_n, num_warps=warps,
                           num_stages=stages, split_counters=counters, min_split_keys=keys,
                           query_len=qlen)
@@ -99,10 +104,12 @@ def main() -> None:
                       f"{str(e).splitlines()[0][:80]}")
                 continue
             rows.append(dict(case=name, splits=n_splits, block_n=block_n, num_warps=warps,
-                             num_stages=stages, min_split_keys=keys or policy_keys, us=us,
+                             num_stages=stages, min_split_keys=keys or policy_keys,
+                             combine_at_once=at_once, us=us,
                              GBps=nbytes / us / 1e3, frac_copy=nbytes / us / 1e3 / copy_gbs,
                              max_err=err, calls=calls))
         del caches
+        paged_attention.set_combine_at_once(False)
     out = opts.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_GBps=copy_gbs,
@@ -116,7 +123,8 @@ def main() -> None:
         for r in [case[0], *best]:
             print(f"{name:28s} BLOCK_N {r['block_n']!s:>4s} warps {r['num_warps']!s:>4s} "
                   f"stages {r['num_stages']!s:>4s} splits {r['splits']:2d} keys "
-                  f"{r['min_split_keys']:3d}: {r['us']:8.2f} us {r['GBps']:6.0f} GB/s "
+                  f"{r['min_split_keys']:3d} at once {r['combine_at_once']!s:5s}: "
+                  f"{r['us']:8.2f} us {r['GBps']:6.0f} GB/s "
                   f"{100 * r['frac_copy']:5.1f}% err {r['max_err']:.1e}")
 
 

@@ -340,6 +340,81 @@ def test_paged_decode_of_several_tokens_per_sequence(heads, kv_heads, head_dim, 
             assert not split_counters.any(), "the counters must be back at zero"
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window", "softcap"), ATTN_CASES)
+@pytest.mark.parametrize(("num_splits", "min_keys", "query_len", "tile"),
+                         [(3, 16, 1, 16384), (8, 16, 1, 16384), (24, 16, 1, 2048),
+                          (4, 256, 1, 16384), (8, 16, 5, 16384), (8, 16, 5, 4096)])
+def test_the_last_split_combines_the_partials_at_once(heads, kv_heads, head_dim, window,
+                                                      softcap, num_splits, min_keys,
+                                                      query_len, tile, monkeypatch) -> None:
+    """`set_combine_at_once`: the last split loads several splits' partials a load (with
+    a smaller tile, more live splits than a load holds, in several; live splits fewer
+    than the launch's; a verify step's five tokens), the reference's attention, the
+    counters back at zero."""
+    from infer.kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "COMBINE_TILE", tile)
+
+    seq_lens = [query_len, 40, 17, 66, 300]
+    meta, q, (k_cache, v_cache), (k_ref, v_ref) = _paged_case(
+        [query_len] * len(seq_lens), seq_lens, heads, kv_heads, head_dim)
+    scale = head_dim ** -0.5
+    expected = torch_backend.paged_attention(q, k_ref, v_ref, meta, scale, window, softcap)
+    split_counters = torch.zeros(len(seq_lens) * kv_heads, dtype=torch.int32, device=DEVICE)
+    try:
+        paged_attention.set_combine_at_once(True)
+        for _ in range(2):
+            out = torch.full_like(q, float("nan"))
+            paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
+                         window, softcap, num_splits=num_splits, out=out,
+                         split_counters=split_counters, min_split_keys=min_keys,
+                         query_len=query_len)
+            assert_close(out, expected)
+            assert not split_counters.any(), "the counters must be back at zero"
+    finally:
+        paged_attention.set_combine_at_once(False)
+
+
+def test_a_combine_loads_as_many_splits_as_its_tile_holds() -> None:
+    """`combine_block`: the launch's splits to a power of 2, within COMBINE_TILE floats;
+    0 (one split at a time) unless set."""
+    from infer.kernels import paged_attention
+    from infer.kernels.paged_attention import COMBINE_TILE, combine_block
+
+    assert combine_block(16, 16, 64) == 0
+    try:
+        paged_attention.set_combine_at_once(True)
+        assert combine_block(16, 16, 64) == 16  # 1B: 16 x 16 x 64 floats
+        assert combine_block(16, 16, 128) == 8  # 8B's one token: 16K floats
+        assert combine_block(16, 32, 128) == 4  # a verify step's 5 tokens x 4 heads
+        assert combine_block(3, 16, 64) == 4
+        assert combine_block(64, 64, 256) == 1
+        for splits, rows, dims in [(16, 16, 64), (64, 32, 128), (5, 16, 256)]:
+            assert combine_block(splits, rows, dims) * rows * dims <= max(COMBINE_TILE,
+                                                                          rows * dims)
+    finally:
+        paged_attention.set_combine_at_once(False)
+
+
+def test_the_combine_knob_reaches_the_decode_launches() -> None:
+    """`decode_combine_at_once` sets how decode launches combine, for each engine built
+    (one built after another does not inherit it), with Triton attention only."""
+    from server_fixtures import tiny_model_dir
+
+    from infer import LLM
+    from infer.kernels import paged_attention
+
+    try:
+        for on, backend, wanted in [(True, "triton", True), (False, "triton", False),
+                                    (True, "torch", False)]:
+            paged_attention.set_combine_at_once(not wanted)
+            LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
+                attention_backend=backend, decode_combine_at_once=on, cuda_graphs=False)
+            assert paged_attention._combining_at_once is wanted, (on, backend)
+    finally:
+        paged_attention.set_combine_at_once(False)
+
+
 def test_decode_splits_take_a_tile_only_where_the_gpu_is_underfilled() -> None:
     from infer.kernels import sm_count
     from infer.kernels.paged_attention import (

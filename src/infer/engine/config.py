@@ -84,6 +84,12 @@ class EngineConfig:
     kernel_backend: str = knob(
         "auto", "norms, RoPE and gated activations: the same choice as attention_backend",
         BACKENDS)
+    decode_combine_at_once: bool = knob(
+        False, "with attention_backend triton, the last split of a decode attention launch "
+        "(a graph's, which combines the splits' partials itself) loads several splits' "
+        "partials at once instead of one split at a time, one round trip to memory "
+        "instead of one a split (kernels/paged_attention.py combine_block); off until "
+        "measured on a GPU")
     triton_gemv: bool = knob(
         True, "one-row matmuls of 16-bit weights (batch-1 decode: projections without a "
         "bias, LM head) through infer's Triton GEMV (kernels/gemv.py) instead of cuBLAS, "

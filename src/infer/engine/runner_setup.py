@@ -37,6 +37,7 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
     kernel_backend = pick_backend("kernel_backend", config.kernel_backend, device)
     # Bound before sizing the pool, so the warm-up forward measures the backends in use.
     set_attention_backend(model, attention_backend)
+    set_decode_combine(config.decode_combine_at_once and attention_backend == "triton")
     set_kernel_backend(model, kernel_backend)
     set_matmul_kernels(model, config, kernel_backend)
     set_dependent_launch(config.dependent_launch and kernel_backend == "triton", device)
@@ -83,6 +84,18 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
                      config.gate_up_rows_apart)
     set_gguf_int8_activations(model, config.gguf_int8_activations and triton,
                               config.gguf_fused_x_rounding)
+
+
+def set_decode_combine(at_once: bool) -> None:
+    """How the decode attention's last split combines the partials
+    (`paged_attention.set_combine_at_once`); set for every engine, so that one built after
+    another in the process does not inherit it."""
+    from infer.kernels import triton_available
+
+    if triton_available():
+        from infer.kernels import paged_attention
+
+        paged_attention.set_combine_at_once(at_once)
 
 
 def _has_fp8_mma() -> bool:

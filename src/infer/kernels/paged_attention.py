@@ -72,11 +72,17 @@ def _attend(
 @triton.jit
 def _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, rows, out_offs, num_splits, count,
                     head_dim, dims, qmask, gmask,
-                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, L2_ONLY: tl.constexpr):
+                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, L2_ONLY: tl.constexpr,
+                    BLOCK_S: tl.constexpr = 0):
     """Output rows (`rows`: token * num_heads + head; written at `out_offs`) = the first
     `count` splits' partials weighted by 2^lse. Split 0 always holds the first visible
-    key, so its lse is finite; empty splits (lse = -inf) weigh 0."""
+    key, so its lse is finite; empty splits (lse = -inf) weigh 0. BLOCK_S > 0: that many
+    splits' partials loaded at once (`set_combine_at_once`), else one split at a time."""
     row0 = rows * num_splits
+    if BLOCK_S > 0:
+        _combine_at_once(part_o_ptr, part_lse_ptr, out_ptr, row0, out_offs, count, head_dim,
+                         dims, qmask, gmask, BLOCK_R, BLOCK_D, BLOCK_S, L2_ONLY)
+        return
     m = tl.load(part_lse_ptr + row0, mask=gmask, other=0.0,
                 cache_modifier=".cg" if L2_ONLY else "")
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
@@ -97,6 +103,37 @@ def _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, rows, out_offs, num_split
              mask=qmask)
 
 
+@triton.jit
+def _combine_at_once(part_o_ptr, part_lse_ptr, out_ptr, row0, out_offs, count, head_dim,
+                     dims, qmask, gmask, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_S: tl.constexpr, L2_ONLY: tl.constexpr):
+    """`_combine_splits` with BLOCK_S splits' partials a load: one round trip to memory
+    for a few splits, where the loop one split at a time waits for each in turn."""
+    s = tl.arange(0, BLOCK_S)
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    total = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for s0 in range(0, count, BLOCK_S):
+        at = row0[:, None] + s0 + s[None, :]  # [BLOCK_R, BLOCK_S]
+        smask = gmask[:, None] & (s0 + s[None, :] < count)
+        lse = tl.load(part_lse_ptr + at, mask=smask, other=float("-inf"),
+                      cache_modifier=".cg" if L2_ONLY else "")
+        o = tl.load(part_o_ptr + at[:, :, None] * head_dim + dims[None, None, :],
+                    mask=smask[:, :, None] & qmask[:, None, :], other=0.0,
+                    cache_modifier=".cg" if L2_ONLY else "")
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        # Rows left out (gmask) see only -inf: subtract 0 instead to avoid NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_use)
+        w = tl.exp2(lse - m_use[:, None])
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], axis=1)
+        total = total * alpha + tl.sum(w, 1)
+        m = m_new
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(out_ptr + out_offs[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=qmask)
+
+
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
@@ -110,7 +147,7 @@ def _decode_kernel(
     ROW_WINDOW: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, LAST_COMBINES: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """A program: one (sequence, kv head, split). Its rows are (token, head of the GQA
     group) pairs, row r = token r // BLOCK_G, head r % BLOCK_G, for the sequence's QLEN
@@ -185,7 +222,7 @@ def _decode_kernel(
                 if tl.atomic_add(counter, 1, sem="acq_rel") == live - 1:
                     _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, rows, out_offs,
                                     num_splits, live, head_dim, dims, qmask, rmask, BLOCK_R,
-                                    BLOCK_D, True)
+                                    BLOCK_D, True, BLOCK_S)
                     tl.atomic_xchg(counter, 0, sem="relaxed")
         else:
             _store_partial(part_o_ptr, part_lse_ptr, o, l_i, m_i, rows, num_splits, split,
@@ -350,6 +387,27 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
     return triton.next_power_of_2(splits)
 
 
+_combining_at_once = False  # EngineConfig.decode_combine_at_once, set by the runner's set-up
+# Floats of a combine's tile of partials at most ([rows, splits, head_dim]).
+COMBINE_TILE = 16384
+
+
+def set_combine_at_once(on: bool) -> None:
+    """Whether the last split of a decode launch loads several splits' partials at once
+    (`_combine_at_once`) instead of one split at a time."""
+    global _combining_at_once
+    _combining_at_once = on
+
+
+def combine_block(num_splits: int, block_rows: int, block_d: int) -> int:
+    """The splits a combine loads at once (0: one at a time): up to the launch's splits,
+    within COMBINE_TILE floats, where `set_combine_at_once`."""
+    if not _combining_at_once:
+        return 0
+    most = max(1, COMBINE_TILE // (block_rows * block_d))
+    return min(triton.next_power_of_2(num_splits), 1 << (most.bit_length() - 1))
+
+
 def decode_launch(head_dim: int, num_seqs: int) -> tuple[int, int]:
     """(keys per tile, warps) of a decode launch. Head size 128 was tuned on the H100
     (benchmarks/decode_attention_tuning.py): 128 keys and 4 warps beat 64 and 8 by 5-20 %
@@ -407,6 +465,7 @@ def paged_decode(
     # (tl.dot's least), as the kernel always had.
     group = triton.next_power_of_2(common["group"])
     block_g = max(16, group) if query_len == 1 else group
+    block_rows = max(16, triton.next_power_of_2(query_len) * block_g)
     split = num_splits > 1
     if min_split_keys is None:
         min_split_keys = split_keys(num_seqs, num_kv_heads, q.device)
@@ -429,10 +488,11 @@ def paged_decode(
         block_tables.stride(0), out.stride(0), out.stride(1),
         num_heads, num_kv_heads, num_splits, min_split_keys, **common,
         QLEN=query_len, BLOCK_G=block_g,
-        BLOCK_R=max(16, triton.next_power_of_2(query_len) * block_g),
+        BLOCK_R=block_rows,
         CAUSAL=query_len > 1, ROW_WINDOW=query_len > 1 and sliding_window is not None,
         BLOCK_N=block_n or default_block_n,
         BLOCK_D=block_d, SPLIT=split, LAST_COMBINES=last_combines,
+        BLOCK_S=combine_block(num_splits, block_rows, block_d) if last_combines else 0,
         num_warps=num_warps or default_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
         **dependent_launch.launch_options(),
