@@ -342,8 +342,8 @@ def test_paged_decode_of_several_tokens_per_sequence(heads, kv_heads, head_dim, 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window", "softcap"), ATTN_CASES)
 @pytest.mark.parametrize(("num_splits", "min_keys", "query_len", "tile"),
-                         [(3, 16, 1, 16384), (8, 16, 1, 16384), (24, 16, 1, 2048),
-                          (4, 256, 1, 16384), (8, 16, 5, 16384), (8, 16, 5, 4096)])
+                         [(3, 16, 1, 64), (8, 16, 1, 64), (24, 16, 1, 8), (4, 256, 1, 64),
+                          (8, 16, 5, 64), (8, 16, 5, 16)])
 def test_the_last_split_combines_the_partials_at_once(heads, kv_heads, head_dim, window,
                                                       softcap, num_splits, min_keys,
                                                       query_len, tile, monkeypatch) -> None:
@@ -353,7 +353,7 @@ def test_the_last_split_combines_the_partials_at_once(heads, kv_heads, head_dim,
     counters back at zero."""
     from infer.kernels import paged_attention
 
-    monkeypatch.setattr(paged_attention, "COMBINE_TILE", tile)
+    monkeypatch.setattr(paged_attention, "COMBINE_FLOATS_PER_THREAD", tile)
 
     seq_lens = [query_len, 40, 17, 66, 300]
     meta, q, (k_cache, v_cache), (k_ref, v_ref) = _paged_case(
@@ -375,42 +375,24 @@ def test_the_last_split_combines_the_partials_at_once(heads, kv_heads, head_dim,
         paged_attention.set_combine_at_once(False)
 
 
-def test_a_combine_loads_as_many_splits_as_its_tile_holds() -> None:
-    """`combine_block`: the launch's splits to a power of 2, within COMBINE_TILE floats;
-    0 (one split at a time) unless set."""
+def test_a_combine_loads_as_many_splits_as_its_threads_hold() -> None:
+    """`combine_block`: the launch's splits to a power of 2, COMBINE_FLOATS_PER_THREAD a
+    thread at most; 0 (one split at a time) unless set."""
     from infer.kernels import paged_attention
-    from infer.kernels.paged_attention import COMBINE_TILE, combine_block
+    from infer.kernels.paged_attention import COMBINE_FLOATS_PER_THREAD, combine_block
 
-    assert combine_block(16, 16, 64) == 0
+    assert combine_block(16, 16, 64, 8) == 0
     try:
         paged_attention.set_combine_at_once(True)
-        assert combine_block(16, 16, 64) == 16  # 1B: 16 x 16 x 64 floats
-        assert combine_block(16, 16, 128) == 8  # 8B's one token: 16K floats
-        assert combine_block(16, 32, 128) == 4  # a verify step's 5 tokens x 4 heads
-        assert combine_block(3, 16, 64) == 4
-        assert combine_block(64, 64, 256) == 1
-        for splits, rows, dims in [(16, 16, 64), (64, 32, 128), (5, 16, 256)]:
-            assert combine_block(splits, rows, dims) * rows * dims <= max(COMBINE_TILE,
-                                                                          rows * dims)
-    finally:
-        paged_attention.set_combine_at_once(False)
-
-
-def test_the_combine_knob_reaches_the_decode_launches() -> None:
-    """`decode_combine_at_once` sets how decode launches combine, for each engine built
-    (one built after another does not inherit it), with Triton attention only."""
-    from server_fixtures import tiny_model_dir
-
-    from infer import LLM
-    from infer.kernels import paged_attention
-
-    try:
-        for on, backend, wanted in [(True, "triton", True), (False, "triton", False),
-                                    (True, "torch", False)]:
-            paged_attention.set_combine_at_once(not wanted)
-            LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
-                attention_backend=backend, decode_combine_at_once=on, cuda_graphs=False)
-            assert paged_attention._combining_at_once is wanted, (on, backend)
+        assert combine_block(16, 16, 64, 8) == 16  # 1B, one sequence: 16 x 16 x 64 floats
+        assert combine_block(16, 16, 128, 8) == 8  # 8B, one sequence's token
+        assert combine_block(16, 16, 128, 4) == 4  # 8B, more sequences
+        assert combine_block(16, 32, 128, 8) == 4  # a verify step's 5 tokens x 4 heads
+        assert combine_block(3, 16, 64, 8) == 4
+        assert combine_block(64, 64, 256, 4) == 1
+        for splits, rows, dims, warps in [(16, 16, 64, 8), (64, 32, 128, 4), (5, 16, 256, 4)]:
+            held = combine_block(splits, rows, dims, warps) * rows * dims / (32 * warps)
+            assert held <= max(COMBINE_FLOATS_PER_THREAD, rows * dims / (32 * warps))
     finally:
         paged_attention.set_combine_at_once(False)
 

@@ -388,8 +388,10 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
 
 
 _combining_at_once = False  # EngineConfig.decode_combine_at_once, set by the runner's set-up
-# Floats of a combine's tile of partials at most ([rows, splits, head_dim]).
-COMBINE_TILE = 16384
+# Floats a thread holds of a combine's tile of partials ([rows, splits, head_dim]) at most:
+# compiled for sm_90, the 8B's one-sequence launch (8 warps) takes 252 registers with 8
+# splits at once (193 one at a time), no spills.
+COMBINE_FLOATS_PER_THREAD = 64
 
 
 def set_combine_at_once(on: bool) -> None:
@@ -399,12 +401,13 @@ def set_combine_at_once(on: bool) -> None:
     _combining_at_once = on
 
 
-def combine_block(num_splits: int, block_rows: int, block_d: int) -> int:
+def combine_block(num_splits: int, block_rows: int, block_d: int, num_warps: int) -> int:
     """The splits a combine loads at once (0: one at a time): up to the launch's splits,
-    within COMBINE_TILE floats, where `set_combine_at_once`."""
+    COMBINE_FLOATS_PER_THREAD a thread at most, where `set_combine_at_once`."""
     if not _combining_at_once:
         return 0
-    most = max(1, COMBINE_TILE // (block_rows * block_d))
+    tile = COMBINE_FLOATS_PER_THREAD * 32 * num_warps
+    most = max(1, tile // (block_rows * block_d))
     return min(triton.next_power_of_2(num_splits), 1 << (most.bit_length() - 1))
 
 
@@ -492,7 +495,8 @@ def paged_decode(
         CAUSAL=query_len > 1, ROW_WINDOW=query_len > 1 and sliding_window is not None,
         BLOCK_N=block_n or default_block_n,
         BLOCK_D=block_d, SPLIT=split, LAST_COMBINES=last_combines,
-        BLOCK_S=combine_block(num_splits, block_rows, block_d) if last_combines else 0,
+        BLOCK_S=(combine_block(num_splits, block_rows, block_d, num_warps or default_warps)
+                 if last_combines else 0),
         num_warps=num_warps or default_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
         **dependent_launch.launch_options(),
