@@ -61,16 +61,21 @@ def _cases() -> list[Case]:
 
     i32 = "i32"
     cases = []
-    gemv_args = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", N=i32, K=i32, stride_wn=i32)
-    for shape, (n, k) in (("8B gate_up", (28672, 4096)), ("1B qkv", (3072, 2048))):
-        launch = default_launch(n, k)
-        cases.append(Case(
-            f"gemv_bf16 ({shape})", "gemv:_gemv_kernel", gemv_args,
-            dict(BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN_K=True, ACT="",
-                 PDL=False),
-            ["x_ptr", "w_ptr", "y_ptr", "N", "K", "stride_wn"],
-            launch.block_n * launch.block_k, 2, num_warps=launch.num_warps,
-            note=f"one row, launch {tuple(launch)}"))
+    gemv_args = dict(x_ptr="*bf16", w_ptr="*bf16", s_ptr="*bf16", skip_ptr="*i32",
+                     y_ptr="*bf16", N=i32, K=i32, stride_xm=i32, stride_wn=i32, stride_ym=i32,
+                     res_ptr="*bf16", nw_ptr="*bf16", count_ptr="*i32", eps="fp32")
+    for weights, pointer, size in (("bf16", "*bf16", 2), ("int8", "*i8", 1)):
+        for shape, (n, k) in (("8B gate_up", (28672, 4096)), ("1B qkv", (3072, 2048))):
+            launch = default_launch(n, k, size)
+            cases.append(Case(
+                f"gemv_{weights} ({shape})", "gemv:_gemv_kernel",
+                {**gemv_args, "w_ptr": pointer},
+                dict(BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, ROWS=1, EVEN_K=True,
+                     GATE_UP="", SCALED=size == 1, SKIPS=False, SKIPPED_WHOLE=False,
+                     ADD_NORM=False, OFFSET=0.0, BLOCK_H=1, PTX=True, PDL=False),
+                ["x_ptr", "w_ptr", "s_ptr", "y_ptr", "N", "K", "stride_wn"],
+                launch.block_n * launch.block_k, size, num_warps=launch.num_warps,
+                note=f"one row, launch {tuple(launch)}"))
     w8_args = dict(x_ptr="*bf16", w_ptr="", s_ptr="*fp32", y_ptr="*bf16", M=i32, N=i32, K=i32,
                    stride_xm=i32, stride_wn=i32, stride_ys=i32, stride_ym=i32, stride_sn=i32,
                    steps_per_split=i32)
@@ -87,7 +92,9 @@ def _cases() -> list[Case]:
     mma_args = dict(x_ptr="*bf16", w_ptr="", s_ptr="*bf16", xs_ptr="*bf16", y_ptr="*bf16",
                     part_ptr="*fp32",
                     counts="*i32", M=i32, N=i32, K=i32, stride_xm=i32, stride_wn=i32,
-                    stride_ym=i32, stride_sn=i32, steps_per_split=i32, splits=i32)
+                    stride_ym=i32, stride_sn=i32, steps_per_split=i32, splits=i32,
+                    res_ptr="*bf16", stride_res=i32, nw_ptr="*bf16", norm_count="*i32",
+                    eps="fp32")
     mma_multiples = ["x_ptr", "w_ptr", "s_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm",
                      "stride_wn", "stride_ym"]
 
@@ -101,8 +108,9 @@ def _cases() -> list[Case]:
             {**mma_args, "x_ptr": x, "w_ptr": pointer, "s_ptr": scales,
              "xs_ptr": "*fp32" if x == "*i8" else "*bf16"},
             {**dict(BLOCK_M=block_rows(rows), BLOCK_N=128, BLOCK_K=128, SCALE=size == 1,
-                    SCALE_ROWS=1, SCALE_COLS=0, EVEN_K=True, ONE_ROW=rows == 1, ACT="",
-                    PTX=True, FP8_X=False, PDL=False), **constexprs},
+                    SCALE_ROWS=1, SCALE_COLS=0, EVEN_K=True, ONE_ROW=rows == 1, PTX=True,
+                    FP8_X=False, W_FIRST=False, GATE_UP="", ADD_NORM=False, OFFSET=0.0,
+                    BLOCK_H=1, PDL=False), **constexprs},
             mma_multiples, 128 * 128, size, num_warps=4, num_stages=3,
             note="launch (128, 128, 4 warps)")
 
@@ -112,7 +120,7 @@ def _cases() -> list[Case]:
                   for rows in ((1, 5) if size == 2 else (1, 5, 32, 64))]
     # FP8 x FP8: x quantized per row before the kernel (its bytes)
     cases += [mma_case("fp8 x fp8", rows, "*fp8e4nv", 1, "*fp32", x="*i8", FP8_X=True,
-                       ONE_ROW=False)
+                       ONE_ROW=False, W_FIRST=True)
               for rows in (1, 5, 32, 64)]
     cases.append(mma_case("fp8 with 128 x 128 scale tiles", 1, "*fp8e4nv", 1, "*fp32",
                           SCALE_ROWS=128, SCALE_COLS=128))
