@@ -14,9 +14,15 @@ docs/performance.md, sessions 45 and 46.)
 Rounded as `rmsnorm.fused_add_rmsnorm` rounds: the projection's output to its dtype, the
 sum to the residual's (bit for bit the projection then that kernel), then the norm as
 `rmsnorm.normalised` computes it, but for the order in which the squares are summed (over
-this launch's warps, two rows at a time, not the norm kernel's): the same value to float32
-rounding, so the output may differ from that kernel's by an ulp where a product lies on a
-rounding boundary (bit for bit under the interpreter, whose sums do not depend on warps).
+this launch's warps, a row or two at a time, not the norm kernel's): the same value to
+float32 rounding, so the output may differ from that kernel's by an ulp or two (`x * w`
+rounds twice) where a product lies on a rounding boundary (bit for bit under the
+interpreter, whose sums do not depend on warps).
+
+The last program holds a row or two of the residual and the norm's weight in registers,
+with the projection's warps, and goes through the rows in turn: `rows_at_once` keeps that
+to FLOATS_PER_THREAD a thread a row (so the projection keeps its registers) and MAX_ROWS
+rows (past them the norm's own launch, a program a row, ends sooner).
 """
 
 from __future__ import annotations
@@ -67,6 +73,20 @@ def _normalised(h, inv_rms, w, OFFSET: tl.constexpr, dtype: tl.constexpr):
     return (h * inv_rms * w).to(dtype)
 
 
+FLOATS_PER_THREAD = 32
+MAX_ROWS = 8
+
+
 def block_for(n: int) -> int:
     """The last program's tile over a row of `n` values."""
     return triton.next_power_of_2(n)
+
+
+def rows_at_once(n: int, rows: int, num_warps: int) -> int:
+    """The rows the last program of a launch of `num_warps` normalises a load, for `rows`
+    rows of `n` values: 2 or 1, or 0 where the epilogue does not take them (a row wider
+    than FLOATS_PER_THREAD a thread, more than MAX_ROWS rows)."""
+    share = block_for(n) // (32 * num_warps)
+    if rows > MAX_ROWS or share > FLOATS_PER_THREAD:
+        return 0
+    return 2 if rows > 1 and 2 * share <= FLOATS_PER_THREAD else 1

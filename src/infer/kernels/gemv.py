@@ -115,7 +115,7 @@ def _gemv_kernel(
         y = _channels(acc, s_ptr, wn, SCALED).to(y_ptr.dtype.element_ty)
         add_to_residual(y, res_ptr + rn, rn < N)
         normalise_if_last(res_ptr, 0, nw_ptr, y_ptr, 0, 1, N, count_ptr, eps, OFFSET, BLOCK_H,
-                          1)
+                          1)  # one row
     else:
         _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
               BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX)
@@ -246,13 +246,21 @@ def gemv_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
     """`residual += gemv(x, weight, scale=scale)` (in place) and returns the RMSNorm of the
     sum (`norm_weight`, `eps`, `offset` as `rmsnorm.py`'s), in one launch (`add_norm.py`):
     the GEMV then `rmsnorm.fused_add_rmsnorm`, to the order of the norm's sum of squares.
-    One row; `residual [1, N]` contiguous, x's dtype."""
+    One row (`add_norm_takes`); `residual [1, N]` contiguous, x's dtype."""
     assert x.shape[0] == 1 and offset in (0.0, 1.0), (x.shape, offset)
     assert residual.shape == (1, weight.shape[0]) and residual.is_contiguous(), residual.shape
     assert residual.dtype == x.dtype and residual.device == x.device, residual.dtype
     assert norm_weight.shape == (weight.shape[0],) and norm_weight.is_contiguous()
-    assert x.shape[1] > 0 and weight.shape[0] > 0, (x.shape, weight.shape)
+    assert x.shape[1] > 0 and add_norm_takes(weight), weight.shape
     return _launch(x, weight, None, scale, norm=(residual, norm_weight, eps, offset))
+
+
+def add_norm_takes(weight: torch.Tensor) -> bool:
+    """Whether `gemv_add_norm`'s epilogue takes a row of `weight`'s outputs
+    (`add_norm.rows_at_once`, at the default launch)."""
+    n, k = weight.shape
+    launch = default_launch(n, k, weight.element_size())
+    return n > 0 and add_norm.rows_at_once(n, 1, launch.num_warps) > 0
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
@@ -286,10 +294,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
         assert flag.dtype == torch.int32 and flag.device == x.device, (flag.dtype, flag.device)
     assert norm is None or (skip is None and not gate_up), "a norm after one row's product"
     residual, norm_weight, eps, offset = norm or (y, y, 0.0, 0.0)
+    counter = launch_counters("gemv_add_norm", x.device, 1) if norm is not None else y
     _gemv_kernel[(triton.cdiv(n, channels),)](
         x, weight, weight if scale is None else scale, x if flag is None else flag, y, n, k,
-        x.stride(0), weight.stride(0), y.stride(0), residual, norm_weight,
-        launch_counters("gemv_add_norm", x.device, 1), eps,
+        x.stride(0), weight.stride(0), y.stride(0), residual, norm_weight, counter, eps,
         BLOCK_N=block_n, BLOCK_K=block_k, ROWS=m, EVEN_K=k % block_k == 0, GATE_UP=gate_up,
         SCALED=scale is not None, SKIPS=skip is not None,
         SKIPPED_WHOLE=skip_whole is not None, ADD_NORM=norm is not None, OFFSET=offset,

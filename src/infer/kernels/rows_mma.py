@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import dependent_launch, gpu_compiled, launch_counters, sm_count
+from infer.kernels import add_norm, dependent_launch, gpu_compiled, launch_counters, sm_count
 from infer.kernels.activation import gated
 from infer.kernels.add_norm import add_to_residual, normalise_if_last
 from infer.kernels.gemv import _row, _weights
@@ -127,7 +127,7 @@ def _scaled(acc, s_ptr, wn, x_scale, SCALE: tl.constexpr, SCALE_COLS: tl.constex
 @triton.jit
 def _store(acc, y_ptr, stride_ym, rm, M, pid_n, N, BLOCK_N: tl.constexpr,
            GATE_UP: tl.constexpr, norm_args, ADD_NORM: tl.constexpr, OFFSET: tl.constexpr,
-           BLOCK_H: tl.constexpr):
+           BLOCK_H: tl.constexpr, NORM_ROWS: tl.constexpr):
     """The program's sums `acc [BLOCK_M, BLOCK_N]`, rounded to y's dtype; with GATE_UP,
     `act(gate) * up` of each channel's column pair (rounded as `activation.gated_rows`
     rounds what it reads and stores); with ADD_NORM, added to the residual rows instead,
@@ -140,7 +140,7 @@ def _store(acc, y_ptr, stride_ym, rm, M, pid_n, N, BLOCK_N: tl.constexpr,
         add_to_residual(y, res_ptr + rm.to(tl.int64)[:, None] * stride_res + rn[None, :],
                         (rm[:, None] < M) & (rn[None, :] < N))
         normalise_if_last(res_ptr, stride_res, nw_ptr, y_ptr, stride_ym, M, N, counter, eps,
-                          OFFSET, BLOCK_H, 2)
+                          OFFSET, BLOCK_H, NORM_ROWS)
         return
     if GATE_UP == "":
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -161,7 +161,8 @@ def _rows_mma_kernel(
     SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
     EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr, PTX: tl.constexpr,
     FP8_X: tl.constexpr, W_FIRST: tl.constexpr, GATE_UP: tl.constexpr,
-    ADD_NORM: tl.constexpr, OFFSET: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+    ADD_NORM: tl.constexpr, OFFSET: tl.constexpr, BLOCK_H: tl.constexpr,
+    NORM_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     """SCALE: the weight is 8-bit, scaled per channel (SCALE_COLS 0) or per tile; else it
     is 16-bit, x's dtype, unscaled. FP8_X (FP8 weights scaled per channel): x is FP8 (its
@@ -170,7 +171,7 @@ def _rows_mma_kernel(
     GATE_UP ("silu" / "gelu_tanh"; never with tile scales): the weight is a gated MLP's
     `[gate | up]`, 2N rows, and y gets `act(gate) * up`, N channels. ADD_NORM: the
     product is added to the residual rows at `res_ptr`, and y gets their RMSNorm
-    (`add_norm.py`)."""
+    (`add_norm.py`, NORM_ROWS rows a load)."""
     norm_args = (res_ptr, stride_res, nw_ptr, norm_count, eps)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -247,7 +248,7 @@ def _rows_mma_kernel(
     if splits == 1:
         acc = _scaled(acc, s_ptr, wn, x_scale, SCALE, SCALE_COLS, FP8_X)
         _store(acc, y_ptr, stride_ym, rm, M, pid_n, N, BLOCK_N, GATE_UP, norm_args, ADD_NORM,
-               OFFSET, BLOCK_H)
+               OFFSET, BLOCK_H, NORM_ROWS)
     else:
         width = N if GATE_UP == "" else 2 * N
         parts = part_ptr + rm[:, None] * width + rn[None, :]  # [splits, M, width] float32
@@ -257,7 +258,7 @@ def _rows_mma_kernel(
         if last:
             total = _scaled(total, s_ptr, wn, x_scale, SCALE, SCALE_COLS, FP8_X)
             _store(total, y_ptr, stride_ym, rm, M, pid_n, N, BLOCK_N, GATE_UP, norm_args,
-                   ADD_NORM, OFFSET, BLOCK_H)
+                   ADD_NORM, OFFSET, BLOCK_H, NORM_ROWS)
 
 
 # Row blocks a launch may have (8M output channels at 128 a block): a counter each.
@@ -358,8 +359,9 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
     MLP's gate rows then up rows, and the result `[M, I]` is `act(gate) * up`, stored by
     the program that multiplied both (the activation's own launch saved), bit for bit the
     product then `activation.gated_rows` at the same launch. `norm = (residual [M, N],
-    weight [N], eps, offset)` (not with `gate_up` or `x_scale`): `residual += x @ W^T` in
-    place, and the result is the RMSNorm of the sum (`add_norm.py`): the product then
+    weight [N], eps, offset)` (not with `gate_up` or `x_scale`; where
+    `add_norm.rows_at_once` takes the rows): `residual += x @ W^T` in place, and the
+    result is the RMSNorm of the sum (`add_norm.py`): the product then
     `rmsnorm.fused_add_rmsnorm`, to the order of the norm's sum of squares."""
     fp8_x = x_scale is not None
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, x.shape
@@ -390,12 +392,15 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
         assert out_dtype in (torch.float16, torch.bfloat16), out_dtype
         x = x.view(torch.int8)  # its bytes: loads with zeros past the rows
     channels = n // 2 if gate_up else n
+    norm_rows = 0
     if norm is not None:
         residual, norm_weight, eps, offset = norm
         assert not gate_up and not fp8_x and offset in (0.0, 1.0), (gate_up, offset)
         assert residual.shape == (m, n) and residual.stride(1) == 1, residual.shape
         assert residual.dtype == x.dtype and norm_weight.shape == (n,), residual.dtype
         assert norm_weight.is_contiguous() and k > 0, k
+        norm_rows = add_norm.rows_at_once(n, m, num_warps)
+        assert norm_rows, ("rows the add-norm epilogue does not take", m, n, num_warps)
     else:
         residual, norm_weight, eps, offset = x, x, 0.0, 0.0
     y = torch.empty((m, channels), dtype=out_dtype if fp8_x else x.dtype, device=x.device)
@@ -414,13 +419,14 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
         m, channels, k, x.stride(0), weight.stride(0), y.stride(0),
         1 if scale is None else scale.stride(0), per_split, splits,
         residual, residual.stride(0), norm_weight,
-        launch_counters("rows_mma_add_norm", x.device, 1), eps,
+        launch_counters("rows_mma_add_norm", x.device, 1) if norm is not None else y, eps,
         BLOCK_M=block_rows(m), BLOCK_N=block_n, BLOCK_K=block_k,
         SCALE=scale is not None, SCALE_ROWS=scale_rows or 1, SCALE_COLS=scale_cols,
         EVEN_K=k % block_k == 0, ONE_ROW=m == 1 and not fp8_x,
         PTX=gpu_compiled(x.device), FP8_X=fp8_x,
         W_FIRST=weight_first or fp8_x, GATE_UP=gate_up, ADD_NORM=norm is not None,
-        OFFSET=offset, BLOCK_H=triton.next_power_of_2(n) if norm is not None else 1,
+        OFFSET=offset, BLOCK_H=add_norm.block_for(n) if norm is not None else 1,
+        NORM_ROWS=norm_rows,
         num_warps=num_warps, num_stages=num_stages, **dependent_launch.launch_options(),
     )
     return y

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -137,23 +138,25 @@ def add_norm_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     """`apply_add_norm` in the launch of infer's kernel for x's rows: one row through
     `gemv.gemv_add_norm`, more (16-bit weights) through `rows_mma(..., norm=)`; for a
     contiguous residual of x's dtype (None otherwise)."""
+    from infer.kernels import add_norm, gemv, rows_mma
+
     n = weight.shape[0]
     if not (residual.shape == (*x.shape[:-1], n) and residual.dtype == x.dtype
             and residual.is_contiguous()):
         return None
     rows, parts = x.reshape(-1, x.shape[-1]), residual.view(-1, n)
     if len(rows) == 1:
-        from infer.kernels.gemv import gemv_add_norm
-
-        out = gemv_add_norm(rows.contiguous(), weight, parts, norm.weight, norm.eps,
-                            norm.offset, scale)
+        if not gemv.add_norm_takes(weight):
+            return None
+        out = gemv.gemv_add_norm(rows.contiguous(), weight, parts, norm.weight, norm.eps,
+                                 norm.offset, scale)
     else:
-        from infer.kernels import rows_mma
-
         assert scale is None, "8-bit weights take the add and norm at one row"
+        launch = rows_mma.engine_launch(*weight.shape, x.device)
+        if not add_norm.rows_at_once(n, len(rows), launch.get("num_warps", 4)):
+            return None
         out = rows_mma.rows_mma(rows if rows.stride(-1) == 1 else rows.contiguous(), weight,
-                                norm=(parts, norm.weight, norm.eps, norm.offset),
-                                **rows_mma.engine_launch(*weight.shape, x.device))
+                                norm=(parts, norm.weight, norm.eps, norm.offset), **launch)
     return out.view(residual.shape), residual
 
 
@@ -400,11 +403,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.tp_rank, self.tp_size
 
 
-class DeferredMatmul(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class DeferredMatmul:
     """`layer(x)` not launched yet: left for the RMSNorm that takes it with a residual
     (`RMSNorm.forward`), which has the layer's kernel add and normalise in its epilogue
     (`RowParallelLinear.forward_add_norm`) or calls `resolve`. What a model's attention and
-    MLP return with `defer_output` (`layers.set_add_norm_epilogue`)."""
+    MLP return with `defer_output` (`layers.set_add_norm_epilogue`). (Not a tuple: code
+    that unpacks an output by mistake fails.)"""
 
     layer: nn.Module
     x: torch.Tensor
