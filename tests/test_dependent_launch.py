@@ -253,13 +253,15 @@ def test_dependent_launches_through_the_add_and_norm_epilogue(rows):
     """Layers of the gate_up projection (its activation stored by its launch) and the down
     projection with the residual add and RMSNorm in its epilogue (`add_norm.py`: the last
     program normalises the rows, which the next layer's gate_up reads at once); one row
-    through the GEMV (INT8 weights), five through rows_mma (16-bit): bit for bit the
-    launches without dependent launch."""
+    through the GEMV (INT8 weights), five through rows_mma (16-bit; its gate_up in two K
+    slices, the last slice of a row block adding them): bit for bit the launches without
+    dependent launch."""
     from infer.kernels.gemv import gemv_add_norm, gemv_gate_up
     from infer.kernels.rows_mma import rows_mma, weight_first_launch
 
     gen = torch.Generator().manual_seed(4)
-    hidden, inter = 1024, 4096
+    hidden, inter = (1024, 4096) if rows == 1 else (4096, 1024)
+    assert rows == 1 or weight_first_launch(2 * inter, hidden, torch.device("cuda"))["splits"] > 1
 
     def int8(n, k):
         w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8).cuda()
