@@ -116,8 +116,8 @@ class EngineConfig:
         False, "with triton_gemv, the residual add and RMSNorm after a Llama-family layer's "
         "output and down projections run in that projection's launch where infer's kernels "
         "take its rows (the GEMV's one row of 16-bit, INT8 or FP8 weights; rows_mma's 2 to "
-        "gemv_max_rows of 16-bit ones: a verify step, small batches), the last program "
-        "normalising the rows (kernels/add_norm.py), instead of a kernel of their own, so "
+        "8 of 16-bit ones: a verify step, small batches), the last program normalising the "
+        "rows (kernels/add_norm.py), instead of a kernel of their own, so "
         "that the next projection reads its weight while this one runs; one GPU; off until "
         "measured on a GPU")
     mma_gate_up_activation: bool = knob(
