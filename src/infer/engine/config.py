@@ -120,6 +120,13 @@ class EngineConfig:
         "rows (kernels/add_norm.py), instead of a kernel of their own, so "
         "that the next projection reads its weight while this one runs; one GPU; off until "
         "measured on a GPU")
+    qkv_rope_epilogue: bool = knob(
+        False, "with triton_gemv and Triton attention and kernels, a one-token step's q/k/v "
+        "projection (the GEMV's one row of 16-bit, INT8 or FP8 weights) rotates q and k and "
+        "stores k and v into the cache in its own launch, each program holding channels j "
+        "and j + D/2 of its heads (kernels/qkv_rope.py), instead of the RoPE + KV-store "
+        "kernel after it; layers with RoPE and no q/k norm, one GPU; off until measured on "
+        "a GPU")
     mma_gate_up_activation: bool = knob(
         False, "with triton_gemv and gemv_gate_up_activation, a gated MLP's steps of 2 to "
         "gemv_max_rows rows of 16-bit weights (a verify step's k + 1 positions, small "

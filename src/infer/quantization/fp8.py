@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from infer.models.linear import LinearMethod, add_norm_rows
+from infer.models.linear import LinearMethod, RopeStore, add_norm_rows
 from infer.models.weights import WeightLoader
 from infer.quantization.stored import channel_scale, quantized_as_loaded, stored_weight
 
@@ -124,12 +124,24 @@ class Fp8LinearMethod(LinearMethod):
                        norm: nn.Module, bias: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One row, where it goes to infer's GEMV."""
-        if (bias is not None or not x.is_cuda or x.numel() != x.shape[-1]
-                or getattr(layer, "fp8_decode_activations", False)
-                or x.dtype not in (torch.float16, torch.bfloat16)
-                or getattr(layer, "w8a16_gemv_rows", 0) < 1):
+        if not self._one_row_gemv(layer, x, bias):
             return None
         return add_norm_rows(x, layer.weight, layer.weight_scale, residual, norm)
+
+    def apply_qkv_rope(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                       rope: RopeStore) -> torch.Tensor | None:
+        """One row, where it goes to infer's GEMV."""
+        if not self._one_row_gemv(layer, x, bias):
+            return None
+        return rope.launch(x, layer.weight, layer.weight_scale)
+
+    @staticmethod
+    def _one_row_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether `x` is one row that `apply` sends to infer's GEMV, with no bias after."""
+        return (bias is None and x.is_cuda and x.numel() == x.shape[-1]
+                and not getattr(layer, "fp8_decode_activations", False)
+                and x.dtype in (torch.float16, torch.bfloat16)
+                and getattr(layer, "w8a16_gemv_rows", 0) >= 1)
 
 
 def _scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, layer: nn.Module,

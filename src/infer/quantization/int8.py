@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.models.linear import LinearMethod, add_norm_rows
+from infer.models.linear import LinearMethod, RopeStore, add_norm_rows
 from infer.models.weights import WeightLoader
 from infer.quantization.stored import channel_scale, quantized_as_loaded, stored_weight
 from infer.quantization.tables import convert_table
@@ -116,10 +116,22 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
                        norm: nn.Module, bias: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One row, where it goes to infer's GEMV."""
-        if not (x.is_cuda and bias is None and x.dtype == layer.compute_dtype
-                and x.numel() == x.shape[-1] and getattr(layer, "w8a16_gemv_rows", 0) >= 1):
+        if not self._one_row_gemv(layer, x, bias):
             return None
         return add_norm_rows(x, layer.weight, layer.weight_scale, residual, norm)
+
+    def apply_qkv_rope(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                       rope: RopeStore) -> torch.Tensor | None:
+        """One row, where it goes to infer's GEMV."""
+        if not self._one_row_gemv(layer, x, bias):
+            return None
+        return rope.launch(x, layer.weight, layer.weight_scale)
+
+    @staticmethod
+    def _one_row_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether `x` is one row that `apply` sends to infer's GEMV, with no bias after."""
+        return (x.is_cuda and bias is None and x.dtype == layer.compute_dtype
+                and x.numel() == x.shape[-1] and getattr(layer, "w8a16_gemv_rows", 0) >= 1)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if ids.is_cuda:  # the same rounding in one launch
