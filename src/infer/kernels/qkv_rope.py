@@ -39,34 +39,38 @@ def _qkv_rope_kernel(
     d = 2 * half
     n_pairs = (n_q_heads + n_kv_heads) * half
     n_v = n_kv_heads * d
+    # Before the dependent-launch wait: the token's position and slot (written before the
+    # step's kernels start, never by the kernel before), the cos / sin of a pair
+    # program's pairs, and the first weight tile.
+    pos = tl.load(pos_ptr).to(tl.int64)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    pair = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    j = pair % half
     # Weight rows: a pair program's tile row 2i is channel j of pair i's head, 2i + 1 its
     # channel j + D/2; a v program's rows are v's channels in order. Past the last pair
     # or channel, the last one again (not stored).
     if pid < pair_programs:
-        pair = tl.minimum(pid * (BLOCK_N // 2) + r // 2, n_pairs - 1)
-        wn = (pair // half) * d + pair % half + (r % 2) * half
+        tile_pair = tl.minimum(pid * (BLOCK_N // 2) + r // 2, n_pairs - 1)
+        wn = (tile_pair // half) * d + tile_pair % half + (r % 2) * half
+        inside = pair < n_pairs
+        cos = tl.load(cos_ptr + pos * stride_cs + j, mask=inside, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * stride_cs + j, mask=inside, other=0.0).to(tl.float32)
     else:
         wn = (n_q_heads + n_kv_heads) * d + tl.minimum((pid - pair_programs) * BLOCK_N + r,
                                                        n_v - 1)
+        cos = tl.zeros([BLOCK_N // 2], dtype=tl.float32)
+        sin = tl.zeros([BLOCK_N // 2], dtype=tl.float32)
     w_rows = w_ptr + wn.to(tl.int64)[:, None] * stride_wn
     rk = tl.arange(0, BLOCK_K)
-    # Before the dependent-launch wait: the first weight tile, and the token's position
-    # and slot (written before the step's kernels start, never by the kernel before).
     w = _weights(w_rows, rk, K, EVEN_K)
-    pos = tl.load(pos_ptr).to(tl.int64)
-    slot = tl.load(slot_ptr).to(tl.int64)
     dependent_launch.wait(PDL)
     dependent_launch.release(PDL)
     y = _channels(_sums(w, w_rows, rk, x_ptr, K, BLOCK_K, EVEN_K, PTX), s_ptr, wn, SCALED)
     y = y.to(q_ptr.dtype.element_ty)
     if pid < pair_programs:
         x1, x2 = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
-        pair = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         inside = pair < n_pairs
         head = pair // half
-        j = pair % half
-        cos = tl.load(cos_ptr + pos * stride_cs + j, mask=inside, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * stride_cs + j, mask=inside, other=0.0).to(tl.float32)
         a = x1.to(tl.float32)
         b = x2.to(tl.float32)
         r1 = a * cos - b * sin
