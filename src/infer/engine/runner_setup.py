@@ -20,13 +20,9 @@ from infer.engine.config import EngineConfig
 from infer.engine.memory import plan_kv_cache
 from infer.engine.model_runner import ModelRunner
 from infer.engine.setup import pick_backend
-from infer.models.layers import (
-    set_add_norm_epilogue,
-    set_gate_up_activation,
-    set_kernel_backend,
-    set_qkv_rope_epilogue,
-)
+from infer.models.layers import set_add_norm_epilogue, set_gate_up_activation, set_kernel_backend
 from infer.models.linear import set_8bit_kernels, set_triton_gemv
+from infer.models.self_attention import set_qkv_rope_epilogue
 from infer.quantization.gguf_gpu import set_gguf_int8_activations
 
 log = logging.getLogger(__name__)

@@ -259,17 +259,6 @@ def set_add_norm_epilogue(model: nn.Module, on: bool) -> None:
             m.mlp.defer_output = on
 
 
-def set_qkv_rope_epilogue(model: nn.Module, on: bool) -> None:
-    """Whether `model`'s self-attention layers have their q/k/v projection rotate q and k
-    and store k and v in its own launch where it can (`SelfAttention._rotated_and_stored`,
-    `kernels/qkv_rope.py`)."""
-    from infer.models.self_attention import SelfAttention
-
-    for m in model.modules():
-        if isinstance(m, SelfAttention):
-            m.rope_in_qkv = on
-
-
 def set_gate_up_activation(model: nn.Module, on: bool) -> None:
     """Whether `model`'s gated MLPs ask their gate_up projection for `act(gate) * up`
     (`forward_gate_up`: its weight's method stores it from the matmul's own launch where it

@@ -28,8 +28,8 @@ class SelfAttention(nn.Module):
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias
         )
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, cfg.attention_out_bias)
-        self.defer_output = False
-        self.rope_in_qkv = False  # layers.set_qkv_rope_epilogue
+        self.defer_output = False  # layers.set_add_norm_epilogue
+        self.rope_in_qkv = False  # set_qkv_rope_epilogue
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, offset=norm_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, offset=norm_offset)
@@ -76,3 +76,12 @@ class SelfAttention(nn.Module):
         return self.qkv_proj.forward_qkv_rope(x, RopeStore(
             self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.attn.k_cache,
             self.attn.v_cache, meta.slot_mapping, positions, rotary.cos, rotary.sin))
+
+
+def set_qkv_rope_epilogue(model: nn.Module, on: bool) -> None:
+    """Whether `model`'s self-attention layers have their q/k/v projection rotate q and k
+    and store k and v in its own launch where it can (`SelfAttention._rotated_and_stored`,
+    `kernels/qkv_rope.py`)."""
+    for m in model.modules():
+        if isinstance(m, SelfAttention):
+            m.rope_in_qkv = on
