@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from infer.models.linear import LinearMethod, RopeStore, add_norm_rows
+from infer.models.linear import LinearMethod
 from infer.models.weights import WeightLoader
+from infer.quantization.gemv_epilogues import GemvEpilogues
 from infer.quantization.stored import channel_scale, quantized_as_loaded, stored_weight
 
 FP8 = torch.float8_e4m3fn
@@ -47,7 +48,7 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf * (1 / scale)[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-class Fp8LinearMethod(LinearMethod):
+class Fp8LinearMethod(GemvEpilogues, LinearMethod):
     """`from_float`: the layer is built to quantize a float checkpoint's tensors as they
     load (`quantization="fp8"`); else to load a checkpoint stored in FP8."""
 
@@ -120,23 +121,8 @@ class Fp8LinearMethod(LinearMethod):
                          getattr(layer, "gate_up_rows_apart", False))
         return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1])
 
-    def apply_add_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
-                       norm: nn.Module, bias: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One row, where it goes to infer's GEMV."""
-        if not self._one_row_gemv(layer, x, bias):
-            return None
-        return add_norm_rows(x, layer.weight, layer.weight_scale, residual, norm)
-
-    def apply_qkv_rope(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-                       rope: RopeStore) -> torch.Tensor | None:
-        """One row, where it goes to infer's GEMV."""
-        if not self._one_row_gemv(layer, x, bias):
-            return None
-        return rope.launch(x, layer.weight, layer.weight_scale)
-
     @staticmethod
-    def _one_row_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    def one_row_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether `x` is one row that `apply` sends to infer's GEMV, with no bias after."""
         return (bias is None and x.is_cuda and x.numel() == x.shape[-1]
                 and not getattr(layer, "fp8_decode_activations", False)

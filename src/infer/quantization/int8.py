@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.models.linear import LinearMethod, RopeStore, add_norm_rows
+from infer.models.linear import LinearMethod
 from infer.models.weights import WeightLoader
+from infer.quantization.gemv_epilogues import GemvEpilogues
 from infer.quantization.stored import channel_scale, quantized_as_loaded, stored_weight
 from infer.quantization.tables import convert_table
 
@@ -40,7 +41,7 @@ def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-class Int8WeightOnlyLinearMethod(LinearMethod):
+class Int8WeightOnlyLinearMethod(GemvEpilogues, LinearMethod):
     """`from_float`: the layer is built to quantize a float checkpoint's tensors as they
     load (`quantization="int8"`); else to load a checkpoint stored in INT8
     (compressed-tensors, per-channel scales)."""
@@ -112,23 +113,8 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
                          getattr(layer, "gate_up_rows_apart", False))
         return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
-    def apply_add_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
-                       norm: nn.Module, bias: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One row, where it goes to infer's GEMV."""
-        if not self._one_row_gemv(layer, x, bias):
-            return None
-        return add_norm_rows(x, layer.weight, layer.weight_scale, residual, norm)
-
-    def apply_qkv_rope(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-                       rope: RopeStore) -> torch.Tensor | None:
-        """One row, where it goes to infer's GEMV."""
-        if not self._one_row_gemv(layer, x, bias):
-            return None
-        return rope.launch(x, layer.weight, layer.weight_scale)
-
     @staticmethod
-    def _one_row_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    def one_row_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether `x` is one row that `apply` sends to infer's GEMV, with no bias after."""
         return (x.is_cuda and bias is None and x.dtype == layer.compute_dtype
                 and x.numel() == x.shape[-1] and getattr(layer, "w8a16_gemv_rows", 0) >= 1)
