@@ -111,7 +111,7 @@ def _gemv_kernel(
             _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
                   BLOCK_K, 2, EVEN_K, GATE_UP, SCALED, PTX)
     elif ADD_NORM:
-        acc = _sums(w, w_rows, rk, x_ptr, K, BLOCK_K, EVEN_K, PTX)
+        acc, _ = _sums(w, w_rows, rk, x_ptr, 0, K, BLOCK_K, 1, EVEN_K, PTX)
         y = _channels(acc, s_ptr, wn, SCALED).to(y_ptr.dtype.element_ty)
         add_to_residual(y, res_ptr + rn, rn < N)
         normalise_if_last(res_ptr, 0, nw_ptr, y_ptr, 0, 1, N, count_ptr, eps, OFFSET, BLOCK_H,
@@ -122,23 +122,11 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _sums(w, w_rows, rk, x_ptr, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-          PTX: tl.constexpr):
-    """One row's products with the program's weight rows, `[BLOCK_N, BLOCK_K]` float32
-    (from the first weight tile `w`), to be summed along K."""
-    acc = to_float(w, PTX) * _row(x_ptr, rk, K, EVEN_K).to(tl.float32)[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        kk = k0 + rk
-        acc += (to_float(_weights(w_rows, kk, K, EVEN_K), PTX)
-                * _row(x_ptr, kk, K, EVEN_K).to(tl.float32)[None, :])
-    return acc
-
-
-@triton.jit
-def _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
-          BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
-          GATE_UP: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr):
-    """The program's channels of x's first ROWS rows, from the first weight tile `w`."""
+def _sums(w, w_rows, rk, x_ptr, stride_xm, K, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+          EVEN_K: tl.constexpr, PTX: tl.constexpr):
+    """The products of x's first ROWS rows with the program's weight rows, each
+    `[BLOCK_N, BLOCK_K]` float32 to be summed along K (from the first weight tile `w`):
+    (row 0's, row 1's; with one row, row 0's twice)."""
     # A second row shares each weight made float32 (two accumulators of the one-row
     # layout: a third dimension for the rows made the kernel 2-3x slower on an H200).
     w = to_float(w, PTX)
@@ -151,6 +139,17 @@ def _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym
         acc += w * _row(x_ptr, kk, K, EVEN_K).to(tl.float32)[None, :]
         if ROWS == 2:
             acc_2 += w * _row(x_ptr + stride_xm, kk, K, EVEN_K).to(tl.float32)[None, :]
+    if ROWS == 1:
+        acc_2 = acc
+    return acc, acc_2
+
+
+@triton.jit
+def _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
+          BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
+          GATE_UP: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr):
+    """The program's channels of x's first ROWS rows, from the first weight tile `w`."""
+    acc, acc_2 = _sums(w, w_rows, rk, x_ptr, stride_xm, K, BLOCK_K, ROWS, EVEN_K, PTX)
     _store(acc, s_ptr, y_ptr, rn, wn, N, SCALED, GATE_UP)
     if ROWS == 2:
         _store(acc_2, s_ptr, y_ptr + stride_ym, rn, wn, N, SCALED, GATE_UP)

@@ -65,7 +65,8 @@ def _qkv_rope_kernel(
     w = _weights(w_rows, rk, K, EVEN_K)
     dependent_launch.wait(PDL)
     dependent_launch.release(PDL)
-    y = _channels(_sums(w, w_rows, rk, x_ptr, K, BLOCK_K, EVEN_K, PTX), s_ptr, wn, SCALED)
+    acc, _ = _sums(w, w_rows, rk, x_ptr, 0, K, BLOCK_K, 1, EVEN_K, PTX)
+    y = _channels(acc, s_ptr, wn, SCALED)
     y = y.to(q_ptr.dtype.element_ty)
     if pid < pair_programs:
         x1, x2 = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
