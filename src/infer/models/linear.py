@@ -120,11 +120,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
             y = gemv_gate_up(rows.contiguous(), layer.weight, act)
         else:
-            from infer.kernels import rows_mma
-
-            y = rows_mma.rows_mma(rows if rows.stride(-1) == 1 else rows.contiguous(),
-                                  layer.weight, gate_up=act,
-                                  **rows_mma.engine_launch(*layer.weight.shape, x.device))
+            y = _engine_rows_mma(rows, layer.weight, gate_up=act)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def apply_add_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
@@ -192,8 +188,8 @@ def add_norm_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
         launch = rows_mma.engine_launch(*weight.shape, x.device)
         if not add_norm.rows_at_once(n, len(rows), launch.get("num_warps", 4)):
             return None
-        out = rows_mma.rows_mma(rows if rows.stride(-1) == 1 else rows.contiguous(), weight,
-                                norm=(parts, norm.weight, norm.eps, norm.offset), **launch)
+        out = _engine_rows_mma(rows, weight, launch,
+                               norm=(parts, norm.weight, norm.eps, norm.offset))
     return out.view(residual.shape), residual
 
 
@@ -226,11 +222,20 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
         y = gemv.gemv(rows.contiguous(), weight)
     else:
-        from infer.kernels import rows_mma
-
-        y = rows_mma.rows_mma(rows if rows.stride(-1) == 1 else rows.contiguous(), weight,
-                              **rows_mma.engine_launch(*weight.shape, x.device))
+        y = _engine_rows_mma(rows, weight)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _engine_rows_mma(rows: torch.Tensor, weight: torch.Tensor, launch: dict | None = None,
+                     **options: object) -> torch.Tensor:
+    """`rows_mma` of `rows [M, K]` (copied where their columns are not unit-stride) by
+    `weight`, at `launch` or the engine's for the weight (`rows_mma.engine_launch`)."""
+    from infer.kernels import rows_mma
+
+    if launch is None:
+        launch = rows_mma.engine_launch(*weight.shape, rows.device)
+    return rows_mma.rows_mma(rows if rows.stride(-1) == 1 else rows.contiguous(), weight,
+                             **launch, **options)
 
 
 def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1,
