@@ -79,7 +79,7 @@ def test_the_add_and_norm_are_the_gemv_then_the_fused_add_norm(n, k, offset, wdt
     ("float32", ["The tiny model says"]),
     ("float16", ["The tiny model says", "Once upon", "A list: one, two,"])])
 def test_a_model_with_the_add_and_norm_in_its_projections_keeps_its_tokens(dtype, prompts,
-                                                                          monkeypatch):
+                                                                          count_calls):
     """`add_norm_epilogue`: a Llama model's decode steps (one row through the GEMV, three
     16-bit rows through rows_mma) launch no add + norm kernel of their own (every norm
     with a residual is in the projection before it), a prompt's step still does, and
@@ -90,10 +90,7 @@ def test_a_model_with_the_add_and_norm_in_its_projections_keeps_its_tokens(dtype
     import infer.kernels.rmsnorm as rmsnorm
     from infer import LLM, SamplingParams
 
-    calls = []
-    real = rmsnorm.fused_add_rmsnorm
-    monkeypatch.setattr(rmsnorm, "fused_add_rmsnorm",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = count_calls(rmsnorm, "fused_add_rmsnorm")
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, ignore_eos=True)
     outs = {}
     for on in (True, False):
@@ -175,7 +172,7 @@ def test_the_epilogue_takes_a_row_or_two_a_load_within_its_threads_share():
 @pytest.mark.parametrize(("rows", "bias", "fused"), [
     (1, False, True), (5, False, True), (9, False, False), (1, True, False)])
 def test_a_deferred_projection_is_added_and_normalised_in_its_launch_or_after_it(
-        rows, bias, fused, monkeypatch):
+        rows, bias, fused, count_calls):
     """An RMSNorm given a `DeferredMatmul` and a residual: where the projection's kernel
     takes the rows (one row to the GEMV, up to MAX_ROWS to rows_mma, no bias) no norm
     launch of its own, else the projection then the norm; either way the norm of the sum
@@ -197,10 +194,7 @@ def test_a_deferred_projection_is_added_and_normalised_in_its_launch_or_after_it
     residual = torch.randn(rows, 96, generator=gen).to(DEVICE, torch.float16)
     want_res = residual.clone()
     want, _ = norm(layer(x), want_res)
-    calls = []
-    real = rmsnorm.fused_add_rmsnorm
-    monkeypatch.setattr(rmsnorm, "fused_add_rmsnorm",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = count_calls(rmsnorm, "fused_add_rmsnorm")
     got_res = residual.clone()
     got, got_res = norm(DeferredMatmul(layer, x), got_res)
     assert len(calls) == (0 if fused else 1)

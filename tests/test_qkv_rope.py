@@ -75,7 +75,7 @@ def test_the_epilogue_is_the_projection_then_rope_and_the_store(heads, kv_heads,
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_a_model_with_rope_in_its_qkv_projection_keeps_its_tokens(graphs, monkeypatch):
+def test_a_model_with_rope_in_its_qkv_projection_keeps_its_tokens(graphs, count_calls):
     """`qkv_rope_epilogue`: a Llama model's one-token decode steps launch no RoPE + store
     kernel (the prompt's step does), greedy tokens and logprobs those with it off; with
     the decode graphs' static buffers too (captured on a GPU, run eagerly on the CPU)."""
@@ -86,10 +86,7 @@ def test_a_model_with_rope_in_its_qkv_projection_keeps_its_tokens(graphs, monkey
 
     if graphs and DEVICE == "cpu":
         pytest.skip("CUDA graphs on a GPU only")
-    calls = []
-    real = triton_backend.rope_store_kv
-    monkeypatch.setattr(triton_backend, "rope_store_kv",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = count_calls(triton_backend, "rope_store_kv")
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, ignore_eos=True)
     outs = {}
     for on in (True, False):
