@@ -110,7 +110,7 @@ def _cases() -> list[Case]:
             {**dict(BLOCK_M=block_rows(rows), BLOCK_N=128, BLOCK_K=128, SCALE=size == 1,
                     SCALE_ROWS=1, SCALE_COLS=0, EVEN_K=True, ONE_ROW=rows == 1, PTX=True,
                     FP8_X=False, W_FIRST=False, GATE_UP="", ADD_NORM=False, OFFSET=0.0,
-                    BLOCK_H=1, PDL=False), **constexprs},
+                    BLOCK_H=1, NORM_ROWS=1, PDL=False), **constexprs},
             mma_multiples, 128 * 128, size, num_warps=4, num_stages=3,
             note="launch (128, 128, 4 warps)")
 
