@@ -44,7 +44,7 @@ def _chain(x, weights, norm_weight, w8, w8_scale):
     return h, residual
 
 
-def _plain_eager_and_replayed(chain, inputs, stage=lambda i: None):
+def _plain_eager_and_replayed(chain, inputs, stage=lambda i: None, l2_prefetch_mb=0):
     """`chain(x)` for each input launched plainly, with dependent launch eagerly, and with
     it replayed from one CUDA graph; `stage(i)` before input i's (as a graph's metadata is
     staged before it runs)."""
@@ -63,7 +63,7 @@ def _plain_eager_and_replayed(chain, inputs, stage=lambda i: None):
     try:
         set_dependent_launch(False, device)
         plain = each(chain)
-        set_dependent_launch(True, device)
+        set_dependent_launch(True, device, l2_prefetch_mb)
         assert dependent_launch.enabled()
         eager = each(chain)
         static = inputs[0].clone()
@@ -146,14 +146,16 @@ def test_dependent_launches_of_the_gguf_one_row_kernels():
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA GPU of compute capability 9+")
+@pytest.mark.parametrize("l2_prefetch", [False, True])
 @pytest.mark.parametrize("rope_in_qkv", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_dependent_launches_of_a_layers_attention(head_dim, rope_in_qkv):
+def test_dependent_launches_of_a_layers_attention(head_dim, rope_in_qkv, l2_prefetch):
     """qkv GEMV, RoPE + KV store (or both in the GEMV's epilogue: `qkv_rope.py`), split
     decode attention combined by its last split (a graph's launch, made for 64 splits:
     those past the sequence's keys end before their wait), o GEMV: each reading what the
     one before wrote, the lengths, positions and slots staged before each run, sequences
-    of 1 to 300 tokens."""
+    of 1 to 300 tokens; the GEMVs' weights pulled into L2 before their wait or not
+    (`l2_prefetch.py`)."""
     from infer.kernels.gemv import gemv
     from infer.kernels.paged_attention import paged_decode
     from infer.kernels.qkv_rope import qkv_rope
@@ -202,7 +204,8 @@ def test_dependent_launches_of_a_layers_attention(head_dim, rope_in_qkv):
         return (gemv(out.view(1, hidden), w_o),)
 
     inputs = [rand(1, hidden) for _ in lengths]
-    plain, eager, replayed = _plain_eager_and_replayed(chain, inputs, stage)
+    plain, eager, replayed = _plain_eager_and_replayed(chain, inputs, stage,
+                                                       64 if l2_prefetch else 0)
     assert len({float(p[0].float().norm()) for p in plain}) == len(lengths)
     for want, got_eager, got_graph in zip(plain, eager, replayed):
         assert torch.isfinite(want[0]).all()

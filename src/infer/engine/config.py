@@ -222,6 +222,12 @@ class EngineConfig:
         "W8A16) with programmatic dependent launch, so that each one's launch and first "
         "weight reads overlap the kernel before it (CUDA, compute capability 9+; with "
         "kernel_backend triton only)")
+    gemv_l2_prefetch_mb: int = knob(
+        0, "with dependent_launch, a GEMV (one or two rows) of a weight of at most this "
+        "many MB has the first wave of its programs pull the whole weight into L2 before "
+        "they wait for the kernel before (kernels/l2_prefetch.py: an o projection's "
+        "weight copied while the attention before it runs); 0: off; off until measured on "
+        "a GPU")
     cuda_graphs: bool = knob(True, "replay captured decode steps (CUDA with triton attention "
                              "only; ignored elsewhere)")
     logits_in_graphs: bool = knob(

@@ -41,7 +41,8 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
     set_decode_combine(config.decode_combine_at_once and attention_backend == "triton")
     set_kernel_backend(model, kernel_backend)
     set_matmul_kernels(model, config, kernel_backend)
-    set_dependent_launch(config.dependent_launch and kernel_backend == "triton", device)
+    set_dependent_launch(config.dependent_launch and kernel_backend == "triton", device,
+                         config.gemv_l2_prefetch_mb)
     block_size, num_blocks = plan_kv_cache(config, model_config, max_model_len, model, device,
                                            dtype, draft_config, tp.size)
     # Rank 0's scheduler hands out block ids for every rank's pool: all the same size.
@@ -105,18 +106,20 @@ def _has_fp8_mma() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
-def set_dependent_launch(on: bool, device: torch.device) -> None:
+def set_dependent_launch(on: bool, device: torch.device, l2_prefetch_mb: int = 0) -> None:
     """Programmatic dependent launch for infer's decode kernels, where the device has it
-    (kernels/dependent_launch.py); off in every other case, so that an engine built after
-    another in one process does not inherit the setting."""
+    (kernels/dependent_launch.py), and the GEMV's L2 prefetch under it; off in every other
+    case, so that an engine built after another in one process does not inherit the
+    setting."""
     from infer.kernels import triton_available
 
     if not triton_available():
         return
-    from infer.kernels import dependent_launch
+    from infer.kernels import dependent_launch, l2_prefetch
 
     on = on and dependent_launch.supported(device)
     dependent_launch.set_enabled(on)
+    l2_prefetch.set_max_bytes(l2_prefetch_mb << 20 if on else 0)
     if on:
         log.info("programmatic dependent launch on for infer's decode kernels")
 

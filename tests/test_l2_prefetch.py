@@ -1,0 +1,78 @@
+"""The L2 prefetch a GEMV issues before its dependent-launch wait (kernels/l2_prefetch.py):
+the parts its first programs' threads take cover the weight's bytes once each, in
+16-byte multiples, whatever the launch; a GPU-less engine never prefetches. (That the
+prefetch changes no result, eagerly and in graphs: test_dependent_launch.py on a GPU.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer.kernels import triton_available
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    from infer.kernels.l2_prefetch import part_of
+
+    @triton.jit
+    def _parts_kernel(start_ptr, size_ptr, total, part, THREADS: tl.constexpr):
+        start, size = part_of(total, part, THREADS)
+        at = tl.program_id(0) * THREADS + tl.arange(0, THREADS)
+        tl.store(start_ptr + at, start)
+        tl.store(size_ptr + at, size)
+
+
+def _parts(plan, grid):
+    """Every thread's (start, size) of `plan` over a `grid`-program launch, from the
+    kernels' own `part_of` (Triton's interpreter on a CPU)."""
+    starts = torch.full((grid * plan.threads,), -1, dtype=torch.int64)
+    sizes = torch.full((grid * plan.threads,), -1, dtype=torch.int32)
+    _parts_kernel[(grid,)](starts, sizes, plan.total, plan.part, THREADS=plan.threads)
+    return [(int(a), int(b)) for a, b in zip(starts, sizes)]
+
+
+@pytest.mark.parametrize(("rows", "k", "row_stride", "dtype", "grid", "num_warps"), [
+    (4096, 4096, 4096, torch.int8, 1024, 8),      # 8B o, INT8: 132 programs prefetch
+    (2048, 2048, 2048, torch.bfloat16, 256, 8),   # 1B o, bf16
+    (300, 40, 40, torch.int8, 75, 4),             # fewer programs than SMs, 16-byte tail
+    (6, 1000, 1003, torch.bfloat16, 2, 4),        # rows apart (a view): the span to the last
+])
+def test_the_parts_cover_the_weight_once(monkeypatch, rows, k, row_stride, dtype, grid,
+                                         num_warps):
+    from infer.kernels import dependent_launch, l2_prefetch
+
+    store = torch.zeros(rows * row_stride, dtype=dtype)
+    weight = store.view(rows, row_stride)[:, :k]
+    monkeypatch.setattr(l2_prefetch, "_sms", lambda device: 132)
+    monkeypatch.setattr(dependent_launch, "_enabled", True)
+    monkeypatch.setattr(l2_prefetch, "_max_bytes", 1 << 30)
+    plan = l2_prefetch.plan(weight, grid, num_warps)
+    total = ((rows - 1) * row_stride + k) * weight.element_size()
+    assert plan.total == total and plan.threads == 32 * num_warps
+    parts = _parts(plan, grid)
+    taken = sorted((start, size) for start, size in parts if size > 0)
+    assert all(start % 16 == 0 and size % 16 == 0 for start, size in taken)
+    ends = [start + size for start, size in taken]
+    assert taken[0][0] == 0 and ends[-1] == total // 16 * 16
+    assert all(end == start for end, (start, _) in zip(ends, taken[1:]))  # no gap, no overlap
+    busy = {i // plan.threads for i, (_, size) in enumerate(parts) if size > 0}
+    assert max(busy) < min(grid, 132)  # the first wave only
+
+
+def test_no_prefetch_without_dependent_launch_or_past_the_size(monkeypatch):
+    from infer.engine.runner_setup import set_dependent_launch
+    from infer.kernels import dependent_launch, l2_prefetch
+
+    weight = torch.zeros(64, 64, dtype=torch.bfloat16)
+    set_dependent_launch(True, torch.device("cpu"), l2_prefetch_mb=64)
+    assert l2_prefetch.plan(weight, 8, 4) == l2_prefetch.NO_PREFETCH
+    monkeypatch.setattr(l2_prefetch, "_sms", lambda device: 132)
+    monkeypatch.setattr(dependent_launch, "_enabled", True)
+    monkeypatch.setattr(l2_prefetch, "_max_bytes", 64 * 64 * 2 - 1)
+    assert l2_prefetch.plan(weight, 8, 4) == l2_prefetch.NO_PREFETCH
+    monkeypatch.setattr(l2_prefetch, "_max_bytes", 64 * 64 * 2)
+    assert l2_prefetch.plan(weight, 8, 4).threads == 128
