@@ -257,14 +257,15 @@ def test_dependent_launches_around_a_launch_that_does_nothing():
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA GPU of compute capability 9+")
+@pytest.mark.parametrize("l2_prefetch", [False, True])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_dependent_launches_through_the_add_and_norm_epilogue(rows):
+def test_dependent_launches_through_the_add_and_norm_epilogue(rows, l2_prefetch):
     """Layers of the gate_up projection (its activation stored by its launch) and the down
     projection with the residual add and RMSNorm in its epilogue (`add_norm.py`: the last
     program normalises the rows, which the next layer's gate_up reads at once); one row
     through the GEMV (INT8 weights), five through rows_mma (16-bit; its gate_up in two K
     slices, the last slice of a row block adding them): bit for bit the launches without
-    dependent launch."""
+    dependent launch, the weights pulled into L2 before each wait or not."""
     from infer.kernels.gemv import gemv_add_norm, gemv_gate_up
     from infer.kernels.rows_mma import rows_mma, weight_first_launch
 
@@ -297,7 +298,8 @@ def test_dependent_launches_through_the_add_and_norm_epilogue(rows):
 
     inputs = [torch.randn(rows, hidden, generator=gen).to("cuda", torch.bfloat16)
               for _ in range(3)]
-    plain, eager, replayed = _plain_eager_and_replayed(chain, inputs)
+    plain, eager, replayed = _plain_eager_and_replayed(chain, inputs,
+                                                       l2_prefetch_mb=128 if l2_prefetch else 0)
     for want, got_eager, got_graph in zip(plain, eager, replayed):
         assert torch.isfinite(want[0]).all()
         for w, e, g in zip(want, got_eager, got_graph):

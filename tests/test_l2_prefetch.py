@@ -20,7 +20,7 @@ if triton_available():
 
     @triton.jit
     def _parts_kernel(start_ptr, size_ptr, total, part, THREADS: tl.constexpr):
-        start, size = part_of(total, part, THREADS)
+        start, size = part_of(total, part, tl.program_id(0), THREADS)
         at = tl.program_id(0) * THREADS + tl.arange(0, THREADS)
         tl.store(start_ptr + at, start)
         tl.store(size_ptr + at, size)
@@ -47,7 +47,7 @@ def test_the_parts_cover_the_weight_once(monkeypatch, rows, k, row_stride, dtype
 
     store = torch.zeros(rows * row_stride, dtype=dtype)
     weight = store.view(rows, row_stride)[:, :k]
-    monkeypatch.setattr(l2_prefetch, "_sms", lambda device: 132)
+    monkeypatch.setattr(l2_prefetch, "sm_count", lambda device: 132)
     monkeypatch.setattr(dependent_launch, "_enabled", True)
     monkeypatch.setattr(l2_prefetch, "_max_bytes", 1 << 30)
     plan = l2_prefetch.plan(weight, grid, num_warps)
@@ -70,7 +70,7 @@ def test_no_prefetch_without_dependent_launch_or_past_the_size(monkeypatch):
     weight = torch.zeros(64, 64, dtype=torch.bfloat16)
     set_dependent_launch(True, torch.device("cpu"), l2_prefetch_mb=64)
     assert l2_prefetch.plan(weight, 8, 4) == l2_prefetch.NO_PREFETCH
-    monkeypatch.setattr(l2_prefetch, "_sms", lambda device: 132)
+    monkeypatch.setattr(l2_prefetch, "sm_count", lambda device: 132)
     monkeypatch.setattr(dependent_launch, "_enabled", True)
     monkeypatch.setattr(l2_prefetch, "_max_bytes", 64 * 64 * 2 - 1)
     assert l2_prefetch.plan(weight, 8, 4) == l2_prefetch.NO_PREFETCH

@@ -42,7 +42,7 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
     set_kernel_backend(model, kernel_backend)
     set_matmul_kernels(model, config, kernel_backend)
     set_dependent_launch(config.dependent_launch and kernel_backend == "triton", device,
-                         config.gemv_l2_prefetch_mb)
+                         config.l2_prefetch_mb)
     block_size, num_blocks = plan_kv_cache(config, model_config, max_model_len, model, device,
                                            dtype, draft_config, tp.size)
     # Rank 0's scheduler hands out block ids for every rank's pool: all the same size.

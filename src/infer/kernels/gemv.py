@@ -107,7 +107,8 @@ def _gemv_kernel(
     # The first weight tile is read before the kernel before this one has finished
     # (dependent_launch.py), and the skip flag, written before the graph holding this
     # launch started (row_skip.py); x only after.
-    l2_prefetch.prefetch(w_ptr, prefetch_total, prefetch_part, PREFETCH_THREADS, PTX)
+    l2_prefetch.prefetch(w_ptr, prefetch_total, prefetch_part, tl.program_id(0),
+                         PREFETCH_THREADS, PTX)
     w = _weights(w_rows, rk, K, EVEN_K)
     if SKIPS:
         skip = tl.load(skip_ptr)

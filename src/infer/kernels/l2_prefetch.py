@@ -1,4 +1,5 @@
-"""A small matmul's weight pulled into L2 while the kernel before it still runs.
+"""A small decode matmul's weight pulled into L2 while the kernel before it still runs
+(the GEMV's, `gemv.py`, and rows_mma's, which reads none of its weight before its wait).
 
 Under dependent launch (`dependent_launch.py`) a decode step's kernel is resident, waiting,
 while the kernel before it runs; what it reads before its wait (its weight) overlaps that
@@ -8,25 +9,24 @@ after the wait. The batch-1 attention before an o projection runs for ~5 µs and
 little: long enough to copy the whole weight into L2 (50 MB on an H100 / H200), which the
 GEMV then reads there.
 
-The first `programs` programs of the launch (one an SM: the first wave) each prefetch
-`threads` equal parts of the weight, one bulk prefetch a thread (`cp.async.bulk.prefetch
+The launch's first programs (one an SM: the first wave) each prefetch `threads` equal
+parts of the weight, one bulk prefetch a thread (`cp.async.bulk.prefetch
 .L2`, Hopper's copy engine: no registers held, nothing waited for); the parts past the
 weight's end are empty. A hint only: nothing the kernel computes depends on it.
 
-Off unless `set_max_bytes` names a size (`EngineConfig.gemv_l2_prefetch`), for weights up
+Off unless `set_max_bytes` names a size (`EngineConfig.l2_prefetch_mb`), for weights up
 to that size, under dependent launch, on a GPU.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import dependent_launch
+from infer.kernels import dependent_launch, sm_count
 
 _max_bytes = 0
 ALIGN = 16  # a bulk prefetch's address and size are multiples of 16 bytes
@@ -58,26 +58,27 @@ def plan(weight: torch.Tensor, grid: int, num_warps: int) -> Plan:
     if not (0 < total <= _max_bytes and dependent_launch.enabled()):
         return NO_PREFETCH
     assert weight.data_ptr() % ALIGN == 0, weight.data_ptr()
-    programs = min(grid, _sms(weight.device))
+    programs = min(grid, sm_count(weight.device))
     threads = 32 * num_warps
     part = triton.cdiv(triton.cdiv(total, programs * threads), ALIGN) * ALIGN
     return Plan(threads, part, total)
 
 
 @triton.jit
-def part_of(total, part, THREADS: tl.constexpr):
-    """This program's threads' parts: byte offsets and sizes (multiples of ALIGN; size
-    <= 0 where the part starts past `total`)."""
-    start = (tl.program_id(0) * THREADS + tl.arange(0, THREADS)).to(tl.int64) * part
+def part_of(total, part, program, THREADS: tl.constexpr):
+    """The threads' parts of the program `program` (its index in launch order): byte
+    offsets and sizes (multiples of ALIGN; size <= 0 where the part starts past `total`)."""
+    start = (program * THREADS + tl.arange(0, THREADS)).to(tl.int64) * part
     size = tl.minimum(total - start, part) // 16 * 16
     return start, size.to(tl.int32)
 
 
 @triton.jit
-def prefetch(w_ptr, total, part, THREADS: tl.constexpr, PTX: tl.constexpr):
-    """This program's part of the prefetch that `plan` made (THREADS 0: none)."""
+def prefetch(w_ptr, total, part, program, THREADS: tl.constexpr, PTX: tl.constexpr):
+    """The part of the prefetch that `plan` made of the program `program` (its index in
+    launch order; THREADS 0: none)."""
     if PTX and THREADS > 0:
-        start, size = part_of(total, part, THREADS)
+        start, size = part_of(total, part, program, THREADS)
         tl.inline_asm_elementwise(
             asm="""{
             .reg .pred p;
@@ -87,8 +88,3 @@ def prefetch(w_ptr, total, part, THREADS: tl.constexpr, PTX: tl.constexpr):
             }""",
             constraints="=r,l,r", args=[w_ptr.to(tl.pointer_type(tl.int8)) + start, size],
             dtype=tl.int32, is_pure=False, pack=1)
-
-
-@functools.cache
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
