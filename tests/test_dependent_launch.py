@@ -44,12 +44,12 @@ def _chain(x, weights, norm_weight, w8, w8_scale):
     return h, residual
 
 
-def _plain_eager_and_replayed(chain, inputs, stage=lambda i: None, l2_prefetch_mb=0):
+def _plain_eager_and_replayed(chain, inputs, stage=lambda i: None, l2_prefetch=False):
     """`chain(x)` for each input launched plainly, with dependent launch eagerly, and with
     it replayed from one CUDA graph; `stage(i)` before input i's (as a graph's metadata is
     staged before it runs)."""
     from infer.engine.runner_setup import set_dependent_launch
-    from infer.kernels import dependent_launch
+    from infer.kernels import dependent_launch, prefetch_weights
 
     device = torch.device("cuda")
 
@@ -63,7 +63,8 @@ def _plain_eager_and_replayed(chain, inputs, stage=lambda i: None, l2_prefetch_m
     try:
         set_dependent_launch(False, device)
         plain = each(chain)
-        set_dependent_launch(True, device, l2_prefetch_mb)
+        set_dependent_launch(True, device, l2_prefetch)
+        prefetch_weights(l2_prefetch)  # every launch of the chain
         assert dependent_launch.enabled()
         eager = each(chain)
         static = inputs[0].clone()
@@ -83,6 +84,7 @@ def _plain_eager_and_replayed(chain, inputs, stage=lambda i: None, l2_prefetch_m
         torch.cuda.synchronize()
     finally:
         set_dependent_launch(False, device)
+        prefetch_weights(False)
     return plain, eager, replayed
 
 
@@ -204,8 +206,7 @@ def test_dependent_launches_of_a_layers_attention(head_dim, rope_in_qkv, l2_pref
         return (gemv(out.view(1, hidden), w_o),)
 
     inputs = [rand(1, hidden) for _ in lengths]
-    plain, eager, replayed = _plain_eager_and_replayed(chain, inputs, stage,
-                                                       64 if l2_prefetch else 0)
+    plain, eager, replayed = _plain_eager_and_replayed(chain, inputs, stage, l2_prefetch)
     assert len({float(p[0].float().norm()) for p in plain}) == len(lengths)
     for want, got_eager, got_graph in zip(plain, eager, replayed):
         assert torch.isfinite(want[0]).all()
@@ -298,8 +299,7 @@ def test_dependent_launches_through_the_add_and_norm_epilogue(rows, l2_prefetch)
 
     inputs = [torch.randn(rows, hidden, generator=gen).to("cuda", torch.bfloat16)
               for _ in range(3)]
-    plain, eager, replayed = _plain_eager_and_replayed(chain, inputs,
-                                                       l2_prefetch_mb=128 if l2_prefetch else 0)
+    plain, eager, replayed = _plain_eager_and_replayed(chain, inputs, l2_prefetch=l2_prefetch)
     for want, got_eager, got_graph in zip(plain, eager, replayed):
         assert torch.isfinite(want[0]).all()
         for w, e, g in zip(want, got_eager, got_graph):

@@ -42,7 +42,6 @@ def test_defaults_are_valid():
         (dict(fp8_mma_rows=65), ["fp8_mma_rows", "[0, 64]"]),
         (dict(fp8_mma_rows=-1), ["fp8_mma_rows", "MAX_ROWS"]),
         (dict(int8_mma_rows=65), ["int8_mma_rows", "[0, 64]"]),
-        (dict(l2_prefetch_mb=-1), ["l2_prefetch_mb", "0 (off)"]),
         (dict(grammar_process=True, speculative_method="ngram"),
          ["grammar_process=True", "speculative_method='ngram'"]),
     ],

@@ -47,9 +47,7 @@ def test_the_parts_cover_the_weight_once(monkeypatch, rows, k, row_stride, dtype
 
     store = torch.zeros(rows * row_stride, dtype=dtype)
     weight = store.view(rows, row_stride)[:, :k]
-    monkeypatch.setattr(l2_prefetch, "sm_count", lambda device: 132)
-    monkeypatch.setattr(dependent_launch, "_enabled", True)
-    monkeypatch.setattr(l2_prefetch, "_max_bytes", 1 << 30)
+    _prefetching(monkeypatch, dependent_launch, l2_prefetch, 1 << 30)
     plan = l2_prefetch.plan(weight, grid, num_warps)
     total = ((rows - 1) * row_stride + k) * weight.element_size()
     assert plan.total == total and plan.threads == 32 * num_warps
@@ -63,16 +61,64 @@ def test_the_parts_cover_the_weight_once(monkeypatch, rows, k, row_stride, dtype
     assert max(busy) < min(grid, 132)  # the first wave only
 
 
-def test_no_prefetch_without_dependent_launch_or_past_the_size(monkeypatch):
-    from infer.engine.runner_setup import set_dependent_launch
-    from infer.kernels import dependent_launch, l2_prefetch
-
-    weight = torch.zeros(64, 64, dtype=torch.bfloat16)
-    set_dependent_launch(True, torch.device("cpu"), l2_prefetch_mb=64)
-    assert l2_prefetch.plan(weight, 8, 4) == l2_prefetch.NO_PREFETCH
+def _prefetching(monkeypatch, dependent_launch, l2_prefetch, max_bytes):
+    """A GPU's setting, on a CPU: 132 SMs, dependent launch and the prefetch on, a launch
+    inside `prefetch_weights`."""
     monkeypatch.setattr(l2_prefetch, "sm_count", lambda device: 132)
     monkeypatch.setattr(dependent_launch, "_enabled", True)
-    monkeypatch.setattr(l2_prefetch, "_max_bytes", 64 * 64 * 2 - 1)
-    assert l2_prefetch.plan(weight, 8, 4) == l2_prefetch.NO_PREFETCH
-    monkeypatch.setattr(l2_prefetch, "_max_bytes", 64 * 64 * 2)
+    monkeypatch.setattr(l2_prefetch, "_enabled", True)
+    monkeypatch.setattr(l2_prefetch, "prefetching_weights", lambda: True)
+    monkeypatch.setattr(l2_prefetch, "MAX_BYTES", max_bytes)
+
+
+def test_no_prefetch_on_a_cpu_outside_its_scope_or_past_its_size(monkeypatch):
+    from infer.engine.runner_setup import set_dependent_launch
+    from infer.kernels import dependent_launch, l2_prefetch, prefetch_weights
+
+    weight = torch.zeros(64, 64, dtype=torch.bfloat16)
+    set_dependent_launch(True, torch.device("cpu"), l2_prefetch=True)
+    prefetch_weights(True)
+    try:
+        assert l2_prefetch.plan(weight, 8, 4) == l2_prefetch.NO_PREFETCH
+    finally:
+        prefetch_weights(False)
+    _prefetching(monkeypatch, dependent_launch, l2_prefetch, 64 * 64 * 2)
     assert l2_prefetch.plan(weight, 8, 4).threads == 128
+    monkeypatch.setattr(l2_prefetch, "MAX_BYTES", 64 * 64 * 2 - 1)
+    assert l2_prefetch.plan(weight, 8, 4) == l2_prefetch.NO_PREFETCH
+    monkeypatch.setattr(l2_prefetch, "prefetching_weights", lambda: False)
+    monkeypatch.setattr(l2_prefetch, "MAX_BYTES", 64 * 64 * 2)
+    assert l2_prefetch.plan(weight, 8, 4) == l2_prefetch.NO_PREFETCH
+
+
+def test_an_engine_prefetches_its_output_projections_weights_only(monkeypatch):
+    """`l2_prefetch_after_attention`: every attention's output projection runs inside
+    `prefetch_weights` (its launches may prefetch), the down projections and everything
+    after outside it; off, none does."""
+    from server_fixtures import tiny_model_dir
+
+    from infer import LLM, SamplingParams
+    from infer.kernels import prefetching_weights
+    from infer.models.linear import RowParallelLinear
+
+    seen = []
+    forward = RowParallelLinear.forward
+
+    def recording(self, x):
+        seen.append((id(self), prefetching_weights()))
+        return forward(self, x)
+
+    monkeypatch.setattr(RowParallelLinear, "forward", recording)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for on in (True, False):
+        llm = LLM(str(tiny_model_dir()), device="cpu", num_blocks=32, max_model_len=64,
+                  kernel_backend="triton", attention_backend="triton",
+                  l2_prefetch_after_attention=on)
+        layers = llm.engine.core.runner.model.model.layers
+        outputs = {id(layer.self_attn.o_proj) for layer in layers}
+        seen.clear()
+        llm.generate(["The tiny model says"], params, use_tqdm=False)
+        assert {i for i, _ in seen} == outputs | {id(layer.mlp.down_proj) for layer in layers}
+        assert all(prefetching == (on and i in outputs) for i, prefetching in seen), on
+        assert not prefetching_weights()
+        del llm

@@ -222,12 +222,11 @@ class EngineConfig:
         "W8A16) with programmatic dependent launch, so that each one's launch and first "
         "weight reads overlap the kernel before it (CUDA, compute capability 9+; with "
         "kernel_backend triton only)")
-    l2_prefetch_mb: int = knob(
-        0, "with dependent_launch, a decode matmul in infer's kernels (the GEMV, rows_mma) "
-        "of a weight of at most this many MB has the first wave of its programs pull the "
-        "whole weight into L2 before they wait for the kernel before "
-        "(kernels/l2_prefetch.py: an o projection's weight copied while the attention "
-        "before it runs); 0: off; off until measured on a GPU")
+    l2_prefetch_after_attention: bool = knob(
+        False, "with dependent_launch, an attention's output projection in infer's kernels "
+        "(the GEMV, rows_mma) has the first wave of its programs pull its whole weight "
+        "into L2 before they wait for the attention, which leaves the memory idle "
+        "(kernels/l2_prefetch.py); off until measured on a GPU")
     cuda_graphs: bool = knob(True, "replay captured decode steps (CUDA with triton attention "
                              "only; ignored elsewhere)")
     logits_in_graphs: bool = knob(
@@ -384,8 +383,6 @@ class EngineConfig:
         if not 1 <= self.gemv_8bit_max_rows <= 2:
             raise ValueError(f"gemv_8bit_max_rows must be in [1, 2] (kernels/gemv.py "
                              f"MAX_ROWS), got {self.gemv_8bit_max_rows}")
-        if self.l2_prefetch_mb < 0:
-            raise ValueError(f"l2_prefetch_mb must be 0 (off) or more, got {self.l2_prefetch_mb}")
         if not 1 <= self.gemv_max_rows <= 16:
             raise ValueError(f"gemv_max_rows must be in [1, 16], "
                              f"got {self.gemv_max_rows}")
