@@ -44,12 +44,12 @@ def _chain(x, weights, norm_weight, w8, w8_scale):
     return h, residual
 
 
-def _plain_eager_and_replayed(chain, inputs, stage=lambda i: None, l2_prefetch=False):
+def _plain_eager_and_replayed(chain, inputs, stage=lambda i: None):
     """`chain(x)` for each input launched plainly, with dependent launch eagerly, and with
     it replayed from one CUDA graph; `stage(i)` before input i's (as a graph's metadata is
     staged before it runs)."""
     from infer.engine.runner_setup import set_dependent_launch
-    from infer.kernels import dependent_launch, prefetch_weights
+    from infer.kernels import dependent_launch
 
     device = torch.device("cuda")
 
@@ -63,8 +63,7 @@ def _plain_eager_and_replayed(chain, inputs, stage=lambda i: None, l2_prefetch=F
     try:
         set_dependent_launch(False, device)
         plain = each(chain)
-        set_dependent_launch(True, device, l2_prefetch)
-        prefetch_weights(l2_prefetch)  # every launch of the chain
+        set_dependent_launch(True, device)
         assert dependent_launch.enabled()
         eager = each(chain)
         static = inputs[0].clone()
@@ -84,7 +83,6 @@ def _plain_eager_and_replayed(chain, inputs, stage=lambda i: None, l2_prefetch=F
         torch.cuda.synchronize()
     finally:
         set_dependent_launch(False, device)
-        prefetch_weights(False)
     return plain, eager, replayed
 
 
@@ -148,16 +146,14 @@ def test_dependent_launches_of_the_gguf_one_row_kernels():
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA GPU of compute capability 9+")
-@pytest.mark.parametrize("l2_prefetch", [False, True])
 @pytest.mark.parametrize("rope_in_qkv", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_dependent_launches_of_a_layers_attention(head_dim, rope_in_qkv, l2_prefetch):
+def test_dependent_launches_of_a_layers_attention(head_dim, rope_in_qkv):
     """qkv GEMV, RoPE + KV store (or both in the GEMV's epilogue: `qkv_rope.py`), split
     decode attention combined by its last split (a graph's launch, made for 64 splits:
     those past the sequence's keys end before their wait), o GEMV: each reading what the
     one before wrote, the lengths, positions and slots staged before each run, sequences
-    of 1 to 300 tokens; the GEMVs' weights pulled into L2 before their wait or not
-    (`l2_prefetch.py`)."""
+    of 1 to 300 tokens."""
     from infer.kernels.gemv import gemv
     from infer.kernels.paged_attention import paged_decode
     from infer.kernels.qkv_rope import qkv_rope
@@ -206,7 +202,7 @@ def test_dependent_launches_of_a_layers_attention(head_dim, rope_in_qkv, l2_pref
         return (gemv(out.view(1, hidden), w_o),)
 
     inputs = [rand(1, hidden) for _ in lengths]
-    plain, eager, replayed = _plain_eager_and_replayed(chain, inputs, stage, l2_prefetch)
+    plain, eager, replayed = _plain_eager_and_replayed(chain, inputs, stage)
     assert len({float(p[0].float().norm()) for p in plain}) == len(lengths)
     for want, got_eager, got_graph in zip(plain, eager, replayed):
         assert torch.isfinite(want[0]).all()
@@ -258,15 +254,14 @@ def test_dependent_launches_around_a_launch_that_does_nothing():
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA GPU of compute capability 9+")
-@pytest.mark.parametrize("l2_prefetch", [False, True])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_dependent_launches_through_the_add_and_norm_epilogue(rows, l2_prefetch):
+def test_dependent_launches_through_the_add_and_norm_epilogue(rows):
     """Layers of the gate_up projection (its activation stored by its launch) and the down
     projection with the residual add and RMSNorm in its epilogue (`add_norm.py`: the last
     program normalises the rows, which the next layer's gate_up reads at once); one row
     through the GEMV (INT8 weights), five through rows_mma (16-bit; its gate_up in two K
     slices, the last slice of a row block adding them): bit for bit the launches without
-    dependent launch, the weights pulled into L2 before each wait or not."""
+    dependent launch."""
     from infer.kernels.gemv import gemv_add_norm, gemv_gate_up
     from infer.kernels.rows_mma import rows_mma, weight_first_launch
 
@@ -299,7 +294,7 @@ def test_dependent_launches_through_the_add_and_norm_epilogue(rows, l2_prefetch)
 
     inputs = [torch.randn(rows, hidden, generator=gen).to("cuda", torch.bfloat16)
               for _ in range(3)]
-    plain, eager, replayed = _plain_eager_and_replayed(chain, inputs, l2_prefetch=l2_prefetch)
+    plain, eager, replayed = _plain_eager_and_replayed(chain, inputs)
     for want, got_eager, got_graph in zip(plain, eager, replayed):
         assert torch.isfinite(want[0]).all()
         for w, e, g in zip(want, got_eager, got_graph):

@@ -222,11 +222,6 @@ class EngineConfig:
         "W8A16) with programmatic dependent launch, so that each one's launch and first "
         "weight reads overlap the kernel before it (CUDA, compute capability 9+; with "
         "kernel_backend triton only)")
-    l2_prefetch_after_attention: bool = knob(
-        False, "with dependent_launch, an attention's output projection in infer's kernels "
-        "(the GEMV, rows_mma) has the first wave of its programs pull its whole weight "
-        "into L2 before they wait for the attention, which leaves the memory idle "
-        "(kernels/l2_prefetch.py); off until measured on a GPU")
     cuda_graphs: bool = knob(True, "replay captured decode steps (CUDA with triton attention "
                              "only; ignored elsewhere)")
     logits_in_graphs: bool = knob(

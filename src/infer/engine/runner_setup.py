@@ -22,7 +22,7 @@ from infer.engine.model_runner import ModelRunner
 from infer.engine.setup import pick_backend
 from infer.models.layers import set_add_norm_epilogue, set_gate_up_activation, set_kernel_backend
 from infer.models.linear import set_8bit_kernels, set_triton_gemv
-from infer.models.self_attention import set_output_prefetch, set_qkv_rope_epilogue
+from infer.models.self_attention import set_qkv_rope_epilogue
 from infer.quantization.gguf_gpu import set_gguf_int8_activations
 
 log = logging.getLogger(__name__)
@@ -41,8 +41,7 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
     set_decode_combine(config.decode_combine_at_once and attention_backend == "triton")
     set_kernel_backend(model, kernel_backend)
     set_matmul_kernels(model, config, kernel_backend)
-    set_dependent_launch(config.dependent_launch and kernel_backend == "triton", device,
-                         config.l2_prefetch_after_attention)
+    set_dependent_launch(config.dependent_launch and kernel_backend == "triton", device)
     block_size, num_blocks = plan_kv_cache(config, model_config, max_model_len, model, device,
                                            dtype, draft_config, tp.size)
     # Rank 0's scheduler hands out block ids for every rank's pool: all the same size.
@@ -71,7 +70,6 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
                            and triton)
     set_add_norm_epilogue(model, config.add_norm_epilogue and config.triton_gemv and triton)
     set_qkv_rope_epilogue(model, config.qkv_rope_epilogue and config.triton_gemv and triton)
-    set_output_prefetch(model, config.l2_prefetch_after_attention and triton)
     if triton:
         from infer.kernels import rows_mma
 
@@ -107,20 +105,18 @@ def _has_fp8_mma() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
-def set_dependent_launch(on: bool, device: torch.device, l2_prefetch: bool = False) -> None:
+def set_dependent_launch(on: bool, device: torch.device) -> None:
     """Programmatic dependent launch for infer's decode kernels, where the device has it
-    (kernels/dependent_launch.py), and the GEMV's L2 prefetch under it; off in every other
-    case, so that an engine built after another in one process does not inherit the
-    setting."""
+    (kernels/dependent_launch.py); off in every other case, so that an engine built after
+    another in one process does not inherit the setting."""
     from infer.kernels import triton_available
 
     if not triton_available():
         return
-    from infer.kernels import dependent_launch, l2_prefetch
+    from infer.kernels import dependent_launch
 
     on = on and dependent_launch.supported(device)
     dependent_launch.set_enabled(on)
-    l2_prefetch.set_enabled(on and l2_prefetch)
     if on:
         log.info("programmatic dependent launch on for infer's decode kernels")
 

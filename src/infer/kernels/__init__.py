@@ -35,21 +35,6 @@ def sm_count(device: torch.device) -> int:
     return 4
 
 
-_prefetching = False
-
-
-def prefetch_weights(on: bool) -> None:
-    """Whether the matmuls launched from now on pull their weights into L2 before their
-    dependent-launch wait, where `l2_prefetch.set_enabled` allows it (`l2_prefetch.py`:
-    the one after an attention, which leaves the memory idle)."""
-    global _prefetching
-    _prefetching = on
-
-
-def prefetching_weights() -> bool:
-    return _prefetching
-
-
 _COUNTERS: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 

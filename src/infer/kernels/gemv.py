@@ -35,14 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import (
-    add_norm,
-    dependent_launch,
-    gpu_compiled,
-    l2_prefetch,
-    launch_counters,
-    row_skip,
-)
+from infer.kernels import add_norm, dependent_launch, gpu_compiled, launch_counters, row_skip
 from infer.kernels.activation import gated
 from infer.kernels.add_norm import add_to_residual, normalise_if_last
 from infer.kernels.weight_cast import to_float
@@ -75,15 +68,13 @@ def _row(x_ptr, kk, K, EVEN_K: tl.constexpr):
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, skip_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
-    res_ptr, nw_ptr, count_ptr, eps, prefetch_total, prefetch_part,
+    res_ptr, nw_ptr, count_ptr, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
     GATE_UP: tl.constexpr, SCALED: tl.constexpr, SKIPS: tl.constexpr,
     SKIPPED_WHOLE: tl.constexpr, ADD_NORM: tl.constexpr, OFFSET: tl.constexpr,
-    BLOCK_H: tl.constexpr, PREFETCH_THREADS: tl.constexpr, PTX: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
 ):
-    """PREFETCH_THREADS: the first programs pull the weight into L2 (`l2_prefetch.py`).
-    ADD_NORM (one row): `res_ptr`'s row += the product, and y the RMSNorm of the sum
+    """ADD_NORM (one row): `res_ptr`'s row += the product, and y the RMSNorm of the sum
     (weights `nw_ptr`, `eps`, OFFSET as `rmsnorm.py`'s), by the last program to count
     itself in at `count_ptr` (`add_norm.py`)."""
     if SKIPPED_WHOLE:  # noqa: SIM102 (a constexpr branch: the runtime test is not compiled in)
@@ -107,8 +98,6 @@ def _gemv_kernel(
     # The first weight tile is read before the kernel before this one has finished
     # (dependent_launch.py), and the skip flag, written before the graph holding this
     # launch started (row_skip.py); x only after.
-    l2_prefetch.prefetch(w_ptr, prefetch_total, prefetch_part, tl.program_id(0),
-                         PREFETCH_THREADS, PTX)
     w = _weights(w_rows, rk, K, EVEN_K)
     if SKIPS:
         skip = tl.load(skip_ptr)
@@ -305,17 +294,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
     assert norm is None or (skip is None and not gate_up), "a norm after one row's product"
     residual, norm_weight, eps, offset = norm or (y, y, 0.0, 0.0)
     counter = launch_counters("gemv_add_norm", x.device, 1) if norm is not None else y
-    grid = triton.cdiv(n, channels)
-    prefetch = l2_prefetch.plan(weight, grid, num_warps)
-    _gemv_kernel[(grid,)](
+    _gemv_kernel[(triton.cdiv(n, channels),)](
         x, weight, weight if scale is None else scale, x if flag is None else flag, y, n, k,
         x.stride(0), weight.stride(0), y.stride(0), residual, norm_weight, counter, eps,
-        prefetch.total, prefetch.part,
         BLOCK_N=block_n, BLOCK_K=block_k, ROWS=m, EVEN_K=k % block_k == 0, GATE_UP=gate_up,
         SCALED=scale is not None, SKIPS=skip is not None,
         SKIPPED_WHOLE=skip_whole is not None, ADD_NORM=norm is not None, OFFSET=offset,
-        BLOCK_H=add_norm.block_for(n) if norm is not None else 1,
-        PREFETCH_THREADS=prefetch.threads, PTX=gpu_compiled(x.device), num_warps=num_warps,
+        BLOCK_H=add_norm.block_for(n) if norm is not None else 1, PTX=gpu_compiled(x.device),
+        num_warps=num_warps,
         **dependent_launch.launch_options(),
     )
     return y

@@ -40,14 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import (
-    add_norm,
-    dependent_launch,
-    gpu_compiled,
-    l2_prefetch,
-    launch_counters,
-    sm_count,
-)
+from infer.kernels import add_norm, dependent_launch, gpu_compiled, launch_counters, sm_count
 from infer.kernels.activation import gated
 from infer.kernels.add_norm import add_to_residual, normalise_if_last
 from infer.kernels.gemv import _row, _weights
@@ -163,13 +156,13 @@ def _store(acc, y_ptr, stride_ym, rm, M, pid_n, N, BLOCK_N: tl.constexpr,
 def _rows_mma_kernel(
     x_ptr, w_ptr, s_ptr, xs_ptr, y_ptr, part_ptr, counts,
     M, N, K, stride_xm, stride_wn, stride_ym, stride_sn, steps_per_split, splits,
-    res_ptr, stride_res, nw_ptr, norm_count, eps, prefetch_total, prefetch_part,
+    res_ptr, stride_res, nw_ptr, norm_count, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
     EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr, PTX: tl.constexpr,
     FP8_X: tl.constexpr, W_FIRST: tl.constexpr, GATE_UP: tl.constexpr,
     ADD_NORM: tl.constexpr, OFFSET: tl.constexpr, BLOCK_H: tl.constexpr,
-    NORM_ROWS: tl.constexpr, PREFETCH_THREADS: tl.constexpr, PDL: tl.constexpr,
+    NORM_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     """SCALE: the weight is 8-bit, scaled per channel (SCALE_COLS 0) or per tile; else it
     is 16-bit, x's dtype, unscaled. FP8_X (FP8 weights scaled per channel): x is FP8 (its
@@ -178,8 +171,7 @@ def _rows_mma_kernel(
     GATE_UP ("silu" / "gelu_tanh"; never with tile scales): the weight is a gated MLP's
     `[gate | up]`, 2N rows, and y gets `act(gate) * up`, N channels. ADD_NORM: the
     product is added to the residual rows at `res_ptr`, and y gets their RMSNorm
-    (`add_norm.py`, NORM_ROWS rows a load). PREFETCH_THREADS: the first programs pull the
-    weight into L2 before the wait (`l2_prefetch.py`)."""
+    (`add_norm.py`, NORM_ROWS rows a load)."""
     norm_args = (res_ptr, stride_res, nw_ptr, norm_count, eps)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -201,8 +193,6 @@ def _rows_mma_kernel(
     w_rows = w_ptr + wn.to(tl.int64)[:, None] * stride_wn
     # Tile scales (SCALE_COLS > 0): the program's rows and each K step lie in one tile.
     s_row = s_ptr + (pid_n * BLOCK_N // SCALE_ROWS) * stride_sn
-    l2_prefetch.prefetch(w_ptr, prefetch_total, prefetch_part,
-                         pid_s * tl.num_programs(0) + pid_n, PREFETCH_THREADS, PTX)
     dependent_launch.wait(PDL)
     dependent_launch.release(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -423,7 +413,6 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
     blocks = triton.cdiv(n, block_n)
     parts = (torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
              if splits > 1 else y)
-    prefetch = l2_prefetch.plan(weight, blocks * splits, num_warps)
     _rows_mma_kernel[(blocks, splits)](
         x, weight, y if scale is None else scale, x_scale if fp8_x else y, y, parts,
         launch_counters("rows_mma", x.device, MAX_BLOCKS, blocks),
@@ -431,14 +420,13 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
         1 if scale is None else scale.stride(0), per_split, splits,
         residual, residual.stride(0), norm_weight,
         launch_counters("rows_mma_add_norm", x.device, 1) if norm is not None else y, eps,
-        prefetch.total, prefetch.part,
         BLOCK_M=block_rows(m), BLOCK_N=block_n, BLOCK_K=block_k,
         SCALE=scale is not None, SCALE_ROWS=scale_rows or 1, SCALE_COLS=scale_cols,
         EVEN_K=k % block_k == 0, ONE_ROW=m == 1 and not fp8_x,
         PTX=gpu_compiled(x.device), FP8_X=fp8_x,
         W_FIRST=weight_first or fp8_x, GATE_UP=gate_up, ADD_NORM=norm is not None,
         OFFSET=offset, BLOCK_H=add_norm.block_for(n) if norm is not None else 1,
-        NORM_ROWS=norm_rows, PREFETCH_THREADS=prefetch.threads,
+        NORM_ROWS=norm_rows,
         num_warps=num_warps, num_stages=num_stages, **dependent_launch.launch_options(),
     )
     return y

@@ -9,7 +9,6 @@ from torch import nn
 from infer.attention import Attention, AttentionMetadata
 from infer.attention.qk_prologue import QKPrologue
 from infer.config import ModelConfig
-from infer.kernels import prefetch_weights
 from infer.models.layers import RMSNorm, RotaryEmbedding
 from infer.models.linear import DeferredMatmul, QKVParallelLinear, RopeStore, RowParallelLinear
 
@@ -31,7 +30,6 @@ class SelfAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, cfg.attention_out_bias)
         self.defer_output = False  # layers.set_add_norm_epilogue
         self.rope_in_qkv = False  # set_qkv_rope_epilogue
-        self.prefetch_output = False  # set_output_prefetch
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, offset=norm_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, offset=norm_offset)
@@ -60,15 +58,7 @@ class SelfAttention(nn.Module):
         else:
             q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
             out = self.attn(q, k, v, meta, positions)
-        if self.defer_output:
-            return DeferredMatmul(self.o_proj, out)
-        if not self.prefetch_output:
-            return self.o_proj(out)
-        prefetch_weights(True)
-        try:
-            return self.o_proj(out)
-        finally:
-            prefetch_weights(False)
+        return DeferredMatmul(self.o_proj, out) if self.defer_output else self.o_proj(out)
 
     def _rotated_and_stored(self, x: torch.Tensor, meta: AttentionMetadata,
                             positions: torch.Tensor | None) -> torch.Tensor | None:
@@ -95,12 +85,3 @@ def set_qkv_rope_epilogue(model: nn.Module, on: bool) -> None:
     for m in model.modules():
         if isinstance(m, SelfAttention):
             m.rope_in_qkv = on
-
-
-def set_output_prefetch(model: nn.Module, on: bool) -> None:
-    """Whether `model`'s self-attention layers have their output projection pull its
-    weight into L2 while the attention runs (`kernels/l2_prefetch.py`; not where the
-    projection is left to the norm after it: `defer_output`)."""
-    for m in model.modules():
-        if isinstance(m, SelfAttention):
-            m.prefetch_output = on
