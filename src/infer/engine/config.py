@@ -88,8 +88,9 @@ class EngineConfig:
         False, "with attention_backend triton, the last split of a decode attention launch "
         "(a graph's, which combines the splits' partials itself) loads several splits' "
         "partials at once instead of one split at a time, one round trip to memory "
-        "instead of one a split (kernels/paged_attention.py combine_block); off until "
-        "measured on a GPU")
+        "instead of one a split (kernels/paged_attention.py combine_block); off: no faster "
+        "on an H200 (batch-1 INT8 1B / 8B 0.591 / 2.590 -> 0.592 / 2.597 ms, "
+        "docs/performance.md)")
     triton_gemv: bool = knob(
         True, "one-row matmuls of 16-bit weights (batch-1 decode: projections without a "
         "bias, LM head) through infer's Triton GEMV (kernels/gemv.py) instead of cuBLAS, "
@@ -118,29 +119,32 @@ class EngineConfig:
         "take its rows (the GEMV's one row of 16-bit, INT8 or FP8 weights; rows_mma's 2 to "
         "8 of 16-bit ones: a verify step, small batches), the last program normalising the "
         "rows (kernels/add_norm.py), instead of a kernel of their own, so "
-        "that the next projection reads its weight while this one runs; one GPU; off until "
-        "measured on a GPU")
+        "that the next projection reads its weight while this one runs; one GPU; off: slower "
+        "on an H200 (batch-1 INT8 1B / 8B 0.591 / 2.590 -> 0.606 / 2.722 ms, "
+        "docs/performance.md)")
     qkv_rope_epilogue: bool = knob(
         False, "with triton_gemv and Triton attention and kernels, a one-token step's q/k/v "
         "projection (the GEMV's one row of 16-bit, INT8 or FP8 weights) rotates q and k and "
         "stores k and v into the cache in its own launch, each program holding channels j "
         "and j + D/2 of its heads (kernels/qkv_rope.py), instead of the RoPE + KV-store "
-        "kernel after it; layers with RoPE and no q/k norm, one GPU; off until measured on "
-        "a GPU")
+        "kernel after it; layers with RoPE and no q/k norm, one GPU; off: slower on an H200 "
+        "(batch-1 INT8 1B / 8B 0.591 / 2.590 -> 0.639 / 2.652 ms, docs/performance.md)")
     mma_gate_up_activation: bool = knob(
         False, "with triton_gemv and gemv_gate_up_activation, a gated MLP's steps of 2 to "
         "gemv_max_rows rows of 16-bit weights (a verify step's k + 1 positions, small "
         "batches) get act(gate) * up from the gate_up projection's tensor-core launch "
         "(kernels/rows_mma.py gate_up), each program multiplying the gate and up rows of "
-        "its channels, instead of after the activation's own launch; off until measured "
-        "on a GPU")
+        "its channels, instead of after the activation's own launch; off: an H200's "
+        "speculative step no faster with it (queued step 6.715 ms against 6.719 without, "
+        "two leases; docs/performance.md)")
     gate_up_rows_apart: bool = knob(
         False, "with triton_gemv and gemv_gate_up_activation, the two rows of a gated MLP "
         "of INT8 / FP8 weights too wide for the two-row GEMV, in a draft round's first "
         "forward (the token before the verdict's, then the verdict's), go to two one-row "
         "GEMV launches, the first doing nothing where the device found that token done "
         "(kernels/row_skip.py), instead of the tensor cores and the activation's own launch; "
-        "off until measured on a GPU")
+        "off: not yet measured alone (with the four other session-51 switches an H200's "
+        "speculative step was slower, docs/performance.md)")
     gemv_max_rows: int = knob(
         16, "with triton_gemv, the most rows a matmul of 16-bit weights sends to infer's "
         "kernels instead of cuBLAS: one row to the GEMV, 2 to 16 (a verify step's k + 1 "
