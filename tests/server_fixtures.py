@@ -3,9 +3,7 @@ AsyncEngine on the shared SmolLM2 weights, or on a tiny random Llama written her
 
 from __future__ import annotations
 
-import json
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -17,15 +15,13 @@ from pathlib import Path
 import httpx
 import uvicorn
 from engine_fixtures import make_llm
+from tiny_model import tiny_model_dir
 
 from infer.engine.llm_engine import LLMEngine
 from infer.server import AsyncEngine, build_app
 
 MODEL = "smollm2"
-TINY_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
-                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
-_TINY_CORPUS = ("The quick brown fox jumps over the lazy dog. What is 2+2? It is 4. "
-                "Once upon a time there was a small model that served requests over HTTP.")
+
 
 
 @dataclass
@@ -56,38 +52,6 @@ def shared_engine() -> AsyncEngine:
 def make_engine(max_waiting_requests: int | None = None, **config) -> AsyncEngine:
     config = {"num_blocks": 256, "max_model_len": 512, "max_num_seqs": 64, **config}
     return AsyncEngine.in_thread(make_llm(**config).engine, max_waiting_requests)
-
-
-def write_tiny_llama(path: Path) -> Path:
-    """A random 2-layer Llama (float32 safetensors) with a small byte-level BPE tokenizer
-    and a chat template: an HF directory `--model` accepts, loading in well under a second."""
-    from checkpoints import save_random_checkpoint
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<s>", "</s>", "<|user|>", "<|assistant|>",
-                                        "<|system|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator([_TINY_CORPUS] * 4, trainer)
-    path.mkdir(parents=True, exist_ok=True)
-    backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": TINY_TEMPLATE}))
-    config = LlamaConfig(vocab_size=backend.get_vocab_size(), hidden_size=64,
-                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
-    save_random_checkpoint(config, path)
-    return path
-
-
-@cache
-def tiny_model_dir() -> Path:
-    return write_tiny_llama(Path(tempfile.mkdtemp(prefix="infer-tiny-llama-")))
 
 
 def make_tiny_engine(path: Path, **config) -> AsyncEngine:

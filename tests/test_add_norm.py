@@ -85,7 +85,7 @@ def test_a_model_with_the_add_and_norm_in_its_projections_keeps_its_tokens(dtype
     with a residual is in the projection before it), a prompt's step still does, and
     greedy tokens and logprobs are those with it off (on a GPU, the logprobs within
     rounding while the tokens agree)."""
-    from server_fixtures import tiny_model_dir
+    from tiny_model import tiny_model_dir
 
     import infer.kernels.rmsnorm as rmsnorm
     from infer import LLM, SamplingParams
@@ -207,7 +207,7 @@ def test_a_graphed_engine_with_the_epilogue_keeps_its_tokens(quantization):
     """`add_norm_epilogue` with CUDA graphs and dependent launch (the defaults), 16-bit,
     INT8 and FP8 weights, one sequence then three: greedy tokens and logprobs those with
     it off, within rounding while the tokens agree."""
-    from server_fixtures import tiny_model_dir
+    from tiny_model import tiny_model_dir
 
     from infer import LLM, SamplingParams
 

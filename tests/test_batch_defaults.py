@@ -78,7 +78,7 @@ def test_the_engine_reports_what_it_chose():
 
 @pytest.mark.parametrize("configure", ["1", "0"])
 def test_the_choice_is_on_stderr_unless_logging_is_the_applications(configure):
-    from server_fixtures import tiny_model_dir
+    from tiny_model import tiny_model_dir
 
     model = str(tiny_model_dir())
     script = (f"from infer import LLM; LLM(model={model!r}, device='cpu', num_blocks=64, "

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_fixtures import LiveServer, live_server, make_tiny_engine, tiny_model_dir
+from server_fixtures import LiveServer, live_server, make_tiny_engine
+from tiny_model import tiny_model_dir
 
 NAME = "tiny-chat"
 KEY = "sk-chat-page-test"

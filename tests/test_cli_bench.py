@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from server_fixtures import tiny_model_dir, tiny_server
+from server_fixtures import tiny_server
+from tiny_model import tiny_model_dir
 
 from infer import cli
 from infer.bench.http_client import HttpClient

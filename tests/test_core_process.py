@@ -19,7 +19,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_fixtures import _free_port, live_server, tiny_model_dir
+from server_fixtures import _free_port, live_server
+from tiny_model import tiny_model_dir
 
 from infer import LLM, SamplingParams
 from infer.engine.config import EngineConfig

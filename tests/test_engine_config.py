@@ -95,7 +95,7 @@ def test_a_cpu_engine_sets_its_threads():
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_a_cuda_engine_sets_torchs_host_threads_only_when_asked():
     import torch
-    from server_fixtures import tiny_model_dir
+    from tiny_model import tiny_model_dir
 
     from infer import LLM
 

@@ -8,7 +8,7 @@ import pytest
 from engine_fixtures import drain
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
-from server_fixtures import tiny_model_dir
+from tiny_model import tiny_model_dir
 
 from infer import SamplingParams
 from infer.engine.llm_engine import LLMEngine, RequestRejected

@@ -12,7 +12,7 @@ import sys
 import weakref
 
 import pytest
-from server_fixtures import tiny_model_dir
+from tiny_model import tiny_model_dir
 
 from infer import LLM, SamplingParams, StructuredOutputsParams
 

@@ -347,7 +347,7 @@ def _count_activation_launches(monkeypatch) -> list:
 def test_the_gate_up_activation_knob_keeps_a_models_tokens_and_logprobs(monkeypatch):
     """`gemv_gate_up_activation`: every gated MLP asks its gate_up projection; the one-row
     steps launch no activation; greedy tokens and logprobs are those with it off."""
-    from server_fixtures import tiny_model_dir
+    from tiny_model import tiny_model_dir
 
     from infer import LLM, SamplingParams
     from infer.models.layers import GatedMLP
@@ -396,7 +396,7 @@ def test_a_gated_mlps_few_rows_take_the_activation_in_the_tensor_core_launch(row
 def test_the_mma_gate_up_knob_keeps_a_models_tokens_and_logprobs(monkeypatch):
     """`mma_gate_up_activation`: a float16 model's decode steps of three rows launch no
     activation, and greedy tokens and logprobs are those with it off."""
-    from server_fixtures import tiny_model_dir
+    from tiny_model import tiny_model_dir
 
     from infer import LLM, SamplingParams
     from infer.models.layers import GatedMLP

@@ -108,7 +108,7 @@ def test_int8_layers_with_the_knob_take_the_kernel_and_match_float64(rows, monke
 
 
 def test_the_knob_reaches_every_linear_layer_and_the_lm_head():
-    from server_fixtures import tiny_model_dir
+    from tiny_model import tiny_model_dir
 
     from infer import LLM
     from infer.models.linear import LinearBase, ParallelLMHead

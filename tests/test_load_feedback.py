@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import logging
 
-from server_fixtures import tiny_model_dir
+from tiny_model import tiny_model_dir
 
 from infer.engine.llm_engine import LLMEngine
 from infer.loader import load_hf_dir

@@ -79,7 +79,7 @@ def test_a_model_with_rope_in_its_qkv_projection_keeps_its_tokens(graphs, count_
     """`qkv_rope_epilogue`: a Llama model's one-token decode steps launch no RoPE + store
     kernel (the prompt's step does), greedy tokens and logprobs those with it off; with
     the decode graphs' static buffers too (captured on a GPU, run eagerly on the CPU)."""
-    from server_fixtures import tiny_model_dir
+    from tiny_model import tiny_model_dir
 
     import infer.attention.triton_backend as triton_backend
     from infer import LLM, SamplingParams

@@ -175,7 +175,7 @@ def test_tiny_inputs_move_a_sum_by_no_more_than_half_a_float16_subnormal_step():
     (True, "triton", True), (False, "triton", False), (True, "torch", False)])
 def test_the_engine_knobs_reach_every_linear_layer_and_the_lm_head(knob, attribute, on_value,
                                                                    on, backend, wanted):
-    from server_fixtures import tiny_model_dir
+    from tiny_model import tiny_model_dir
 
     from infer import LLM
     from infer.models.linear import LinearBase, ParallelLMHead
@@ -385,7 +385,7 @@ def test_fp8_layers_with_decode_activations_match_the_scaled_mm_path(rows):
 
 
 def test_the_fp8_activations_knob_reaches_the_layers_only_where_fp8_mma_runs(caplog):
-    from server_fixtures import tiny_model_dir
+    from tiny_model import tiny_model_dir
 
     from infer import LLM
     from infer.models.linear import LinearBase
@@ -421,7 +421,7 @@ def test_weight_first_launches_fit_the_kernel_and_match_float64():
 def test_the_weight_first_knob_reaches_the_16bit_layers_kernel(monkeypatch):
     """`mma_weight_first` sets the engine's launch; a 16-bit layer's step of a few rows
     then takes rows_mma with the weight first, and gives the float64 product."""
-    from server_fixtures import tiny_model_dir
+    from tiny_model import tiny_model_dir
 
     from infer import LLM
     from infer.kernels import rows_mma
@@ -454,7 +454,7 @@ def test_a_bfloat16_engines_few_row_steps_match_cublas(monkeypatch):
     """The default engine sends its 2-16-row steps of 16-bit weights to rows_mma with the
     weight first; its logprobs are cuBLAS's (`gemv_max_rows=1`) within bfloat16 rounding,
     token by token while the two agree."""
-    from server_fixtures import tiny_model_dir
+    from tiny_model import tiny_model_dir
 
     from infer import LLM, SamplingParams
     from infer.kernels import rows_mma

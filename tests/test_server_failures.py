@@ -8,7 +8,8 @@ import json
 
 import httpx
 import pytest
-from server_fixtures import MODEL, live_server, make_tiny_engine, shared_engine, tiny_model_dir
+from server_fixtures import MODEL, live_server, make_tiny_engine, shared_engine
+from tiny_model import tiny_model_dir
 
 LONG = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
 ERROR_KEYS = {"message", "type", "param", "code"}

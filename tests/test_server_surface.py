@@ -10,7 +10,8 @@ import importlib.metadata
 import httpx
 import openai
 import pytest
-from server_fixtures import live_server, make_tiny_engine, tiny_model_dir
+from server_fixtures import live_server, make_tiny_engine
+from tiny_model import tiny_model_dir
 
 from infer import cli
 from infer.cli import build_parser, load_chat_template, serve_app

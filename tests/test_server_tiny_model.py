@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import openai
 import pytest
-from server_fixtures import tiny_model_dir, tiny_server
+from server_fixtures import tiny_server
+from tiny_model import tiny_model_dir
 
 from infer import LLM, SamplingParams
 

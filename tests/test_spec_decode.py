@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from real_models import gemma3_gguf
-from server_fixtures import tiny_model_dir
+from tiny_model import tiny_model_dir
 
 from infer import LLM, SamplingParams
 from infer.engine.config import EngineConfig

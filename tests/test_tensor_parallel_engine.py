@@ -16,8 +16,9 @@ import httpx
 import pytest
 from checkpoints import save_random_checkpoint, save_word_tokenizer
 from engine_fixtures import make_llm
-from server_fixtures import live_server, tiny_model_dir
+from server_fixtures import live_server
 from test_core_process import _descendants, _running, _wait_gone
+from tiny_model import tiny_model_dir
 
 from infer import LLM, SamplingParams
 from infer.engine.config import EngineConfig
