@@ -51,6 +51,7 @@ def test_the_add_and_norm_are_the_gemv_then_the_fused_add_norm(n, k, offset, wdt
     """Channels past the last program's block, K off the step, Gemma's `1 + w`, a row
     wider than the last program's warps hold at once."""
     from infer.kernels import launch_counters
+    from infer.kernels.add_norm import COUNTERS
     from infer.kernels.gemv import gemv, gemv_add_norm
     from infer.kernels.rmsnorm import fused_add_rmsnorm
 
@@ -68,7 +69,7 @@ def test_the_add_and_norm_are_the_gemv_then_the_fused_add_norm(n, k, offset, wdt
         assert got.shape == (1, n) and got.dtype == dtype
         assert torch.equal(got_res, want_res) and _same_norm(got, want)
     device = torch.empty(0, device=DEVICE).device
-    assert int(launch_counters("gemv_add_norm", device, 1).abs().sum()) == 0
+    assert int(launch_counters("gemv_add_norm", device, COUNTERS).abs().sum()) == 0
     h = residual.double().cpu() + x.double().cpu() @ dense.T
     ref = h / (h.pow(2).mean(-1, keepdim=True) + EPS).sqrt() * (norm_w.double().cpu() + offset)
     assert (got_res.double().cpu() - h).abs().max() <= 2e-2 * h.abs().max()
@@ -128,6 +129,7 @@ def test_few_rows_add_and_norm_in_the_tensor_core_launch(m, n, k, splits, weight
     (ragged channels, K slices, 8-bit weights, rows by two and one left over), float64's
     within rounding, the counter left at 0."""
     from infer.kernels import launch_counters
+    from infer.kernels.add_norm import COUNTERS
     from infer.kernels.rmsnorm import fused_add_rmsnorm
     from infer.kernels.rows_mma import rows_mma
 
@@ -149,7 +151,7 @@ def test_few_rows_add_and_norm_in_the_tensor_core_launch(m, n, k, splits, weight
         assert got.shape == (m, n) and torch.equal(got_res, want_res)
         assert _same_norm(got, want)
     device = torch.empty(0, device=DEVICE).device
-    assert int(launch_counters("rows_mma_add_norm", device, 1).abs().sum()) == 0
+    assert int(launch_counters("rows_mma_add_norm", device, COUNTERS).abs().sum()) == 0
     h = residual.double().cpu() + x.double().cpu() @ dense.T
     ref = h / (h.pow(2).mean(-1, keepdim=True) + EPS).sqrt() * (norm_w.double().cpu() + offset)
     assert (got.double().cpu() - ref).abs().max() <= 1e-2 * ref.abs().max()

@@ -293,8 +293,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
         assert flag.dtype == torch.int32 and flag.device == x.device, (flag.dtype, flag.device)
     assert norm is None or (skip is None and not gate_up), "a norm after one row's product"
     residual, norm_weight, eps, offset = norm or (y, y, 0.0, 0.0)
-    counter = launch_counters("gemv_add_norm", x.device, 1) if norm is not None else y
-    _gemv_kernel[(triton.cdiv(n, channels),)](
+    grid = triton.cdiv(n, channels)
+    counter = (launch_counters("gemv_add_norm", x.device, add_norm.COUNTERS,
+                               add_norm.counters_for(grid)) if norm is not None else y)
+    _gemv_kernel[(grid,)](
         x, weight, weight if scale is None else scale, x if flag is None else flag, y, n, k,
         x.stride(0), weight.stride(0), y.stride(0), residual, norm_weight, counter, eps,
         BLOCK_N=block_n, BLOCK_K=block_k, ROWS=m, EVEN_K=k % block_k == 0, GATE_UP=gate_up,
