@@ -1,5 +1,5 @@
 """Test helper: a live server (uvicorn in a thread, 127.0.0.1, a free port) over an
-AsyncEngine on the shared SmolLM2 weights, or on a tiny random Llama written here."""
+AsyncEngine on the shared SmolLM2 weights, or on the tiny random Llama of tiny_model.py."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from infer.engine.llm_engine import LLMEngine
 from infer.server import AsyncEngine, build_app
 
 MODEL = "smollm2"
-
 
 
 @dataclass

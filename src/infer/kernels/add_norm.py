@@ -45,7 +45,7 @@ def normalise_if_last(res_ptr, stride_res, nw_ptr, out_ptr, stride_out, M, N, co
     """Once this program has added its part (every program of the launch's first grid
     dimension does, once): it counts itself in, and the last normalises the M residual
     rows of N values (weights `nw_ptr`) into `out_ptr`, ROWS_AT_ONCE rows a load (one
-    round trip to the L2 for each group). Counted in groups of GROUP programs, each on a
+    round trip to the L2 for each load). Counted in groups of GROUP programs, each on a
     counter of its own (`counter[1 + group]`), the last of each on `counter[0]`, where
     all counted on one: the epilogue then lost 2.1 µs a launch on an H200's 8B o and down
     projections (1,024 programs) and 0.5 on the 1B's (512), same-address atomics the
