@@ -26,6 +26,12 @@ import triton.language as tl
 from infer.kernels import dependent_launch, gpu_compiled
 from infer.kernels.gemv import _channels, _sums, _weights, default_launch
 
+# The plain INT8 GEMV's registers a thread (sm_90, Triton 3.6), so that as many programs
+# share an SM: the epilogue took 77-80 (three 8-warp programs an SM where the GEMV has four), and
+# lost 3.0 / 1.9 µs a layer on an H200's 1B / 8B (docs/performance.md, session 52). At 64
+# the 1B INT8 form spills nothing, the 8B's 8 bytes (INT8) or 32 (bf16). Unmeasured.
+MAX_REGISTERS = 64
+
 
 @triton.jit
 def _qkv_rope_kernel(
@@ -123,6 +129,6 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
         num_kv_heads, half, pair_programs,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         SCALED=scale is not None, PTX=gpu_compiled(x.device), num_warps=num_warps,
-        **dependent_launch.launch_options(),
+        maxnreg=MAX_REGISTERS, **dependent_launch.launch_options(),
     )
     return q
