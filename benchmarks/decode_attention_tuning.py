@@ -110,22 +110,25 @@ def main() -> None:
                              max_err=err, calls=calls))
         del caches
         paged_attention.set_combine_at_once(False)
-    out = opts.out
+        report(opts.out, copy_gbs, rows, name)  # each case as it ends: a time limit keeps it
+
+
+def report(out: Path, copy_gbs: float, rows: list[dict], name: str) -> None:
+    """Writes every row so far to `out`; prints case `name`'s default and best five."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_GBps=copy_gbs,
                                    rows=rows), indent=2))
-    print(f"copy bandwidth {copy_gbs:.0f} GB/s; best 5 settings per case (first: default)")
-    for name, *_ in cases:
-        case = [r for r in rows if r["case"] == name]
-        if not case:
-            continue
-        best = sorted(case[1:], key=lambda r: r["us"])[:5]
-        for r in [case[0], *best]:
-            print(f"{name:28s} BLOCK_N {r['block_n']!s:>4s} warps {r['num_warps']!s:>4s} "
-                  f"stages {r['num_stages']!s:>4s} splits {r['splits']:2d} keys "
-                  f"{r['min_split_keys']:3d} at once {r['combine_at_once']!s:5s}: "
-                  f"{r['us']:8.2f} us {r['GBps']:6.0f} GB/s "
-                  f"{100 * r['frac_copy']:5.1f}% err {r['max_err']:.1e}")
+    case = [r for r in rows if r["case"] == name]
+    if not case:
+        return
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s; {name}: the default, then the best five",
+          flush=True)
+    for r in [case[0], *sorted(case[1:], key=lambda r: r["us"])[:5]]:
+        print(f"{name:28s} BLOCK_N {r['block_n']!s:>4s} warps {r['num_warps']!s:>4s} "
+              f"stages {r['num_stages']!s:>4s} splits {r['splits']:2d} keys "
+              f"{r['min_split_keys']:3d} at once {r['combine_at_once']!s:5s}: "
+              f"{r['us']:8.2f} us {r['GBps']:6.0f} GB/s "
+              f"{100 * r['frac_copy']:5.1f}% err {r['max_err']:.1e}", flush=True)
 
 
 if __name__ == "__main__":
