@@ -146,17 +146,14 @@ def test_dependent_launches_of_the_gguf_one_row_kernels():
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA GPU of compute capability 9+")
-@pytest.mark.parametrize("rope_in_qkv", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_dependent_launches_of_a_layers_attention(head_dim, rope_in_qkv):
-    """qkv GEMV, RoPE + KV store (or both in the GEMV's epilogue: `qkv_rope.py`), split
-    decode attention combined by its last split (a graph's launch, made for 64 splits:
-    those past the sequence's keys end before their wait), o GEMV: each reading what the
-    one before wrote, the lengths, positions and slots staged before each run, sequences
-    of 1 to 300 tokens."""
+def test_dependent_launches_of_a_layers_attention(head_dim):
+    """qkv GEMV, RoPE + KV store, split decode attention combined by its last split (a
+    graph's launch, made for 64 splits: those past the sequence's keys end before their
+    wait), o GEMV: each reading what the one before wrote, the lengths, positions and
+    slots staged before each run, sequences of 1 to 300 tokens."""
     from infer.kernels.gemv import gemv
     from infer.kernels.paged_attention import paged_decode
-    from infer.kernels.qkv_rope import qkv_rope
     from infer.kernels.rope_kv_store import rope_store_kv
 
     gen = torch.Generator().manual_seed(2)
@@ -189,14 +186,11 @@ def test_dependent_launches_of_a_layers_attention(head_dim, rope_in_qkv):
         slots.fill_(int(table[0, (n - 1) // block_size]) * block_size + (n - 1) % block_size)
 
     def chain(x):
-        if rope_in_qkv:
-            q = qkv_rope(x, w_qkv, None, heads, kv_heads, *caches, slots, positions, cos, sin)
-        else:
-            qkv = gemv(x, w_qkv)
-            q = qkv[:, :hidden].view(1, heads, head_dim)
-            k = qkv[:, hidden:hidden + kv_heads * head_dim].view(1, kv_heads, head_dim)
-            v = qkv[:, hidden + kv_heads * head_dim:].view(1, kv_heads, head_dim)
-            rope_store_kv(q, k, v, *caches, slots, positions, cos, sin)
+        qkv = gemv(x, w_qkv)
+        q = qkv[:, :hidden].view(1, heads, head_dim)
+        k = qkv[:, hidden:hidden + kv_heads * head_dim].view(1, kv_heads, head_dim)
+        v = qkv[:, hidden + kv_heads * head_dim:].view(1, kv_heads, head_dim)
+        rope_store_kv(q, k, v, *caches, slots, positions, cos, sin)
         paged_decode(q, *caches, seq_lens, table, head_dim ** -0.5, num_splits=64, out=out,
                      split_counters=counters, min_split_keys=64)
         return (gemv(out.view(1, hidden), w_o),)

@@ -64,17 +64,11 @@ class Attention(nn.Module):
             q = self.backend.write_kv_with_prologue(self.k_cache, self.v_cache, q, k, v,
                                                     meta.slot_mapping, positions,
                                                     self.prologue)
-        return self.attend(q, meta)
-
-    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention of queries `q` `[num_tokens, heads, head_dim]` whose keys and values
-        are in the cache already (position-encoded: `forward`, or a projection that
-        stores them itself, `kernels/qkv_rope.py`)."""
         out = self.backend.forward(
             q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
             self.logit_softcap,
         )
-        return out.view(q.shape[0], self.num_heads * self.head_dim)
+        return out.view(num_tokens, self.num_heads * self.head_dim)
 
 
 def set_attention_backend(model: nn.Module, backend: AttentionBackend | str) -> None:

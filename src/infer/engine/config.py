@@ -122,13 +122,6 @@ class EngineConfig:
         "that the next projection reads its weight while this one runs; one GPU; off: slower "
         "on an H200 (batch-1 INT8 1B / 8B 0.591 / 2.590 -> 0.606 / 2.722 ms, "
         "docs/performance.md)")
-    qkv_rope_epilogue: bool = knob(
-        False, "with triton_gemv and Triton attention and kernels, a one-token step's q/k/v "
-        "projection (the GEMV's one row of 16-bit, INT8 or FP8 weights) rotates q and k and "
-        "stores k and v into the cache in its own launch, each program holding channels j "
-        "and j + D/2 of its heads (kernels/qkv_rope.py), instead of the RoPE + KV-store "
-        "kernel after it; layers with RoPE and no q/k norm, one GPU; off: slower on an H200 "
-        "(batch-1 INT8 1B / 8B 0.591 / 2.590 -> 0.639 / 2.652 ms, docs/performance.md)")
     mma_gate_up_activation: bool = knob(
         False, "with triton_gemv and gemv_gate_up_activation, a gated MLP's steps of 2 to "
         "gemv_max_rows rows of 16-bit weights (a verify step's k + 1 positions, small "

@@ -73,13 +73,6 @@ class LinearMethod:
         (`kernels/add_norm.py`); None where it does not."""
         return None
 
-    def apply_qkv_rope(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-                       rope: RopeStore) -> torch.Tensor | None:
-        """A fused q/k/v projection of one token with RoPE and the KV store in the matmul's
-        own launch (`kernels/qkv_rope.py`): q `[1, heads, head_dim]`, k and v in the caches;
-        None where this method's kernel does not take `x`."""
-        return None
-
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of an embedding table this method stores."""
         raise NotImplementedError(f"{type(self).__name__} does not store embedding tables")
@@ -131,38 +124,8 @@ class UnquantizedLinearMethod(LinearMethod):
             return None
         return add_norm_rows(x, layer.weight, None, residual, norm)
 
-    def apply_qkv_rope(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-                       rope: RopeStore) -> torch.Tensor | None:
-        """One row, where it goes to infer's GEMV."""
-        if not _gemv_takes(x, layer.weight, bias, min(self.gemv_rows, 1)):
-            return None
-        return rope.launch(x, layer.weight, None)
-
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight.float()
-
-
-class RopeStore(NamedTuple):
-    """Where a q/k/v projection with RoPE in its epilogue puts k and v (the layer's caches
-    at the token's slot) and how it rotates (positions, the cos / sin tables), for
-    `apply_qkv_rope`."""
-
-    num_heads: int
-    num_kv_heads: int
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    slot_mapping: torch.Tensor
-    positions: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-    def launch(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
-               ) -> torch.Tensor:
-        from infer.kernels.qkv_rope import qkv_rope
-
-        return qkv_rope(x.reshape(1, -1).contiguous(), weight, scale, self.num_heads,
-                        self.num_kv_heads, self.k_cache, self.v_cache, self.slot_mapping,
-                        self.positions, self.cos, self.sin)
 
 
 def add_norm_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
@@ -437,13 +400,6 @@ class QKVParallelLinear(ColumnParallelLinear):
         sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
         LinearBase.__init__(self, hidden_size, sizes, bias, ("q", "k", "v"), quant_method, tp)
         self.head_dim, self.num_heads, self.num_kv_heads = head_dim, heads, kv_heads
-
-    def forward_qkv_rope(self, x: torch.Tensor, rope: RopeStore) -> torch.Tensor | None:
-        """q of one token with k and v stored, RoPE and the store in the matmul's launch
-        (`apply_qkv_rope`; one rank only); None where the weight's method does not."""
-        if self.tp_size > 1:
-            return None
-        return self.quant_method.apply_qkv_rope(self, x, self.bias, rope)
 
     def shard_part(self, shard_id: ShardId) -> tuple[int, int]:
         if shard_id in ("k", "v") and self.total_kv_heads < self.tp_size:

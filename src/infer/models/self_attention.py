@@ -10,7 +10,7 @@ from infer.attention import Attention, AttentionMetadata
 from infer.attention.qk_prologue import QKPrologue
 from infer.config import ModelConfig
 from infer.models.layers import RMSNorm, RotaryEmbedding
-from infer.models.linear import DeferredMatmul, QKVParallelLinear, RopeStore, RowParallelLinear
+from infer.models.linear import DeferredMatmul, QKVParallelLinear, RowParallelLinear
 
 
 class SelfAttention(nn.Module):
@@ -29,7 +29,6 @@ class SelfAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, cfg.attention_out_bias)
         self.defer_output = False  # layers.set_add_norm_epilogue
-        self.rope_in_qkv = False  # set_qkv_rope_epilogue
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, offset=norm_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, offset=norm_offset)
@@ -52,36 +51,6 @@ class SelfAttention(nn.Module):
         """The output projection's result; with `defer_output` (set where only an RMSNorm
         with a residual takes it: `layers.set_add_norm_epilogue`) that projection left to
         the norm."""
-        q = self._rotated_and_stored(x, meta, positions) if self.rope_in_qkv else None
-        if q is not None:
-            out = self.attn.attend(q, meta)
-        else:
-            q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-            out = self.attn(q, k, v, meta, positions)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        out = self.attn(q, k, v, meta, positions)
         return DeferredMatmul(self.o_proj, out) if self.defer_output else self.o_proj(out)
-
-    def _rotated_and_stored(self, x: torch.Tensor, meta: AttentionMetadata,
-                            positions: torch.Tensor | None) -> torch.Tensor | None:
-        """q of one token rotated, its k and v stored, by the q/k/v projection's own launch
-        (`qkv_rope_epilogue`), where the layer has RoPE and no q/k norm, its attention is
-        Triton's and the weight's kernel takes the row; else None."""
-        prologue = self.attn.prologue
-        if (positions is None or prologue is None or prologue.q_norm is not None
-                or not prologue.fusable or self.attn.k_cache is None
-                # Triton's backend itself (not a piecewise graph's, which stores k and v
-                # at slots of its own)
-                or getattr(self.attn.backend, "name", None) != "triton"):
-            return None
-        rotary = prologue.rotary
-        return self.qkv_proj.forward_qkv_rope(x, RopeStore(
-            self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.attn.k_cache,
-            self.attn.v_cache, meta.slot_mapping, positions, rotary.cos, rotary.sin))
-
-
-def set_qkv_rope_epilogue(model: nn.Module, on: bool) -> None:
-    """Whether `model`'s self-attention layers have their q/k/v projection rotate q and k
-    and store k and v in its own launch where it can (`SelfAttention._rotated_and_stored`,
-    `kernels/qkv_rope.py`)."""
-    for m in model.modules():
-        if isinstance(m, SelfAttention):
-            m.rope_in_qkv = on

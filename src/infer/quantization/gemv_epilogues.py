@@ -1,14 +1,13 @@
 """What an 8-bit method scaled per channel (INT8, FP8) does in the epilogue of infer's
-one-row GEMV: the residual add and RMSNorm after a projection (`add_norm_epilogue`), and
-RoPE with the KV store after a q/k/v projection (`qkv_rope_epilogue`), where its `apply`
-sends the row to the GEMV (`one_row_gemv`)."""
+one-row GEMV: the residual add and RMSNorm after a projection (`add_norm_epilogue`), where
+its `apply` sends the row to the GEMV (`one_row_gemv`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from infer.models.linear import RopeStore, add_norm_rows
+from infer.models.linear import add_norm_rows
 
 
 class GemvEpilogues:
@@ -25,9 +24,3 @@ class GemvEpilogues:
         if not self.one_row_gemv(layer, x, bias):
             return None
         return add_norm_rows(x, layer.weight, layer.weight_scale, residual, norm)
-
-    def apply_qkv_rope(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-                       rope: RopeStore) -> torch.Tensor | None:
-        if not self.one_row_gemv(layer, x, bias):
-            return None
-        return rope.launch(x, layer.weight, layer.weight_scale)
