@@ -62,8 +62,7 @@ def _cases() -> list[Case]:
     i32 = "i32"
     cases = []
     gemv_args = dict(x_ptr="*bf16", w_ptr="*bf16", s_ptr="*bf16", skip_ptr="*i32",
-                     y_ptr="*bf16", N=i32, K=i32, stride_xm=i32, stride_wn=i32, stride_ym=i32,
-                     res_ptr="*bf16", nw_ptr="*bf16", count_ptr="*i32", eps="fp32")
+                     y_ptr="*bf16", N=i32, K=i32, stride_xm=i32, stride_wn=i32, stride_ym=i32)
     for weights, pointer, size in (("bf16", "*bf16", 2), ("int8", "*i8", 1)):
         for shape, (n, k) in (("8B gate_up", (28672, 4096)), ("1B qkv", (3072, 2048))):
             launch = default_launch(n, k, size)
@@ -72,7 +71,7 @@ def _cases() -> list[Case]:
                 {**gemv_args, "w_ptr": pointer},
                 dict(BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, ROWS=1, EVEN_K=True,
                      GATE_UP="", SCALED=size == 1, SKIPS=False, SKIPPED_WHOLE=False,
-                     ADD_NORM=False, OFFSET=0.0, BLOCK_H=1, PTX=True, PDL=False),
+                     PTX=True, PDL=False),
                 ["x_ptr", "w_ptr", "s_ptr", "y_ptr", "N", "K", "stride_wn"],
                 launch.block_n * launch.block_k, size, num_warps=launch.num_warps,
                 note=f"one row, launch {tuple(launch)}"))
@@ -92,9 +91,7 @@ def _cases() -> list[Case]:
     mma_args = dict(x_ptr="*bf16", w_ptr="", s_ptr="*bf16", xs_ptr="*bf16", y_ptr="*bf16",
                     part_ptr="*fp32",
                     counts="*i32", M=i32, N=i32, K=i32, stride_xm=i32, stride_wn=i32,
-                    stride_ym=i32, stride_sn=i32, steps_per_split=i32, splits=i32,
-                    res_ptr="*bf16", stride_res=i32, nw_ptr="*bf16", norm_count="*i32",
-                    eps="fp32")
+                    stride_ym=i32, stride_sn=i32, steps_per_split=i32, splits=i32)
     mma_multiples = ["x_ptr", "w_ptr", "s_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm",
                      "stride_wn", "stride_ym"]
 
@@ -109,8 +106,7 @@ def _cases() -> list[Case]:
              "xs_ptr": "*fp32" if x == "*i8" else "*bf16"},
             {**dict(BLOCK_M=block_rows(rows), BLOCK_N=128, BLOCK_K=128, SCALE=size == 1,
                     SCALE_ROWS=1, SCALE_COLS=0, EVEN_K=True, ONE_ROW=rows == 1, PTX=True,
-                    FP8_X=False, W_FIRST=False, GATE_UP="", ADD_NORM=False, OFFSET=0.0,
-                    BLOCK_H=1, NORM_ROWS=1, PDL=False), **constexprs},
+                    FP8_X=False, W_FIRST=False, GATE_UP="", PDL=False), **constexprs},
             mma_multiples, 128 * 128, size, num_warps=4, num_stages=3,
             note="launch (128, 128, 4 warps)")
 

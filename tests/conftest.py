@@ -49,17 +49,3 @@ def bf16_rounds_to_nearest(monkeypatch):
         return np.where(np.isnan(bits.view(np.float32)), np.uint16(0x7FC0), rounded)
 
     monkeypatch.setattr(interpreter, "_convert_float", convert)
-
-
-@pytest.fixture
-def count_calls(monkeypatch):
-    """`count_calls(owner, name)`: a list that gets an item for each call of `owner.name`
-    from now on (the attribute wrapped, still called)."""
-
-    def count(owner, name: str) -> list:
-        calls = []
-        real = getattr(owner, name)
-        monkeypatch.setattr(owner, name, lambda *a, **k: calls.append(1) or real(*a, **k))
-        return calls
-
-    return count

@@ -70,9 +70,6 @@ VARIANTS = {
     # No peer memory between CPU ranks: every rank must decline it alike and use gloo.
     "custom-all-reduce": dict(num_blocks=64, custom_all_reduce=True),
     "unfused-all-reduce-norm": dict(num_blocks=64, fuse_all_reduce_norm=False),
-    # The projections left to the norms after them, which take the all-reduce path.
-    "add-norm-epilogue": dict(num_blocks=64, kernel_backend="triton",
-                              add_norm_epilogue=True),
 }
 
 

@@ -113,15 +113,6 @@ class EngineConfig:
         "instead of after the activation's own launch: on an H200 batch-1 decode of the "
         "1B / 8B INT8 0.634 -> 0.615 / 2.633 -> 2.600 ms a step, 1B bf16 0.850 -> 0.843, "
         "8B bf16 4.044 -> 4.053 (docs/performance.md)")
-    add_norm_epilogue: bool = knob(
-        False, "with triton_gemv, the residual add and RMSNorm after a Llama-family layer's "
-        "output and down projections run in that projection's launch where infer's kernels "
-        "take its rows (the GEMV's one row of 16-bit, INT8 or FP8 weights; rows_mma's 2 to "
-        "8 of 16-bit ones: a verify step, small batches), the last program normalising the "
-        "rows (kernels/add_norm.py), instead of a kernel of their own, so "
-        "that the next projection reads its weight while this one runs; one GPU; off: slower "
-        "on an H200 (batch-1 INT8 1B / 8B 0.591 / 2.590 -> 0.606 / 2.722 ms, "
-        "docs/performance.md)")
     mma_gate_up_activation: bool = knob(
         False, "with triton_gemv and gemv_gate_up_activation, a gated MLP's steps of 2 to "
         "gemv_max_rows rows of 16-bit weights (a verify step's k + 1 positions, small "

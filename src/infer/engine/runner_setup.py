@@ -20,7 +20,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.memory import plan_kv_cache
 from infer.engine.model_runner import ModelRunner
 from infer.engine.setup import pick_backend
-from infer.models.layers import set_add_norm_epilogue, set_gate_up_activation, set_kernel_backend
+from infer.models.layers import set_gate_up_activation, set_kernel_backend
 from infer.models.linear import set_8bit_kernels, set_triton_gemv
 from infer.quantization.gguf_gpu import set_gguf_int8_activations
 
@@ -53,8 +53,7 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
     """Which kernels `model`'s decode-sized matmuls take: infer's GEMV for 16-bit weights
     (`triton_gemv`, `gemv_max_rows`, a gated MLP's activation stored by the gate_up
     projection's with `gemv_gate_up_activation`, past one row with
-    `mma_gate_up_activation`; a layer's residual add and norm in its output or down
-    projection's with `add_norm_epilogue`) and for up to `gemv_8bit_max_rows` rows
+    `mma_gate_up_activation`) and for up to `gemv_8bit_max_rows` rows
     of per-channel 8-bit ones (`triton_gemv`), tensor cores for 8-bit ones past those
     (`w8a16_tensor_cores`, `w8a16_tensor_core_rows`), FP8 by FP8 in infer's kernel for FP8 ones
     (`fp8_decode_activations`, `fp8_mma_rows`), either operand first there
@@ -66,7 +65,6 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
                     config.gemv_max_rows if config.mma_gate_up_activation else 1)
     set_gate_up_activation(model, config.gemv_gate_up_activation and config.triton_gemv
                            and triton)
-    set_add_norm_epilogue(model, config.add_norm_epilogue and config.triton_gemv and triton)
     if triton:
         from infer.kernels import rows_mma
 

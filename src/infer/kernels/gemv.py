@@ -35,9 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import add_norm, dependent_launch, gpu_compiled, launch_counters, row_skip
+from infer.kernels import dependent_launch, gpu_compiled, row_skip
 from infer.kernels.activation import gated
-from infer.kernels.add_norm import add_to_residual, normalise_if_last
 from infer.kernels.weight_cast import to_float
 
 MAX_ROWS = 2
@@ -68,15 +67,10 @@ def _row(x_ptr, kk, K, EVEN_K: tl.constexpr):
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, skip_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
-    res_ptr, nw_ptr, count_ptr, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
     GATE_UP: tl.constexpr, SCALED: tl.constexpr, SKIPS: tl.constexpr,
-    SKIPPED_WHOLE: tl.constexpr, ADD_NORM: tl.constexpr, OFFSET: tl.constexpr,
-    BLOCK_H: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
+    SKIPPED_WHOLE: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
 ):
-    """ADD_NORM (one row): `res_ptr`'s row += the product, and y the RMSNorm of the sum
-    (weights `nw_ptr`, `eps`, OFFSET as `rmsnorm.py`'s), by the last program to count
-    itself in at `count_ptr` (`add_norm.py`)."""
     if SKIPPED_WHOLE:  # noqa: SIM102 (a constexpr branch: the runtime test is not compiled in)
         if tl.load(skip_ptr) != 0:  # one row, left out: the launch does nothing
             # The kernel after this one waits for this one's end alone: program 0 waits
@@ -110,23 +104,16 @@ def _gemv_kernel(
         else:
             _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
                   BLOCK_K, 2, EVEN_K, GATE_UP, SCALED, PTX)
-    elif ADD_NORM:
-        acc, _ = _sums(w, w_rows, rk, x_ptr, 0, K, BLOCK_K, 1, EVEN_K, PTX)
-        y = _channels(acc, s_ptr, wn, SCALED).to(y_ptr.dtype.element_ty)
-        add_to_residual(y, res_ptr + rn, rn < N)
-        normalise_if_last(res_ptr, 0, nw_ptr, y_ptr, 0, 1, N, count_ptr, eps, OFFSET, BLOCK_H,
-                          1)  # one row
     else:
         _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
               BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX)
 
 
 @triton.jit
-def _sums(w, w_rows, rk, x_ptr, stride_xm, K, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-          EVEN_K: tl.constexpr, PTX: tl.constexpr):
-    """The products of x's first ROWS rows with the program's weight rows, each
-    `[BLOCK_N, BLOCK_K]` float32 to be summed along K (from the first weight tile `w`):
-    (row 0's, row 1's; with one row, row 0's twice)."""
+def _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
+          BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
+          GATE_UP: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr):
+    """The program's channels of x's first ROWS rows, from the first weight tile `w`."""
     # A second row shares each weight made float32 (two accumulators of the one-row
     # layout: a third dimension for the rows made the kernel 2-3x slower on an H200).
     w = to_float(w, PTX)
@@ -139,17 +126,6 @@ def _sums(w, w_rows, rk, x_ptr, stride_xm, K, BLOCK_K: tl.constexpr, ROWS: tl.co
         acc += w * _row(x_ptr, kk, K, EVEN_K).to(tl.float32)[None, :]
         if ROWS == 2:
             acc_2 += w * _row(x_ptr + stride_xm, kk, K, EVEN_K).to(tl.float32)[None, :]
-    if ROWS == 1:
-        acc_2 = acc
-    return acc, acc_2
-
-
-@triton.jit
-def _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
-          BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
-          GATE_UP: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr):
-    """The program's channels of x's first ROWS rows, from the first weight tile `w`."""
-    acc, acc_2 = _sums(w, w_rows, rk, x_ptr, stride_xm, K, BLOCK_K, ROWS, EVEN_K, PTX)
     _store(acc, s_ptr, y_ptr, rn, wn, N, SCALED, GATE_UP)
     if ROWS == 2:
         _store(acc_2, s_ptr, y_ptr + stride_ym, rn, wn, N, SCALED, GATE_UP)
@@ -160,21 +136,14 @@ def _store(acc, s_ptr, y_ptr, rn, wn, N, SCALED: tl.constexpr, GATE_UP: tl.const
     """A row's sums of `acc [BLOCK_N, BLOCK_K]` (weight rows wn), scaled per channel where
     SCALED, rounded to y's dtype; with GATE_UP, `act(gate) * up` of each channel's pair
     (rounded as the activation kernel rounds what it reads and stores), stored at rn."""
-    y = _channels(acc, s_ptr, wn, SCALED).to(y_ptr.dtype.element_ty)
+    y = tl.sum(acc, axis=1)
+    if SCALED:
+        y *= tl.load(s_ptr + wn).to(tl.float32)
+    y = y.to(y_ptr.dtype.element_ty)
     if GATE_UP != "":
         gate, up = tl.split(tl.reshape(y, (y.shape[0] // 2, 2)))
         y = gated(gate, up, GATE_UP).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + rn, y, mask=rn < N)
-
-
-@triton.jit
-def _channels(acc, s_ptr, wn, SCALED: tl.constexpr):
-    """The channels' sums of `acc [BLOCK_N, BLOCK_K]` (weight rows wn), float32, scaled
-    per channel where SCALED."""
-    y = tl.sum(acc, axis=1)
-    if SCALED:
-        y *= tl.load(s_ptr + wn).to(tl.float32)
-    return y
 
 
 def default_launch(n: int, k: int, weight_bytes: int = 2, rows: int = 1) -> Launch:
@@ -239,34 +208,9 @@ def gemv_gate_up_rows_apart(x: torch.Tensor, weight: torch.Tensor, act: str,
     return y
 
 
-def gemv_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-                  norm_weight: torch.Tensor, eps: float, offset: float = 0.0,
-                  scale: torch.Tensor | None = None) -> torch.Tensor:
-    """`residual += gemv(x, weight, scale=scale)` (in place) and returns the RMSNorm of the
-    sum (`norm_weight`, `eps`, `offset` as `rmsnorm.py`'s), in one launch (`add_norm.py`):
-    the GEMV then `rmsnorm.fused_add_rmsnorm`, to the order of the norm's sum of squares.
-    One row (`add_norm_takes`); `residual [1, N]` contiguous, x's dtype."""
-    assert x.shape[0] == 1 and offset in (0.0, 1.0), (x.shape, offset)
-    assert residual.shape == (1, weight.shape[0]) and residual.is_contiguous(), residual.shape
-    assert residual.dtype == x.dtype and residual.device == x.device, residual.dtype
-    assert norm_weight.shape == (weight.shape[0],) and norm_weight.is_contiguous()
-    assert x.shape[1] > 0 and add_norm_takes(weight), weight.shape
-    return _launch(x, weight, None, scale, norm=(residual, norm_weight, eps, offset))
-
-
-def add_norm_takes(weight: torch.Tensor) -> bool:
-    """Whether `gemv_add_norm`'s epilogue takes a row of `weight`'s outputs
-    (`add_norm.rows_at_once`, at the default launch)."""
-    n, k = weight.shape
-    launch = default_launch(n, k, weight.element_size())
-    return n > 0 and add_norm.rows_at_once(n, 1, launch.num_warps) > 0
-
-
 def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
             scale: torch.Tensor | None, gate_up: str = "", out: torch.Tensor | None = None,
-            skip_whole: torch.Tensor | None = None,
-            norm: tuple[torch.Tensor, torch.Tensor, float, float] | None = None
-            ) -> torch.Tensor:
+            skip_whole: torch.Tensor | None = None) -> torch.Tensor:
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, (x.shape,
                                                                                 x.stride())
     assert weight.dim() == 2 and weight.stride(1) == 1, (weight.shape, weight.stride())
@@ -291,18 +235,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
     flag = skip if skip_whole is None else skip_whole
     if flag is not None:
         assert flag.dtype == torch.int32 and flag.device == x.device, (flag.dtype, flag.device)
-    assert norm is None or (skip is None and not gate_up), "a norm after one row's product"
-    residual, norm_weight, eps, offset = norm or (y, y, 0.0, 0.0)
-    grid = triton.cdiv(n, channels)
-    counter = (launch_counters("gemv_add_norm", x.device, add_norm.COUNTERS,
-                               add_norm.counters_for(grid)) if norm is not None else y)
-    _gemv_kernel[(grid,)](
+    _gemv_kernel[(triton.cdiv(n, channels),)](
         x, weight, weight if scale is None else scale, x if flag is None else flag, y, n, k,
-        x.stride(0), weight.stride(0), y.stride(0), residual, norm_weight, counter, eps,
+        x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, ROWS=m, EVEN_K=k % block_k == 0, GATE_UP=gate_up,
         SCALED=scale is not None, SKIPS=skip is not None,
-        SKIPPED_WHOLE=skip_whole is not None, ADD_NORM=norm is not None, OFFSET=offset,
-        BLOCK_H=add_norm.block_for(n) if norm is not None else 1, PTX=gpu_compiled(x.device),
+        SKIPPED_WHOLE=skip_whole is not None, PTX=gpu_compiled(x.device),
         num_warps=num_warps,
         **dependent_launch.launch_options(),
     )

@@ -40,9 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import add_norm, dependent_launch, gpu_compiled, launch_counters, sm_count
+from infer.kernels import dependent_launch, gpu_compiled, launch_counters, sm_count
 from infer.kernels.activation import gated
-from infer.kernels.add_norm import add_to_residual, normalise_if_last
 from infer.kernels.gemv import _row, _weights
 from infer.kernels.split_k import k_slice, sum_of_parts
 from infer.kernels.weight_cast import to_float
@@ -126,22 +125,11 @@ def _scaled(acc, s_ptr, wn, x_scale, SCALE: tl.constexpr, SCALE_COLS: tl.constex
 
 @triton.jit
 def _store(acc, y_ptr, stride_ym, rm, M, pid_n, N, BLOCK_N: tl.constexpr,
-           GATE_UP: tl.constexpr, norm_args, ADD_NORM: tl.constexpr, OFFSET: tl.constexpr,
-           BLOCK_H: tl.constexpr, NORM_ROWS: tl.constexpr):
+           GATE_UP: tl.constexpr):
     """The program's sums `acc [BLOCK_M, BLOCK_N]`, rounded to y's dtype; with GATE_UP,
     `act(gate) * up` of each channel's column pair (rounded as `activation.gated_rows`
-    rounds what it reads and stores); with ADD_NORM, added to the residual rows instead,
-    y the rows' RMSNorm once every program has (`add_norm.py`; `norm_args`: the residual,
-    its row stride, the norm's weight, the counter, eps)."""
+    rounds what it reads and stores)."""
     y = acc.to(y_ptr.dtype.element_ty)
-    if ADD_NORM:
-        res_ptr, stride_res, nw_ptr, counter, eps = norm_args
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        add_to_residual(y, res_ptr + rm.to(tl.int64)[:, None] * stride_res + rn[None, :],
-                        (rm[:, None] < M) & (rn[None, :] < N))
-        normalise_if_last(res_ptr, stride_res, nw_ptr, y_ptr, stride_ym, M, N, counter, eps,
-                          OFFSET, BLOCK_H, NORM_ROWS)
-        return
     if GATE_UP == "":
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     else:
@@ -156,23 +144,17 @@ def _store(acc, y_ptr, stride_ym, rm, M, pid_n, N, BLOCK_N: tl.constexpr,
 def _rows_mma_kernel(
     x_ptr, w_ptr, s_ptr, xs_ptr, y_ptr, part_ptr, counts,
     M, N, K, stride_xm, stride_wn, stride_ym, stride_sn, steps_per_split, splits,
-    res_ptr, stride_res, nw_ptr, norm_count, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
     EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr, PTX: tl.constexpr,
-    FP8_X: tl.constexpr, W_FIRST: tl.constexpr, GATE_UP: tl.constexpr,
-    ADD_NORM: tl.constexpr, OFFSET: tl.constexpr, BLOCK_H: tl.constexpr,
-    NORM_ROWS: tl.constexpr, PDL: tl.constexpr,
+    FP8_X: tl.constexpr, W_FIRST: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr,
 ):
     """SCALE: the weight is 8-bit, scaled per channel (SCALE_COLS 0) or per tile; else it
     is 16-bit, x's dtype, unscaled. FP8_X (FP8 weights scaled per channel): x is FP8 (its
     bytes, as int8), scaled per row by `xs_ptr`'s, and multiplied FP8 by FP8. W_FIRST (always
     with FP8_X): the weight tile is the MMA's first operand, the sums come out transposed.
     GATE_UP ("silu" / "gelu_tanh"; never with tile scales): the weight is a gated MLP's
-    `[gate | up]`, 2N rows, and y gets `act(gate) * up`, N channels. ADD_NORM: the
-    product is added to the residual rows at `res_ptr`, and y gets their RMSNorm
-    (`add_norm.py`, NORM_ROWS rows a load)."""
-    norm_args = (res_ptr, stride_res, nw_ptr, norm_count, eps)
+    `[gate | up]`, 2N rows, and y gets `act(gate) * up`, N channels."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     r = tl.arange(0, BLOCK_N)
@@ -247,8 +229,7 @@ def _rows_mma_kernel(
                                   BLOCK_M, BLOCK_N, 32, SCALE_COLS, PTX)
     if splits == 1:
         acc = _scaled(acc, s_ptr, wn, x_scale, SCALE, SCALE_COLS, FP8_X)
-        _store(acc, y_ptr, stride_ym, rm, M, pid_n, N, BLOCK_N, GATE_UP, norm_args, ADD_NORM,
-               OFFSET, BLOCK_H, NORM_ROWS)
+        _store(acc, y_ptr, stride_ym, rm, M, pid_n, N, BLOCK_N, GATE_UP)
     else:
         width = N if GATE_UP == "" else 2 * N
         parts = part_ptr + rm[:, None] * width + rn[None, :]  # [splits, M, width] float32
@@ -257,8 +238,7 @@ def _rows_mma_kernel(
                                    mask)
         if last:
             total = _scaled(total, s_ptr, wn, x_scale, SCALE, SCALE_COLS, FP8_X)
-            _store(total, y_ptr, stride_ym, rm, M, pid_n, N, BLOCK_N, GATE_UP, norm_args,
-                   ADD_NORM, OFFSET, BLOCK_H, NORM_ROWS)
+            _store(total, y_ptr, stride_ym, rm, M, pid_n, N, BLOCK_N, GATE_UP)
 
 
 # Row blocks a launch may have (8M output channels at 128 a block): a counter each.
@@ -344,9 +324,7 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
              block_k: int = BLOCK_K,
              splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
              out_dtype: torch.dtype | None = None, weight_first: bool = False,
-             gate_up: str = "",
-             norm: tuple[torch.Tensor, torch.Tensor, float, float] | None = None
-             ) -> torch.Tensor:
+             gate_up: str = "") -> torch.Tensor:
     """`x [M, K]` (M <= MAX_ROWS; float16 / bfloat16, unit column stride) times the
     transpose of `weight [N, K]` (contiguous): x's dtype, unscaled (`scale` None), or int8 /
     float8_e4m3fn scaled by `scale [N]`, or with `scale_block = (rows, cols)` (`takes` it)
@@ -358,11 +336,7 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
     `gate_up` ("silu" / "gelu_tanh"; not with `scale_block`): `weight [2I, K]` is a gated
     MLP's gate rows then up rows, and the result `[M, I]` is `act(gate) * up`, stored by
     the program that multiplied both (the activation's own launch saved), bit for bit the
-    product then `activation.gated_rows` at the same launch. `norm = (residual [M, N],
-    weight [N], eps, offset)` (not with `gate_up` or `x_scale`; where
-    `add_norm.rows_at_once` takes the rows): `residual += x @ W^T` in place, and the
-    result is the RMSNorm of the sum (`add_norm.py`): the product then
-    `rmsnorm.fused_add_rmsnorm`, to the order of the norm's sum of squares."""
+    product then `activation.gated_rows` at the same launch."""
     fp8_x = x_scale is not None
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, x.shape
     assert x.shape[0] == 1 or x.stride(0) >= x.shape[1], x.stride()
@@ -392,17 +366,6 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
         assert out_dtype in (torch.float16, torch.bfloat16), out_dtype
         x = x.view(torch.int8)  # its bytes: loads with zeros past the rows
     channels = n // 2 if gate_up else n
-    norm_rows = 0
-    if norm is not None:
-        residual, norm_weight, eps, offset = norm
-        assert not gate_up and not fp8_x and offset in (0.0, 1.0), (gate_up, offset)
-        assert residual.shape == (m, n) and residual.stride(1) == 1, residual.shape
-        assert residual.dtype == x.dtype and norm_weight.shape == (n,), residual.dtype
-        assert norm_weight.is_contiguous() and k > 0, k
-        norm_rows = add_norm.rows_at_once(n, m, num_warps)
-        assert norm_rows, ("rows the add-norm epilogue does not take", m, n, num_warps)
-    else:
-        residual, norm_weight, eps, offset = x, x, 0.0, 0.0
     y = torch.empty((m, channels), dtype=out_dtype if fp8_x else x.dtype, device=x.device)
     if n == 0 or k == 0:
         return y.zero_()  # act(0) * 0 = 0 too
@@ -418,16 +381,11 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
         launch_counters("rows_mma", x.device, MAX_BLOCKS, blocks),
         m, channels, k, x.stride(0), weight.stride(0), y.stride(0),
         1 if scale is None else scale.stride(0), per_split, splits,
-        residual, residual.stride(0), norm_weight,
-        launch_counters("rows_mma_add_norm", x.device, add_norm.COUNTERS,
-                        add_norm.counters_for(blocks)) if norm is not None else y, eps,
         BLOCK_M=block_rows(m), BLOCK_N=block_n, BLOCK_K=block_k,
         SCALE=scale is not None, SCALE_ROWS=scale_rows or 1, SCALE_COLS=scale_cols,
         EVEN_K=k % block_k == 0, ONE_ROW=m == 1 and not fp8_x,
         PTX=gpu_compiled(x.device), FP8_X=fp8_x,
-        W_FIRST=weight_first or fp8_x, GATE_UP=gate_up, ADD_NORM=norm is not None,
-        OFFSET=offset, BLOCK_H=add_norm.block_for(n) if norm is not None else 1,
-        NORM_ROWS=norm_rows,
+        W_FIRST=weight_first or fp8_x, GATE_UP=gate_up,
         num_warps=num_warps, num_stages=num_stages, **dependent_launch.launch_options(),
     )
     return y

@@ -10,7 +10,7 @@ from torch import nn
 
 from infer.config import RopeConfig
 from infer.distributed.group import TensorParallelGroup
-from infer.models.linear import DeferredMatmul, MergedColumnParallelLinear, RowParallelLinear
+from infer.models.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
 def activation_dtype(model: nn.Module) -> torch.dtype:
@@ -45,15 +45,8 @@ class RMSNorm(nn.Module):
         self.int8_rows = False
 
     def forward(
-        self, x: torch.Tensor | DeferredMatmul, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(x, DeferredMatmul):  # the projection before, not launched yet
-            if (residual is not None and self.use_triton and self.reduce_input is None
-                    and not self.int8_rows):
-                fused = x.layer.forward_add_norm(x.x, residual, self)
-                if fused is not None:  # the add and the norm in its launch
-                    return fused
-            x = x.resolve()
         if self.reduce_input is not None:
             fused = self.reduce_input.add_rmsnorm
             if self.use_triton and fused is not None and fused.takes(x, residual):
@@ -221,16 +214,12 @@ class GatedMLP(nn.Module):
         self.act_name = act
         self.use_triton = False
         self.act_in_gate_up = False  # set_gate_up_activation
-        self.defer_output = False  # set_add_norm_epilogue
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | DeferredMatmul:
-        """The down projection's result; with `defer_output` (`set_add_norm_epilogue`)
-        that projection left to the RMSNorm that takes it, where the activation is not
-        inside it."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton and self.act_in_gate_up and self.act_name in _TRITON_ACT:
             h = self.gate_up_proj.forward_gate_up(x, _TRITON_ACT[self.act_name])
             if h is not None:  # few rows: the activation in the gate_up matmul's launch
-                return self._down(h)
+                return self.down_proj(h)
         gate_up = self.gate_up_proj(x)
         if self.use_triton and self.act_name in _TRITON_ACT:
             act = _TRITON_ACT[self.act_name]
@@ -239,24 +228,10 @@ class GatedMLP(nn.Module):
                 return y
             from infer.kernels import activation as kernels
 
-            return self._down(kernels.gated_rows(gate_up.reshape(-1, gate_up.shape[-1]),
-                                                 act))
+            return self.down_proj(kernels.gated_rows(gate_up.reshape(-1, gate_up.shape[-1]),
+                                                     act))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self._down(self.act(gate) * up)
-
-    def _down(self, h: torch.Tensor) -> torch.Tensor | DeferredMatmul:
-        return DeferredMatmul(self.down_proj, h) if self.defer_output else self.down_proj(h)
-
-
-def set_add_norm_epilogue(model: nn.Module, on: bool) -> None:
-    """Whether the attention and MLP of `model`'s layers whose outputs go only to RMSNorms
-    with a residual (`norm_takes_outputs`) leave their last projection to that norm
-    (`DeferredMatmul`), which then has the projection's kernel add and normalise in its
-    epilogue where infer's kernels take the rows (`kernels/add_norm.py`)."""
-    for m in model.modules():
-        if getattr(m, "norm_takes_outputs", False):
-            m.self_attn.defer_output = on
-            m.mlp.defer_output = on
+        return self.down_proj(self.act(gate) * up)
 
 
 def set_gate_up_activation(model: nn.Module, on: bool) -> None:

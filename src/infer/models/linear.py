@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -62,15 +61,6 @@ class LinearMethod:
         """`act(gate) * up` of `apply(layer, x, bias)` for a gated MLP's fused `[gate | up]`
         weight, where this method's kernel for these rows stores it in the same launch
         (`kernels/gemv.py`'s `gemv_gate_up`); None where it does not."""
-        return None
-
-    def apply_add_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
-                       norm: nn.Module, bias: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`norm(apply(layer, x, bias), residual)` (an RMSNorm with a residual: `residual`
-        updated in place, `(normed, residual)` returned) where this method's kernel for
-        these rows does the add and the norm in the matmul's own launch
-        (`kernels/add_norm.py`); None where it does not."""
         return None
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -116,44 +106,8 @@ class UnquantizedLinearMethod(LinearMethod):
             y = _engine_rows_mma(rows, layer.weight, gate_up=act)
         return y.view(*x.shape[:-1], y.shape[-1])
 
-    def apply_add_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
-                       norm: nn.Module, bias: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Where the rows go to infer's kernels: one row to the GEMV, more to rows_mma."""
-        if not _gemv_takes(x, layer.weight, bias, self.gemv_rows):
-            return None
-        return add_norm_rows(x, layer.weight, None, residual, norm)
-
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight.float()
-
-
-def add_norm_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-                  residual: torch.Tensor, norm: nn.Module
-                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`apply_add_norm` in the launch of infer's kernel for x's rows: one row through
-    `gemv.gemv_add_norm`, more (16-bit weights) through `rows_mma(..., norm=)`; for a
-    contiguous residual of x's dtype (None otherwise)."""
-    from infer.kernels import add_norm, gemv, rows_mma
-
-    n = weight.shape[0]
-    if not (residual.shape == (*x.shape[:-1], n) and residual.dtype == x.dtype
-            and residual.is_contiguous()):
-        return None
-    rows, parts = x.reshape(-1, x.shape[-1]), residual.view(-1, n)
-    if len(rows) == 1:
-        if not gemv.add_norm_takes(weight):
-            return None
-        out = gemv.gemv_add_norm(rows.contiguous(), weight, parts, norm.weight, norm.eps,
-                                 norm.offset, scale)
-    else:
-        assert scale is None, "8-bit weights take the add and norm at one row"
-        launch = rows_mma.engine_launch(*weight.shape, x.device)
-        if not add_norm.rows_at_once(n, len(rows), launch.get("num_warps", 4)):
-            return None
-        out = _engine_rows_mma(rows, weight, launch,
-                               norm=(parts, norm.weight, norm.eps, norm.offset))
-    return out.view(residual.shape), residual
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -189,16 +143,14 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def _engine_rows_mma(rows: torch.Tensor, weight: torch.Tensor, launch: dict | None = None,
-                     **options: object) -> torch.Tensor:
+def _engine_rows_mma(rows: torch.Tensor, weight: torch.Tensor, **options: object
+                     ) -> torch.Tensor:
     """`rows_mma` of `rows [M, K]` (copied where their columns are not unit-stride) by
-    `weight`, at `launch` or the engine's for the weight (`rows_mma.engine_launch`)."""
+    `weight`, at the engine's launch for the weight (`rows_mma.engine_launch`)."""
     from infer.kernels import rows_mma
 
-    if launch is None:
-        launch = rows_mma.engine_launch(*weight.shape, rows.device)
     return rows_mma.rows_mma(rows if rows.stride(-1) == 1 else rows.contiguous(), weight,
-                             **launch, **options)
+                             **rows_mma.engine_launch(*weight.shape, rows.device), **options)
 
 
 def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1,
@@ -408,21 +360,6 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.tp_rank, self.tp_size
 
 
-@dataclass(frozen=True, slots=True)
-class DeferredMatmul:
-    """`layer(x)` not launched yet: left for the RMSNorm that takes it with a residual
-    (`RMSNorm.forward`), which has the layer's kernel add and normalise in its epilogue
-    (`RowParallelLinear.forward_add_norm`) or calls `resolve`. What a model's attention and
-    MLP return with `defer_output` (`layers.set_add_norm_epilogue`). (Not a tuple: code
-    that unpacks an output by mistake fails.)"""
-
-    layer: nn.Module
-    x: torch.Tensor
-
-    def resolve(self) -> torch.Tensor:
-        return self.layer(self.x)
-
-
 class RowParallelLinear(LinearBase):
     """The input features are split across ranks: each rank multiplies its slice of `x` by
     its columns of `W`, giving a partial `y` that is summed over the ranks."""
@@ -457,15 +394,6 @@ class RowParallelLinear(LinearBase):
             return self.quant_method.apply(self, x, None)
         y = self.tp.all_reduce(self.quant_method.apply(self, x, None))
         return y if self.bias is None else y + self.bias
-
-    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
-                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`norm(forward(x), residual)` where the weight's method does the add and the
-        norm in the matmul's launch (`apply_add_norm`; one rank only); None where it does
-        not."""
-        if self.tp_size > 1:
-            return None
-        return self.quant_method.apply_add_norm(self, x, residual, norm, self.bias)
 
     def forward_gated(self, gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
         """`forward(act(gate) * up)` for the rows of `gate_up [rows, 2 * input]` where the

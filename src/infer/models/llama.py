@@ -26,10 +26,6 @@ if TYPE_CHECKING:
 
 
 class LlamaDecoderLayer(nn.Module):
-    # Its attention's and MLP's outputs go only to RMSNorms with a residual (the next
-    # layer's, or the model's final norm): `layers.set_add_norm_epilogue`.
-    norm_takes_outputs = True
-
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)

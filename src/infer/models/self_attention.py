@@ -10,7 +10,7 @@ from infer.attention import Attention, AttentionMetadata
 from infer.attention.qk_prologue import QKPrologue
 from infer.config import ModelConfig
 from infer.models.layers import RMSNorm, RotaryEmbedding
-from infer.models.linear import DeferredMatmul, QKVParallelLinear, RowParallelLinear
+from infer.models.linear import QKVParallelLinear, RowParallelLinear
 
 
 class SelfAttention(nn.Module):
@@ -28,7 +28,6 @@ class SelfAttention(nn.Module):
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias
         )
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, cfg.attention_out_bias)
-        self.defer_output = False  # layers.set_add_norm_epilogue
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, offset=norm_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, offset=norm_offset)
@@ -47,10 +46,6 @@ class SelfAttention(nn.Module):
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor | DeferredMatmul:
-        """The output projection's result; with `defer_output` (set where only an RMSNorm
-        with a residual takes it: `layers.set_add_norm_epilogue`) that projection left to
-        the norm."""
+    ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        out = self.attn(q, k, v, meta, positions)
-        return DeferredMatmul(self.o_proj, out) if self.defer_output else self.o_proj(out)
+        return self.o_proj(self.attn(q, k, v, meta, positions))

@@ -22,7 +22,6 @@ from torch import nn
 
 from infer.models.linear import LinearMethod
 from infer.models.weights import WeightLoader
-from infer.quantization.gemv_epilogues import GemvEpilogues
 from infer.quantization.stored import channel_scale, quantized_as_loaded, stored_weight
 
 FP8 = torch.float8_e4m3fn
@@ -48,7 +47,7 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf * (1 / scale)[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-class Fp8LinearMethod(GemvEpilogues, LinearMethod):
+class Fp8LinearMethod(LinearMethod):
     """`from_float`: the layer is built to quantize a float checkpoint's tensors as they
     load (`quantization="fp8"`); else to load a checkpoint stored in FP8."""
 
@@ -120,14 +119,6 @@ class Fp8LinearMethod(GemvEpilogues, LinearMethod):
                          getattr(layer, "w8a16_gemv_rows", 0),
                          getattr(layer, "gate_up_rows_apart", False))
         return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1])
-
-    @staticmethod
-    def one_row_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether `x` is one row that `apply` sends to infer's GEMV, with no bias after."""
-        return (bias is None and x.is_cuda and x.numel() == x.shape[-1]
-                and not getattr(layer, "fp8_decode_activations", False)
-                and x.dtype in (torch.float16, torch.bfloat16)
-                and getattr(layer, "w8a16_gemv_rows", 0) >= 1)
 
 
 def _scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, layer: nn.Module,

@@ -20,7 +20,6 @@ from torch import nn
 
 from infer.models.linear import LinearMethod
 from infer.models.weights import WeightLoader
-from infer.quantization.gemv_epilogues import GemvEpilogues
 from infer.quantization.stored import channel_scale, quantized_as_loaded, stored_weight
 from infer.quantization.tables import convert_table
 
@@ -41,7 +40,7 @@ def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-class Int8WeightOnlyLinearMethod(GemvEpilogues, LinearMethod):
+class Int8WeightOnlyLinearMethod(LinearMethod):
     """`from_float`: the layer is built to quantize a float checkpoint's tensors as they
     load (`quantization="int8"`); else to load a checkpoint stored in INT8
     (compressed-tensors, per-channel scales)."""
@@ -112,12 +111,6 @@ class Int8WeightOnlyLinearMethod(GemvEpilogues, LinearMethod):
                          layer.weight_scale, act, getattr(layer, "w8a16_gemv_rows", 0),
                          getattr(layer, "gate_up_rows_apart", False))
         return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
-
-    @staticmethod
-    def one_row_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether `x` is one row that `apply` sends to infer's GEMV, with no bias after."""
-        return (x.is_cuda and bias is None and x.dtype == layer.compute_dtype
-                and x.numel() == x.shape[-1] and getattr(layer, "w8a16_gemv_rows", 0) >= 1)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if ids.is_cuda:  # the same rounding in one launch
