@@ -74,7 +74,7 @@ def test_every_linear_layer_of_a_real_model_is_converted():
     with pytest.raises(ValueError, match="quantization must be one of"):
         quantize_model(model, "fp4")
     with pytest.raises(ValueError, match="quantization"):
-        EngineConfig(quantization="int4")
+        EngineConfig(quantization="int3")
 
 TEXT = ("The history of the city goes back more than two thousand years. It grew along the "
         "river, where traders stopped on their way to the sea, and over the centuries its "

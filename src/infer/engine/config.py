@@ -21,7 +21,8 @@ BATCHING_MODES = ("static", "continuous")
 KV_CACHES = ("paged", "contiguous")
 BACKENDS = ("auto", "torch", "triton")
 MIXED_STEP_GRAPHS = ("full", "piecewise", "off")
-QUANTIZATIONS = ("auto", "none", "int8", "fp8", "gguf")  # the choices infer.quantization takes
+# the choices infer.quantization takes
+QUANTIZATIONS = ("auto", "none", "int8", "fp8", "int4", "gguf")
 SPECULATIVE_METHODS = ("none", "ngram", "self", "draft")
 
 
@@ -257,7 +258,8 @@ class EngineConfig:
         "stored; a GGUF file's quantized weights stay quantized on the CPU, dequantized on "
         "CUDA, faster for prefill and large batches); none = dequantized at load; int8 = "
         "weight-only, per output channel, made at load; fp8 = e4m3 per output channel, made "
-        "at load (FP8 activations per token in large steps); gguf = a GGUF file's blocks "
+        "at load (FP8 activations per token in large steps); int4 = weight-only, groups of up "
+        "to 128 inputs with a scale and zero each, made after loading; gguf = a GGUF file's blocks "
         "kept as stored on any device (3-4x less memory); infer/quantization/ says more",
         QUANTIZATIONS)
     threads: int | None = knob(

@@ -126,13 +126,13 @@ def _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym
         acc += w * _row(x_ptr, kk, K, EVEN_K).to(tl.float32)[None, :]
         if ROWS == 2:
             acc_2 += w * _row(x_ptr + stride_xm, kk, K, EVEN_K).to(tl.float32)[None, :]
-    _store(acc, s_ptr, y_ptr, rn, wn, N, SCALED, GATE_UP)
+    store_sums(acc, s_ptr, y_ptr, rn, wn, N, SCALED, GATE_UP)
     if ROWS == 2:
-        _store(acc_2, s_ptr, y_ptr + stride_ym, rn, wn, N, SCALED, GATE_UP)
+        store_sums(acc_2, s_ptr, y_ptr + stride_ym, rn, wn, N, SCALED, GATE_UP)
 
 
 @triton.jit
-def _store(acc, s_ptr, y_ptr, rn, wn, N, SCALED: tl.constexpr, GATE_UP: tl.constexpr):
+def store_sums(acc, s_ptr, y_ptr, rn, wn, N, SCALED: tl.constexpr, GATE_UP: tl.constexpr):
     """A row's sums of `acc [BLOCK_N, BLOCK_K]` (weight rows wn), scaled per channel where
     SCALED, rounded to y's dtype; with GATE_UP, `act(gate) * up` of each channel's pair
     (rounded as the activation kernel rounds what it reads and stores), stored at rn."""

@@ -13,7 +13,9 @@
   to [-127, 127] (symmetric, one float scale per channel), activations in 16 bits.
 - "fp8": FP8 (e4m3) weights, one float scale per output channel, made on the fly; the
   activations of large steps quantized to FP8 per token for an FP8 GEMM (`fp8.py`).
-In both, the LM head (and the embedding table it is tied to) goes to INT8 per row: it is
+- "int4": weight-only INT4 made on the fly after loading, in groups of up to 128 inputs,
+  a 16-bit scale and zero each (`int4_weights.py`).
+In all three, the LM head (and the embedding table it is tied to) goes to INT8 per row: it is
 the largest single matrix a decode step reads (1 GB in bfloat16 on Llama-3.1-8B). Norms
 and an untied embedding table (whose rows are gathered, not read whole) stay as loaded.
 """
@@ -40,6 +42,7 @@ from infer.quantization.fp8 import Fp8LinearMethod
 from infer.quantization.gguf import keep_gguf_quantized
 from infer.quantization.gguf_blocks import GGUFBlocks
 from infer.quantization.int4 import Int4GroupLinearMethod
+from infer.quantization.int4_weights import Int4WeightOnlyLinearMethod
 from infer.quantization.int8 import Int8WeightOnlyLinearMethod, quantize_table
 
 log = logging.getLogger(__name__)
@@ -62,9 +65,10 @@ def quantize_model(model: nn.Module, quantization: str,
                          "model was not loaded from a GGUF file")
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     stored = sorted({m.quant_method.format for m in linears} - {"none"})
-    if quantization in ("int8", "fp8") and set(stored) <= {quantization}:
+    if quantization in ("int8", "fp8", "int4") and set(stored) <= {quantization}:
         # the linear layers made at load (`method_made_at_load`) or now; the LM head now
-        method = Int8WeightOnlyLinearMethod if quantization == "int8" else Fp8LinearMethod
+        method = {"int8": Int8WeightOnlyLinearMethod, "fp8": Fp8LinearMethod,
+                  "int4": Int4WeightOnlyLinearMethod}[quantization]
         for layer in linears:
             if layer.quant_method.format == "none":
                 method().quantize(layer)
@@ -127,4 +131,5 @@ def _dequantize(layer: LinearBase, dtype: torch.dtype) -> None:
 
 
 __all__ = ["QUANTIZATIONS", "Fp8LinearMethod", "Int4GroupLinearMethod",
-           "Int8WeightOnlyLinearMethod", "method_made_at_load", "quantize_model"]
+           "Int4WeightOnlyLinearMethod", "Int8WeightOnlyLinearMethod", "method_made_at_load",
+           "quantize_model"]

@@ -1,5 +1,6 @@
-"""Weight-only INT4 in groups of 32 along the input dim: the 4-bit GGUF weights (Q4_0,
-Q4_1, Q4_K) as they are stored, `w = q * a + b` per group (`gguf_blocks.int4_groups`).
+"""Weight-only INT4 in groups along the input dim on the CPU, `w = q * a + b` per group:
+the 4-bit GGUF weights (Q4_0, Q4_1, Q4_K) as they are stored, in groups of 32
+(`gguf_blocks.int4_groups`), and `quantization="int4"`'s (`int4_weights.py`).
 
 On the CPU through PyTorch's `_weight_int4pack_mm_for_cpu`, which computes
 `(q - 8) * scale + zero` per group: `scale = a`, `zero = b + 8 a`, kept in bfloat16 (the
@@ -36,9 +37,10 @@ INNER_K_TILES = 2  # the packing's inner tiling (2, 4 or 8; the kernel reads any
 DEQUANTIZE_ROWS = 640 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 128
 
 
-def int4_packable(rows: int, cols: int) -> bool:
-    """Whether PyTorch's CPU INT4 packing takes a `[rows, cols]` weight."""
-    return rows % 16 == 0 and cols % GROUP == 0
+def int4_packable(rows: int, cols: int, group: int = GROUP) -> bool:
+    """Whether PyTorch's CPU INT4 packing takes a `[rows, cols]` weight in groups of
+    `group`."""
+    return rows % 16 == 0 and cols % group == 0
 
 
 class Int4GroupLinearMethod(LinearMethod):
@@ -47,7 +49,7 @@ class Int4GroupLinearMethod(LinearMethod):
     def load(self, layer: nn.Module, q: torch.Tensor, a: torch.Tensor, b: torch.Tensor
              ) -> None:
         """`layer`'s weight replaced by `q` (uint8 `[out, in]`, 0..15) with the per-group
-        `a`, `b` (`[out, in // 32]`)."""
+        `a`, `b` (`[out, in // group]`, a group 32 to 256 values)."""
         weight = layer.weight
         if weight.device.type != "cpu":
             raise ValueError("INT4 group weights run on the CPU only (no GPU kernel yet)")
@@ -55,6 +57,7 @@ class Int4GroupLinearMethod(LinearMethod):
         scales_and_zeros = torch.stack([a, b + 8 * a], dim=-1).transpose(0, 1).contiguous()
         layer.compute_dtype = torch.bfloat16
         layer.out_features = q.shape[0]
+        layer.int4_group = q.shape[1] // a.shape[1]
         del layer.weight
         layer.register_parameter("weight", nn.Parameter(packed, requires_grad=False))
         layer.register_parameter("weight_scales_and_zeros", nn.Parameter(
@@ -73,7 +76,8 @@ class Int4GroupLinearMethod(LinearMethod):
         if order is None:
             raise NotImplementedError(f"torch's INT4 packing of a [{rows}, {cols}] weight "
                                       "is not a layout unpack_order can learn")
-        q = unpack_int4(layer.weight, order, rows, cols).view(rows, cols // GROUP, GROUP)
+        group = layer.int4_group
+        q = unpack_int4(layer.weight, order, rows, cols).view(rows, cols // group, group)
         scale, zero = layer.weight_scales_and_zeros.float().permute(2, 1, 0).unsqueeze(-1)
         return ((q.float() - 8) * scale + zero).view(rows, cols)
 
@@ -87,7 +91,7 @@ class Int4GroupLinearMethod(LinearMethod):
         if len(x2) >= DEQUANTIZE_ROWS and self.dequantizable(layer):
             y = F.linear(x2.float(), self.dequantize(layer))
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.weight, GROUP,
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.weight, layer.int4_group,
                                                           layer.weight_scales_and_zeros)
         if not flat:
             y = y.reshape(*x.shape[:-1], layer.out_features)

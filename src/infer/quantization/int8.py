@@ -53,7 +53,7 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        weight_loader: WeightLoader) -> None:
         layer.dtype = torch.get_default_dtype()
-        layer.compute_dtype = _compute_dtype(layer.dtype)
+        layer.compute_dtype = compute_dtype(layer.dtype)
         if self.from_float:
             quantized_as_loaded(layer, torch.int8, quantize_per_row, input_size, output_sizes,
                                 layer.compute_dtype, weight_loader)
@@ -70,7 +70,7 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
         weight = layer.weight
         q, scale = quantize_per_row(weight.data)
         layer.dtype = weight.dtype
-        layer.compute_dtype = _compute_dtype(weight.dtype)
+        layer.compute_dtype = compute_dtype(weight.dtype)
         del layer.weight
         layer.register_parameter("weight", nn.Parameter(q, requires_grad=False))
         layer.register_parameter(
@@ -156,6 +156,6 @@ def _to_gemv(rows: int, n: int, gemv_rows: int) -> bool:
     return gemv_takes(rows, n, gemv_rows)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The activations' dtype for the INT8 kernels: 16 bits (see the module's docstring)."""
     return torch.bfloat16 if dtype == torch.float32 else dtype

@@ -1,0 +1,131 @@
+"""Weight-only INT4 made on the fly (`quantization="int4"`): each output channel's weights
+in groups of GROUP along the input dim, `w = q * scale + zero` with q in 0..15 (the
+group's minimum as its zero, its range over 15 as its scale, both in the activations'
+16-bit dtype), as gpt-fast's and torchao's int4 weight-only quantization does.
+
+On CUDA, steps of one or two rows (decode at batch 1, a draft round) read the packed
+weight through `kernels/int4_gemv.py`: a quarter of bfloat16's bytes, 6 % more for the
+scales and zeros; larger steps multiply a dequantized copy with cuBLAS (prefill is
+compute-bound; no tensor-core INT4 kernel yet). On the CPU, PyTorch's
+`_weight_int4pack_mm_for_cpu` (`int4.py`: the same `q * scale + zero`, its own packing).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.models.linear import LinearMethod
+from infer.quantization.int4 import Int4GroupLinearMethod, int4_packable
+from infer.quantization.int8 import compute_dtype
+
+GROUPS = (128, 64, 32)  # a layer takes the largest that divides its input size
+MAX_GEMV_ROWS = 2  # kernels/int4_gemv.py's rows
+
+
+def quantize_groups(weight: torch.Tensor, group: int, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q uint8 `[N, K]` in 0..15, scale, zero `[N, K / group]` in `dtype`) of `weight [N,
+    K]`: each group's minimum is its zero and its range / 15 its scale, both rounded to
+    `dtype` before q is chosen, so `q * scale + zero` is the nearest of the 16 values to
+    each weight (a constant group: scale 1, q 0)."""
+    rows, cols = weight.shape
+    w = weight.float().view(rows, cols // group, group)
+    low = w.amin(dim=-1)
+    scale = (w.amax(dim=-1) - low) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(dtype)
+    zero = low.to(dtype)
+    q = torch.round((w - zero.float()[..., None]) / scale.float()[..., None]).clamp_(0, 15)
+    return q.to(torch.uint8).view(rows, cols), scale, zero
+
+
+def pack_words(q: torch.Tensor) -> torch.Tensor:
+    """uint8 `[N, K]` values 0..15 as int32 `[N, K / 8]`: nibble i of word j is k = 8j + i,
+    lowest bits first (`kernels/int4_gemv.py`'s layout)."""
+    pairs = q[:, 0::2] | (q[:, 1::2] << 4)  # byte b: k = 2b low, 2b + 1 high
+    return pairs.contiguous().view(torch.int32)  # little-endian: byte 0 lowest
+
+
+def unpack_words(words: torch.Tensor) -> torch.Tensor:
+    """`pack_words`' inverse: uint8 `[N, 8 * W]`."""
+    pairs = words.contiguous().view(torch.uint8)
+    return torch.stack([pairs & 0xF, pairs >> 4], dim=-1).view(words.shape[0], -1)
+
+
+def group_size(cols: int) -> int | None:
+    """The group of a weight of `cols` inputs: the largest of GROUPS that divides it."""
+    return next((g for g in GROUPS if cols % g == 0), None)
+
+
+class _CpuInt4(Int4GroupLinearMethod):
+    format = "int4"
+
+
+class Int4WeightOnlyLinearMethod(LinearMethod):
+    """`quantize` makes a loaded float layer INT4 in place (CUDA: this method; the CPU:
+    torch's packed kernel through `int4.Int4GroupLinearMethod`)."""
+
+    format = "int4"
+
+    def quantize(self, layer: nn.Module) -> None:
+        weight = layer.weight
+        rows, cols = weight.shape
+        group = group_size(cols)
+        if group is None:
+            raise ValueError(f"a [{rows}, {cols}] weight has no INT4 group size: its input "
+                             f"size is not a multiple of {GROUPS[-1]}")
+        dtype = compute_dtype(weight.dtype)
+        q, scale, zero = quantize_groups(weight.data, group, dtype)
+        if weight.device.type == "cpu":
+            if not int4_packable(rows, cols):
+                raise ValueError(f"a [{rows}, {cols}] weight does not take torch's CPU INT4 "
+                                 "packing (rows a multiple of 16)")
+            _CpuInt4().load(layer, q, scale.float(), zero.float())
+        else:
+            self.load(layer, q, scale, zero)
+
+    def load(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor,
+             zero: torch.Tensor) -> None:
+        """`layer`'s weight replaced by `q` (`quantize_groups`' values) packed for the
+        kernel, with its groups' `scale` and `zero` (in the activations' dtype)."""
+        layer.dtype = layer.weight.dtype
+        layer.compute_dtype = scale.dtype
+        del layer.weight
+        layer.register_parameter("weight", nn.Parameter(pack_words(q), requires_grad=False))
+        layer.register_parameter("weight_scale", nn.Parameter(scale, requires_grad=False))
+        layer.register_parameter("weight_zero", nn.Parameter(zero, requires_grad=False))
+        layer.quant_method = self
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        q = unpack_words(layer.weight).float()
+        rows, cols = q.shape
+        groups = layer.weight_scale.shape[1]
+        q = q.view(rows, groups, cols // groups)
+        w = q * layer.weight_scale.float()[..., None] + layer.weight_zero.float()[..., None]
+        return w.view(rows, cols)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+              ) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(layer.compute_dtype)
+        if len(x2) <= MAX_GEMV_ROWS:
+            from infer.kernels.int4_gemv import int4_gemv
+
+            y = int4_gemv(x2.contiguous(), layer.weight, layer.weight_scale,
+                          layer.weight_zero)
+        else:  # compute-bound: cuBLAS on a copy
+            y = F.linear(x2, self.dequantize(layer).to(x2.dtype))
+        y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
+        return y if bias is None else y + bias
+
+    def apply_gate_up(self, layer: nn.Module, x: torch.Tensor, act: str,
+                      bias: torch.Tensor | None) -> torch.Tensor | None:
+        x2 = x.reshape(-1, x.shape[-1])
+        if len(x2) > MAX_GEMV_ROWS or bias is not None:
+            return None
+        from infer.kernels.int4_gemv import int4_gemv_gate_up
+
+        y = int4_gemv_gate_up(x2.to(layer.compute_dtype).contiguous(), layer.weight,
+                              layer.weight_scale, layer.weight_zero, act)
+        return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
