@@ -151,6 +151,22 @@ def _cases() -> list[Case]:
                 ["words", "xq", "side", "y_ptr", *strides], block_n * units * unit_k,
                 stored / unit_k, num_warps=4,
                 note=f"launch ({block_n} rows, {units} units of {unit_k}, 4 warps)"))
+    # weight-only INT4, eight values a word, 16-bit scale and zero a group of 128
+    from infer.kernels import int4_gemv
+
+    for shape, (n, k) in (("8B gate_up", (28672, 4096)), ("1B qkv", (3072, 2048))):
+        launch = int4_gemv.default_launch(n, k)
+        cases.append(Case(
+            f"int4_gemv ({shape})", "int4_gemv:_int4_gemv_kernel",
+            dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", y_ptr="*bf16",
+                 N=i32, groups=i32, stride_xm=i32, stride_wn=i32, stride_sn=i32,
+                 stride_ym=i32),
+            dict(BLOCK_N=launch.block_n, STRIPES=launch.block_k // 128, SW=128 // 8, ROWS=1,
+                 EVEN_K=True, GATE_UP="", PTX=True, PDL=False),
+            ["x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "groups", "stride_wn",
+             "stride_sn"],
+            launch.block_n * launch.block_k, 0.5, num_warps=launch.num_warps,
+            note=f"one row, launch {tuple(launch)}"))
     return cases
 
 

@@ -53,17 +53,24 @@ def test_each_weight_is_within_half_a_step_of_its_value(group):
     assert (lows == 0).all()
 
 
-def test_words_hold_eight_values_lowest_bits_first():
-    q = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 15, 0, 0, 0, 0, 0, 0, 9]], dtype=torch.uint8)
-    words = pack_words(q)
-    assert words.dtype == torch.int32 and words.shape == (1, 2)
+def test_words_hold_a_groups_values_at_its_eighths():
+    """Group of 32 (four words): nibble i of word j holds value 4 i + j, lowest bits
+    first."""
+    q = torch.arange(64, dtype=torch.uint8).remainder(16).view(1, 64)
+    q[0, 32:] = torch.tensor([15 - (v % 16) for v in range(32)], dtype=torch.uint8)
+    words = pack_words(q, 32)
+    assert words.dtype == torch.int32 and words.shape == (1, 8)
     # (read as unsigned: a top nibble of 8 or more sets the sign bit)
-    assert int(words[0, 0]) & 0xFFFFFFFF == 0x87654321
-    assert int(words[0, 1]) & 0xFFFFFFFF == 0x9000000F
-    assert torch.equal(unpack_words(words), q)
+    first = [int(w) & 0xFFFFFFFF for w in words[0, :4]]
+    # word 0: values 0, 4, 8, ..., 28 -> q 0, 4, 8, 12, 0, 4, 8, 12
+    assert first[0] == 0xC840C840 and first[1] == 0xD951D951
+    second = int(words[0, 4]) & 0xFFFFFFFF  # values 32, 36, ...: q 15, 11, 7, 3, ...
+    assert second == 0x37BF37BF
+    assert torch.equal(unpack_words(words, 32), q)
     gen = torch.Generator().manual_seed(1)
-    q = torch.randint(0, 16, (5, 64), generator=gen, dtype=torch.uint8)
-    assert torch.equal(unpack_words(pack_words(q)), q)
+    for group in (32, 64, 128):
+        q = torch.randint(0, 16, (5, 256), generator=gen, dtype=torch.uint8)
+        assert torch.equal(unpack_words(pack_words(q, group), group), q)
 
 
 def test_group_size_is_the_largest_that_divides():
@@ -96,7 +103,7 @@ def test_kernel_matches_float64_from_the_integers(case, rows):
     n, k, group, launch = CASES[case]
     q, scale, zero = _int4_weight(n, k, group, case)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(10 + case))
-    y = int4_gemv(x.to(DEVICE), pack_words(q).to(DEVICE), scale.to(DEVICE),
+    y = int4_gemv(x.to(DEVICE), pack_words(q, group).to(DEVICE), scale.to(DEVICE),
                   zero.to(DEVICE), launch and Launch(*launch)).cpu()
     ref = x.double() @ _dequantized(q, scale, zero).T
     assert y.shape == (rows, n) and y.dtype == torch.float32
@@ -111,7 +118,7 @@ def test_gate_up_form_is_the_product_then_the_activation(act):
     from infer.kernels.int4_gemv import int4_gemv, int4_gemv_gate_up
 
     q, scale, zero = _int4_weight(2 * 36, 256, 64, 7)
-    args = [t.to(DEVICE) for t in (pack_words(q), scale, zero)]
+    args = [t.to(DEVICE) for t in (pack_words(q, 64), scale, zero)]
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     x = x.to(DEVICE)
     for launch in (Launch(8, 128, 4), None):

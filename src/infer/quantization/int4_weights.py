@@ -40,17 +40,22 @@ def quantize_groups(weight: torch.Tensor, group: int, dtype: torch.dtype
     return q.to(torch.uint8).view(rows, cols), scale, zero
 
 
-def pack_words(q: torch.Tensor) -> torch.Tensor:
-    """uint8 `[N, K]` values 0..15 as int32 `[N, K / 8]`: nibble i of word j is k = 8j + i,
-    lowest bits first (`kernels/int4_gemv.py`'s layout)."""
-    pairs = q[:, 0::2] | (q[:, 1::2] << 4)  # byte b: k = 2b low, 2b + 1 high
-    return pairs.contiguous().view(torch.int32)  # little-endian: byte 0 lowest
+def pack_words(q: torch.Tensor, group: int) -> torch.Tensor:
+    """uint8 `[N, K]` values 0..15 as int32 `[N, K / 8]` in `kernels/int4_gemv.py`'s
+    layout: in each group of `group` values (group / 8 words), nibble i of word j holds
+    the group's value i * group / 8 + j, lowest bits first."""
+    rows, cols = q.shape
+    stripes = q.view(rows, cols // group, 8, group // 8).transpose(2, 3)  # [.., j, i]
+    pairs = stripes[..., 0::2] | (stripes[..., 1::2] << 4)  # byte b: i = 2b low, 2b + 1 high
+    return pairs.contiguous().view(torch.int32).view(rows, cols // 8)  # byte 0 lowest
 
 
-def unpack_words(words: torch.Tensor) -> torch.Tensor:
+def unpack_words(words: torch.Tensor, group: int) -> torch.Tensor:
     """`pack_words`' inverse: uint8 `[N, 8 * W]`."""
-    pairs = words.contiguous().view(torch.uint8)
-    return torch.stack([pairs & 0xF, pairs >> 4], dim=-1).view(words.shape[0], -1)
+    rows = words.shape[0]
+    pairs = words.contiguous().view(torch.uint8).view(rows, -1, group // 8, 4)
+    nibbles = torch.stack([pairs & 0xF, pairs >> 4], dim=-1).view(rows, -1, group // 8, 8)
+    return nibbles.transpose(2, 3).reshape(rows, -1)
 
 
 def group_size(cols: int) -> int | None:
@@ -92,15 +97,17 @@ class Int4WeightOnlyLinearMethod(LinearMethod):
         layer.dtype = layer.weight.dtype
         layer.compute_dtype = scale.dtype
         del layer.weight
-        layer.register_parameter("weight", nn.Parameter(pack_words(q), requires_grad=False))
+        group = q.shape[1] // scale.shape[1]
+        layer.register_parameter("weight", nn.Parameter(pack_words(q, group),
+                                                        requires_grad=False))
         layer.register_parameter("weight_scale", nn.Parameter(scale, requires_grad=False))
         layer.register_parameter("weight_zero", nn.Parameter(zero, requires_grad=False))
         layer.quant_method = self
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        q = unpack_words(layer.weight).float()
-        rows, cols = q.shape
         groups = layer.weight_scale.shape[1]
+        q = unpack_words(layer.weight, layer.weight.shape[1] * 8 // groups).float()
+        rows, cols = q.shape
         q = q.view(rows, groups, cols // groups)
         w = q * layer.weight_scale.float()[..., None] + layer.weight_zero.float()[..., None]
         return w.view(rows, cols)
