@@ -103,8 +103,8 @@ def test_kernel_matches_float64_from_the_integers(case, rows):
     n, k, group, launch = CASES[case]
     q, scale, zero = _int4_weight(n, k, group, case)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(10 + case))
-    y = int4_gemv(x.to(DEVICE), pack_words(q, group).to(DEVICE), scale.to(DEVICE),
-                  zero.to(DEVICE), launch and Launch(*launch)).cpu()
+    args = [t.t().contiguous().to(DEVICE) for t in (pack_words(q, group), scale, zero)]
+    y = int4_gemv(x.to(DEVICE), *args, launch and Launch(*launch)).cpu()
     ref = x.double() @ _dequantized(q, scale, zero).T
     assert y.shape == (rows, n) and y.dtype == torch.float32
     assert (y.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
@@ -118,7 +118,7 @@ def test_gate_up_form_is_the_product_then_the_activation(act):
     from infer.kernels.int4_gemv import int4_gemv, int4_gemv_gate_up
 
     q, scale, zero = _int4_weight(2 * 36, 256, 64, 7)
-    args = [t.to(DEVICE) for t in (pack_words(q, 64), scale, zero)]
+    args = [t.t().contiguous().to(DEVICE) for t in (pack_words(q, 64), scale, zero)]
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     x = x.to(DEVICE)
     for launch in (Launch(8, 128, 4), None):
@@ -144,7 +144,7 @@ def test_packed_layer_matches_float64(rows):
     """One or two rows through the kernel, more through the dequantized weight."""
     layer = _packed_layer(96, 320, rows)
     method = layer.quant_method
-    assert layer.weight.dtype == torch.int32 and layer.weight.shape == (96, 40)
+    assert layer.weight.dtype == torch.int32 and layer.weight.shape == (40, 96)
     x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     y = layer(x.to(DEVICE)).cpu()
     w = method.dequantize(layer).cpu().double()

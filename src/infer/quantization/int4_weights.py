@@ -41,9 +41,9 @@ def quantize_groups(weight: torch.Tensor, group: int, dtype: torch.dtype
 
 
 def pack_words(q: torch.Tensor, group: int) -> torch.Tensor:
-    """uint8 `[N, K]` values 0..15 as int32 `[N, K / 8]` in `kernels/int4_gemv.py`'s
-    layout: in each group of `group` values (group / 8 words), nibble i of word j holds
-    the group's value i * group / 8 + j, lowest bits first."""
+    """uint8 `[N, K]` values 0..15 as int32 `[N, K / 8]`: in each group of `group` values
+    (group / 8 words), nibble i of word j holds the group's value i * group / 8 + j,
+    lowest bits first (`kernels/int4_gemv.py` takes it transposed)."""
     rows, cols = q.shape
     stripes = q.view(rows, cols // group, 8, group // 8).transpose(2, 3)  # [.., j, i]
     pairs = stripes[..., 0::2] | (stripes[..., 1::2] << 4)  # byte b: i = 2b low, 2b + 1 high
@@ -98,19 +98,22 @@ class Int4WeightOnlyLinearMethod(LinearMethod):
         layer.compute_dtype = scale.dtype
         del layer.weight
         group = q.shape[1] // scale.shape[1]
-        layer.register_parameter("weight", nn.Parameter(pack_words(q, group),
+        # K-major, as the kernel reads them: `[K / 8, N]` words, `[K / group, N]` scales
+        layer.register_parameter("weight", nn.Parameter(pack_words(q, group).t().contiguous(),
                                                         requires_grad=False))
-        layer.register_parameter("weight_scale", nn.Parameter(scale, requires_grad=False))
-        layer.register_parameter("weight_zero", nn.Parameter(zero, requires_grad=False))
+        layer.register_parameter("weight_scale", nn.Parameter(scale.t().contiguous(),
+                                                              requires_grad=False))
+        layer.register_parameter("weight_zero", nn.Parameter(zero.t().contiguous(),
+                                                             requires_grad=False))
         layer.quant_method = self
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        groups = layer.weight_scale.shape[1]
-        q = unpack_words(layer.weight, layer.weight.shape[1] * 8 // groups).float()
+        groups = layer.weight_scale.shape[0]
+        q = unpack_words(layer.weight.t(), layer.weight.shape[0] * 8 // groups).float()
         rows, cols = q.shape
         q = q.view(rows, groups, cols // groups)
-        w = q * layer.weight_scale.float()[..., None] + layer.weight_zero.float()[..., None]
-        return w.view(rows, cols)
+        scale, zero = layer.weight_scale.t().float(), layer.weight_zero.t().float()
+        return (q * scale[..., None] + zero[..., None]).view(rows, cols)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
               ) -> torch.Tensor:
