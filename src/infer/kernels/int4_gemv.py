@@ -172,11 +172,11 @@ def _int4_gemv_kernel(
 
 
 def default_launch(n: int, k: int) -> Launch:
-    """The launch for an `[n, k]` 4-bit weight (`block_k` in weights): the 8-bit GEMV's
-    bytes a row a step (`gemv.default_launch`), untuned for 4 bits."""
+    """The launch for an `[n, k]` 4-bit weight (`block_k` in weights), untuned: at least 8
+    channels a program (a tile row of 32 bytes, a DRAM sector), 8 KB of words a step."""
     if n >= 6144:
         return Launch(block_n=16, block_k=1024, num_warps=8)
-    return Launch(block_n=4, block_k=4096, num_warps=8)
+    return Launch(block_n=8, block_k=2048, num_warps=8)
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
