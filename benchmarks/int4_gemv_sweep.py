@@ -10,8 +10,8 @@ weight to pass the L2 cache three times, as a decode step's layers do
 (`quantized_gemv.time_cycled`); each launch's result is checked against the dequantized
 weight's product first.
 
-    python benchmarks/int4_gemv_sweep.py [--shapes 1b 8b] [--rows 2] [--defaults-only]
-        [--suffix _s54]
+    python benchmarks/int4_gemv_sweep.py [--shapes 1b 8b] [--rows 2] [--defaults-only |
+        --quick] [--suffix _s54]
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", choices=["1b", "8b"], default=["1b", "8b"])
     parser.add_argument("--rows", type=int, choices=[1, 2], default=1)
     parser.add_argument("--defaults-only", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="every third launch")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("int4_gemv_sweep.py times CUDA kernels: no GPU here")
@@ -81,7 +82,8 @@ def main() -> None:
             default = default_launch(n, k)
             default_us = timed(default)
             best, best_us = default, default_us
-            for launch in ([] if args.defaults_only else map(Launch._make, LAUNCHES)):
+            swept = LAUNCHES[::3] if args.quick else LAUNCHES
+            for launch in ([] if args.defaults_only else map(Launch._make, swept)):
                 try:
                     us = timed(launch)
                 except Exception as exc:  # a launch that does not compile: skip it
