@@ -52,7 +52,8 @@ class Int4GroupLinearMethod(LinearMethod):
         `a`, `b` (`[out, in // group]`, a group 32 to 256 values)."""
         weight = layer.weight
         if weight.device.type != "cpu":
-            raise ValueError("INT4 group weights run on the CPU only (no GPU kernel yet)")
+            raise ValueError("torch's packed INT4 layout runs on the CPU only (on CUDA: "
+                             "int4_weights.py's)")
         packed = _pack(q.to(torch.int32))
         scales_and_zeros = torch.stack([a, b + 8 * a], dim=-1).transpose(0, 1).contiguous()
         layer.compute_dtype = torch.bfloat16

@@ -1,7 +1,8 @@
 """Weight-only INT4 made on the fly (`quantization="int4"`): each output channel's weights
-in groups of GROUP along the input dim, `w = q * scale + zero` with q in 0..15 (the
-group's minimum as its zero, its range over 15 as its scale, both in the activations'
-16-bit dtype), as gpt-fast's and torchao's int4 weight-only quantization does.
+in groups along the input dim (GROUPS: 128, or 64 / 32 where the input size asks), `w = q *
+scale + zero` with q in 0..15 (the group's minimum as its zero, its range over 15 as its
+scale, both in the activations' 16-bit dtype), as gpt-fast's and torchao's int4
+weight-only quantization does.
 
 On CUDA, steps of one or two rows (decode at batch 1, a draft round) read the packed
 weight through `kernels/int4_gemv.py`: a quarter of bfloat16's bytes, 6 % more for the
@@ -83,7 +84,7 @@ class Int4WeightOnlyLinearMethod(LinearMethod):
         dtype = compute_dtype(weight.dtype)
         q, scale, zero = quantize_groups(weight.data, group, dtype)
         if weight.device.type == "cpu":
-            if not int4_packable(rows, cols):
+            if not int4_packable(rows, cols, group):
                 raise ValueError(f"a [{rows}, {cols}] weight does not take torch's CPU INT4 "
                                  "packing (rows a multiple of 16)")
             _CpuInt4().load(layer, q, scale.float(), zero.float())
