@@ -158,11 +158,11 @@ def _cases() -> list[Case]:
         launch = int4_gemv.default_launch(n, k)
         cases.append(Case(
             f"int4_gemv ({shape})", "int4_gemv:_int4_gemv_kernel",
-            dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", y_ptr="*bf16",
-                 N=i32, groups=i32, stride_xm=i32, stride_w=i32, stride_s=i32,
-                 stride_ym=i32),
+            dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", skip_ptr="*i32",
+                 y_ptr="*bf16", N=i32, groups=i32, stride_xm=i32, stride_w=i32,
+                 stride_s=i32, stride_ym=i32),
             dict(BLOCK_N=launch.block_n, STRIPES=launch.block_k // 128, SW=128 // 8, ROWS=1,
-                 EVEN_K=True, GATE_UP="", PTX=True, PDL=False),
+                 EVEN_K=True, GATE_UP="", SKIPS=False, PTX=True, PDL=False),
             ["x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "groups", "stride_w",
              "stride_s"],
             launch.block_n * launch.block_k, 0.5, num_warps=launch.num_warps,

@@ -211,3 +211,38 @@ def test_an_engine_serves_int4_weights():
     [out] = llm.generate("The capital of France is",
                          SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     assert "Paris" in out.outputs[0].text
+
+
+@needs_triton
+@pytest.mark.parametrize("act", ["", "silu"])
+def test_a_set_skip_flag_leaves_the_first_of_two_rows_out(act):
+    """Inside `row_skip.first_row_skipped_where(flag)`: flag 1 -> a two-row launch's second
+    row is bit for bit its one-row launch and the first (NaN here) is not multiplied; flag
+    0 -> both rows as outside."""
+    from infer.kernels.int4_gemv import int4_gemv, int4_gemv_gate_up
+    from infer.kernels.row_skip import first_row_skipped_where
+
+    q, scale, zero = _int4_weight(2 * 24, 384, 128, 9)
+    args = [t.t().contiguous().to(DEVICE) for t in (pack_words(q, 128), scale, zero)]
+    x = torch.randn(2, 384, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    x = x.to(DEVICE)
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        if act:
+            return int4_gemv_gate_up(rows, *args, act)
+        return int4_gemv(rows, *args)
+
+    both = product(x)
+    flag = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    poisoned = x.clone()
+    poisoned[0] = float("nan")
+    with first_row_skipped_where(flag):
+        skipped = product(poisoned)
+        flag.zero_()
+        unskipped = product(x)
+    # the NaN row was not multiplied (its output row holds what the allocation held)
+    assert not torch.isnan(skipped[0]).all()
+    second = skipped[1:]
+    assert torch.equal(second, product(x[1:]))
+    assert torch.equal(second, both[1:])
+    assert torch.equal(unskipped, both)

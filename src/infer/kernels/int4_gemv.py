@@ -13,7 +13,9 @@ subtraction: `v x` is exact in float32 for a 16-bit x), and each group is scaled
 word: `sum q x * scale + zero * sum x = 256 scale * sum v x + (zero - 128 scale) * sum x`.
 
 `gemv_gate_up`'s form too (`int4_gemv_gate_up`): a gated MLP's `[gate | up]` weight, each
-program multiplying the gate and up rows of the same channels and storing `act(gate) * up`.
+program multiplying the gate and up rows of the same channels and storing `act(gate) * up`;
+and, as `gemv.py`'s, inside `row_skip.first_row_skipped_where(flag)` a two-row launch
+multiplies the second row alone where the kernel finds the flag set.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import dependent_launch, gpu_compiled
+from infer.kernels import dependent_launch, gpu_compiled, row_skip
 from infer.kernels.gemv import Launch, store_sums
 
 MAX_ROWS = 2
@@ -127,10 +129,10 @@ def _products(words, scale, zero, x_ptr, g0, rg, rj, groups, SW: tl.constexpr,
 
 @triton.jit
 def _int4_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, N, groups, stride_xm, stride_w, stride_s,
+    x_ptr, w_ptr, s_ptr, z_ptr, skip_ptr, y_ptr, N, groups, stride_xm, stride_w, stride_s,
     stride_ym, BLOCK_N: tl.constexpr, STRIPES: tl.constexpr, SW: tl.constexpr,
-    ROWS: tl.constexpr, EVEN_K: tl.constexpr, GATE_UP: tl.constexpr, PTX: tl.constexpr,
-    PDL: tl.constexpr,
+    ROWS: tl.constexpr, EVEN_K: tl.constexpr, GATE_UP: tl.constexpr, SKIPS: tl.constexpr,
+    PTX: tl.constexpr, PDL: tl.constexpr,
 ):
     r = tl.arange(0, BLOCK_N)
     if GATE_UP == "":
@@ -148,11 +150,35 @@ def _int4_gemv_kernel(
     s_at = s_ptr + (rg[:, None, None] * stride_s).to(tl.int64) + cols
     z_at = z_ptr + (rg[:, None, None] * stride_s).to(tl.int64) + cols
     # The first tile (weights, scales, zeros) is read before the kernel before this one
-    # has finished (dependent_launch.py); x only after.
+    # has finished (dependent_launch.py), and the skip flag, written before the graph
+    # holding this launch started (row_skip.py); x only after.
     words, scale, zero = _load_tile(words_at, s_at, z_at, 0, rg, groups, stride_w,
                                     stride_s, SW, EVEN_K)
+    if SKIPS:
+        skip = tl.load(skip_ptr)
     dependent_launch.wait(PDL)
     dependent_launch.release(PDL)
+    if SKIPS:  # two rows, the first left out where the flag is set
+        if skip != 0:
+            _rows(words, scale, zero, words_at, s_at, z_at, x_ptr + stride_xm, s_ptr,
+                  y_ptr + stride_ym, rg, rj, rn, wn, N, groups, stride_xm, stride_w,
+                  stride_s, stride_ym, BLOCK_N, STRIPES, SW, 1, EVEN_K, GATE_UP, PTX)
+        else:
+            _rows(words, scale, zero, words_at, s_at, z_at, x_ptr, s_ptr, y_ptr, rg, rj, rn,
+                  wn, N, groups, stride_xm, stride_w, stride_s, stride_ym, BLOCK_N, STRIPES,
+                  SW, 2, EVEN_K, GATE_UP, PTX)
+    else:
+        _rows(words, scale, zero, words_at, s_at, z_at, x_ptr, s_ptr, y_ptr, rg, rj, rn, wn,
+              N, groups, stride_xm, stride_w, stride_s, stride_ym, BLOCK_N, STRIPES, SW,
+              ROWS, EVEN_K, GATE_UP, PTX)
+
+
+@triton.jit
+def _rows(words, scale, zero, words_at, s_at, z_at, x_ptr, s_ptr, y_ptr, rg, rj, rn, wn, N,
+          groups, stride_xm, stride_w, stride_s, stride_ym, BLOCK_N: tl.constexpr,
+          STRIPES: tl.constexpr, SW: tl.constexpr, ROWS: tl.constexpr,
+          EVEN_K: tl.constexpr, GATE_UP: tl.constexpr, PTX: tl.constexpr):
+    """The program's channels of x's first ROWS rows, from the first tile held."""
     acc = _products(words, scale, zero, x_ptr, 0, rg, rj, groups, SW, EVEN_K, PTX)
     if ROWS == 2:
         acc_2 = _products(words, scale, zero, x_ptr + stride_xm, 0, rg, rj, groups, SW,
@@ -222,11 +248,15 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: to
     per_program = block_n // 2 if gate_up else block_n
     assert per_program * (2 if gate_up else 1) == block_n, block_n
     stripes = max(1, block_k // group)
+    flag = row_skip.skip_flag() if m == 2 else None
+    if flag is not None:
+        assert flag.dtype == torch.int32 and flag.device == x.device, (flag.dtype, flag.device)
     _int4_gemv_kernel[(triton.cdiv(n, per_program),)](
-        x, packed, scale, zero, y, n, groups, x.stride(0), packed.stride(0), scale.stride(0),
-        y.stride(0),
+        x, packed, scale, zero, x if flag is None else flag, y, n, groups, x.stride(0),
+        packed.stride(0), scale.stride(0), y.stride(0),
         BLOCK_N=block_n, STRIPES=stripes, SW=group // WORD, ROWS=m,
-        EVEN_K=groups % stripes == 0, GATE_UP=gate_up, PTX=gpu_compiled(x.device),
+        EVEN_K=groups % stripes == 0, GATE_UP=gate_up, SKIPS=flag is not None,
+        PTX=gpu_compiled(x.device),
         num_warps=num_warps, **dependent_launch.launch_options(),
     )
     return y
