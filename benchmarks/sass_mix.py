@@ -167,6 +167,17 @@ def _cases() -> list[Case]:
              "stride_s"],
             launch.block_n * launch.block_k, 0.5, num_warps=launch.num_warps,
             note=f"one row, launch {tuple(launch)}"))
+    # 3 to 64 rows of x on the tensor cores (TF32), 4-bit weights made float in registers
+    for rows in (5, 32):
+        cases.append(Case(
+            f"int4_matmul (8B gate_up, {rows} rows)", "int4_matmul:_int4_matmul_kernel",
+            dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", y_ptr="*bf16",
+                 M=i32, N=i32, K=i32, groups=i32, stride_xm=i32, stride_w=i32, stride_s=i32,
+                 stride_ym=i32),
+            dict(BLOCK_M=max(16, rows), BLOCK_N=64, STRIPES=2, SW=16, PDL=False),
+            ["x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "groups", "stride_xm",
+             "stride_w", "stride_s", "stride_ym"],
+            64 * 256, 0.5, num_warps=4, note="launch (64 channels, 256 of K, 4 warps)"))
     return cases
 
 

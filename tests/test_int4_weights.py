@@ -246,3 +246,24 @@ def test_a_set_skip_flag_leaves_the_first_of_two_rows_out(act):
     assert torch.equal(second, product(x[1:]))
     assert torch.equal(second, both[1:])
     assert torch.equal(unskipped, both)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "n", "k", "group", "block_k"), [
+    (3, 40, 384, 128, 256),  # groups not a multiple of the step, channels past the block
+    (5, 64, 256, 32, 64),  # a plane of 16 rows from four groups of 32
+    (17, 96, 512, 64, 128),  # 17 rows in a block of 32
+    (64, 64, 256, 128, 128)])
+def test_matmul_matches_float64(dtype, rows, n, k, group, block_k):
+    """`int4_matmul` (3 to 64 rows) against float64 from the integers: TF32 keeps a 16-bit
+    x exactly and each weight to 2^-11 (the interpreter multiplies in float32)."""
+    from infer.kernels.int4_matmul import int4_matmul
+
+    q, scale, zero = _int4_weight(n, k, group, rows, dtype)
+    args = [t.t().contiguous().to(DEVICE) for t in (pack_words(q, group), scale, zero)]
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    y = int4_matmul(x.to(DEVICE), *args, block_k=block_k).cpu()
+    ref = x.double() @ _dequantized(q, scale, zero).T
+    assert y.shape == (rows, n) and y.dtype == dtype
+    assert (y.double() - ref).abs().max().item() < 8e-3 * ref.abs().max().item()

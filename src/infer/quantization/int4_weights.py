@@ -6,8 +6,9 @@ weight-only quantization does.
 
 On CUDA, steps of one or two rows (decode at batch 1, a draft round) read the packed
 weight through `kernels/int4_gemv.py`: a quarter of bfloat16's bytes, 6 % more for the
-scales and zeros; larger steps multiply a dequantized copy with cuBLAS (prefill is
-compute-bound; no tensor-core INT4 kernel yet). On the CPU, PyTorch's
+scales and zeros; steps of up to 64 rows through `kernels/int4_matmul.py` (the weights
+made 16-bit in registers for the tensor cores); larger steps multiply a dequantized copy
+with cuBLAS (prefill is compute-bound). On the CPU, PyTorch's
 `_weight_int4pack_mm_for_cpu` (`int4.py`: the same `q * scale + zero`, its own packing).
 """
 
@@ -23,6 +24,7 @@ from infer.quantization.int8 import compute_dtype
 
 GROUPS = (128, 64, 32)  # a layer takes the largest that divides its input size
 MAX_GEMV_ROWS = 2  # kernels/int4_gemv.py's rows
+MAX_MMA_ROWS = 64  # kernels/int4_matmul.py's; more (prefill) take a dequantized copy
 
 
 def quantize_groups(weight: torch.Tensor, group: int, dtype: torch.dtype
@@ -125,6 +127,11 @@ class Int4WeightOnlyLinearMethod(LinearMethod):
 
             y = int4_gemv(x2.contiguous(), layer.weight, layer.weight_scale,
                           layer.weight_zero)
+        elif len(x2) <= MAX_MMA_ROWS:
+            from infer.kernels.int4_matmul import int4_matmul
+
+            y = int4_matmul(x2.contiguous(), layer.weight, layer.weight_scale,
+                            layer.weight_zero)
         else:  # compute-bound: cuBLAS on a copy
             y = F.linear(x2, self.dequantize(layer).to(x2.dtype))
         y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
