@@ -63,7 +63,7 @@ def test_every_field_is_a_flag_of_the_engine_group_with_its_choices(command):
 
 
 @pytest.mark.parametrize(("flag", "value", "listed"), [
-    ("--dtype", "float8", "bfloat16"), ("--quantization", "int4", "fp8"),
+    ("--dtype", "float8", "bfloat16"), ("--quantization", "int3", "fp8"),
     ("--device", "tpu", "cuda:N"), ("--device", "cuda:x", "cuda:N"),
     ("--kv-cache", "ring", "contiguous")])
 def test_a_wrong_choice_is_refused_by_argparse_with_the_list(capsys, flag, value, listed):
