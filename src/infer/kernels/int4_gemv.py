@@ -99,31 +99,13 @@ def _x_part(x_ptr, g0, rg, rj, i: tl.constexpr, groups, SW: tl.constexpr,
 def _products(words, scale, zero, x_ptr, g0, rg, rj, groups, SW: tl.constexpr,
               EVEN_K: tl.constexpr, PTX: tl.constexpr):
     """`[STRIPES, SW, BLOCK_N]`: each word's eight weights times x, scaled."""
-    v0, v1, v2, v3, v4, v5, v6, v7 = _halves(words, PTX)
-    x = _x_part(x_ptr, g0, rg, rj, 0, groups, SW, EVEN_K)
-    sums = v0 * x
-    x_sums = x
-    x = _x_part(x_ptr, g0, rg, rj, 1, groups, SW, EVEN_K)
-    sums += v1 * x
-    x_sums += x
-    x = _x_part(x_ptr, g0, rg, rj, 2, groups, SW, EVEN_K)
-    sums += v2 * x
-    x_sums += x
-    x = _x_part(x_ptr, g0, rg, rj, 3, groups, SW, EVEN_K)
-    sums += v3 * x
-    x_sums += x
-    x = _x_part(x_ptr, g0, rg, rj, 4, groups, SW, EVEN_K)
-    sums += v4 * x
-    x_sums += x
-    x = _x_part(x_ptr, g0, rg, rj, 5, groups, SW, EVEN_K)
-    sums += v5 * x
-    x_sums += x
-    x = _x_part(x_ptr, g0, rg, rj, 6, groups, SW, EVEN_K)
-    sums += v6 * x
-    x_sums += x
-    x = _x_part(x_ptr, g0, rg, rj, 7, groups, SW, EVEN_K)
-    sums += v7 * x
-    x_sums += x
+    halves = _halves(words, PTX)
+    sums = tl.zeros(words.shape, dtype=tl.float32)
+    x_sums = tl.zeros((words.shape[0], words.shape[1], 1), dtype=tl.float32)
+    for i in tl.static_range(8):
+        x = _x_part(x_ptr, g0, rg, rj, i, groups, SW, EVEN_K)
+        sums += halves[i] * x
+        x_sums += x
     return sums * scale + zero * x_sums
 
 
