@@ -176,6 +176,31 @@ def test_cpu_layer_matches_float64(dtype, rows):
     assert (y.double() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
 
 
+def test_quantized_as_loaded_is_the_loaded_layer_quantized():
+    """Built to quantize at load (`from_float`), a fused layer whose shards arrive one at a
+    time holds one byte a value until `finish`, then the weights `quantize` makes of the
+    whole float layer."""
+    from infer.quantization import method_made_at_load
+
+    gen = torch.Generator().manual_seed(4)
+    gate, up = torch.randn(32, 192, generator=gen), torch.randn(32, 192, generator=gen)
+    built = MergedColumnParallelLinear(192, [32, 32], quant_method=method_made_at_load(
+        "int4")())
+    assert built.weight.dtype == torch.uint8 and built.weight.shape == (64, 192)
+    for shard, tensor in enumerate((gate, up)):
+        built.weight.weight_loader(built.weight, tensor, shard)
+    built.quant_method.finish(built)
+    whole = MergedColumnParallelLinear(192, [32, 32])
+    with torch.no_grad():
+        whole.weight.copy_(torch.cat([gate, up]))
+    Int4WeightOnlyLinearMethod().quantize(whole)
+    assert built.quant_method.format == whole.quant_method.format == "int4"
+    assert torch.equal(built.quant_method.dequantize(built),
+                       whole.quant_method.dequantize(whole))
+    with pytest.raises(ValueError, match="no INT4 group size"):
+        RowParallelLinear(100, 32, quant_method=method_made_at_load("int4")())
+
+
 def test_every_linear_layer_of_a_real_model_is_converted_and_perplexity_within_3_percent(
         monkeypatch):
     """In groups of 32: SmolLM2's only weights here are the GGUF file's Q4_1 blocks of 32

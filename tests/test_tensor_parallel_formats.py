@@ -3,7 +3,7 @@
 then `quantize_model` with the GGUF file's blocks, inside `tensor_parallel`) gives the
 logits of the same format on one rank: GGUF dequantized and kept quantized (4-bit groups,
 INT8 requantized, the GPU's blocks through the Triton interpreter), INT8 and FP8 made at
-load, INT4 made after it, and the checkpoint layouts stored quantized. What cannot be cut is refused by name.
+load, INT4 too, and the checkpoint layouts stored quantized. What cannot be cut is refused by name.
 
 One world runs every case (a spawn costs more than a case); a case that fails returns its
 traceback, so it fails only its own test.
@@ -60,7 +60,7 @@ CASES = {
     # o_proj requantized to INT8 on the ranks (below)
     "gguf-q4_k-blocks": Case("llama-Q4_K.gguf", "gguf", "gguf", A16, blocks=True),
     "int8-at-load": Case("llama", "int8", "int8", A16),
-    "int4-after-load": Case("llama", "int4", "int4", A16),
+    "int4-at-load": Case("llama", "int4", "int4", A16),
     "fp8-at-load": Case("qwen3-kv1", "fp8", "fp8", A8),
     "ct-fp8-channel": Case("ct-fp8-channel", "auto", "fp8", A8),
     "ct-fp8-tensor-kv-replicated": Case("ct-fp8-tensor", "auto", "fp8", A8),

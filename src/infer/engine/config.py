@@ -259,7 +259,7 @@ class EngineConfig:
         "CUDA, faster for prefill and large batches); none = dequantized at load; int8 = "
         "weight-only, per output channel, made at load; fp8 = e4m3 per output channel, made "
         "at load (FP8 activations per token in large steps); int4 = weight-only, groups of up "
-        "to 128 inputs with a scale and zero each, made after loading; gguf = a GGUF file's blocks "
+        "to 128 inputs with a scale and zero each, made at load; gguf = a GGUF file's blocks "
         "kept as stored on any device (3-4x less memory); infer/quantization/ says more",
         QUANTIZATIONS)
     threads: int | None = knob(

@@ -13,8 +13,8 @@
   to [-127, 127] (symmetric, one float scale per channel), activations in 16 bits.
 - "fp8": FP8 (e4m3) weights, one float scale per output channel, made on the fly; the
   activations of large steps quantized to FP8 per token for an FP8 GEMM (`fp8.py`).
-- "int4": weight-only INT4 made on the fly after loading, in groups of up to 128 inputs,
-  a 16-bit scale and zero each (`int4_weights.py`).
+- "int4": weight-only INT4 made on the fly, in groups of up to 128 inputs, a 16-bit scale
+  and zero each (`int4_weights.py`).
 In all three, the LM head (and the embedding table it is tied to) goes to INT8 per row: it is
 the largest single matrix a decode step reads (1 GB in bfloat16 on Llama-3.1-8B). Norms
 and an untied embedding table (whose rows are gathered, not read whole) stay as loaded.
@@ -72,6 +72,8 @@ def quantize_model(model: nn.Module, quantization: str,
         for layer in linears:
             if layer.quant_method.format == "none":
                 method().quantize(layer)
+            elif getattr(layer, "int4_unpacked", False):
+                layer.quant_method.finish(layer)
         for head in [m for m in model.modules() if isinstance(m, ParallelLMHead)]:
             if head.quant_method is None:
                 quantize_table(head, model)
@@ -93,13 +95,15 @@ def quantize_model(model: nn.Module, quantization: str,
 
 def method_made_at_load(quantization: str) -> Callable[[], LinearMethod]:
     """How to build the linear layers of a float checkpoint loaded for `quantization`:
-    int8 and fp8 quantize each tensor as it loads (the model never holds its float
+    int8, fp8 and int4 quantize each tensor as it loads (the model never holds its float
     weights: an 8B model in FP8 loads within 9 GB, not 16); the other formats load as
     stored and convert afterwards, if at all."""
     if quantization == "int8":
         return partial(Int8WeightOnlyLinearMethod, from_float=True)
     if quantization == "fp8":
         return partial(Fp8LinearMethod, from_float=True)
+    if quantization == "int4":
+        return partial(Int4WeightOnlyLinearMethod, from_float=True)
     return UnquantizedLinearMethod
 
 

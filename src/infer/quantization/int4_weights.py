@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.models.linear import LinearMethod
+from infer.models.linear import LinearMethod, with_loader
+from infer.models.weights import ShardId, WeightError, WeightLoader
 from infer.quantization.int4 import Int4GroupLinearMethod, int4_packable
 from infer.quantization.int8 import compute_dtype
 
@@ -71,10 +72,64 @@ class _CpuInt4(Int4GroupLinearMethod):
 
 
 class Int4WeightOnlyLinearMethod(LinearMethod):
-    """`quantize` makes a loaded float layer INT4 in place (CUDA: this method; the CPU:
-    torch's packed kernel through `int4.Int4GroupLinearMethod`)."""
+    """`from_float`: the layer is built to quantize a float checkpoint's tensors as they
+    load (`quantization="int4"`: the model never holds its 16-bit weights, only one byte a
+    value until `finish` packs them); `quantize` makes a loaded float layer INT4 in place.
+    Packed for CUDA's kernels here; on the CPU through torch's packed kernel
+    (`int4.Int4GroupLinearMethod`)."""
 
     format = "int4"
+
+    def __init__(self, from_float: bool = False) -> None:
+        self.from_float = from_float
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       weight_loader: WeightLoader) -> None:
+        """`weight [out, in]` uint8 (q, one value a byte) and `weight_scale`, `weight_zero
+        [out, in / group]`, filled from each float tensor as it arrives (a fused layer's
+        shard, this rank's part cut by the layer's loader); `finish` packs them."""
+        group = group_size(input_size)
+        if group is None:
+            raise ValueError(f"a layer of {input_size} inputs has no INT4 group size: not a "
+                             f"multiple of {GROUPS[-1]}")
+        layer.dtype = torch.get_default_dtype()
+        layer.compute_dtype = compute_dtype(layer.dtype)
+        rows = sum(output_sizes)
+        q = nn.Parameter(torch.empty(rows, input_size, dtype=torch.uint8), requires_grad=False)
+        scale, zero = (nn.Parameter(torch.empty(rows, input_size // group,
+                                                dtype=layer.compute_dtype),
+                                    requires_grad=False) for _ in range(2))
+
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+            if not loaded.is_floating_point():
+                raise WeightError(f"stored as {loaded.dtype}; quantizing at load takes a "
+                                  "float tensor")
+            values, scales, zeros = quantize_groups(loaded.to(param.device), group,
+                                                    layer.compute_dtype)
+            weight_loader(param, values, shard_id)
+            weight_loader(layer.weight_scale, scales, shard_id)
+            weight_loader(layer.weight_zero, zeros, shard_id)
+
+        layer.register_parameter("weight", with_loader(q, load, 0, 1))
+        layer.register_parameter("weight_scale", with_loader(scale, weight_loader, 0, 1))
+        layer.register_parameter("weight_zero", with_loader(zero, weight_loader, 0, 1))
+        layer.weight_scale.written_with = layer.weight_zero.written_with = "weight"
+        layer.int4_unpacked = True
+
+    def finish(self, layer: nn.Module) -> None:
+        """A layer loaded by `create_weights`' loaders packed as `quantize` packs one."""
+        del layer.int4_unpacked
+        q, scale, zero = layer.weight.data, layer.weight_scale.data, layer.weight_zero.data
+        rows, cols = q.shape
+        del layer.weight_scale, layer.weight_zero
+        if q.device.type == "cpu":  # torch's packing replaces the weight
+            if not int4_packable(rows, cols, cols // scale.shape[1]):
+                raise ValueError(f"a [{rows}, {cols}] weight does not take torch's CPU INT4 "
+                                 "packing (rows a multiple of 16)")
+            _CpuInt4().load(layer, q, scale.float(), zero.float())
+        else:
+            del layer.weight
+            self.load(layer, q, scale, zero)
 
     def quantize(self, layer: nn.Module) -> None:
         weight = layer.weight
@@ -97,9 +152,11 @@ class Int4WeightOnlyLinearMethod(LinearMethod):
              zero: torch.Tensor) -> None:
         """`layer`'s weight replaced by `q` (`quantize_groups`' values) packed for the
         kernel, with its groups' `scale` and `zero` (in the activations' dtype)."""
-        layer.dtype = layer.weight.dtype
+        weight = getattr(layer, "weight", None)
+        if weight is not None:  # a float layer (not `finish`'s, whose dtype is set)
+            layer.dtype = weight.dtype
+            del layer.weight
         layer.compute_dtype = scale.dtype
-        del layer.weight
         group = q.shape[1] // scale.shape[1]
         # K-major, as the kernel reads them: `[K / 8, N]` words, `[K / group, N]` scales
         layer.register_parameter("weight", nn.Parameter(pack_words(q, group).t().contiguous(),
