@@ -10,8 +10,8 @@ each plane is made float in registers, `q * scale + zero`, and multiplied by x's
 columns (a gathered tile) with `tl.dot` as TF32 (10 bits of mantissa: a 16-bit x exactly,
 each weight to 2^-11 of itself; a bfloat16 MMA would round the weights to 2^-8, and the
 CPU's Triton interpreter multiplies bfloat16 wrongly), float32 accumulation: eight MMAs a
-step, no weight written anywhere. The engine took a dequantized copy of the whole weight
-for these steps before.
+step, no weight written anywhere (a dequantized copy of the whole weight is the
+alternative, `int4_weights.py`'s for larger steps).
 """
 
 from __future__ import annotations
