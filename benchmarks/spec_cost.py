@@ -284,7 +284,7 @@ def main() -> None:
     p.add_argument("--draft", default="llama-3.2-1b")
     p.add_argument("--ks", type=int, nargs="+", default=None, help="default 1..8")
     p.add_argument("--draft-quantization", nargs="+", default=["auto"],
-                   help="the draft model's weights (auto, none, int8, fp8, gguf), each in "
+                   help="the draft model's weights (auto, none, int8, fp8, int4, gguf), each in "
                    "turn; the end-to-end run's draft (the target itself) stays in the "
                    "target's format")
     p.add_argument("--draft-gguf", choices=gguf_checkpoint.MIXES, default=None,
