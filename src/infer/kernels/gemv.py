@@ -79,13 +79,7 @@ def _gemv_kernel(
             if tl.program_id(0) == 0:
                 dependent_launch.wait(PDL)
             return
-    r = tl.arange(0, BLOCK_N)
-    if GATE_UP == "":
-        rn = tl.program_id(0) * BLOCK_N + r
-        wn = tl.minimum(rn, N - 1)
-    else:  # weight rows 2N: tile row 2c is gate channel c's, 2c + 1 up channel c's
-        rn = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        wn = tl.minimum(tl.program_id(0) * (BLOCK_N // 2) + r // 2, N - 1) + (r % 2) * N
+    rn, wn = channels(N, BLOCK_N, GATE_UP)
     rk = tl.arange(0, BLOCK_K)
     # Rows past N read row N - 1 (no mask on the weight's loads) and are not stored.
     w_rows = w_ptr + wn.to(tl.int64)[:, None] * stride_wn
@@ -107,6 +101,21 @@ def _gemv_kernel(
     else:
         _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
               BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX)
+
+
+@triton.jit
+def channels(N, BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr):
+    """(the output channels the program stores, the weight rows its tile reads): BLOCK_N
+    of each; with GATE_UP (weight rows 2N) tile row 2c is gate channel c's and 2c + 1 up
+    channel c's, BLOCK_N / 2 channels stored. Rows past N read row N - 1."""
+    r = tl.arange(0, BLOCK_N)
+    if GATE_UP == "":
+        rn = tl.program_id(0) * BLOCK_N + r
+        wn = tl.minimum(rn, N - 1)
+    else:
+        rn = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        wn = tl.minimum(tl.program_id(0) * (BLOCK_N // 2) + r // 2, N - 1) + (r % 2) * N
+    return rn, wn
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels import dependent_launch, gpu_compiled, row_skip
-from infer.kernels.gemv import Launch, store_sums
+from infer.kernels.gemv import Launch, channels, store_sums
 
 MAX_ROWS = 2
 WORD = 8  # 4-bit values an int32 word holds
@@ -116,13 +116,7 @@ def _int4_gemv_kernel(
     ROWS: tl.constexpr, EVEN_K: tl.constexpr, GATE_UP: tl.constexpr, SKIPS: tl.constexpr,
     PTX: tl.constexpr, PDL: tl.constexpr,
 ):
-    r = tl.arange(0, BLOCK_N)
-    if GATE_UP == "":
-        rn = tl.program_id(0) * BLOCK_N + r
-        wn = tl.minimum(rn, N - 1)
-    else:  # weight columns 2N: tile column 2c is gate channel c's, 2c + 1 up channel c's
-        rn = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        wn = tl.minimum(tl.program_id(0) * (BLOCK_N // 2) + r // 2, N - 1) + (r % 2) * N
+    rn, wn = channels(N, BLOCK_N, GATE_UP)  # tile column 2c gate, 2c + 1 up with GATE_UP
     rg = tl.arange(0, STRIPES)
     rj = tl.arange(0, SW)
     # Channels past N read channel N - 1 (no mask on the weight's loads), not stored.
