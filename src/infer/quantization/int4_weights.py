@@ -92,8 +92,7 @@ class Int4WeightOnlyLinearMethod(LinearMethod):
         if group is None:
             raise ValueError(f"a layer of {input_size} inputs has no INT4 group size: not a "
                              f"multiple of {GROUPS[-1]}")
-        layer.dtype = torch.get_default_dtype()
-        layer.compute_dtype = compute_dtype(layer.dtype)
+        layer.compute_dtype = compute_dtype(torch.get_default_dtype())
         rows = sum(output_sizes)
         q = nn.Parameter(torch.empty(rows, input_size, dtype=torch.uint8), requires_grad=False)
         scale, zero = (nn.Parameter(torch.empty(rows, input_size // group,
@@ -120,42 +119,35 @@ class Int4WeightOnlyLinearMethod(LinearMethod):
         """A layer loaded by `create_weights`' loaders packed as `quantize` packs one."""
         del layer.int4_unpacked
         q, scale, zero = layer.weight.data, layer.weight_scale.data, layer.weight_zero.data
-        rows, cols = q.shape
         del layer.weight_scale, layer.weight_zero
-        if q.device.type == "cpu":  # torch's packing replaces the weight
-            if not int4_packable(rows, cols, cols // scale.shape[1]):
-                raise ValueError(f"a [{rows}, {cols}] weight does not take torch's CPU INT4 "
-                                 "packing (rows a multiple of 16)")
-            _CpuInt4().load(layer, q, scale.float(), zero.float())
-        else:
-            del layer.weight
-            self.load(layer, q, scale, zero)
+        self._pack(layer, q, scale, zero)
 
     def quantize(self, layer: nn.Module) -> None:
-        weight = layer.weight
-        rows, cols = weight.shape
+        rows, cols = layer.weight.shape
         group = group_size(cols)
         if group is None:
             raise ValueError(f"a [{rows}, {cols}] weight has no INT4 group size: its input "
                              f"size is not a multiple of {GROUPS[-1]}")
-        dtype = compute_dtype(weight.dtype)
-        q, scale, zero = quantize_groups(weight.data, group, dtype)
-        if weight.device.type == "cpu":
-            if not int4_packable(rows, cols, group):
-                raise ValueError(f"a [{rows}, {cols}] weight does not take torch's CPU INT4 "
-                                 "packing (rows a multiple of 16)")
-            _CpuInt4().load(layer, q, scale.float(), zero.float())
-        else:
+        self._pack(layer, *quantize_groups(layer.weight.data, group,
+                                           compute_dtype(layer.weight.dtype)))
+
+    def _pack(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor,
+              zero: torch.Tensor) -> None:
+        """`layer`'s weight (on q's device) replaced by q packed for that device's kernel."""
+        if q.device.type != "cpu":
             self.load(layer, q, scale, zero)
+            return
+        rows, cols = q.shape
+        if not int4_packable(rows, cols, cols // scale.shape[1]):
+            raise ValueError(f"a [{rows}, {cols}] weight does not take torch's CPU INT4 "
+                             "packing (rows a multiple of 16)")
+        _CpuInt4().load(layer, q, scale.float(), zero.float())
 
     def load(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor,
              zero: torch.Tensor) -> None:
         """`layer`'s weight replaced by `q` (`quantize_groups`' values) packed for the
         kernel, with its groups' `scale` and `zero` (in the activations' dtype)."""
-        weight = getattr(layer, "weight", None)
-        if weight is not None:  # a float layer (not `finish`'s, whose dtype is set)
-            layer.dtype = weight.dtype
-            del layer.weight
+        del layer.weight
         layer.compute_dtype = scale.dtype
         group = q.shape[1] // scale.shape[1]
         # K-major, as the kernel reads them: `[K / 8, N]` words, `[K / group, N]` scales
