@@ -14,10 +14,9 @@ import os
 import pytest
 import torch
 from real_models import smollm2_gguf
-from test_quantization import TEXT, _perplexity
+from test_quantization import smollm2_perplexities
 
 from infer.models.linear import LinearBase, RowParallelLinear
-from infer.quantization import quantize_model
 from infer.quantization.fp8 import FP8, WEIGHT_ONLY_ROWS, Fp8LinearMethod, quantize_fp8
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
@@ -79,24 +78,17 @@ def test_w8a16_kernel_reads_fp8_weights(m, n, k):
 
 def test_fp8_smollm2_perplexity_and_text():
     from infer import LLM, SamplingParams
-    from infer.loader import load_gguf
-    from infer.loader.tokenizer import Tokenizer
 
-    path = smollm2_gguf()
-    ids = Tokenizer.from_gguf(path).encode(TEXT)
-    full, _ = load_gguf(path)
-    quantized, _ = load_gguf(path)
-    assert quantize_model(quantized, "fp8") == "fp8"
+    before, after, quantized = smollm2_perplexities("fp8")
     linears = [m for m in quantized.modules() if isinstance(m, LinearBase)]
     assert all(m.weight.dtype == FP8 for m in linears)
-    before, after = _perplexity(full, ids), _perplexity(quantized, ids)
-    print(f"perplexity: {before:.3f} unquantized, {after:.3f} fp8")
     # Not the issue's 1 % for 8 bits (docs/performance.md): W8A8 in e4m3 raised it 1.8 % on
     # an AVX2 CPU, 2.0 % / 4.3 % on an AVX-512 one with two / one threads, 5.8 % with every
     # product in float64: 70 tokens' perplexity moves that much with the bf16 rounding of
     # products that agree to 0.4 %. A wrong scale or layout costs orders of magnitude.
     assert abs(after - before) / before < 0.07, (before, after)
-    llm = LLM(str(path), device="cpu", quantization="fp8", max_model_len=512, num_blocks=64)
+    llm = LLM(str(smollm2_gguf()), device="cpu", quantization="fp8", max_model_len=512,
+              num_blocks=64)
     assert llm.engine.info.quantization == "fp8"
     [out] = llm.generate("The capital of France is",
                          SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)

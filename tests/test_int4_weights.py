@@ -207,23 +207,15 @@ def test_every_linear_layer_of_a_real_model_is_converted_and_perplexity_within_3
     (the "unquantized" model is their dequantized values), which groups of 32 can
     reproduce, up to the 16-bit rounding of scale and zero (17.18 -> 17.29); coarser
     groups re-quantize one 4-bit grid onto another (64: 26.6, 128 and 64: 29.5)."""
-    from test_quantization import TEXT, _perplexity
+    from test_quantization import smollm2_perplexities
 
-    from infer.loader import load_gguf
-    from infer.loader.tokenizer import Tokenizer
-    from infer.quantization import int4_weights, quantize_model
+    from infer.quantization import int4_weights
 
     monkeypatch.setattr(int4_weights, "GROUPS", (32,))
-    path = smollm2_gguf()
-    ids = Tokenizer.from_gguf(path).encode(TEXT)
-    full, _ = load_gguf(path)
-    quantized, _ = load_gguf(path)
-    assert quantize_model(quantized, "int4") == "int4"
+    before, after, quantized = smollm2_perplexities("int4")
     linears = [m for m in quantized.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.quant_method.format == "int4" for m in linears)
     assert any(isinstance(m, MergedColumnParallelLinear) for m in linears)
-    before, after = _perplexity(full, ids), _perplexity(quantized, ids)
-    print(f"perplexity: {before:.3f} unquantized, {after:.3f} int4")
     assert abs(after - before) / before < 0.03, (before, after)
 
 

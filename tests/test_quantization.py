@@ -89,7 +89,9 @@ def _perplexity(model, ids: list[int]) -> float:
     return math.exp(nll)
 
 
-def test_int8_smollm2_perplexity_within_one_percent():
+def smollm2_perplexities(quantization: str) -> tuple[float, float, torch.nn.Module]:
+    """SmolLM2's perplexity on TEXT as loaded and with its weights in `quantization`
+    (`quantize_model`), and that quantized model."""
     from infer.loader import load_gguf
     from infer.loader.tokenizer import Tokenizer
 
@@ -97,10 +99,15 @@ def test_int8_smollm2_perplexity_within_one_percent():
     ids = Tokenizer.from_gguf(path).encode(TEXT)
     full, _ = load_gguf(path)
     quantized, _ = load_gguf(path)
-    quantize_model(quantized, "int8")
+    assert quantize_model(quantized, quantization) == quantization
     before, after = _perplexity(full, ids), _perplexity(quantized, ids)
     assert len(ids) > 60 and 1 < before < 100
-    print(f"perplexity: {before:.3f} unquantized, {after:.3f} int8")
+    print(f"perplexity: {before:.3f} unquantized, {after:.3f} {quantization}")
+    return before, after, quantized
+
+
+def test_int8_smollm2_perplexity_within_one_percent():
+    before, after, _ = smollm2_perplexities("int8")
     assert abs(after - before) / before < 0.01, (before, after)
 
 
