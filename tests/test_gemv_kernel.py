@@ -29,6 +29,30 @@ def launches():
             (9, 96, Launch(16, 32, 1)), (130, 2048, None)]
 
 
+@pytest.fixture
+def eight_bit_form(monkeypatch):
+    """Sets the GEMV's 8-bit form (`gemv.set_8bit_form`) for the test, and records the form
+    each launch took; "floats" again after it."""
+    import infer.kernels.gemv as gemv_kernel
+
+    taken = []
+    real = gemv_kernel.eight_bit_form
+    monkeypatch.setattr(gemv_kernel, "eight_bit_form",
+                        lambda x, w: taken.append(real(x, w)) or taken[-1])
+
+    def set_form(form: str) -> list[str]:
+        gemv_kernel.set_8bit_form(form)
+        return taken
+
+    yield set_form
+    gemv_kernel.set_8bit_form("floats")
+
+
+def _form_of(wdtype: torch.dtype, form: str) -> str:
+    """The form an 8-bit launch of `wdtype` takes when `form` is set (bfloat16 x, even K)."""
+    return "words" if form == "units" and wdtype != torch.int8 else form
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", range(6))
 def test_gemv_matches_float64(dtype, case):
@@ -67,16 +91,22 @@ def test_two_rows_are_each_the_one_row_product(case, wdtype):
     assert error < 4 * TOLERANCE[torch.bfloat16], error
 
 
+@pytest.mark.parametrize("form", ["floats", "units"])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, *EIGHT_BIT])
 @pytest.mark.parametrize("act", ["", "silu"])
 @pytest.mark.parametrize("case", [0, 1, 5])
-def test_a_set_skip_flag_leaves_the_first_of_two_rows_out(case, act, wdtype):
+def test_a_set_skip_flag_leaves_the_first_of_two_rows_out(case, act, wdtype, form,
+                                                          eight_bit_form):
     """Inside `row_skip.first_row_skipped_where(flag)`: flag 1 -> a two-row launch's second
     row is bit for bit its one-row launch of the same tiles, whatever the first row holds
-    (NaN here); flag 0 -> both rows as outside; one-row launches never read the flag."""
+    (NaN here); flag 0 -> both rows as outside; one-row launches never read the flag. 8-bit
+    weights in the GEMV's first form and its last."""
     from infer.kernels.gemv import default_launch, gemv, gemv_gate_up
     from infer.kernels.row_skip import first_row_skipped_where
 
+    if form != "floats" and wdtype == torch.bfloat16:
+        pytest.skip("16-bit weights have one form")
+    taken = eight_bit_form(form)
     n, k, launch = launches()[case]
     gen = torch.Generator().manual_seed(80 + case)
     x = torch.randn(2, k, generator=gen).to(torch.bfloat16).to(DEVICE)
@@ -101,6 +131,7 @@ def test_a_set_skip_flag_leaves_the_first_of_two_rows_out(case, act, wdtype):
     assert torch.equal(second, both[1:])
     assert torch.equal(one_row, product(x[1:]))
     assert torch.equal(unskipped, both)
+    assert set(taken) == {"floats" if wdtype == torch.bfloat16 else _form_of(wdtype, form)}
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, *EIGHT_BIT])
@@ -200,6 +231,91 @@ def test_gemv_of_8bit_weights_matches_float64(wdtype, dtype, case):
     assert error < TOLERANCE[dtype], error
 
 
+@pytest.mark.parametrize("form", ["words", "units"])
+@pytest.mark.parametrize("wdtype", EIGHT_BIT)
+@pytest.mark.parametrize("case", [0, 1, 2, 3, 4, 5, 6])
+def test_the_8bit_word_forms_match_float64(case, wdtype, form, eight_bit_form):
+    """The GEMV's "words" and "units" forms (`_word_rows`), one and two rows: each row bit
+    for bit its own one-row launch, and float64's product on the same integers / FP8
+    values; case 6 has an outlier of x (400, on a column of zero weights), where the units'
+    float32 sums lose the most."""
+    from infer.kernels.gemv import Launch, default_launch, gemv
+
+    n, k, launch = [*launches(), (48, 4096, Launch(16, 512, 8))][case]
+    gen = torch.Generator().manual_seed(110 + case)
+    x = torch.randn(2, k, generator=gen)
+    w, scale, dense = _weight_on_device(n, k, wdtype, gen)
+    if case == 6:
+        x[:, 17] = 400.0
+        w[:, 17] = 0
+        dense[:, 17] = 0
+    x = x.to(torch.bfloat16).to(DEVICE)
+    taken = eight_bit_form(form)
+    launch = launch or default_launch(n, k, 1, 2)
+    y = gemv(x, w, launch, scale=scale)
+    rows = [gemv(x[r:r + 1], w, launch, scale=scale) for r in range(2)]
+    assert taken == [_form_of(wdtype, form)] * 3
+    assert torch.equal(y, torch.cat(rows))
+    ref = x.double() @ dense.T
+    error = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+    assert error < TOLERANCE[torch.bfloat16], error
+
+
+@pytest.mark.parametrize("outlier", [0.0, 1000.0])
+def test_the_units_float32_sums_round_at_a_ten_thousandth(outlier):
+    """The GEMV's float32 sums before they are rounded to x's dtype (stored as float32 by a
+    direct launch), int8 weights of an 8B layer's size: "floats" and "words" within 1e-6 of
+    the largest |y| of float64's, "units" within 5e-4 (its sums of `x (1 + (q + 128) /
+    2^15)` round at 2^15 times the weight's step; ~1.5e-4 here, with an outlier of x or
+    not). What EngineConfig.gemv_8bit_form's help says."""
+    import triton
+
+    from infer.kernels.gemv import Launch, _gemv_kernel
+
+    n, k, launch = 32, 4096, Launch(16, 512, 8)
+    gen = torch.Generator().manual_seed(130)
+    x = torch.randn(1, k, generator=gen)
+    x[0, 17], x[0, 999] = outlier, -outlier
+    x = x.to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(n, k, generator=gen) * 36).round().clamp(-127, 127).to(torch.int8)
+    w[:, 17] = 0
+    ref = x.double().cpu() @ w.double().T
+    errors = {}
+    for form in ("floats", "words", "units"):
+        y = torch.full((1, n), float("nan"), device=DEVICE)
+        _gemv_kernel[(triton.cdiv(n, launch.block_n),)](
+            x, w.to(DEVICE), torch.ones(n, device=DEVICE), x, y, n, k, x.stride(0), k, n,
+            BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, ROWS=1, EVEN_K=True, GATE_UP="",
+            SCALED=True, SKIPS=False, SKIPPED_WHOLE=False, PTX=DEVICE == "cuda", PDL=False,
+            FORM=form, num_warps=launch.num_warps)
+        errors[form] = ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item()
+    assert errors["floats"] < 1e-6 and errors["words"] < 1e-6, errors
+    assert 1e-6 < errors["units"] < 5e-4, errors
+
+
+def test_the_word_forms_are_taken_only_where_x_is_whole_words(eight_bit_form):
+    """`eight_bit_form`: "floats" unless set otherwise, for 16-bit weights, for x not
+    bfloat16, and where x's rows are not whole 32-bit words (odd K, odd row stride, a
+    start off a 4-byte boundary); units for int8 weights only."""
+    from infer.kernels.gemv import eight_bit_form as form_of
+
+    taken = eight_bit_form("floats")
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    int8, fp8 = torch.zeros(8, 64, dtype=torch.int8), torch.zeros(8, 64, dtype=torch.uint8)
+    assert form_of(x, int8) == "floats"
+    for form in ("words", "units"):
+        eight_bit_form(form)
+        assert form_of(x, int8) == form
+        assert form_of(x, fp8) == "words"  # any other one-byte weight: no units
+        assert form_of(x, int8.to(torch.bfloat16)) == "floats"
+        assert form_of(x.half(), int8) == "floats"
+        assert form_of(torch.zeros(1, 63, dtype=torch.bfloat16), int8[:, :63]) == "floats"
+        assert form_of(torch.zeros(2, 65, dtype=torch.bfloat16)[:, :64], int8) == "floats"
+        assert form_of(torch.zeros(1, 65, dtype=torch.bfloat16)[:, 1:], int8) == "floats"
+        assert form_of(torch.zeros(1, 66, dtype=torch.bfloat16)[:, 2:], int8) == form
+    assert len(taken) == 17
+
+
 @pytest.mark.parametrize("method", ["none", "int8", "fp8"])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_a_gated_mlp_without_the_gate_up_activation_launches_it_apart(method, rows,
@@ -224,17 +340,23 @@ def test_a_gated_mlp_without_the_gate_up_activation_launches_it_apart(method, ro
     assert (got - ref).abs().max().item() < 4 * TOLERANCE[torch.bfloat16] * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("form", ["floats", "units"])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, *EIGHT_BIT])
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("case", [0, 1, 3, 5])
-def test_the_gate_up_gemv_stores_what_the_activation_kernel_would(case, rows, act, wdtype):
+def test_the_gate_up_gemv_stores_what_the_activation_kernel_would(case, rows, act, wdtype,
+                                                                  form, eight_bit_form):
     """`gemv_gate_up`: bit for bit the GEMV's `[gate | up]` then the activation kernel (each
     program multiplies the gate and up rows of its channels; channels past I in the last
-    program are not stored), and float64's `act(x W_gate^T) * (x W_up^T)`."""
+    program are not stored), and float64's `act(x W_gate^T) * (x W_up^T)`; 8-bit weights
+    in the GEMV's first form and its last (`gemv.eight_bit_form`)."""
     from infer.kernels.activation import gated_rows
     from infer.kernels.gemv import gemv, gemv_gate_up
 
+    if form != "floats" and wdtype == torch.bfloat16:
+        pytest.skip("16-bit weights have one form")
+    taken = eight_bit_form(form)
     inter, k, launch = launches()[case]
     gen = torch.Generator().manual_seed(60 + case)
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).to(DEVICE)
@@ -242,6 +364,7 @@ def test_the_gate_up_gemv_stores_what_the_activation_kernel_would(case, rows, ac
     y = gemv_gate_up(x, w, act, scale, launch)
     assert y.shape == (rows, inter) and y.dtype == x.dtype
     assert torch.equal(y, gated_rows(gemv(x, w, launch, scale=scale), act))
+    assert set(taken) <= {_form_of(wdtype, form)}
     gate, up = (x.double() @ dense.T).chunk(2, dim=-1)
     activation = {"silu": torch.nn.functional.silu,
                   "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh")}[act]
@@ -421,3 +544,35 @@ def test_the_mma_gate_up_knob_keeps_a_models_tokens_and_logprobs(monkeypatch):
         assert len(calls) == len(mlps) * (1 if on else 3), (on, len(calls))
         del llm
     assert outs[True] == outs[False]
+
+
+def test_the_8bit_form_knob_sets_the_gemvs_form_and_keeps_greedy_tokens():
+    """`gemv_8bit_form`: each engine sets the GEMV's form (an engine after another does not
+    inherit it); on a GPU, where INT8 layers' one-row steps go through the GEMV, each form
+    gives the greedy tokens of "floats", logprobs to within their rounding."""
+    from tiny_model import tiny_model_dir
+
+    import infer.kernels.gemv as gemv_kernel
+    from infer import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1, ignore_eos=True)
+    prompts = ["The tiny model says", "Once upon", "A list: one, two,"]
+    outs = {}
+    try:
+        for form in ("units", "words", "floats"):
+            llm = LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
+                      kernel_backend="triton", quantization="int8", gemv_8bit_form=form,
+                      cuda_graphs=False, async_scheduling=False)
+            assert gemv_kernel._form == form
+            if DEVICE == "cuda":
+                outs[form] = [(out.token_ids, [lp[t].logprob for t, lp in
+                                               zip(out.token_ids, out.logprobs)])
+                              for o in llm.generate(prompts, params, use_tqdm=False)
+                              for out in o.outputs]
+            del llm
+    finally:
+        gemv_kernel.set_8bit_form("floats")
+    for form in ("units", "words") if outs else ():
+        for (tokens, logprobs), (want, want_logprobs) in zip(outs[form], outs["floats"]):
+            assert tokens == want, form
+            assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 0.05, form

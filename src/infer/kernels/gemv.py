@@ -16,7 +16,9 @@ whole row, lost on an H200, as did the RMSNorm in the GEMV after it: docs/perfor
 
 With `scale` the weight is 8-bit (int8, or FP8 e4m3 on a GPU) standing for
 `w * scale[:, None]`, a scale per output channel: each weight is made float32 in registers
-(`weight_cast.py`) and each channel's sum scaled once, at the end.
+(`weight_cast.py`) and each channel's sum scaled once, at the end; `set_8bit_form`
+(`EngineConfig.gemv_8bit_form`) picks how: x through shared memory and exact floats, or x
+read as words straight into the tile (`_word_rows`), int8 weights as units there too.
 
 Two rows (MAX_ROWS) go the same way, each weight made float32 once for both. On an H200 the
 second row adds 50-90 % to a one-row launch of 8-bit weights (its multiply-adds on the CUDA
@@ -37,7 +39,7 @@ import triton.language as tl
 
 from infer.kernels import dependent_launch, gpu_compiled, row_skip
 from infer.kernels.activation import gated
-from infer.kernels.weight_cast import to_float
+from infer.kernels.weight_cast import to_float, to_unit
 
 MAX_ROWS = 2
 
@@ -70,6 +72,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
     GATE_UP: tl.constexpr, SCALED: tl.constexpr, SKIPS: tl.constexpr,
     SKIPPED_WHOLE: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
+    FORM: tl.constexpr = "floats",
 ):
     if SKIPPED_WHOLE:  # noqa: SIM102 (a constexpr branch: the runtime test is not compiled in)
         if tl.load(skip_ptr) != 0:  # one row, left out: the launch does nothing
@@ -94,13 +97,13 @@ def _gemv_kernel(
     if SKIPS:  # two rows, the first left out where the flag is set
         if skip != 0:
             _rows(w, w_rows, rk, x_ptr + stride_xm, s_ptr, y_ptr + stride_ym, rn, wn, N, K,
-                  stride_xm, stride_ym, BLOCK_K, 1, EVEN_K, GATE_UP, SCALED, PTX)
+                  stride_xm, stride_ym, BLOCK_K, 1, EVEN_K, GATE_UP, SCALED, PTX, FORM)
         else:
             _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
-                  BLOCK_K, 2, EVEN_K, GATE_UP, SCALED, PTX)
+                  BLOCK_K, 2, EVEN_K, GATE_UP, SCALED, PTX, FORM)
     else:
         _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
-              BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX)
+              BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX, FORM)
 
 
 @triton.jit
@@ -121,8 +124,13 @@ def channels(N, BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr):
 @triton.jit
 def _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
           BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
-          GATE_UP: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr):
+          GATE_UP: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr,
+          FORM: tl.constexpr):
     """The program's channels of x's first ROWS rows, from the first weight tile `w`."""
+    if FORM != "floats":
+        _word_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
+                   BLOCK_K, ROWS, EVEN_K, GATE_UP, PTX, FORM == "units")
+        return
     # A second row shares each weight made float32 (two accumulators of the one-row
     # layout: a third dimension for the rows made the kernel 2-3x slower on an H200).
     w = to_float(w, PTX)
@@ -138,6 +146,68 @@ def _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym
     store_sums(acc, s_ptr, y_ptr, rn, wn, N, SCALED, GATE_UP)
     if ROWS == 2:
         store_sums(acc_2, s_ptr, y_ptr + stride_ym, rn, wn, N, SCALED, GATE_UP)
+
+
+@triton.jit
+def _word_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
+               BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
+               GATE_UP: tl.constexpr, PTX: tl.constexpr, UNITS: tl.constexpr):
+    """`_rows` of 8-bit weights in the forms "words" and "units" (`eight_bit_form`): x
+    (bfloat16) read as 32-bit words straight into the tile's layout (no trip through
+    shared memory), a word's two values apart by a shift and a mask, against the tile's
+    even and odd columns. With UNITS (int8) each weight q is the float
+    `v = 1 + (q + 128) / 2^15` (`weight_cast.to_unit`: one byte permute, no subtraction),
+    and `sum(x q) = 2^15 (sum(x v) - sum(x)) - 128 sum(x)`, sum(x) taken once at the end."""
+    rw = tl.arange(0, BLOCK_K // 2)
+    w_even, w_odd = _columns_apart(w, PTX, UNITS)
+    acc = _add_products(0.0, w_even, w_odd, x_ptr, rw, K, EVEN_K)
+    if ROWS == 2:
+        acc_2 = _add_products(0.0, w_even, w_odd, x_ptr + stride_xm, rw, K, EVEN_K)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w_even, w_odd = _columns_apart(_weights(w_rows, k0 + rk, K, EVEN_K), PTX, UNITS)
+        acc = _add_products(acc, w_even, w_odd, x_ptr + k0, rw, K - k0, EVEN_K)
+        if ROWS == 2:
+            acc_2 = _add_products(acc_2, w_even, w_odd, x_ptr + stride_xm + k0, rw, K - k0,
+                                  EVEN_K)
+    if UNITS:
+        acc = _from_units(acc, x_ptr, rk, K, BLOCK_K, EVEN_K)
+    store_sums(acc, s_ptr, y_ptr, rn, wn, N, True, GATE_UP)
+    if ROWS == 2:
+        if UNITS:
+            acc_2 = _from_units(acc_2, x_ptr + stride_xm, rk, K, BLOCK_K, EVEN_K)
+        store_sums(acc_2, s_ptr, y_ptr + stride_ym, rn, wn, N, True, GATE_UP)
+
+
+@triton.jit
+def _columns_apart(w, PTX: tl.constexpr, UNITS: tl.constexpr):
+    """The 8-bit tile's weights as float32 (as units with UNITS), even and odd columns."""
+    w = to_unit(w, PTX) if UNITS else to_float(w, PTX)
+    return tl.split(tl.reshape(w, (w.shape[0], w.shape[1] // 2, 2)))
+
+
+@triton.jit
+def _add_products(acc, w_even, w_odd, x_ptr, rw, K, EVEN_K: tl.constexpr):
+    """acc plus the weights times x (from x_ptr, K columns left), two multiply-adds a
+    word."""
+    words = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rw
+    if EVEN_K:
+        words = tl.load(words)[None, :]
+    else:  # K is even: a word is whole or past the end
+        words = tl.load(words, mask=rw < K // 2, other=0)[None, :]
+    x_even = (words << 16).to(tl.float32, bitcast=True)
+    x_odd = (words & -65536).to(tl.float32, bitcast=True)
+    return acc + w_even * x_even + w_odd * x_odd
+
+
+@triton.jit
+def _from_units(acc, x_ptr, rk, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """`[BLOCK_N, 1]`: each channel's `sum(x q)` from its sums of x times units."""
+    x_sum = _row(x_ptr, rk, K, EVEN_K).to(tl.float32)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        x_sum += _row(x_ptr, k0 + rk, K, EVEN_K).to(tl.float32)
+    x_sum = tl.sum(x_sum)
+    # Powers of two multiply exactly; the difference is of two near sums.
+    return (tl.sum(acc, axis=1, keep_dims=True) - x_sum) * 32768.0 - x_sum * 128.0
 
 
 @triton.jit
@@ -250,7 +320,30 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
         BLOCK_N=block_n, BLOCK_K=block_k, ROWS=m, EVEN_K=k % block_k == 0, GATE_UP=gate_up,
         SCALED=scale is not None, SKIPS=skip is not None,
         SKIPPED_WHOLE=skip_whole is not None, PTX=gpu_compiled(x.device),
+        FORM=eight_bit_form(x, weight),
         num_warps=num_warps,
         **dependent_launch.launch_options(),
     )
     return y
+
+
+_form = "floats"  # EngineConfig.gemv_8bit_form, set by the runner's set-up
+
+
+def set_8bit_form(form: str) -> None:
+    """How the GEMV multiplies 8-bit weights from now on (`eight_bit_form`): one of
+    `EngineConfig.GEMV_8BIT_FORMS`."""
+    global _form
+    _form = form
+
+
+def eight_bit_form(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """The form `_rows` takes: "floats" (x through shared memory, each weight made float32
+    exactly: `weight_cast.to_float`), or with `set_8bit_form` "words" / "units"
+    (`_word_rows`; units for int8 weights only) where x is bfloat16 whose rows are whole
+    32-bit words (an even K and row stride, from a 4-byte boundary)."""
+    if _form == "floats" or weight.element_size() != 1 or x.dtype != torch.bfloat16:
+        return "floats"
+    if x.shape[1] % 2 or (x.shape[0] > 1 and x.stride(0) % 2) or x.data_ptr() % 4:
+        return "floats"
+    return "units" if _form == "units" and weight.dtype == torch.int8 else "words"

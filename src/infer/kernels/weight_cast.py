@@ -1,6 +1,7 @@
 """8-bit weights (int8, or FP8 e4m3 on a GPU) made float32 inside a kernel, for the
 CUDA-core matmuls that multiply them in float32 (`gemv.py`, `w8a16_matmul.py`,
-`rows_mma.py`'s overflow path)."""
+`rows_mma.py`'s overflow path): exactly (`to_float`), or int8 ones as units offset from 1
+(`to_unit`, for the GEMV's "units" form, which takes the offset away once)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,24 @@ def _int8_to_float_ptx(w):
         sub.f32 $3, $3, 0f4B000080;
         }""",
         constraints="=r,=r,=r,=r,r", args=[w], dtype=tl.float32, is_pure=True, pack=4)
+
+
+@triton.jit
+def to_unit(w, PTX: tl.constexpr):
+    """int8 weights q as the floats `1 + (q + 128) / 2^15` (exact): `q + 128` as the
+    second byte of 1.0's bit pattern (0x3F80nn00). With PTX one xor adds 128 to a
+    register's four weights (as bytes) and one prmt a weight builds its float."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, m;
+            xor.b32 t, $4, 0x80808080;
+            mov.b32 m, 0x3F800000;
+            prmt.b32 $0, t, m, 0x7604;
+            prmt.b32 $1, t, m, 0x7614;
+            prmt.b32 $2, t, m, 0x7624;
+            prmt.b32 $3, t, m, 0x7634;
+            }""",
+            constraints="=r,=r,=r,=r,r", args=[w], dtype=tl.float32, is_pure=True, pack=4)
+    bits = ((w.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x80) << 8) | 0x3F800000
+    return bits.to(tl.float32, bitcast=True)
