@@ -111,8 +111,7 @@ def main() -> None:
                         help="with --gemv --rows 2: the GEMV's launches with the skip flag "
                         "set (the second row alone)")
     parser.add_argument("--form", choices=["floats", "words", "units"], default="floats",
-                        help="with 8-bit weights, the GEMV's form "
-                        "(EngineConfig.gemv_8bit_form)")
+                        help="the GEMV's form (EngineConfig.gemv_form)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gemv_sweep.py times CUDA kernels: no GPU here")
@@ -130,7 +129,7 @@ def main() -> None:
     through_gemv = args.rows == 1 or args.gemv
     if args.gemv and not 1 <= args.rows <= gemv_kernel.MAX_ROWS:
         raise SystemExit(f"--gemv: 1 to {gemv_kernel.MAX_ROWS} rows")
-    gemv_kernel.set_8bit_form(args.form)
+    gemv_kernel.set_form(args.form)
     if eight_bit and not through_gemv:
         raise SystemExit("--dtype int8 / float8_e4m3fn: one row, or --gemv")
     if args.gate_up and not through_gemv:

@@ -64,7 +64,8 @@ def _cases() -> list[Case]:
     gemv_args = dict(x_ptr="*bf16", w_ptr="*bf16", s_ptr="*bf16", skip_ptr="*i32",
                      y_ptr="*bf16", N=i32, K=i32, stride_xm=i32, stride_wn=i32, stride_ym=i32)
     for weights, pointer, size, form in (
-            ("bf16", "*bf16", 2, "floats"), ("int8", "*i8", 1, "floats"),
+            ("bf16", "*bf16", 2, "floats"), ("bf16 words", "*bf16", 2, "words"),
+            ("int8", "*i8", 1, "floats"),
             ("int8 words", "*i8", 1, "words"), ("int8 units", "*i8", 1, "units"),
             ("fp8", "*fp8e4nv", 1, "floats"), ("fp8 words", "*fp8e4nv", 1, "words")):
         for shape, (n, k) in (("8B gate_up", (28672, 4096)), ("1B qkv", (3072, 2048))):

@@ -15,7 +15,7 @@ from infer.engine.config import (
     BACKENDS,
     BATCHING_MODES,
     DTYPES,
-    GEMV_8BIT_FORMS,
+    GEMV_FORMS,
     KV_CACHES,
     MIXED_STEP_GRAPHS,
     QUANTIZATIONS,
@@ -27,7 +27,7 @@ CHOICES = {"dtype": DTYPES, "batching_mode": BATCHING_MODES, "kv_cache": KV_CACH
            "attention_backend": BACKENDS, "kernel_backend": BACKENDS,
            "mixed_step_graphs": MIXED_STEP_GRAPHS, "quantization": QUANTIZATIONS,
            "draft_quantization": QUANTIZATIONS,
-           "speculative_method": SPECULATIVE_METHODS, "gemv_8bit_form": GEMV_8BIT_FORMS}
+           "speculative_method": SPECULATIVE_METHODS, "gemv_form": GEMV_FORMS}
 
 
 def _subparser(name: str, *more: str) -> argparse.ArgumentParser:

@@ -4,6 +4,7 @@ for a few rows, kernels/rows_mma.py (tested on its own in test_rows_mma.py)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -30,26 +31,27 @@ def launches():
 
 
 @pytest.fixture
-def eight_bit_form(monkeypatch):
-    """Sets the GEMV's 8-bit form (`gemv.set_8bit_form`) for the test, and records the form
-    each launch took; "floats" again after it."""
+def gemv_form(monkeypatch):
+    """Sets the GEMV's form (`gemv.set_form`) for the test, and records the form each
+    launch took; "floats" again after it."""
     import infer.kernels.gemv as gemv_kernel
 
     taken = []
-    real = gemv_kernel.eight_bit_form
-    monkeypatch.setattr(gemv_kernel, "eight_bit_form",
+    real = gemv_kernel.form_of
+    monkeypatch.setattr(gemv_kernel, "form_of",
                         lambda x, w: taken.append(real(x, w)) or taken[-1])
 
     def set_form(form: str) -> list[str]:
-        gemv_kernel.set_8bit_form(form)
+        gemv_kernel.set_form(form)
         return taken
 
     yield set_form
-    gemv_kernel.set_8bit_form("floats")
+    gemv_kernel.set_form("floats")
 
 
-def _form_of(wdtype: torch.dtype, form: str) -> str:
-    """The form an 8-bit launch of `wdtype` takes when `form` is set (bfloat16 x, even K)."""
+def _form_taken(wdtype: torch.dtype, form: str) -> str:
+    """The form a launch of `wdtype` weights takes when `form` is set (bfloat16 x, even
+    K): units are int8's only, others take words."""
     return "words" if form == "units" and wdtype != torch.int8 else form
 
 
@@ -96,17 +98,15 @@ def test_two_rows_are_each_the_one_row_product(case, wdtype):
 @pytest.mark.parametrize("act", ["", "silu"])
 @pytest.mark.parametrize("case", [0, 1, 5])
 def test_a_set_skip_flag_leaves_the_first_of_two_rows_out(case, act, wdtype, form,
-                                                          eight_bit_form):
+                                                          gemv_form):
     """Inside `row_skip.first_row_skipped_where(flag)`: flag 1 -> a two-row launch's second
     row is bit for bit its one-row launch of the same tiles, whatever the first row holds
-    (NaN here); flag 0 -> both rows as outside; one-row launches never read the flag. 8-bit
-    weights in the GEMV's first form and its last."""
+    (NaN here); flag 0 -> both rows as outside; one-row launches never read the flag. In
+    the GEMV's first form and its last (words for weights other than int8)."""
     from infer.kernels.gemv import default_launch, gemv, gemv_gate_up
     from infer.kernels.row_skip import first_row_skipped_where
 
-    if form != "floats" and wdtype == torch.bfloat16:
-        pytest.skip("16-bit weights have one form")
-    taken = eight_bit_form(form)
+    taken = gemv_form(form)
     n, k, launch = launches()[case]
     gen = torch.Generator().manual_seed(80 + case)
     x = torch.randn(2, k, generator=gen).to(torch.bfloat16).to(DEVICE)
@@ -131,7 +131,7 @@ def test_a_set_skip_flag_leaves_the_first_of_two_rows_out(case, act, wdtype, for
     assert torch.equal(second, both[1:])
     assert torch.equal(one_row, product(x[1:]))
     assert torch.equal(unskipped, both)
-    assert set(taken) == {"floats" if wdtype == torch.bfloat16 else _form_of(wdtype, form)}
+    assert set(taken) == {_form_taken(wdtype, form)}
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, *EIGHT_BIT])
@@ -232,15 +232,17 @@ def test_gemv_of_8bit_weights_matches_float64(wdtype, dtype, case):
 
 
 @pytest.mark.parametrize("form", ["words", "units"])
-@pytest.mark.parametrize("wdtype", EIGHT_BIT)
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, *EIGHT_BIT])
 @pytest.mark.parametrize("case", [0, 1, 2, 3, 4, 5, 6])
-def test_the_8bit_word_forms_match_float64(case, wdtype, form, eight_bit_form):
+def test_the_word_forms_match_float64(case, wdtype, form, gemv_form):
     """The GEMV's "words" and "units" forms (`_word_rows`), one and two rows: each row bit
-    for bit its own one-row launch, and float64's product on the same integers / FP8
-    values; case 6 has an outlier of x (400, on a column of zero weights), where the units'
-    float32 sums lose the most."""
+    for bit its own one-row launch, and float64's product on the same weights (bfloat16,
+    or the integers / FP8 values scaled); case 6 has an outlier of x (400, on a column of
+    zero weights), where the units' float32 sums lose the most."""
     from infer.kernels.gemv import Launch, default_launch, gemv
 
+    if form == "units" and wdtype != torch.int8:
+        pytest.skip("units are int8's: the others take words (the other parameter)")
     n, k, launch = [*launches(), (48, 4096, Launch(16, 512, 8))][case]
     gen = torch.Generator().manual_seed(110 + case)
     x = torch.randn(2, k, generator=gen)
@@ -250,11 +252,11 @@ def test_the_8bit_word_forms_match_float64(case, wdtype, form, eight_bit_form):
         w[:, 17] = 0
         dense[:, 17] = 0
     x = x.to(torch.bfloat16).to(DEVICE)
-    taken = eight_bit_form(form)
-    launch = launch or default_launch(n, k, 1, 2)
+    taken = gemv_form(form)
+    launch = launch or default_launch(n, k, w.element_size(), 2)
     y = gemv(x, w, launch, scale=scale)
     rows = [gemv(x[r:r + 1], w, launch, scale=scale) for r in range(2)]
-    assert taken == [_form_of(wdtype, form)] * 3
+    assert taken == [form] * 3
     assert torch.equal(y, torch.cat(rows))
     ref = x.double() @ dense.T
     error = ((y.double() - ref).abs().max() / ref.abs().max()).item()
@@ -267,7 +269,7 @@ def test_the_units_float32_sums_round_at_a_ten_thousandth(outlier):
     direct launch), int8 weights of an 8B layer's size: "floats" and "words" within 1e-6 of
     the largest |y| of float64's, "units" within 5e-4 (its sums of `x (1 + (q + 128) /
     2^15)` round at 2^15 times the weight's step; ~1.5e-4 here, with an outlier of x or
-    not). What EngineConfig.gemv_8bit_form's help says."""
+    not). What EngineConfig.gemv_form's help says."""
     import triton
 
     from infer.kernels.gemv import Launch, _gemv_kernel
@@ -293,27 +295,30 @@ def test_the_units_float32_sums_round_at_a_ten_thousandth(outlier):
     assert 1e-6 < errors["units"] < 5e-4, errors
 
 
-def test_the_word_forms_are_taken_only_where_x_is_whole_words(eight_bit_form):
-    """`eight_bit_form`: "floats" unless set otherwise, for 16-bit weights, for x not
-    bfloat16, and where x's rows are not whole 32-bit words (odd K, odd row stride, a
-    start off a 4-byte boundary); units for int8 weights only."""
-    from infer.kernels.gemv import eight_bit_form as form_of
+def test_the_word_forms_are_taken_only_where_rows_are_whole_words(gemv_form):
+    """`form_of`: "floats" unless set otherwise, for x not bfloat16, and where x's rows or a
+    16-bit weight's are not whole 32-bit words (odd K, odd row stride, a start off a 4-byte
+    boundary); units for int8 weights only, words for the others."""
+    from infer.kernels.gemv import form_of
 
-    taken = eight_bit_form("floats")
+    taken = gemv_form("floats")
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     int8, fp8 = torch.zeros(8, 64, dtype=torch.int8), torch.zeros(8, 64, dtype=torch.uint8)
-    assert form_of(x, int8) == "floats"
+    bf16 = torch.zeros(8, 64, dtype=torch.bfloat16)
+    assert form_of(x, int8) == form_of(x, bf16) == "floats"
     for form in ("words", "units"):
-        eight_bit_form(form)
+        gemv_form(form)
         assert form_of(x, int8) == form
         assert form_of(x, fp8) == "words"  # any other one-byte weight: no units
-        assert form_of(x, int8.to(torch.bfloat16)) == "floats"
+        assert form_of(x, bf16) == "words"
+        assert form_of(x, torch.zeros(8, 65, dtype=torch.bfloat16)[:, :64]) == "floats"
+        assert form_of(x, torch.zeros(8, 65, dtype=torch.bfloat16)[:, 1:]) == "floats"
         assert form_of(x.half(), int8) == "floats"
         assert form_of(torch.zeros(1, 63, dtype=torch.bfloat16), int8[:, :63]) == "floats"
         assert form_of(torch.zeros(2, 65, dtype=torch.bfloat16)[:, :64], int8) == "floats"
         assert form_of(torch.zeros(1, 65, dtype=torch.bfloat16)[:, 1:], int8) == "floats"
         assert form_of(torch.zeros(1, 66, dtype=torch.bfloat16)[:, 2:], int8) == form
-    assert len(taken) == 17
+    assert len(taken) == 22
 
 
 @pytest.mark.parametrize("method", ["none", "int8", "fp8"])
@@ -346,17 +351,15 @@ def test_a_gated_mlp_without_the_gate_up_activation_launches_it_apart(method, ro
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("case", [0, 1, 3, 5])
 def test_the_gate_up_gemv_stores_what_the_activation_kernel_would(case, rows, act, wdtype,
-                                                                  form, eight_bit_form):
+                                                                  form, gemv_form):
     """`gemv_gate_up`: bit for bit the GEMV's `[gate | up]` then the activation kernel (each
     program multiplies the gate and up rows of its channels; channels past I in the last
-    program are not stored), and float64's `act(x W_gate^T) * (x W_up^T)`; 8-bit weights
-    in the GEMV's first form and its last (`gemv.eight_bit_form`)."""
+    program are not stored), and float64's `act(x W_gate^T) * (x W_up^T)`; in the GEMV's
+    first form and its last (`gemv.form_of`: words for weights other than int8)."""
     from infer.kernels.activation import gated_rows
     from infer.kernels.gemv import gemv, gemv_gate_up
 
-    if form != "floats" and wdtype == torch.bfloat16:
-        pytest.skip("16-bit weights have one form")
-    taken = eight_bit_form(form)
+    taken = gemv_form(form)
     inter, k, launch = launches()[case]
     gen = torch.Generator().manual_seed(60 + case)
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).to(DEVICE)
@@ -364,7 +367,7 @@ def test_the_gate_up_gemv_stores_what_the_activation_kernel_would(case, rows, ac
     y = gemv_gate_up(x, w, act, scale, launch)
     assert y.shape == (rows, inter) and y.dtype == x.dtype
     assert torch.equal(y, gated_rows(gemv(x, w, launch, scale=scale), act))
-    assert set(taken) <= {_form_of(wdtype, form)}
+    assert set(taken) <= {_form_taken(wdtype, form)}
     gate, up = (x.double() @ dense.T).chunk(2, dim=-1)
     activation = {"silu": torch.nn.functional.silu,
                   "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh")}[act]
@@ -546,10 +549,11 @@ def test_the_mma_gate_up_knob_keeps_a_models_tokens_and_logprobs(monkeypatch):
     assert outs[True] == outs[False]
 
 
-def test_the_8bit_form_knob_sets_the_gemvs_form_and_keeps_greedy_tokens():
-    """`gemv_8bit_form`: each engine sets the GEMV's form (an engine after another does not
-    inherit it); on a GPU, where INT8 layers' one-row steps go through the GEMV, each form
-    gives the greedy tokens of "floats", logprobs to within their rounding."""
+def test_the_form_knob_sets_the_gemvs_form_and_keeps_greedy_tokens():
+    """`gemv_form`: each engine sets the GEMV's form (an engine after another does not
+    inherit it); on a GPU, where the one-row steps of bfloat16 and INT8 layers go through
+    the GEMV, each form gives the greedy tokens of "floats", logprobs to within their
+    rounding."""
     from tiny_model import tiny_model_dir
 
     import infer.kernels.gemv as gemv_kernel
@@ -559,20 +563,21 @@ def test_the_8bit_form_knob_sets_the_gemvs_form_and_keeps_greedy_tokens():
     prompts = ["The tiny model says", "Once upon", "A list: one, two,"]
     outs = {}
     try:
-        for form in ("units", "words", "floats"):
+        for quantization, form in itertools.product(("none", "int8"),
+                                                    ("units", "words", "floats")):
             llm = LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
-                      kernel_backend="triton", quantization="int8", gemv_8bit_form=form,
-                      cuda_graphs=False, async_scheduling=False)
+                      kernel_backend="triton", quantization=quantization, gemv_form=form,
+                      dtype="bfloat16", cuda_graphs=False, async_scheduling=False)
             assert gemv_kernel._form == form
             if DEVICE == "cuda":
-                outs[form] = [(out.token_ids, [lp[t].logprob for t, lp in
+                outs[quantization, form] = [(out.token_ids, [lp[t].logprob for t, lp in
                                                zip(out.token_ids, out.logprobs)])
                               for o in llm.generate(prompts, params, use_tqdm=False)
                               for out in o.outputs]
             del llm
     finally:
-        gemv_kernel.set_8bit_form("floats")
-    for form in ("units", "words") if outs else ():
-        for (tokens, logprobs), (want, want_logprobs) in zip(outs[form], outs["floats"]):
-            assert tokens == want, form
+        gemv_kernel.set_form("floats")
+    for (quantization, form), got in outs.items():
+        for (tokens, logprobs), (want, want_logprobs) in zip(got, outs[quantization, "floats"]):
+            assert tokens == want, (quantization, form)
             assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 0.05, form

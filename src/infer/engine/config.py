@@ -24,7 +24,7 @@ MIXED_STEP_GRAPHS = ("full", "piecewise", "off")
 # the choices infer.quantization takes
 QUANTIZATIONS = ("auto", "none", "int8", "fp8", "int4", "gguf")
 SPECULATIVE_METHODS = ("none", "ngram", "self", "draft")
-GEMV_8BIT_FORMS = ("floats", "words", "units")  # kernels/gemv.py eight_bit_form
+GEMV_FORMS = ("floats", "words", "units")  # kernels/gemv.py form_of
 
 
 def knob(default: Any, text: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -107,15 +107,16 @@ class EngineConfig:
         "(w8a16_matmul.gemv_takes): on an H200 the 1B INT8 batch-2 decode step 0.84 ms "
         "against 0.95 with 1, and a 1B INT8 draft's speculative step (its round's first "
         "forward has two rows) 7.07-7.08 against 7.15-7.17 (docs/performance.md)")
-    gemv_8bit_form: str = knob(
-        "floats", "with triton_gemv, how the GEMV multiplies INT8 / FP8 weights (compiled "
-        "for sm_90, instructions a weight for INT8 / FP8): floats, x through shared memory "
-        "and each weight made float32 exactly (4.8 / 4.1); words, bfloat16 x read as 32-bit "
-        "words straight into the tile, a shift and a mask a word (exact too); units, words "
-        "and each INT8 weight q the float 1 + (q + 128) / 2^15 by one byte permute, x's sum "
-        "taken away once at the end (3.5), its float32 sums rounding about 1e-4 of a row's "
-        "sums (1e-7 exactly); floats until words and units are measured on a GPU "
-        "(kernels/gemv.py eight_bit_form)", GEMV_8BIT_FORMS)
+    gemv_form: str = knob(
+        "floats", "with triton_gemv, how the GEMV reads bfloat16 x and multiplies "
+        "(compiled for sm_90, instructions a weight for bfloat16 / INT8 / FP8 weights): "
+        "floats, x through shared memory into the tile, each weight made float32 (3.7 / "
+        "4.8 / 4.1); words, x read as 32-bit words straight into the tile, a shift and a "
+        "mask a word, bfloat16 weights read so too (3.1 / 4.5 / 3.8; exact); units, words "
+        "and each INT8 weight q the float 1 + (q + 128) / 2^15 by one byte permute, x's "
+        "sum taken away once at the end (INT8 3.5), its float32 sums rounding about 1e-4 "
+        "of a row's sums (1e-7 otherwise); floats until words and units are measured on a "
+        "GPU (kernels/gemv.py form_of)", GEMV_FORMS)
     gemv_gate_up_activation: bool = knob(
         True, "with triton_gemv, a gated MLP's rows that go to the GEMV (one of 16-bit "
         "weights; those gemv_8bit_max_rows sends of INT8 / FP8 ones) get act(gate) * up "

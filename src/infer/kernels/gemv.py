@@ -16,9 +16,10 @@ whole row, lost on an H200, as did the RMSNorm in the GEMV after it: docs/perfor
 
 With `scale` the weight is 8-bit (int8, or FP8 e4m3 on a GPU) standing for
 `w * scale[:, None]`, a scale per output channel: each weight is made float32 in registers
-(`weight_cast.py`) and each channel's sum scaled once, at the end; `set_8bit_form`
-(`EngineConfig.gemv_8bit_form`) picks how: x through shared memory and exact floats, or x
-read as words straight into the tile (`_word_rows`), int8 weights as units there too.
+(`weight_cast.py`) and each channel's sum scaled once, at the end. `set_form`
+(`EngineConfig.gemv_form`) picks how x reaches the tile: through shared memory (Triton's
+choice), or bfloat16 x read as words straight into it (`_word_rows`), 16-bit weights as
+words too, int8 ones as units there if asked.
 
 Two rows (MAX_ROWS) go the same way, each weight made float32 once for both. On an H200 the
 second row adds 50-90 % to a one-row launch of 8-bit weights (its multiply-adds on the CUDA
@@ -89,7 +90,11 @@ def _gemv_kernel(
     # The first weight tile is read before the kernel before this one has finished
     # (dependent_launch.py), and the skip flag, written before the graph holding this
     # launch started (row_skip.py); x only after.
-    w = _weights(w_rows, rk, K, EVEN_K)
+    if FORM != "floats" and not SCALED:  # 16-bit weights as words too
+        w = _weights(w_rows.to(tl.pointer_type(tl.int32), bitcast=True),
+                     tl.arange(0, BLOCK_K // 2), K // 2, EVEN_K)
+    else:
+        w = _weights(w_rows, rk, K, EVEN_K)
     if SKIPS:
         skip = tl.load(skip_ptr)
     dependent_launch.wait(PDL)
@@ -126,11 +131,22 @@ def _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym
           BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
           GATE_UP: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr,
           FORM: tl.constexpr):
-    """The program's channels of x's first ROWS rows, from the first weight tile `w`."""
-    if FORM != "floats":
+    """The program's channels of x's first ROWS rows, from the first weight tile `w`, in
+    the form FORM (`form_of`)."""
+    if FORM == "floats":
+        _float_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
+                    BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX)
+    else:
         _word_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
-                   BLOCK_K, ROWS, EVEN_K, GATE_UP, PTX, FORM == "units")
-        return
+                   BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX, FORM == "units")
+
+
+@triton.jit
+def _float_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
+                BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
+                GATE_UP: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr):
+    """`_rows` in the form "floats": x through shared memory into the tile's layout (Triton's
+    choice for a vector broadcast over the tile's rows), each weight made float32."""
     # A second row shares each weight made float32 (two accumulators of the one-row
     # layout: a third dimension for the rows made the kernel 2-3x slower on an H200).
     w = to_float(w, PTX)
@@ -151,11 +167,12 @@ def _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym
 @triton.jit
 def _word_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
                BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
-               GATE_UP: tl.constexpr, PTX: tl.constexpr, UNITS: tl.constexpr):
-    """`_rows` of 8-bit weights in the forms "words" and "units" (`eight_bit_form`): x
-    (bfloat16) read as 32-bit words straight into the tile's layout (no trip through
-    shared memory), a word's two values apart by a shift and a mask, against the tile's
-    even and odd columns. With UNITS (int8) each weight q is the float
+               GATE_UP: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr,
+               UNITS: tl.constexpr):
+    """`_rows` in the forms "words" and "units" (`form_of`): x (bfloat16) read as 32-bit
+    words straight into the tile's layout (no trip through shared memory), a word's two
+    values apart by a shift and a mask, against the tile's even and odd columns (a
+    bfloat16 weight's read as words too). With UNITS (int8) each weight q is the float
     `v = 1 + (q + 128) / 2^15` (`weight_cast.to_unit`: one byte permute, no subtraction),
     and `sum(x q) = 2^15 (sum(x v) - sum(x)) - 128 sum(x)`, sum(x) taken once at the end."""
     rw = tl.arange(0, BLOCK_K // 2)
@@ -163,26 +180,44 @@ def _word_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stri
     acc = _add_products(0.0, w_even, w_odd, x_ptr, rw, K, EVEN_K)
     if ROWS == 2:
         acc_2 = _add_products(0.0, w_even, w_odd, x_ptr + stride_xm, rw, K, EVEN_K)
+    words_16 = w_rows.to(tl.pointer_type(tl.int32), bitcast=True)
     for k0 in range(BLOCK_K, K, BLOCK_K):
-        w_even, w_odd = _columns_apart(_weights(w_rows, k0 + rk, K, EVEN_K), PTX, UNITS)
+        if w.dtype == tl.int32:
+            w = _weights(words_16, k0 // 2 + rw, K // 2, EVEN_K)
+        else:
+            w = _weights(w_rows, k0 + rk, K, EVEN_K)
+        w_even, w_odd = _columns_apart(w, PTX, UNITS)
         acc = _add_products(acc, w_even, w_odd, x_ptr + k0, rw, K - k0, EVEN_K)
         if ROWS == 2:
             acc_2 = _add_products(acc_2, w_even, w_odd, x_ptr + stride_xm + k0, rw, K - k0,
                                   EVEN_K)
     if UNITS:
         acc = _from_units(acc, x_ptr, rk, K, BLOCK_K, EVEN_K)
-    store_sums(acc, s_ptr, y_ptr, rn, wn, N, True, GATE_UP)
+    store_sums(acc, s_ptr, y_ptr, rn, wn, N, SCALED, GATE_UP)
     if ROWS == 2:
         if UNITS:
             acc_2 = _from_units(acc_2, x_ptr + stride_xm, rk, K, BLOCK_K, EVEN_K)
-        store_sums(acc_2, s_ptr, y_ptr + stride_ym, rn, wn, N, True, GATE_UP)
+        store_sums(acc_2, s_ptr, y_ptr + stride_ym, rn, wn, N, SCALED, GATE_UP)
 
 
 @triton.jit
 def _columns_apart(w, PTX: tl.constexpr, UNITS: tl.constexpr):
-    """The 8-bit tile's weights as float32 (as units with UNITS), even and odd columns."""
-    w = to_unit(w, PTX) if UNITS else to_float(w, PTX)
-    return tl.split(tl.reshape(w, (w.shape[0], w.shape[1] // 2, 2)))
+    """The tile's weights as float32, even and odd columns: 8-bit ones (as units with
+    UNITS), or bfloat16 ones read as words."""
+    if w.dtype == tl.int32:
+        even, odd = _word_halves(w)
+    else:
+        w = to_unit(w, PTX) if UNITS else to_float(w, PTX)
+        even, odd = tl.split(tl.reshape(w, (w.shape[0], w.shape[1] // 2, 2)))
+    return even, odd
+
+
+@triton.jit
+def _word_halves(words):
+    """The two bfloat16 values of each 32-bit word as float32: the first (low half), the
+    second."""
+    return (words << 16).to(tl.float32, bitcast=True), (words & -65536).to(tl.float32,
+                                                                             bitcast=True)
 
 
 @triton.jit
@@ -194,8 +229,7 @@ def _add_products(acc, w_even, w_odd, x_ptr, rw, K, EVEN_K: tl.constexpr):
         words = tl.load(words)[None, :]
     else:  # K is even: a word is whole or past the end
         words = tl.load(words, mask=rw < K // 2, other=0)[None, :]
-    x_even = (words << 16).to(tl.float32, bitcast=True)
-    x_odd = (words & -65536).to(tl.float32, bitcast=True)
+    x_even, x_odd = _word_halves(words)
     return acc + w_even * x_even + w_odd * x_odd
 
 
@@ -320,30 +354,35 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
         BLOCK_N=block_n, BLOCK_K=block_k, ROWS=m, EVEN_K=k % block_k == 0, GATE_UP=gate_up,
         SCALED=scale is not None, SKIPS=skip is not None,
         SKIPPED_WHOLE=skip_whole is not None, PTX=gpu_compiled(x.device),
-        FORM=eight_bit_form(x, weight),
+        FORM=form_of(x, weight),
         num_warps=num_warps,
         **dependent_launch.launch_options(),
     )
     return y
 
 
-_form = "floats"  # EngineConfig.gemv_8bit_form, set by the runner's set-up
+_form = "floats"  # EngineConfig.gemv_form, set by the runner's set-up
 
 
-def set_8bit_form(form: str) -> None:
-    """How the GEMV multiplies 8-bit weights from now on (`eight_bit_form`): one of
-    `EngineConfig.GEMV_8BIT_FORMS`."""
+def set_form(form: str) -> None:
+    """The form the GEMV takes from now on where it can (`form_of`): one of
+    `EngineConfig.GEMV_FORMS`."""
     global _form
     _form = form
 
 
-def eight_bit_form(x: torch.Tensor, weight: torch.Tensor) -> str:
-    """The form `_rows` takes: "floats" (x through shared memory, each weight made float32
-    exactly: `weight_cast.to_float`), or with `set_8bit_form` "words" / "units"
-    (`_word_rows`; units for int8 weights only) where x is bfloat16 whose rows are whole
-    32-bit words (an even K and row stride, from a 4-byte boundary)."""
-    if _form == "floats" or weight.element_size() != 1 or x.dtype != torch.bfloat16:
+def form_of(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """The form `_rows` takes: "floats" (x through shared memory, each weight made float32:
+    `weight_cast.to_float`), or with `set_form` "words" / "units" (`_word_rows`; units for
+    int8 weights, words for others) where x is bfloat16 and x's rows and a 16-bit weight's
+    are whole 32-bit words (an even K and row stride, from a 4-byte boundary)."""
+    if _form == "floats" or x.dtype != torch.bfloat16 or not _whole_words(x):
         return "floats"
-    if x.shape[1] % 2 or (x.shape[0] > 1 and x.stride(0) % 2) or x.data_ptr() % 4:
+    if weight.element_size() == 2 and not _whole_words(weight):
         return "floats"
     return "units" if _form == "units" and weight.dtype == torch.int8 else "words"
+
+
+def _whole_words(t: torch.Tensor) -> bool:
+    """Whether the rows of a 2-D tensor of 16-bit values are whole 32-bit words."""
+    return not (t.shape[1] % 2 or (t.shape[0] > 1 and t.stride(0) % 2) or t.data_ptr() % 4)
