@@ -107,8 +107,8 @@ def main() -> None:
     import uvicorn
 
     from infer.engine.config import EngineConfig
+    from infer.engine.core_loading import CoreInfo
     from infer.engine.core_process import CoreClient
-    from infer.engine.engine_core import CoreInfo
     from infer.engine.setup import freeze_startup_objects, load_tokenizer
     from infer.server import AsyncEngine, async_engine, build_app
     from infer.server.connections import limited_protocol

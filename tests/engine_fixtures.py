@@ -11,7 +11,7 @@ import torch
 from hf_gguf import fast_gguf_reads
 from real_models import gemma3_gguf, smollm2_gguf
 
-from infer.engine import engine_core
+from infer.engine import core_loading
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.setup import load_model_and_tokenizer
 from infer.llm import LLM
@@ -35,12 +35,12 @@ def make_llm(path: Path | None = None, **config) -> LLM:
     if config["quantization"] != "none":
         raise ValueError("make_llm shares float weights: build an LLM of your own to "
                          "test a quantized format")
-    original = engine_core.load_model_and_tokenizer
-    engine_core.load_model_and_tokenizer = lambda *args: loaded
+    original = core_loading.load_model_and_tokenizer
+    core_loading.load_model_and_tokenizer = lambda *args: loaded
     try:
         return LLM(str(path), device="cpu", **config)
     finally:
-        engine_core.load_model_and_tokenizer = original
+        core_loading.load_model_and_tokenizer = original
 
 
 @cache

@@ -42,8 +42,8 @@ def worker_main(config: EngineConfig, rank: int, size: int, init_method: str,
     """Rank `rank` of `size` on `device_name` (cpu, cuda:N). `parent_pid`: exit when that
     process is gone (None: launched by torchrun, whose agent ends the ranks). `messages`:
     the pipe rank 0 announces its model calls on (None: over the group, `channel.py`)."""
+    from infer.engine.core_loading import load_model_shard
     from infer.engine.cpu_threads import set_cpu_threads
-    from infer.engine.engine_core import load_model_shard
     from infer.engine.runner_setup import build_runner, capture_graphs, uses_graphs
     from infer.engine.setup import pick_device_and_dtype
 

@@ -38,7 +38,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from infer.engine.config import EngineConfig
-from infer.engine.engine_core import CoreInfo, EngineCore, SequenceOutput, StepFailed, load_core
+from infer.engine.core_loading import CoreInfo, load_core
+from infer.engine.engine_core import EngineCore, SequenceOutput, StepFailed
 from infer.engine.request import Request
 from infer.engine.setup import freeze_startup_objects
 from infer.engine.structured_output import import_grammar_library

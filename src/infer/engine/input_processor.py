@@ -21,7 +21,7 @@ from infer.loader.tokenizer import Tokenizer
 from infer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from infer.engine.engine_core import CoreInfo
+    from infer.engine.core_loading import CoreInfo
     from infer.structured_outputs import StructuredOutputsParams
 
 

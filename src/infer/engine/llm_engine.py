@@ -20,8 +20,9 @@ from collections.abc import Callable
 import torch
 
 from infer.engine.config import EngineConfig
+from infer.engine.core_loading import CoreInfo, load_core
 from infer.engine.core_process import CoreClient, RemoteCore
-from infer.engine.engine_core import CoreInfo, EngineCore, load_core
+from infer.engine.engine_core import EngineCore
 from infer.engine.input_processor import InputProcessor, RequestRejected, split_into_sequences
 from infer.engine.output_processor import OutputProcessor
 from infer.engine.outputs import RequestOutput

@@ -21,8 +21,9 @@ from multiprocessing.connection import Connection
 from typing import Protocol
 
 from infer.engine.config import EngineConfig
+from infer.engine.core_loading import CoreInfo
 from infer.engine.core_process import CoreClient, unpack_outputs
-from infer.engine.engine_core import CoreInfo, SequenceOutput
+from infer.engine.engine_core import SequenceOutput
 from infer.engine.input_processor import InputProcessor, split_into_sequences
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.output_processor import OutputProcessor
