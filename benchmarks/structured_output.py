@@ -103,7 +103,7 @@ def main() -> None:
     print(f"JSON answers: {len(stopped)}/64 stopped, {valid} valid", flush=True)
     placement = {"pinned": False, "threads_per_core": cpu_placement.threads_per_core()}
     if args.cpus_apart:
-        worker = llm.engine.core._grammar_process
+        worker = llm.engine.core.grammars.process
         if worker is None:
             p.error("--cpus-apart needs the grammar worker (grammar_process=true)")
         placement = cpu_placement.apart([process.pid for process in worker.processes])

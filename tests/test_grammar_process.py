@@ -91,8 +91,8 @@ def test_the_worker_gives_the_tokens_the_step_loop_gives(async_scheduling, worke
     llm = _llm(True, async_scheduling=async_scheduling, grammar_workers=workers)
     worker = llm.generate(prompts, params, use_tqdm=False)
     core = llm.engine.core
-    assert core._grammar_process is not None and core._grammar_process.alive()
-    assert len(core._grammar_process.processes) == workers
+    assert core.grammars.process is not None and core.grammars.process.alive()
+    assert len(core.grammars.process.processes) == workers
     loop_tokens, loop_reasons = _on_the_loop(async_scheduling)
     assert [o.outputs[0].token_ids for o in worker] == loop_tokens
     assert [o.outputs[0].finish_reason for o in worker] == loop_reasons
@@ -113,14 +113,14 @@ def test_by_default_the_worker_runs_with_cuda_and_without_drafts(
         device, speculative_method, wanted):
     from types import SimpleNamespace
 
-    from infer.engine.engine_core import EngineCore
+    from infer.engine.grammar_admission import GrammarAdmission
 
-    core = SimpleNamespace(device=torch.device(device), config=SimpleNamespace(
+    admission = SimpleNamespace(device=torch.device(device), config=SimpleNamespace(
         grammar_process=None, speculative_method=speculative_method))
-    assert EngineCore._grammar_worker_wanted(core) is wanted
+    assert GrammarAdmission._worker_wanted(admission) is wanted
     for explicit in (True, False):
-        core.config.grammar_process = explicit
-        assert EngineCore._grammar_worker_wanted(core) is explicit
+        admission.config.grammar_process = explicit
+        assert GrammarAdmission._worker_wanted(admission) is explicit
 
 
 def test_by_default_a_cpu_engine_keeps_the_matchers_on_its_loop():
@@ -128,7 +128,7 @@ def test_by_default_a_cpu_engine_keeps_the_matchers_on_its_loop():
     [out] = llm.generate([PROMPT], [SamplingParams(
         max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-c]+"))],
         use_tqdm=False)
-    assert llm.engine.core._grammar_process is None
+    assert llm.engine.core.grammars.process is None
     assert re.fullmatch("[a-c]+", out.outputs[0].text)
 
 
@@ -143,7 +143,7 @@ def test_by_default_two_workers_on_eight_cpus_or_more_else_one():
     try:
         llm.generate([PROMPT], [SamplingParams(max_tokens=2, structured_outputs=(
             StructuredOutputsParams(regex="[a-z]+")))], use_tqdm=False)
-        processes = llm.engine.core._grammar_process.processes
+        processes = llm.engine.core.grammars.process.processes
         assert len(processes) == (2 if usable_cores() >= 8 else 1)
     finally:
         llm.engine.shutdown()
@@ -158,7 +158,7 @@ def test_a_dead_worker_ends_the_constrained_sequences_only(workers):
     up = SamplingParams(max_tokens=2, structured_outputs=params[0].structured_outputs)
     llm.generate(prompts[:1], [up], use_tqdm=False)  # the workers are up
     alone = _plain_alone()
-    process = llm.engine.core._grammar_process.processes[-1]
+    process = llm.engine.core.grammars.process.processes[-1]
     process.kill()
     process.wait()
     engine = llm.engine
@@ -298,7 +298,7 @@ def test_grammar_worker_apart_keeps_the_worker_off_the_loops_core(apart):
     try:
         llm.generate([PROMPT], [SamplingParams(max_tokens=4, structured_outputs=(
             StructuredOutputsParams(regex="[a-z]+")))], use_tqdm=False)
-        worker = llm.engine.core._grammar_process.processes[0].pid
+        worker = llm.engine.core.grammars.process.processes[0].pid
         threads = [int(tid) for tid in os.listdir(f"/proc/{worker}/task")]
         allowed = {frozenset(os.sched_getaffinity(tid)) for tid in threads}
     finally:

@@ -344,10 +344,10 @@ def test_a_core_sets_up_the_grammar_library_in_the_background():
     core = EngineCore(EngineConfig(device="cpu", num_blocks=16), engine.model,
                       engine.model_config, torch.device("cpu"), torch.float32, 128, (0,),
                       engine.tokenizer)
-    assert core._structured is None
+    assert core.grammars._library is None
     thread = core.warm_structured_outputs()
     thread.join(120)
-    library = core._structured
+    library = core.grammars._library
     assert library is not None and core.structured_outputs() is library
 
 
@@ -370,7 +370,7 @@ def test_a_core_compiles_grammars_off_its_step_loop(monkeypatch):
         return real(kind, text)
 
     monkeypatch.setattr(structured, "_grammar", slow_for_some)
-    monkeypatch.setattr(engine.core.compile_thread, "timeout_s", 0.6)
+    monkeypatch.setattr(engine.core.grammars.compile_thread, "timeout_s", 0.6)
     tag = uuid.uuid4().hex[:8]  # constraints no earlier test compiled
     requests = {
         "plain": SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),

@@ -13,13 +13,10 @@ tokens are read back and accounted, so the GPU never waits for the host's bookke
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import operator
 import threading
-import time
 from collections.abc import Callable, Collection
-from concurrent import futures
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -32,8 +29,8 @@ from infer.distributed.group import SINGLE, TensorParallelGroup
 from infer.distributed.mirrored_runner import MirroredRunner
 from infer.distributed.workers import TensorParallelError, Workers
 from infer.engine.config import EngineConfig
-from infer.engine.cpu_threads import cpus_off_core, thread_cpu
-from infer.engine.grammar_process import GrammarProcess, GrammarWorkerError, RemoteMatcher
+from infer.engine.grammar_admission import GrammarAdmission
+from infer.engine.grammar_process import GrammarWorkerError, RemoteMatcher
 from infer.engine.model_runner import ModelRunner, StepInputs
 from infer.engine.prompt_logprobs import (
     PromptLogprobs,
@@ -50,7 +47,7 @@ from infer.engine.runner_setup import (
 )
 from infer.engine.sampler import SamplingBatch, sample, warm_up_sampler
 from infer.engine.scheduler import Scheduler, SchedulerOutput
-from infer.engine.structured_output import CompileThread, GrammarMatcher, StructuredOutputs
+from infer.engine.structured_output import GrammarMatcher, StructuredOutputs
 from infer.loader.tokenizer import Tokenizer
 from infer.sampling_params import RequestOutputKind, SamplingParams
 from infer.spec.drafter import Drafter, NgramDrafter
@@ -120,23 +117,9 @@ class _Sequence:
         return tokens
 
 
-@dataclass
-class _Compiling:
-    """A sequence waiting for its grammar's matcher (made in the compile thread)."""
-
-    request: Request
-    params: SamplingParams
-    job: futures.Future | None = None
-    started: float | None = None  # time.monotonic() when its compile began
-
-
 # A draft still on the device, in `Request.spec_token_ids` (its value is in
 # `EngineCore._device_drafts`; the host never reads it).
 DEVICE_DRAFT = -1
-# Rows of the grammar worker's masks where the engine was built without max_num_seqs.
-MAX_GRAMMAR_ROWS = 1024
-# With nothing to step but grammars compiling, a step waits this long for one.
-GRAMMAR_WAIT_S = 0.005
 
 
 @dataclass
@@ -208,10 +191,6 @@ class EngineCore:
         when this one started them."""
         self.config = config
         self.tokenizer = tokenizer  # for structured output's grammars only; never decodes
-        self._structured: StructuredOutputs | None = None
-        self._structured_lock = threading.Lock()
-        self._grammar_process: GrammarProcess | None = None  # made with _structured
-        self._loop_thread = threading.get_native_id()  # the thread that builds a core steps it
         # Drafts proposed on the device, by sequence (`DEVICE_DRAFT`s in their requests),
         # until the sequence samples again or ends.
         self._device_drafts: dict[str, torch.Tensor] = {}
@@ -247,8 +226,11 @@ class EngineCore:
         self.sequences: dict[str, _Sequence] = {}
         # Sequences whose prompt logprobs are not all out yet (`prompt_logprobs.py`).
         self._prompt_lp: dict[str, PromptLogprobsState] = {}
-        self._compiling: dict[str, _Compiling] = {}  # waiting for their grammars
-        self.compile_thread = CompileThread()
+        # Constrained sequences waiting for their grammars; the thread that builds a core
+        # steps it.
+        self.grammars = GrammarAdmission(config, tokenizer, model_config.vocab_size, device,
+                                         self.scheduler.max_num_seqs,
+                                         threading.get_native_id())
         self._in_flight: _StepInFlight | None = None
         # The last sampling batch that only its rows' params decide, those rows, and the
         # rows among them with a min_tokens (whose bans may still apply)
@@ -307,13 +289,10 @@ class EngineCore:
     # -- sequences -------------------------------------------------------------------
     def add(self, request: Request, params: SamplingParams) -> None:
         """Schedule a sequence. A constrained one first waits, off the step loop, for its
-        grammar (compiled unless cached) and its matcher (0.2-1.3 ms to make, in the
-        library without the GIL) in the compile thread (`_admit_compiled`); a bad
-        constraint ends it with an `error` output."""
+        grammar and matcher (`grammar_admission.py`, `_admit_compiled`); a bad constraint
+        ends it with an `error` output."""
         if params.structured_outputs is not None:
-            waiting = _Compiling(request, params)
-            self._compiling[request.request_id] = waiting
-            self._submit_compile(waiting)
+            self.grammars.submit(request, params)
         else:
             self._schedule(request, params, None)
 
@@ -330,100 +309,22 @@ class EngineCore:
         self.scheduler.add(request)
         self.sequences[request.request_id] = _Sequence(request, params, grammar)
 
-    def _submit_compile(self, waiting: _Compiling) -> None:
-        def compile() -> GrammarMatcher:
-            waiting.started = time.monotonic()
-            structured = self.structured_outputs()
-            grammar = structured.compile(waiting.params.structured_outputs)
-            if self._grammar_process is not None:
-                return self._grammar_process.matcher(grammar)
-            return structured.matcher(grammar)
-
-        waiting.job = self.compile_thread.submit(compile)
-
     def _admit_compiled(self) -> list[SequenceOutput]:
         """Schedule the sequences whose matchers are ready; `error` outputs for those whose
-        constraint failed to compile or compiled for longer than the compile thread's
-        limit (the grammars queued behind an overlong one move to a new thread)."""
-        failed = []
-        now = time.monotonic()
-        limit = self.compile_thread.timeout_s
-        for seq_id, waiting in list(self._compiling.items()):
-            overdue = waiting.started is not None and \
-                now - waiting.started > limit
-            if not waiting.job.done() and not overdue:
-                continue
-            del self._compiling[seq_id]
-            try:
-                if not waiting.job.done():
-                    self.compile_thread.abandon()
-                    for queued in self._compiling.values():
-                        if queued.job.cancel():  # not started: compile it in the new thread
-                            self._submit_compile(queued)
-                    raise ValueError(
-                        f"structured_outputs: {self.compile_thread.timeout_message()}")
-                grammar = waiting.job.result()
-            except Exception as exc:
-                failed.append(SequenceOutput(seq_id, [], finish_reason="error",
-                                             error=f"{type(exc).__name__}: {exc}"))
-                continue
-            self._schedule(waiting.request, waiting.params, grammar)
-        return failed
+        constraint failed (`GrammarAdmission.admit`)."""
+        ready, failed = self.grammars.admit()
+        for request, params, matcher in ready:
+            self._schedule(request, params, matcher)
+        return [SequenceOutput(seq_id, [], finish_reason="error", error=error)
+                for seq_id, error in failed]
 
     def structured_outputs(self) -> StructuredOutputs:
-        """The grammar library bound to this model's vocabulary (made when first needed,
-        or by `warm_structured_outputs`, which this then waits for)."""
-        with self._structured_lock:
-            if self._structured is None:
-                if self.tokenizer is None:
-                    raise ValueError("structured_outputs needs the engine's tokenizer, which "
-                                     "this core was built without")
-                vocab_size = self.model_config.vocab_size
-                if self._grammar_worker_wanted():
-                    # a step samples at most one row per sequence (no drafts here)
-                    rows = self.scheduler.max_num_seqs or MAX_GRAMMAR_ROWS
-                    self._grammar_process = GrammarProcess(
-                        self.tokenizer, vocab_size, rows, self.device,
-                        self.config.grammar_threads, self._grammar_worker_cpus(),
-                        self.config.grammar_workers)
-                self._structured = StructuredOutputs(self.tokenizer, vocab_size,
-                                                     self.config.grammar_threads)
-        return self._structured
-
-    def _grammar_worker_cpus(self) -> set[int] | None:
-        """With `grammar_worker_apart`, the CPUs off the step loop's physical core (where
-        the loop runs now; None where that leaves none or cannot be told)."""
-        if not self.config.grammar_worker_apart:
-            return None
-        cpu = thread_cpu(self._loop_thread)
-        return (cpus_off_core(cpu) or None) if cpu is not None else None
-
-    def _grammar_worker_wanted(self) -> bool:
-        """`grammar_process`, its default resolved: on with CUDA unless drafts are checked
-        against grammars on the loop."""
-        wanted = self.config.grammar_process
-        if wanted is None:
-            return self.device.type == "cuda" and self.config.speculative_method == "none"
-        return wanted
+        """The grammar library bound to this model's vocabulary."""
+        return self.grammars.library()
 
     def warm_structured_outputs(self) -> threading.Thread | None:
-        """Set up the grammar library's vocabulary in a thread, so that a server's first
-        constrained request does not stall every stream while it is made (SmolLM2's 49k
-        vocabulary: 3.3 s on the CPU machine, of which the step loop loses at most 0.3 s
-        at a time to the GIL). The caller imports the library first
-        (`structured_output.import_grammar_library`), not this thread."""
-        if self.tokenizer is None:
-            return None
-
-        def warm() -> None:
-            try:
-                self.structured_outputs()
-            except Exception as exc:  # the first constrained request reports it
-                log.warning("structured output is not available: %r", exc)
-
-        thread = threading.Thread(target=warm, name="infer-grammar-vocab", daemon=True)
-        thread.start()
-        return thread
+        """The grammar library made in a thread (`GrammarAdmission.warm`)."""
+        return self.grammars.warm()
 
     def finish(self, seq_id: str, reason: str, stop_reason: int | str | None = None) -> None:
         """End a sequence now (a stop string, an abort), freeing its blocks."""
@@ -432,24 +333,15 @@ class EngineCore:
         self._device_drafts.pop(seq_id, None)
         if seq is not None:
             self.scheduler.finish(seq.request, reason, stop_reason)
-            self._drop_matchers([seq.grammar])
-        waiting = self._compiling.pop(seq_id, None)  # its grammar, if compiling, goes unread
-        if waiting is not None and waiting.job.done() and waiting.job.exception() is None:
-            self._drop_matchers([waiting.job.result()])
-
-    def _drop_matchers(self, matchers: list[GrammarMatcher | RemoteMatcher | None]) -> None:
-        """Matchers in the grammar worker whose sequences ended are forgotten there."""
-        remote = [m for m in matchers if isinstance(m, RemoteMatcher)]
-        if remote and self._grammar_process is not None:
-            with contextlib.suppress(GrammarWorkerError):
-                self._grammar_process.drop(remote)
+            self.grammars.drop([seq.grammar])
+        self.grammars.forget(seq_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.sequences or self._compiling)
+        return bool(self.sequences or self.grammars.waiting)
 
     def unfinished_ids(self) -> list[str]:
         """Every sequence not finished: scheduled, or waiting for its grammar."""
-        return [*self.sequences, *self._compiling]
+        return [*self.sequences, *self.grammars.waiting]
 
     # -- the step --------------------------------------------------------------------
     def step(self) -> list[SequenceOutput]:
@@ -463,16 +355,15 @@ class EngineCore:
         finishes every sequence the step had scheduled, freeing their blocks, and raises
         StepFailed naming them; sequences outside the step keep going.
         """
-        if self._compiling:
+        if self.grammars.waiting:
             failed = self._admit_compiled()
             if failed:
                 return failed
         step, self._in_flight = self._in_flight, None
         out = step.out if step is not None else self.scheduler.schedule()
         if out.empty:
-            if self._compiling:  # nothing to run until a grammar is ready: no busy loop
-                futures.wait([w.job for w in self._compiling.values()],
-                             timeout=GRAMMAR_WAIT_S, return_when=futures.FIRST_COMPLETED)
+            if self.grammars.waiting:  # nothing to run until a grammar is ready
+                self.grammars.wait_for_one()
             return []
         if self.on_step_start is not None:
             self.on_step_start()
@@ -608,7 +499,7 @@ class EngineCore:
             return self._launch_verify(out, requests, inputs, logits, device_drafts)
         masked, masks, grammar_step, failure = [], None, 0, None
         if any(seq.grammar is not None for seq in seqs):
-            if self._grammar_process is None:
+            if self.grammars.process is None:
                 if prev is not None:
                     self._advance_grammars(prev)
                 if masked := _constrained(seqs):
@@ -616,14 +507,14 @@ class EngineCore:
                                                                     logits.device)
             elif masked := _constrained(seqs):
                 try:
-                    grammar_step, masks = self._grammar_process.masks(len(seqs), masked)
+                    grammar_step, masks = self.grammars.process.masks(len(seqs), masked)
                 except GrammarWorkerError as exc:  # the rows go unmasked, and fail
                     failure = str(exc)
         pending = {item.request_id for item in out.scheduled if item.token_ids is None}
         result = sample(logits, self._sampling_batch(seqs, pending), masks)
         if grammar_step:
             try:
-                self._grammar_process.publish(grammar_step, result.token_ids)
+                self.grammars.process.publish(grammar_step, result.token_ids)
             except GrammarWorkerError as exc:
                 failure = str(exc)
         results = HostCopy(result.token_ids, result.logprobs, result.ranks,
@@ -832,7 +723,7 @@ class EngineCore:
                 del self.sequences[rid]
                 self._prompt_lp.pop(rid, None)
                 self._device_drafts.pop(rid, None)
-                self._drop_matchers([seq.grammar])
+                self.grammars.drop([seq.grammar])
         if self.drafter is not None:
             self._propose(sampled, step.ahead)
         return outputs
@@ -896,7 +787,7 @@ class EngineCore:
         step.grammars_advanced = True
         token_ids = step.results.wait()[0]  # sampled: the worker's verdicts follow
         failed = []
-        if self._grammar_process is None:
+        if self.grammars.process is None:
             token_ids = token_ids.tolist()
             refused = [row for row, matcher in step.masked if not matcher.accept(token_ids[row])]
             stopped = [row for row, matcher in step.masked if matcher.terminated]
@@ -904,7 +795,7 @@ class EngineCore:
             try:
                 if step.grammar_failure is not None:
                     raise GrammarWorkerError(step.grammar_failure)
-                verdicts = self._grammar_process.verdicts(step.grammar_step, step.masked)
+                verdicts = self.grammars.process.verdicts(step.grammar_step, step.masked)
             except GrammarWorkerError as exc:
                 return self._fail_constrained(f"{type(exc).__name__}: {exc}")
             refused, failed, stopped = verdicts.refused, verdicts.failed, verdicts.stopped
@@ -971,9 +862,7 @@ class EngineCore:
         worker."""
         if self.workers is not None:
             self.workers.shutdown()
-        if self._grammar_process is not None:
-            self._grammar_process.close()
-            self._grammar_process = None
+        self.grammars.close()
 
     def stats(self) -> dict[str, float]:
         pool = self.kv.pool
