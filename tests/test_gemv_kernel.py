@@ -549,11 +549,11 @@ def test_the_mma_gate_up_knob_keeps_a_models_tokens_and_logprobs(monkeypatch):
     assert outs[True] == outs[False]
 
 
-def test_the_form_knob_sets_the_gemvs_form_and_keeps_greedy_tokens():
+def test_the_form_knob_sets_the_gemvs_form_and_keeps_greedy_tokens(gemv_form):
     """`gemv_form`: each engine sets the GEMV's form (an engine after another does not
     inherit it); on a GPU, where the one-row steps of bfloat16 and INT8 layers go through
-    the GEMV, each form gives the greedy tokens of "floats", logprobs to within their
-    rounding."""
+    the GEMV (in the form asked: units are INT8's only), each form gives the greedy tokens
+    of "floats", logprobs to within their rounding."""
     from tiny_model import tiny_model_dir
 
     import infer.kernels.gemv as gemv_kernel
@@ -562,21 +562,21 @@ def test_the_form_knob_sets_the_gemvs_form_and_keeps_greedy_tokens():
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1, ignore_eos=True)
     prompts = ["The tiny model says", "Once upon", "A list: one, two,"]
     outs = {}
-    try:
-        for quantization, form in itertools.product(("none", "int8"),
-                                                    ("units", "words", "floats")):
-            llm = LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
-                      kernel_backend="triton", quantization=quantization, gemv_form=form,
-                      dtype="bfloat16", cuda_graphs=False, async_scheduling=False)
-            assert gemv_kernel._form == form
-            if DEVICE == "cuda":
-                outs[quantization, form] = [(out.token_ids, [lp[t].logprob for t, lp in
-                                               zip(out.token_ids, out.logprobs)])
-                              for o in llm.generate(prompts, params, use_tqdm=False)
-                              for out in o.outputs]
-            del llm
-    finally:
-        gemv_kernel.set_form("floats")
+    taken = gemv_form("floats")
+    for quantization, form in itertools.product(("none", "int8"), ("units", "words", "floats")):
+        llm = LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
+                  kernel_backend="triton", quantization=quantization, gemv_form=form,
+                  dtype="bfloat16", cuda_graphs=False, async_scheduling=False)
+        assert gemv_kernel._form == form
+        if DEVICE == "cuda":
+            taken.clear()
+            outs[quantization, form] = [(out.token_ids, [lp[t].logprob for t, lp in
+                                                         zip(out.token_ids, out.logprobs)])
+                                        for o in llm.generate(prompts, params, use_tqdm=False)
+                                        for out in o.outputs]
+            assert set(taken) == {form if quantization == "int8" or form == "floats"
+                                  else "words"}, (quantization, form)
+        del llm
     for (quantization, form), got in outs.items():
         for (tokens, logprobs), (want, want_logprobs) in zip(got, outs[quantization, "floats"]):
             assert tokens == want, (quantization, form)
