@@ -1,4 +1,4 @@
-"""One decode row through each CPU matmul path this torch offers, on SmolLM2's layer
+"""One decode row (or --rows) through each CPU matmul path this torch offers, on SmolLM2's layer
 shapes and its LM head: torch's INT4 kernel and INT8 weight-only kernel (bfloat16 rows,
 as `quantization/int4.py` and `int8.py` feed them), FBGEMM's dynamic INT8 (the row
 quantized with one scale to 7 bits: `reduce_range`, as x86 without VNNI needs) and FP16-weight
@@ -9,7 +9,7 @@ weight bytes read, each call on the next of enough copies of the weight that the
 stay in the caches (as a model's layers do not). A decode token's sum is 30 layers of
 the four shapes plus the LM head.
 
-    python benchmarks/cpu_matmul_paths.py [--repeats 200]
+    python benchmarks/cpu_matmul_paths.py [--repeats 200] [--rows 8]
     ATEN_CPU_CAPABILITY=avx2 python benchmarks/cpu_matmul_paths.py   # an AVX2 CPU's kernels
 
 Prints one table and writes benchmarks/results/cpu_matmul_paths_<device>.json.
@@ -48,18 +48,19 @@ def _cycled(calls: list[Callable[[], object]]) -> Callable[[], object]:
     return call
 
 
-def _paths(n: int, k: int, gen: torch.Generator) -> dict[str, tuple[Callable[[], object], int]]:
-    """Each path's calls, cycled over copies of a `[n, k]` weight, with the bytes of weight
-    a call reads."""
+def _paths(n: int, k: int, rows: int, gen: torch.Generator
+           ) -> dict[str, tuple[Callable[[], object], int]]:
+    """Each path's calls on `rows` rows of x, cycled over copies of a `[n, k]` weight, with
+    the bytes of weight a call reads."""
     copies = max(1, CACHE_BYTES // (n * k * 4))
-    made = [_one_copy(n, k, gen) for _ in range(copies)]
+    made = [_one_copy(n, k, rows, gen) for _ in range(copies)]
     return {path: (_cycled([m[path][0] for m in made]), made[0][path][1]) for path in made[0]}
 
 
-def _one_copy(n: int, k: int, gen: torch.Generator
+def _one_copy(n: int, k: int, rows: int, gen: torch.Generator
               ) -> dict[str, tuple[Callable[[], object], int]]:
     w = torch.randn(n, k, generator=gen) * 0.02
-    x = torch.randn(1, k, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
     xb = x.bfloat16()
     q4 = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
     packed4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 2)
@@ -102,13 +103,14 @@ def _block_paths(n: int, k: int, x: torch.Tensor, gen: torch.Generator
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=200)
+    p.add_argument("--rows", type=int, default=1, help="rows of x (sequences a step)")
     common.add_common_args(p)
     args = p.parse_args()
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     rows, token_us = [], {}
     for shape, (n, k) in SHAPES.items():
-        for path, (fn, nbytes) in _paths(n, k, gen).items():
+        for path, (fn, nbytes) in _paths(n, k, args.rows, gen).items():
             us = common.host_time(fn, args.repeats, warmup=5) * 1e6
             rows.append(dict(shape=shape, path=path, us=us, gb_s=nbytes / us / 1e3))
             token_us[path] = token_us.get(path, 0.0) + us * (1 if shape == "lm_head"
@@ -117,8 +119,9 @@ def main() -> None:
     capability = torch.backends.cpu.get_cpu_capability()
     common.write_results("cpu_matmul_paths", args, {"cpu_capability": capability,
                                                     "rows": rows})
-    common.print_table(f"One decode row per CPU matmul path, µs a call, one thread "
-                       f"({capability}; token = {LAYERS} layers + LM head)", rows,
+    common.print_table(f"{args.rows} decode row(s) per CPU matmul path, µs a call, one "
+                       f"thread ({capability}; token = {LAYERS} layers + LM head, a step "
+                       f"of the rows)", rows,
                        [("shape", "shape", ""), ("path", "path", ""), ("µs", "us", ".1f"),
                         ("weight GB/s", "gb_s", ".1f")])
 
