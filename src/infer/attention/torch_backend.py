@@ -13,6 +13,7 @@ from infer.attention.graph_metadata import GraphMetadata
 from infer.attention.metadata import AttentionMetadata
 from infer.attention.qk_prologue import QKPrologue
 from infer.attention.varlen_graph_metadata import VarlenGraphMetadata
+from infer.kernels import cpu_attention
 
 
 def write_kv(
@@ -103,7 +104,11 @@ def _decode_attention(
 ) -> torch.Tensor:
     """All sequences decode one token: one batched attention over block tables padded to
     the longest sequence, padding masked out (instead of a Python loop per sequence).
-    Without a softcap, through torch's fused `scaled_dot_product_attention`."""
+    Without a softcap, through torch's fused `scaled_dot_product_attention`; on a CPU where
+    it can, in one call of infer's own kernel (`kernels/cpu_attention.py`)."""
+    if cpu_attention.takes(q, k_cache, sliding_window, logit_softcap):
+        return cpu_attention.paged_decode(q, k_cache, v_cache, meta.block_tables,
+                                          meta.seq_lens, scale)
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads

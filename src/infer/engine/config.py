@@ -217,6 +217,11 @@ class EngineConfig:
         "default: on where torch's CPU kernels are AVX2 ones (SmolLM2 batch-1 decode 60-70 "
         "tok/s against 38-44, llama.cpp 88-125; docs/performance.md), off on AVX-512 CPUs, "
         "where PyTorch's INT4 kernel is as fast at one row and faster at eight")
+    cpu_attention_kernel: bool = knob(
+        True, "on a CPU, a decode step's attention (float32 cache, no sliding window or "
+        "softcap) in one call a layer of infer's C++ kernel (kernels/cpu_attention.cpp, "
+        "built with the CPU block kernels) instead of the torch reference's dozen "
+        "operations; where the kernels cannot be built, the torch path")
     dependent_launch: bool = knob(
         True, "launch infer's decode kernels (GEMV, norms, RoPE + KV store, attention, "
         "W8A16) with programmatic dependent launch, so that each one's launch and first "

@@ -20,6 +20,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.memory import plan_kv_cache
 from infer.engine.model_runner import ModelRunner
 from infer.engine.setup import pick_backend
+from infer.kernels import cpu_attention
 from infer.models.layers import set_gate_up_activation, set_kernel_backend
 from infer.models.linear import set_8bit_kernels, set_triton_gemv
 from infer.quantization.gguf_gpu import set_gguf_int8_activations
@@ -38,6 +39,7 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
     # Bound before sizing the pool, so the warm-up forward measures the backends in use.
     set_attention_backend(model, attention_backend)
     set_decode_combine(config.decode_combine_at_once and attention_backend == "triton")
+    cpu_attention.set_enabled(config.cpu_attention_kernel)
     set_kernel_backend(model, kernel_backend)
     set_matmul_kernels(model, config, kernel_backend)
     set_dependent_launch(config.dependent_launch and kernel_backend == "triton", device)

@@ -6,7 +6,8 @@ kernels do (AVX2; `_mm256_dpbusd` where the compiler targets AVX-512 VNNI).
 Built with the machine's C++ compiler at first use (about 10 s; torch's extension cache
 keeps it, per source and flags) for the instruction set torch's own CPU kernels use
 (`torch.backends.cpu.get_cpu_capability()`, which `ATEN_CPU_CAPABILITY=avx2` lowers), and
-run on torch's intra-op threads. `available()` says whether it loaded; where it cannot be
+run on torch's intra-op threads (the same extension carries `cpu_attention.cpp`, the
+decode attention of `cpu_attention.py`). `available()` says whether it loaded; where it cannot be
 built (no compiler, not x86, a CPU without AVX2) the reason is logged once and callers take
 PyTorch's kernels.
 """
@@ -23,6 +24,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cpp")
+# Built into the same extension: the decode attention over the paged cache (cpu_attention.py).
+SOURCES = [SOURCE, Path(__file__).with_name("cpu_attention.cpp")]
 BLOCK = 32
 Q4_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 Q8_BLOCK_BYTES = 34  # fp16 d, 32 int8
@@ -79,7 +82,7 @@ def available() -> bool:
         log.info("Building infer's CPU block kernels for %s (once per machine)", capability)
         cpp_extension.load(
             "infer_cpu_block_linear_" + ("vnni" if AVX512_VNNI[-1] in flags else "avx2"),
-            [str(SOURCE)],
+            [str(source) for source in SOURCES],
             extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
             is_python_module=False, verbose=False)
     except Exception as error:  # no compiler, no ninja, a failed build: say so, go on

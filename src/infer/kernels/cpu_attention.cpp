@@ -1,0 +1,107 @@
+// Decode attention on the CPU over the paged KV cache, one call for a step's layer: every
+// sequence's one new query against its keys and values read through its block table, in
+// float32 (softmax by its maximum, as torch's reference path computes it). Built into the
+// same extension as cpu_block_linear.cpp (`cpu_block_linear.available`); threads: torch's
+// intra-op pool, one (sequence, kv head) pair at a time.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// a . b over n floats (eight lanes at a time; the build targets AVX2 at least)
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  float total = _mm_cvtss_f32(h);
+  for (; d < n; ++d) total += a[d] * b[d];
+  return total;
+}
+
+// q [seqs, heads, dim], caches [blocks, block_size, kv_heads, dim] (float32, contiguous),
+// block_tables [seqs, >= blocks a sequence holds] int32, seq_lens [seqs] int32 (each >= 1):
+// [seqs, heads, dim].
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q: float32 [seqs, heads, dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
+                  k_cache.sizes() == v_cache.sizes() && v_cache.scalar_type() == at::kFloat &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches: float32 [blocks, block_size, kv_heads, dim], contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables, seq_lens: int32");
+  const int64_t seqs = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0, "q's heads / dim vs the cache's");
+  TORCH_CHECK(block_tables.size(0) == seqs && seq_lens.size(0) == seqs, "one row a sequence");
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lens = seq_lens.contiguous();
+  at::Tensor out = at::empty({seqs, heads, dim}, q.options());
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t group = heads / kv_heads, table_width = tables.size(1);
+  const int64_t token_stride = kv_heads * dim, block_stride = block_size * token_stride;
+  const float s = static_cast<float>(scale);
+  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t seq = pair / kv_heads, kvh = pair % kv_heads;
+      const int64_t len = lp[seq];
+      TORCH_CHECK(len >= 1 && (len + block_size - 1) / block_size <= table_width,
+                  "sequence ", seq, ": ", len, " keys beyond its block table");
+      const int32_t* table = tp + seq * table_width;
+      scores.resize(group * len);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qh = qp + (seq * heads + kvh * group + g) * dim;
+        float* row = scores.data() + g * len;
+        float top = -INFINITY;
+        for (int64_t t = 0; t < len; ++t) {
+          const float* k = kp + table[t / block_size] * block_stride +
+                           (t % block_size) * token_stride + kvh * dim;
+          row[t] = dot(qh, k, dim) * s;
+          top = row[t] > top ? row[t] : top;
+        }
+        float total = 0.f;
+        for (int64_t t = 0; t < len; ++t) total += (row[t] = std::exp(row[t] - top));
+        const float inv = 1.f / total;
+        float* o = op + (seq * heads + kvh * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          const float* v = vp + table[t / block_size] * block_stride +
+                           (t % block_size) * token_stride + kvh * dim;
+          const float p = row[t] * inv;
+          for (int64_t d = 0; d < dim; ++d) o[d] += p * v[d];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(infer_cpu, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(infer_cpu, CPU, m) {
+  m.impl("paged_decode", paged_decode);
+}

@@ -1,0 +1,41 @@
+"""A CPU decode step's attention in one call a layer (`cpu_attention.cpp`): every sequence's
+new query against its keys and values read through its block table, float32, in place of
+the torch reference's gather, conversions and `scaled_dot_product_attention` (about a dozen
+torch operations a layer, each microseconds of dispatch on a CPU).
+
+Built into infer's CPU extension (`cpu_block_linear.available`: x86 with AVX2, a
+compiler); where that is missing, or for what it does not cover (a sliding window, a
+logit softcap, a cache that is not float32), the torch path runs.
+`EngineConfig.cpu_attention_kernel` turns it off."""
+
+from __future__ import annotations
+
+import torch
+
+from infer.kernels import cpu_block_linear
+
+_enabled = True  # EngineConfig.cpu_attention_kernel, set by the runner's set-up
+
+
+def set_enabled(on: bool) -> None:
+    """Whether decode steps on the CPU take the kernel where it can (`takes`)."""
+    global _enabled
+    _enabled = on
+
+
+def takes(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int | None,
+          logit_softcap: float | None) -> bool:
+    """Whether `paged_decode` serves this all-decode step."""
+    return (_enabled and q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32
+            and sliding_window is None and not logit_softcap and k_cache.is_contiguous()
+            and cpu_block_linear.available())
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+                 ) -> torch.Tensor:
+    """`q [seqs, heads, dim]`, one query a sequence at position `seq_lens[i] - 1`, against
+    the cache's first `seq_lens[i]` tokens of each sequence (int32 `block_tables`,
+    `seq_lens`): `[seqs, heads, dim]`, all float32."""
+    return torch.ops.infer_cpu.paged_decode(q, k_cache, v_cache, block_tables, seq_lens,
+                                            scale)
