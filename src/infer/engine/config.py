@@ -220,7 +220,8 @@ class EngineConfig:
     cpu_attention_kernel: bool = knob(
         True, "on a CPU, a decode step's attention (float32 cache, no sliding window or "
         "softcap) in one call a layer of infer's C++ kernel (kernels/cpu_attention.cpp, "
-        "built with the CPU block kernels) instead of the torch reference's dozen "
+        "built with the CPU block kernels at start-up, once per machine) instead of the "
+        "torch reference's dozen "
         "operations; where the kernels cannot be built, the torch path")
     dependent_launch: bool = knob(
         True, "launch infer's decode kernels (GEMV, norms, RoPE + KV store, attention, "

@@ -39,7 +39,7 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
     # Bound before sizing the pool, so the warm-up forward measures the backends in use.
     set_attention_backend(model, attention_backend)
     set_decode_combine(config.decode_combine_at_once and attention_backend == "triton")
-    cpu_attention.set_enabled(config.cpu_attention_kernel)
+    cpu_attention.set_enabled(config.cpu_attention_kernel, device)
     set_kernel_backend(model, kernel_backend)
     set_matmul_kernels(model, config, kernel_backend)
     set_dependent_launch(config.dependent_launch and kernel_backend == "triton", device)

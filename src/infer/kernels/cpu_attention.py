@@ -17,10 +17,14 @@ from infer.kernels import cpu_block_linear
 _enabled = True  # EngineConfig.cpu_attention_kernel, set by the runner's set-up
 
 
-def set_enabled(on: bool) -> None:
-    """Whether decode steps on the CPU take the kernel where it can (`takes`)."""
+def set_enabled(on: bool, device: torch.device | None = None) -> None:
+    """Whether decode steps on the CPU take the kernel where it can (`takes`); on for a CPU
+    `device`, the kernels are built now (once per machine, ~10 s, logged), at start-up
+    rather than in a first request's step."""
     global _enabled
     _enabled = on
+    if on and device is not None and device.type == "cpu":
+        cpu_block_linear.available()
 
 
 def takes(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int | None,
