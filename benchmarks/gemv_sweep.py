@@ -49,6 +49,8 @@ import common
 import quantized_gemv
 from quantized_gemv import L2_BYTES, time_cycled
 
+from infer.engine.config import GEMV_FORMS
+
 # (name, N, K) of each projection; qkv and gate_up fused as the models hold them.
 SHAPES = {
     "1b": [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048),
@@ -110,7 +112,7 @@ def main() -> None:
     parser.add_argument("--first-row-skipped", action="store_true",
                         help="with --gemv --rows 2: the GEMV's launches with the skip flag "
                         "set (the second row alone)")
-    parser.add_argument("--form", choices=["floats", "words", "units"], default="floats",
+    parser.add_argument("--form", choices=GEMV_FORMS, default="floats",
                         help="the GEMV's form (EngineConfig.gemv_form)")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -366,7 +366,7 @@ _form = "floats"  # EngineConfig.gemv_form, set by the runner's set-up
 
 def set_form(form: str) -> None:
     """The form the GEMV takes from now on where it can (`form_of`): one of
-    `EngineConfig.GEMV_FORMS`."""
+    `engine/config.py`'s GEMV_FORMS."""
     global _form
     _form = form
 
