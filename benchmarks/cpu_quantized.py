@@ -95,7 +95,9 @@ def main() -> None:
 
     path = args.model or str(default_model_path())
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    llms = {f: LLM(path, device="cpu", **engine_args(f)) for f in args.formats}
+    flags = common.parse_engine_flags(args.engine)
+    llms = {f: LLM(path, device="cpu", **common.merged_flags(engine_args(f), flags))
+            for f in args.formats}
     rates: dict[tuple[str, int], list[float]] = {}
     ttft: dict[tuple[str, int], list[float]] = {}
     for round_ in range(args.rounds):

@@ -62,7 +62,8 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
     (`fp8_decode_activations`, `fp8_mma_rows`), either operand first there
     (`mma_weight_first`), the int8 tensor cores for INT8 ones (`int8_mma_rows`), dp4a for
     GGUF Q4_K, Q6_K and Q8_0 blocks (`gguf_int8_activations`, x rounded where it is made
-    with `gguf_fused_x_rounding`)."""
+    with `gguf_fused_x_rounding`); on a CPU, INT8 ones through infer's C++ kernel
+    (`cpu_int8_kernel`)."""
     triton = kernel_backend == "triton"
     set_triton_gemv(model, config.triton_gemv and triton, config.gemv_max_rows,
                     config.gemv_max_rows if config.mma_gate_up_activation else 1)
@@ -83,7 +84,7 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
     set_8bit_kernels(model, config.w8a16_tensor_core_rows if tensor_cores else 0, fp8_x,
                      fp8_rows, config.int8_mma_rows if triton else 0,
                      config.gemv_8bit_max_rows if config.triton_gemv and triton else 0,
-                     config.gate_up_rows_apart)
+                     config.gate_up_rows_apart, config.cpu_int8_kernel)
     set_gguf_int8_activations(model, config.gguf_int8_activations and triton,
                               config.gguf_fused_x_rounding)
 

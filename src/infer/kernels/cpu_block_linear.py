@@ -24,8 +24,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-# Built into the same extension: the decode attention over the paged cache (cpu_attention.py).
-SOURCES = [SOURCE, Path(__file__).with_name("cpu_attention.cpp")]
+# Built into the same extension: the decode attention over the paged cache (cpu_attention.py)
+# and the INT8-weight linear layers of float activations (cpu_int8_linear.py).
+SOURCES = [SOURCE, Path(__file__).with_name("cpu_attention.cpp"),
+           Path(__file__).with_name("cpu_int8_linear.cpp")]
 BLOCK = 32
 Q4_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 Q8_BLOCK_BYTES = 34  # fp16 d, 32 int8
@@ -102,3 +104,10 @@ def q8_0_linear(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """float32 `x [rows, in]` times the 8-bit `blocks [out, in / 32 * 34]` (uint8)
     transposed: float32 `[rows, out]`."""
     return torch.ops.infer_cpu.q8_0_linear(x, blocks)
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 `x [rows, in]` times the int8 `weight [out, in]` transposed, each output
+    channel times its `scale [out]` (float32 or bfloat16): float32 `[rows, out]`, each row
+    the same whatever rows share the call (`cpu_int8_linear.cpp`)."""
+    return torch.ops.infer_cpu.int8_linear(x, weight, scale)

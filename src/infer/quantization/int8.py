@@ -1,15 +1,16 @@
 """Weight-only INT8 (W8A16): `weight [out, in]` int8 and `weight_scale [out]`, the float
-weight being `weight * weight_scale[:, None]`; activations stay in 16 bits.
+weight being `weight * weight_scale[:, None]`; activations stay in 16 bits on a GPU.
 
 On CUDA the matmul is ours for decode-sized steps (`kernels/w8a16_matmul.py`, Triton;
 torch's CUDA `_weight_int8pack_mm` was 7x slower than bfloat16 on the H100; with
 `EngineConfig.int8_mma_rows`, steps of a few rows on the int8 tensor cores,
 `kernels/int8_x16.py`), and cuBLAS on a dequantized copy of the weight for prefill-sized
-ones. On the CPU it is torch's
-`_weight_int8pack_mm`, fed 16-bit activations: it has no fast float32 path (8x slower than
-float32 `F.linear` at SmolLM2's shapes, against 0.67x the time in bfloat16), so a float32
-model's activations are rounded to bfloat16 for each quantized matmul, which is what A16
-means.
+ones. On the CPU it is infer's C++ kernel (`kernels/cpu_int8_linear.cpp`,
+`EngineConfig.cpu_int8_kernel`): x stays float32, each row's result the same whatever the
+step's rows. Without it (off, or not built), torch's `_weight_int8pack_mm`, fed 16-bit
+activations: it has no fast float32 path (8x slower than float32 `F.linear` at SmolLM2's
+shapes, against 0.67x the time in bfloat16), so a float32 model's activations are rounded
+to bfloat16 for each quantized matmul.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer.kernels import cpu_block_linear
 from infer.models.linear import LinearMethod
 from infer.models.weights import WeightLoader
 from infer.quantization.stored import channel_scale, quantized_as_loaded, stored_weight
@@ -80,23 +82,26 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
               ) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(layer.compute_dtype)
+        x2 = x.reshape(-1, shape[-1])
+        if not x2.is_cuda:
+            y = _cpu_matmul(layer, x2)
+            y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
+            return y if bias is None else y + bias
+        x2 = x2.to(layer.compute_dtype)
         gemv_rows = getattr(layer, "w8a16_gemv_rows", 0)
-        if x2.is_cuda and len(x2) > DEQUANTIZE_ROWS:  # compute-bound: cuBLAS on a copy
+        if len(x2) > DEQUANTIZE_ROWS:  # compute-bound: cuBLAS on a copy
             y = F.linear(x2, layer.weight.to(x2.dtype)) * layer.weight_scale
-        elif (x2.is_cuda and 1 < len(x2) <= getattr(layer, "int8_mma_rows", 0)
+        elif (1 < len(x2) <= getattr(layer, "int8_mma_rows", 0)
               and not _to_gemv(len(x2), layer.weight.shape[0], gemv_rows)):
             from infer.kernels.int8_x16 import int8_x16_matmul
 
             y = int8_x16_matmul(x2.contiguous(), layer.weight, layer.weight_scale)
-        elif x2.is_cuda:
+        else:
             from infer.kernels.w8a16_matmul import w8a16_matmul
 
             y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale,
                              tensor_core_rows=getattr(layer, "w8a16_tensor_core_rows", 0),
                              gemv_rows=gemv_rows)
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(x2, layer.weight, layer.weight_scale)
         y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
         return y if bias is None else y + bias
 
@@ -148,6 +153,16 @@ class Int8W8A8LinearMethod(Int8WeightOnlyLinearMethod):
             * layer.weight_scale.float()
         y = y.reshape(*shape[:-1], n).to(x.dtype)
         return y if bias is None else y + bias
+
+
+def _cpu_matmul(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`x [rows, in]` times the layer's weight on the CPU: infer's kernel, x in float32,
+    where the layer takes it (`cpu_int8_kernel`, set by the engine) and it is built; else
+    PyTorch's, x rounded to 16 bits."""
+    if getattr(layer, "cpu_int8_kernel", False) and cpu_block_linear.available():
+        return cpu_block_linear.int8_linear(x.float(), layer.weight, layer.weight_scale)
+    return torch.ops.aten._weight_int8pack_mm(x.to(layer.compute_dtype), layer.weight,
+                                              layer.weight_scale)
 
 
 def _to_gemv(rows: int, n: int, gemv_rows: int) -> bool:
