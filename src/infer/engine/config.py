@@ -223,6 +223,11 @@ class EngineConfig:
         "built with the CPU block kernels at start-up, once per machine) instead of the "
         "torch reference's dozen "
         "operations; where the kernels cannot be built, the torch path")
+    cpu_norm_kernel: bool = knob(
+        True, "on a CPU, the RMSNorms (and the residual add before them) of float32 rows in "
+        "one call of infer's C++ kernel (kernels/cpu_norm.cpp) instead of torch's composite "
+        "of a handful of operations (~25 us a call at SmolLM2's width, most of it dispatch); "
+        "where the kernels cannot be built, torch's")
     cpu_int8_kernel: bool = knob(
         True, "on a CPU, layers with INT8 weights (quantization=int8, a GGUF file's 8-, 6- "
         "and 5-bit layers and quantized embedding / LM head without cpu_int8_activations) "

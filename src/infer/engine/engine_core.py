@@ -42,7 +42,7 @@ from infer.engine.request import Request
 from infer.engine.runner_setup import (
     build_runner,
     capture_graphs,
-    set_matmul_kernels,
+    set_layer_kernels,
     uses_graphs,
 )
 from infer.engine.sampler import SamplingBatch, sample, warm_up_sampler
@@ -268,7 +268,7 @@ class EngineCore:
         else:
             if draft is None:
                 raise ValueError("speculative_method='draft' needs the draft model loaded")
-            set_matmul_kernels(draft[0], config, self.kernel_backend)
+            set_layer_kernels(draft[0], config, self.kernel_backend)
             runner = ModelRunner(draft[0], draft[1], num_blocks, self.block_size, self.device,
                                  self.dtype, self.attention_backend, self.kernel_backend)
             # It runs every step the model runs (its cache follows), at any batch size.

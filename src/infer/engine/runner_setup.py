@@ -21,7 +21,7 @@ from infer.engine.memory import plan_kv_cache
 from infer.engine.model_runner import ModelRunner
 from infer.engine.setup import pick_backend
 from infer.kernels import cpu_attention
-from infer.models.layers import set_gate_up_activation, set_kernel_backend
+from infer.models.layers import set_cpu_norms, set_gate_up_activation, set_kernel_backend
 from infer.models.linear import set_8bit_kernels, set_triton_gemv
 from infer.quantization.gguf_gpu import set_gguf_int8_activations
 
@@ -41,7 +41,7 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
     set_decode_combine(config.decode_combine_at_once and attention_backend == "triton")
     cpu_attention.set_enabled(config.cpu_attention_kernel, device)
     set_kernel_backend(model, kernel_backend)
-    set_matmul_kernels(model, config, kernel_backend)
+    set_layer_kernels(model, config, kernel_backend)
     set_dependent_launch(config.dependent_launch and kernel_backend == "triton", device)
     block_size, num_blocks = plan_kv_cache(config, model_config, max_model_len, model, device,
                                            dtype, draft_config, tp.size)
@@ -51,8 +51,9 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
                        attention_backend, kernel_backend)
 
 
-def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: str) -> None:
-    """Which kernels `model`'s decode-sized matmuls take: infer's GEMV for 16-bit weights
+def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: str) -> None:
+    """Whether `model`'s RMSNorms take infer's C++ kernel on a CPU (`cpu_norm_kernel`), and
+    which kernels its decode-sized matmuls take: infer's GEMV for 16-bit weights
     (`triton_gemv`, `gemv_max_rows`, a gated MLP's activation stored by the gate_up
     projection's with `gemv_gate_up_activation`, past one row with
     `mma_gate_up_activation`) and for up to `gemv_8bit_max_rows` rows
@@ -64,6 +65,7 @@ def set_matmul_kernels(model: nn.Module, config: EngineConfig, kernel_backend: s
     GGUF Q4_K, Q6_K and Q8_0 blocks (`gguf_int8_activations`, x rounded where it is made
     with `gguf_fused_x_rounding`); on a CPU, INT8 ones through infer's C++ kernel
     (`cpu_int8_kernel`)."""
+    set_cpu_norms(model, config.cpu_norm_kernel)
     triton = kernel_backend == "triton"
     set_triton_gemv(model, config.triton_gemv and triton, config.gemv_max_rows,
                     config.gemv_max_rows if config.mma_gate_up_activation else 1)

@@ -7,7 +7,8 @@ Built with the machine's C++ compiler at first use (about 10 s; torch's extensio
 keeps it, per source and flags) for the instruction set torch's own CPU kernels use
 (`torch.backends.cpu.get_cpu_capability()`, which `ATEN_CPU_CAPABILITY=avx2` lowers), and
 run on torch's intra-op threads (the same extension carries `cpu_attention.cpp`, the
-decode attention of `cpu_attention.py`). `available()` says whether it loaded; where it cannot be
+decode attention of `cpu_attention.py`; `cpu_int8_linear.cpp`, INT8 weights times float32
+x; `cpu_norm.cpp`, the RMSNorms). `available()` says whether it loaded; where it cannot be
 built (no compiler, not x86, a CPU without AVX2) the reason is logged once and callers take
 PyTorch's kernels.
 """
@@ -24,10 +25,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-# Built into the same extension: the decode attention over the paged cache (cpu_attention.py)
-# and the INT8-weight linear layers of float activations (cpu_int8_linear.py).
-SOURCES = [SOURCE, Path(__file__).with_name("cpu_attention.cpp"),
-           Path(__file__).with_name("cpu_int8_linear.cpp")]
+# Built into the same extension: the decode attention over the paged cache (cpu_attention.py),
+# the INT8-weight linear layers of float activations and the RMSNorms (below).
+SOURCES = [SOURCE, *(Path(__file__).with_name(name) for name in (
+    "cpu_attention.cpp", "cpu_int8_linear.cpp", "cpu_norm.cpp"))]
 BLOCK = 32
 Q4_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 Q8_BLOCK_BYTES = 34  # fp16 d, 32 int8
@@ -111,3 +112,15 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
     channel times its `scale [out]` (float32 or bfloat16): float32 `[rows, out]`, each row
     the same whatever rows share the call (`cpu_int8_linear.cpp`)."""
     return torch.ops.infer_cpu.int8_linear(x, weight, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of contiguous float32 `x [..., dim]` by float32 `weight [dim]`
+    (`cpu_norm.cpp`)."""
+    return torch.ops.infer_cpu.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rms_norm(residual + x), residual + x)`, float32, in one call (`cpu_norm.cpp`)."""
+    return torch.ops.infer_cpu.add_rms_norm(x, residual, weight, eps)

@@ -32,7 +32,8 @@ class RMSNorm(nn.Module):
     rank's partial sum, all-reduced first: in the same kernel where the group has the
     fused one (`kernels/all_reduce_norm.py`). With `int8_rows` (set with the GGUF int8-x
     kernels, `set_gguf_int8_activations`) a one-row output carries its rounding to int8
-    for the projections it goes into (`kernels/int8_rows.py`).
+    for the projections it goes into (`kernels/int8_rows.py`). With `cpu_kernel` (set by
+    `set_cpu_norms`) float32 rows on a CPU take infer's C++ kernel (`kernels/cpu_norm.cpp`).
     """
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
@@ -43,6 +44,7 @@ class RMSNorm(nn.Module):
         self.use_triton = False
         self.reduce_input: TensorParallelGroup | None = None
         self.int8_rows = False
+        self.cpu_kernel = False
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -60,10 +62,26 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return rmsnorm(x, self.weight, self.eps, self.offset)
             return fused_add_rmsnorm(x, residual, self.weight, self.eps, self.offset)
+        if self.cpu_kernel and self._cpu_kernel_takes(x, residual):
+            from infer.kernels import cpu_block_linear
+
+            weight = self.weight + self.offset if self.offset else self.weight
+            if residual is None:
+                return cpu_block_linear.rms_norm(x, weight, self.eps)
+            return cpu_block_linear.add_rms_norm(x, residual, weight, self.eps)
         if residual is None:
             return self._norm(x)
         residual = residual + x
         return self._norm(residual), residual
+
+    def _cpu_kernel_takes(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        from infer.kernels import cpu_block_linear
+
+        return (x.device.type == "cpu" and x.dtype == self.weight.dtype == torch.float32
+                and x.is_contiguous()
+                and (residual is None or (residual.dtype == torch.float32
+                                          and residual.is_contiguous()))
+                and cpu_block_linear.available())
 
     def _with_int8_rows(self, x: torch.Tensor, residual: torch.Tensor | None
                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -241,6 +259,14 @@ def set_gate_up_activation(model: nn.Module, on: bool) -> None:
     for m in model.modules():
         if isinstance(m, GatedMLP):
             m.act_in_gate_up = on
+
+
+def set_cpu_norms(model: nn.Module, on: bool) -> None:
+    """Whether `model`'s RMSNorms take infer's C++ kernel on float32 CPU rows
+    (`RMSNorm.cpu_kernel`)."""
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.cpu_kernel = on
 
 
 def set_kernel_backend(model: nn.Module, name: str) -> None:
