@@ -104,3 +104,84 @@ def test_the_knob_sets_the_kernel_per_engine_and_keeps_greedy_tokens(kernel_on):
     for (tokens, logprobs), (want, want_logprobs) in zip(outs[True], outs[False]):
         assert tokens == want
         assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 1e-4
+
+
+def _layer_inputs(tokens: int, heads: int, kv_heads: int, dim: int, seed: int,
+                  dtype: torch.dtype = torch.float32):
+    """q, k, v as views of one fused projection output (as the models make them), random
+    caches, positions, and slots with one token not stored (-1)."""
+    gen = torch.Generator().manual_seed(seed)
+    fused = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    q, k, v = fused.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = (t.view(tokens, -1, dim) for t in (q, k, v))
+    caches = [torch.randn(6, 4, kv_heads, dim, generator=gen).to(dtype) for _ in range(2)]
+    positions = torch.randint(0, 60, (tokens,), generator=gen)
+    slots = torch.randperm(24, generator=gen)[:tokens]
+    slots[tokens // 2] = -1
+    return q, k, v, caches, positions, slots
+
+
+def _prologue(dim: int, qk_norm: bool):
+    from infer.attention.qk_prologue import QKPrologue
+    from infer.config import RopeConfig
+    from infer.models.layers import RMSNorm, RotaryEmbedding
+
+    rotary = RotaryEmbedding(dim, 64, RopeConfig(theta=500000.0))
+    if not qk_norm:
+        return QKPrologue(rotary)
+    norms = [RMSNorm(dim, 1e-6) for _ in range(2)]
+    for i, norm in enumerate(norms):
+        with torch.no_grad():
+            norm.weight.copy_(torch.linspace(0.5, 1.5, dim) + i)
+    return QKPrologue(rotary, *norms)
+
+
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "dim", "qk_norm"), [
+    (1, 9, 3, 64, False), (5, 4, 2, 128, False), (7, 8, 8, 32, True), (3, 2, 1, 10, False)])
+def test_rope_store_gives_the_torch_paths_q_and_caches(tokens, heads, kv_heads, dim, qk_norm,
+                                                      kernel_on, monkeypatch):
+    """RoPE at random positions, a token with no slot, GQA, head norms first (Qwen3): the
+    returned q and both caches as the torch path leaves them, to float32 rounding (the
+    slots not written untouched), and the kernel is what ran."""
+    q, k, v, caches, positions, slots = _layer_inputs(tokens, heads, kv_heads, dim, seed=dim)
+    prologue = _prologue(dim, qk_norm)
+    want_caches = [c.clone() for c in caches]
+    cpu_attention.set_enabled(False)
+    want_q = torch_backend.write_kv_with_prologue(*want_caches, q, k, v, slots, positions,
+                                                  prologue)
+    cpu_attention.set_enabled(True)
+    calls = []
+    real = cpu_attention.rope_store
+    monkeypatch.setattr(cpu_attention, "rope_store", lambda *a: calls.append(1) or real(*a))
+    before = [c.clone() for c in caches]
+    got_q = torch_backend.write_kv_with_prologue(*caches, q, k, v, slots, positions, prologue)
+    assert calls == [1]
+    assert got_q.shape == want_q.shape
+    assert (got_q - want_q).abs().max().item() < 1e-5
+    for got, want, old in zip(caches, want_caches, before):
+        assert (got - want).abs().max().item() < 1e-5
+        written = torch.zeros(got.shape[0] * got.shape[1], dtype=torch.bool)
+        written[slots[slots >= 0]] = True
+        assert torch.equal(got.flatten(0, 1)[~written], old.flatten(0, 1)[~written])
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "off"])
+def test_rope_store_not_taken_where_it_does_not_apply(case, kernel_on, monkeypatch):
+    dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
+    q, k, v, caches, positions, slots = _layer_inputs(3, 4, 2, 16, seed=1, dtype=dtype)
+    if case == "off":
+        cpu_attention.set_enabled(False)
+    monkeypatch.setattr(cpu_attention, "rope_store", lambda *a: pytest.fail("the kernel ran"))
+    torch_backend.write_kv_with_prologue(*caches, q, k, v, slots, positions,
+                                         _prologue(16, False))
+
+
+@pytest.mark.parametrize(("position", "slot", "message"), [
+    (64, 0, "position 64 outside the RoPE table"), (-1, 0, "position -1"),
+    (0, 24, "slot 24 outside the cache"), (0, -2, "slot -2")])
+def test_rope_store_refuses_a_position_or_slot_out_of_range(position, slot, message):
+    q, k, v, caches, positions, slots = _layer_inputs(2, 4, 2, 16, seed=2)
+    positions[1], slots[1] = position, slot
+    rotary = _prologue(16, False).rotary
+    with pytest.raises(RuntimeError, match=message):
+        cpu_attention.rope_store(q, k, v, rotary, positions, slots, *caches)

@@ -23,9 +23,13 @@ class QKPrologue:
     def apply(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """The unfused path on `[tokens, heads, head_dim]`, each module on its own kernels."""
+        return self.rotary(positions, *self.normed(q, k))
+
+    def normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k through the head norms, if the model has them."""
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return self.rotary(positions, q, k)
+            return self.q_norm(q), self.k_norm(k)
+        return q, k
 
     @property
     def fusable(self) -> bool:

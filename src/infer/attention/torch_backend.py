@@ -34,7 +34,12 @@ def write_kv_with_prologue(
     v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
     prologue: QKPrologue,
 ) -> torch.Tensor:
-    """The prologue's modules one by one, then the store; returns the new q."""
+    """The prologue's modules one by one, then the store; returns the new q. On a CPU the
+    RoPE and the store in one call where it applies (`cpu_attention.rope_store`)."""
+    if cpu_attention.takes_rope_store(q, k, k_cache, prologue.rotary):
+        q, k = prologue.normed(q, k)
+        return cpu_attention.rope_store(q, k, v, prologue.rotary, positions, slot_mapping,
+                                        k_cache, v_cache)
     q, k = prologue.apply(positions, q, k)
     write_kv(k_cache, v_cache, k, v, slot_mapping)
     return q

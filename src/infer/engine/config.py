@@ -221,8 +221,9 @@ class EngineConfig:
         True, "on a CPU, a decode step's attention (float32 cache, no sliding window or "
         "softcap) in one call a layer of infer's C++ kernel (kernels/cpu_attention.cpp, "
         "built with the CPU block kernels at start-up, once per machine) instead of the "
-        "torch reference's dozen "
-        "operations; where the kernels cannot be built, the torch path")
+        "torch reference's dozen operations, and every step's RoPE + KV store in one call "
+        "a layer (kernels/cpu_rope_store.cpp) instead of about twenty; where the kernels "
+        "cannot be built, the torch path")
     cpu_norm_kernel: bool = knob(
         True, "on a CPU, the RMSNorms (and the residual add before them) of float32 rows in "
         "one call of infer's C++ kernel (kernels/cpu_norm.cpp) instead of torch's composite "

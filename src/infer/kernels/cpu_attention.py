@@ -1,7 +1,9 @@
 """A CPU decode step's attention in one call a layer (`cpu_attention.cpp`): every sequence's
 new query against its keys and values read through its block table, float32, in place of
 the torch reference's gather, conversions and `scaled_dot_product_attention` (about a dozen
-torch operations a layer, each microseconds of dispatch on a CPU).
+torch operations a layer, each microseconds of dispatch on a CPU). Before it, in every step,
+the layer's RoPE and KV store in one call too (`cpu_rope_store.cpp`, about twenty torch
+operations).
 
 Built into infer's CPU extension (`cpu_block_linear.available`: x86 with AVX2, a
 compiler); where that is missing, or for what it does not cover (a sliding window, a
@@ -43,3 +45,22 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     `seq_lens`): `[seqs, heads, dim]`, all float32."""
     return torch.ops.infer_cpu.paged_decode(q, k_cache, v_cache, block_tables, seq_lens,
                                             scale)
+
+
+def takes_rope_store(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor,
+                     rotary: torch.nn.Module) -> bool:
+    """Whether `rope_store` serves this layer's RoPE (tables over the whole head) and store."""
+    return (_enabled and q.device.type == "cpu"
+            and q.dtype == k.dtype == k_cache.dtype == torch.float32
+            and not rotary.use_triton and 2 * rotary.cos.shape[1] == q.shape[-1]
+            and q.stride(1) == k.stride(1) == q.shape[-1] and q.stride(2) == k.stride(2) == 1
+            and cpu_block_linear.available())
+
+
+def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: torch.nn.Module,
+               positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor) -> torch.Tensor:
+    """q `[tokens, heads, dim]` and k rotated by `rotary`'s tables at `positions`; k and v
+    `[tokens, kv_heads, dim]` stored at `slot_mapping` (-1: not stored); returns q rotated."""
+    return torch.ops.infer_cpu.rope_store(q, k, v, rotary.cos, rotary.sin, positions,
+                                          slot_mapping, k_cache, v_cache)

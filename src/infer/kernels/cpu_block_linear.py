@@ -6,11 +6,11 @@ kernels do (AVX2; `_mm256_dpbusd` where the compiler targets AVX-512 VNNI).
 Built with the machine's C++ compiler at first use (about 10 s; torch's extension cache
 keeps it, per source and flags) for the instruction set torch's own CPU kernels use
 (`torch.backends.cpu.get_cpu_capability()`, which `ATEN_CPU_CAPABILITY=avx2` lowers), and
-run on torch's intra-op threads (the same extension carries `cpu_attention.cpp`, the
-decode attention of `cpu_attention.py`; `cpu_int8_linear.cpp`, INT8 weights times float32
-x; `cpu_norm.cpp`, the RMSNorms). `available()` says whether it loaded; where it cannot be
-built (no compiler, not x86, a CPU without AVX2) the reason is logged once and callers take
-PyTorch's kernels.
+run on torch's intra-op threads (the same extension carries `cpu_attention.cpp` and
+`cpu_rope_store.cpp`, the decode attention and the RoPE + KV store of `cpu_attention.py`;
+`cpu_int8_linear.cpp`, INT8 weights times float32 x; `cpu_norm.cpp`, the RMSNorms).
+`available()` says whether it loaded; where it cannot be built (no compiler, not x86, a
+CPU without AVX2) the reason is logged once and callers take PyTorch's kernels.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-# Built into the same extension: the decode attention over the paged cache (cpu_attention.py),
-# the INT8-weight linear layers of float activations and the RMSNorms (below).
+# Built into the same extension: the decode attention over the paged cache and the RoPE + KV
+# store before it (cpu_attention.py), INT8 weights times float x and the RMSNorms (below).
 SOURCES = [SOURCE, *(Path(__file__).with_name(name) for name in (
-    "cpu_attention.cpp", "cpu_int8_linear.cpp", "cpu_norm.cpp"))]
+    "cpu_attention.cpp", "cpu_rope_store.cpp", "cpu_int8_linear.cpp", "cpu_norm.cpp"))]
 BLOCK = 32
 Q4_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 Q8_BLOCK_BYTES = 34  # fp16 d, 32 int8
