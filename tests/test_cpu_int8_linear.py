@@ -103,26 +103,12 @@ def test_the_knob_sets_the_kernel_per_engine_and_keeps_greedy_tokens():
     """`cpu_int8_kernel` on the tiny model in INT8: each engine sets its layers (one after
     another does not inherit it); the greedy tokens match with it off and the logprobs
     are within the bfloat16 rounding of x that the off path adds."""
-    from tiny_model import tiny_model_dir
+    from tiny_model import same_greedy_either_way
 
-    from infer import LLM, SamplingParams
-    from infer.quantization.int8 import Int8WeightOnlyLinearMethod as Method
-
-    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True)
-    prompts = ["The tiny model says", "Once upon a time there was", "A"]
-    outs = {}
-    for on in (False, True):
-        llm = LLM(str(tiny_model_dir()), device="cpu", num_blocks=64, max_model_len=128,
-                  quantization="int8", cpu_int8_kernel=on)
-        model = llm.engine.core.runner.model
-        int8_layers = [m for m in model.modules()
-                       if isinstance(getattr(m, "quant_method", None), Method)]
+    def check(llm, on):
+        int8_layers = [m for m in llm.engine.core.runner.model.modules()
+                       if isinstance(getattr(m, "quant_method", None),
+                                     Int8WeightOnlyLinearMethod)]
         assert int8_layers and all(m.cpu_int8_kernel is on for m in int8_layers)
-        outs[on] = [(out.token_ids, [lp[t].logprob for t, lp in
-                                     zip(out.token_ids, out.logprobs)])
-                    for o in llm.generate(prompts, params, use_tqdm=False)
-                    for out in o.outputs]
-        del llm
-    for (tokens, logprobs), (want, want_logprobs) in zip(outs[True], outs[False]):
-        assert tokens == want
-        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 5e-2
+
+    same_greedy_either_way("cpu_int8_kernel", check, 5e-2, quantization="int8")

@@ -98,23 +98,10 @@ def test_the_knob_sets_the_kernel_per_engine_and_keeps_greedy_tokens():
     """`cpu_norm_kernel` on the tiny float32 model: each engine sets its norms (one after
     another does not inherit it); greedy tokens and logprobs as with it off, to float32
     rounding."""
-    from tiny_model import tiny_model_dir
+    from tiny_model import same_greedy_either_way
 
-    from infer import LLM, SamplingParams
-
-    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True)
-    prompts = ["The tiny model says", "Once upon a time there was", "A"]
-    outs = {}
-    for on in (False, True):
-        llm = LLM(str(tiny_model_dir()), device="cpu", num_blocks=64, max_model_len=128,
-                  cpu_norm_kernel=on)
+    def check(llm, on):
         norms = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, RMSNorm)]
         assert norms and all(m.cpu_kernel is on for m in norms)
-        outs[on] = [(out.token_ids, [lp[t].logprob for t, lp in
-                                     zip(out.token_ids, out.logprobs)])
-                    for o in llm.generate(prompts, params, use_tqdm=False)
-                    for out in o.outputs]
-        del llm
-    for (tokens, logprobs), (want, want_logprobs) in zip(outs[True], outs[False]):
-        assert tokens == want
-        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 1e-4
+
+    same_greedy_either_way("cpu_norm_kernel", check, 1e-4)

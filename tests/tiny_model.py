@@ -44,3 +44,26 @@ def write_tiny_llama(path: Path) -> Path:
 @cache
 def tiny_model_dir() -> Path:
     return write_tiny_llama(Path(tempfile.mkdtemp(prefix="infer-tiny-llama-")))
+
+
+def same_greedy_either_way(knob: str, check, logprob_tolerance: float, **flags) -> None:
+    """The tiny model's greedy tokens with `EngineConfig.<knob>` off and then on (each engine
+    built after the other, so none inherits the setting), `check(llm, on)` asserting what
+    each engine set: the same tokens, logprobs within `logprob_tolerance`."""
+    from infer import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True)
+    prompts = ["The tiny model says", "Once upon a time there was", "A"]
+    outs = {}
+    for on in (False, True):
+        llm = LLM(str(tiny_model_dir()), device="cpu", num_blocks=64, max_model_len=128,
+                  **flags, **{knob: on})
+        check(llm, on)
+        outs[on] = [(out.token_ids, [lp[t].logprob for t, lp in
+                                     zip(out.token_ids, out.logprobs)])
+                    for o in llm.generate(prompts, params, use_tqdm=False)
+                    for out in o.outputs]
+        del llm
+    for (tokens, logprobs), (want, want_logprobs) in zip(outs[True], outs[False]):
+        assert tokens == want
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < logprob_tolerance
