@@ -1,8 +1,9 @@
 // Linear layers with INT8 weights, one float scale per output channel (W8A16 on the CPU):
 //   y[r, n] = scale[n] * sum_k x[r, k] * w[n, k]
 // x stays float32; each weight is made float32 (sign-extended, converted) and multiplied in
-// float32, the sums in eight lanes and a fixed order, so a row's result does not depend on
-// how many rows share the call. Threads: torch's intra-op pool, split over output channels.
+// float32, the sums in lanes (8 with AVX2, 16 with AVX-512) and a fixed order, so a row's
+// result does not depend on how many rows share the call. Threads: torch's intra-op pool,
+// split over output channels.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -10,6 +10,7 @@ from torch import nn
 
 from infer.config import RopeConfig
 from infer.distributed.group import TensorParallelGroup
+from infer.kernels import cpu_block_linear
 from infer.models.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -63,8 +64,6 @@ class RMSNorm(nn.Module):
                 return rmsnorm(x, self.weight, self.eps, self.offset)
             return fused_add_rmsnorm(x, residual, self.weight, self.eps, self.offset)
         if self.cpu_kernel and self._cpu_kernel_takes(x, residual):
-            from infer.kernels import cpu_block_linear
-
             weight = self.weight + self.offset if self.offset else self.weight
             if residual is None:
                 return cpu_block_linear.rms_norm(x, weight, self.eps)
@@ -75,8 +74,6 @@ class RMSNorm(nn.Module):
         return self._norm(residual), residual
 
     def _cpu_kernel_takes(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-        from infer.kernels import cpu_block_linear
-
         return (x.device.type == "cpu" and x.dtype == self.weight.dtype == torch.float32
                 and x.is_contiguous()
                 and (residual is None or (residual.dtype == torch.float32

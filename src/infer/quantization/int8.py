@@ -83,25 +83,7 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
               ) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if not x2.is_cuda:
-            y = _cpu_matmul(layer, x2)
-            y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
-            return y if bias is None else y + bias
-        x2 = x2.to(layer.compute_dtype)
-        gemv_rows = getattr(layer, "w8a16_gemv_rows", 0)
-        if len(x2) > DEQUANTIZE_ROWS:  # compute-bound: cuBLAS on a copy
-            y = F.linear(x2, layer.weight.to(x2.dtype)) * layer.weight_scale
-        elif (1 < len(x2) <= getattr(layer, "int8_mma_rows", 0)
-              and not _to_gemv(len(x2), layer.weight.shape[0], gemv_rows)):
-            from infer.kernels.int8_x16 import int8_x16_matmul
-
-            y = int8_x16_matmul(x2.contiguous(), layer.weight, layer.weight_scale)
-        else:
-            from infer.kernels.w8a16_matmul import w8a16_matmul
-
-            y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale,
-                             tensor_core_rows=getattr(layer, "w8a16_tensor_core_rows", 0),
-                             gemv_rows=gemv_rows)
+        y = _cuda_matmul(layer, x2) if x2.is_cuda else _cpu_matmul(layer, x2)
         y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
         return y if bias is None else y + bias
 
@@ -153,6 +135,25 @@ class Int8W8A8LinearMethod(Int8WeightOnlyLinearMethod):
             * layer.weight_scale.float()
         y = y.reshape(*shape[:-1], n).to(x.dtype)
         return y if bias is None else y + bias
+
+
+def _cuda_matmul(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`x [rows, in]` times the layer's weight on CUDA, by the step's rows (the module's
+    docstring)."""
+    x = x.to(layer.compute_dtype)
+    gemv_rows = getattr(layer, "w8a16_gemv_rows", 0)
+    if len(x) > DEQUANTIZE_ROWS:  # compute-bound: cuBLAS on a copy
+        return F.linear(x, layer.weight.to(x.dtype)) * layer.weight_scale
+    if (1 < len(x) <= getattr(layer, "int8_mma_rows", 0)
+            and not _to_gemv(len(x), layer.weight.shape[0], gemv_rows)):
+        from infer.kernels.int8_x16 import int8_x16_matmul
+
+        return int8_x16_matmul(x.contiguous(), layer.weight, layer.weight_scale)
+    from infer.kernels.w8a16_matmul import w8a16_matmul
+
+    return w8a16_matmul(x.contiguous(), layer.weight, layer.weight_scale,
+                        tensor_core_rows=getattr(layer, "w8a16_tensor_core_rows", 0),
+                        gemv_rows=gemv_rows)
 
 
 def _cpu_matmul(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
