@@ -53,33 +53,36 @@ def _reference(q, k, v, meta, scale, **kw) -> torch.Tensor:
 @pytest.mark.parametrize(("lens", "heads", "kv_heads", "dim"), [
     ([1], 9, 3, 64), ([100], 9, 3, 64), ([16, 17, 1, 250], 9, 3, 64), ([33, 5], 4, 4, 128),
     ([40, 41, 42], 8, 2, 80), ([7], 2, 1, 12)])
-def test_the_kernel_gives_the_torch_paths_attention(lens, heads, kv_heads, dim, kernel_on,
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 16}, {"logit_softcap": 2.0},
+                                {"sliding_window": 5, "logit_softcap": 30.0}])
+def test_the_kernel_gives_the_torch_paths_attention(lens, heads, kv_heads, dim, kw, kernel_on,
                                                     monkeypatch):
     """Sequences of 1 key to several blocks' (block boundaries both sides), GQA groups of 1
-    to 4, head sizes off the 8-lane step: within float32 rounding of the reference, and the
-    kernel is what ran."""
+    to 4, head sizes off the 8-lane step, a sliding window shorter and longer than the
+    sequences (Gemma 3's local layers), a softcap that bends the scores (Gemma 2's): within
+    float32 rounding of the reference, and the kernel is what ran."""
     q, k, v, meta = _step(lens, heads, kv_heads, dim, seed=len(lens) * dim)
+    q = q * 3  # scores past the softcap's knee
     calls = []
     real = cpu_attention.paged_decode
     monkeypatch.setattr(cpu_attention, "paged_decode",
                         lambda *a: calls.append(1) or real(*a))
-    got = torch_backend.paged_attention(q, k, v, meta, dim ** -0.5)
-    want = _reference(q, k, v, meta, dim ** -0.5)
+    got = torch_backend.paged_attention(q, k, v, meta, dim ** -0.5, **kw)
+    want = _reference(q, k, v, meta, dim ** -0.5, **kw)
     assert calls == [1]
     assert got.shape == want.shape and got.dtype == torch.float32
     assert (got - want).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("case", ["window", "softcap", "bfloat16", "off"])
+@pytest.mark.parametrize("case", ["bfloat16", "off"])
 def test_what_the_kernel_does_not_cover_takes_the_torch_path(case, kernel_on, monkeypatch):
     q, k, v, meta = _step([20, 3], 4, 2, 64, seed=7,
                           dtype=torch.bfloat16 if case == "bfloat16" else torch.float32)
-    kw = {"window": {"sliding_window": 8}, "softcap": {"logit_softcap": 30.0}}.get(case, {})
     if case == "off":
         cpu_attention.set_enabled(False)
     monkeypatch.setattr(cpu_attention, "paged_decode",
                         lambda *a: pytest.fail("the kernel ran"))
-    torch_backend.paged_attention(q, k, v, meta, 0.125, **kw)
+    torch_backend.paged_attention(q, k, v, meta, 0.125)
 
 
 def test_the_knob_sets_the_kernel_per_engine_and_keeps_greedy_tokens(kernel_on):

@@ -111,9 +111,9 @@ def _decode_attention(
     the longest sequence, padding masked out (instead of a Python loop per sequence).
     Without a softcap, through torch's fused `scaled_dot_product_attention`; on a CPU where
     it can, in one call of infer's own kernel (`kernels/cpu_attention.py`)."""
-    if cpu_attention.takes(q, k_cache, sliding_window, logit_softcap):
+    if cpu_attention.takes(q, k_cache):
         return cpu_attention.paged_decode(q, k_cache, v_cache, meta.block_tables,
-                                          meta.seq_lens, scale)
+                                          meta.seq_lens, scale, sliding_window, logit_softcap)
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads

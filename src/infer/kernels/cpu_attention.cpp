@@ -1,6 +1,7 @@
 // Decode attention on the CPU over the paged KV cache, one call for a step's layer: every
 // sequence's one new query against its keys and values read through its block table, in
-// float32 (softmax by its maximum, as torch's reference path computes it). Built into the
+// float32 (softmax by its maximum, as torch's reference path computes it); with a sliding
+// window only the last `window` keys, with a softcap each score `c tanh(score / c)`. Built into the
 // same extension as cpu_block_linear.cpp (`cpu_block_linear.available`); threads: torch's
 // intra-op pool, one (sequence, kv head) pair at a time.
 
@@ -31,11 +32,12 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 // q [seqs, heads, dim], caches [blocks, block_size, kv_heads, dim] (float32, contiguous),
-// block_tables [seqs, >= blocks a sequence holds] int32, seq_lens [seqs] int32 (each >= 1):
-// [seqs, heads, dim].
+// block_tables [seqs, >= blocks a sequence holds] int32, seq_lens [seqs] int32 (each >= 1);
+// window 0 / softcap 0: none. Returns [seqs, heads, dim].
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& block_tables,
-                        const at::Tensor& seq_lens, double scale) {
+                        const at::Tensor& seq_lens, double scale, int64_t window,
+                        double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q: float32 [seqs, heads, dim]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
                   k_cache.sizes() == v_cache.sizes() && v_cache.scalar_type() == at::kFloat &&
@@ -59,7 +61,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
   float* op = out.data_ptr<float>();
   const int64_t group = heads / kv_heads, table_width = tables.size(1);
   const int64_t token_stride = kv_heads * dim, block_stride = block_size * token_stride;
-  const float s = static_cast<float>(scale);
+  const float s = static_cast<float>(scale), cap = static_cast<float>(softcap);
   at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t pair = begin; pair < end; ++pair) {
@@ -68,26 +70,29 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
       TORCH_CHECK(len >= 1 && (len + block_size - 1) / block_size <= table_width,
                   "sequence ", seq, ": ", len, " keys beyond its block table");
       const int32_t* table = tp + seq * table_width;
-      scores.resize(group * len);
+      const int64_t first = window > 0 && len > window ? len - window : 0, keys = len - first;
+      scores.resize(group * keys);
       for (int64_t g = 0; g < group; ++g) {
         const float* qh = qp + (seq * heads + kvh * group + g) * dim;
-        float* row = scores.data() + g * len;
+        float* row = scores.data() + g * keys;
         float top = -INFINITY;
-        for (int64_t t = 0; t < len; ++t) {
+        for (int64_t t = first; t < len; ++t) {
           const float* k = kp + table[t / block_size] * block_stride +
                            (t % block_size) * token_stride + kvh * dim;
-          row[t] = dot(qh, k, dim) * s;
-          top = row[t] > top ? row[t] : top;
+          float score = dot(qh, k, dim) * s;
+          if (cap > 0.f) score = std::tanh(score / cap) * cap;
+          row[t - first] = score;
+          top = score > top ? score : top;
         }
         float total = 0.f;
-        for (int64_t t = 0; t < len; ++t) total += (row[t] = std::exp(row[t] - top));
+        for (int64_t i = 0; i < keys; ++i) total += (row[i] = std::exp(row[i] - top));
         const float inv = 1.f / total;
         float* o = op + (seq * heads + kvh * group + g) * dim;
         for (int64_t d = 0; d < dim; ++d) o[d] = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
+        for (int64_t t = first; t < len; ++t) {
           const float* v = vp + table[t / block_size] * block_stride +
                            (t % block_size) * token_stride + kvh * dim;
-          const float p = row[t] * inv;
+          const float p = row[t - first] * inv;
           for (int64_t d = 0; d < dim; ++d) o[d] += p * v[d];
         }
       }
@@ -100,7 +105,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
 
 TORCH_LIBRARY_FRAGMENT(infer_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale) -> Tensor");
+        "Tensor seq_lens, float scale, int window, float softcap) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infer_cpu, CPU, m) {

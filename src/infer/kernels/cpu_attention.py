@@ -6,8 +6,8 @@ the layer's RoPE and KV store in one call too (`cpu_rope_store.cpp`, about twent
 operations).
 
 Built into infer's CPU extension (`cpu_block_linear.available`: x86 with AVX2, a
-compiler); where that is missing, or for what it does not cover (a sliding window, a
-logit softcap, a cache that is not float32), the torch path runs.
+compiler); where that is missing, or for what it does not cover (a cache that is not
+float32), the torch path runs.
 `EngineConfig.cpu_attention_kernel` turns it off."""
 
 from __future__ import annotations
@@ -29,22 +29,22 @@ def set_enabled(on: bool, device: torch.device | None = None) -> None:
         cpu_block_linear.available()
 
 
-def takes(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int | None,
-          logit_softcap: float | None) -> bool:
+def takes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `paged_decode` serves this all-decode step."""
     return (_enabled and q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32
-            and sliding_window is None and not logit_softcap and k_cache.is_contiguous()
-            and cpu_block_linear.available())
+            and k_cache.is_contiguous() and cpu_block_linear.available())
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                 sliding_window: int | None = None, logit_softcap: float | None = None
                  ) -> torch.Tensor:
     """`q [seqs, heads, dim]`, one query a sequence at position `seq_lens[i] - 1`, against
     the cache's first `seq_lens[i]` tokens of each sequence (int32 `block_tables`,
-    `seq_lens`): `[seqs, heads, dim]`, all float32."""
+    `seq_lens`), the last `sliding_window` of them if set, each score softcapped if
+    `logit_softcap`: `[seqs, heads, dim]`, all float32."""
     return torch.ops.infer_cpu.paged_decode(q, k_cache, v_cache, block_tables, seq_lens,
-                                            scale)
+                                            scale, sliding_window or 0, logit_softcap or 0.0)
 
 
 def takes_rope_store(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor,
