@@ -214,7 +214,7 @@ class EngineConfig:
         None, "on a CPU, a GGUF file's 4-bit layers (Q4_0, Q4_1, Q4_K) and Q8_0 embedding "
         "table / LM head kept as stored in blocks of 32 and multiplied by infer's kernels "
         "(kernels/cpu_block_linear.cpp, built at first use), x rounded to int8 per 32 values "
-        "as llama.cpp does, instead of PyTorch's INT4 / INT8 kernels (x in bfloat16); "
+        "as llama.cpp does, instead of PyTorch's INT4 kernel (x in bfloat16) and INT8 per row; "
         "default: on where torch's CPU kernels are AVX2 ones (SmolLM2 batch-1 decode 60-70 "
         "tok/s against 38-44, llama.cpp 88-125; docs/performance.md), off on AVX-512 CPUs, "
         "where PyTorch's INT4 kernel is as fast at one row and faster at eight")
