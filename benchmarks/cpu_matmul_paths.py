@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
-from infer.kernels import cpu_block_linear
+from infer.kernels import cpu_extension
 from infer.kernels.cpu_block_linear import Q8_BLOCK_BYTES, q4_1_linear, q8_0_linear
 from infer.quantization.cpu_blocks import q4_blocks
 
@@ -74,7 +74,7 @@ def _one_copy(n: int, k: int, rows: int, gen: torch.Generator
     fbgemm8 = torch.ops.quantized.linear_prepack(qw, None)
     fbgemm16 = torch.ops.quantized.linear_prepack_fp16(w, None)
     scale_b = scale.bfloat16()
-    paths = _block_paths(n, k, x, gen) if cpu_block_linear.available() else {}
+    paths = _block_paths(n, k, x, gen) if cpu_extension.available() else {}
     return paths | {
         "int4 kernel": (lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
             xb, packed4, 32, scales_zeros), n * k // 2 + scales_zeros.numel() * 2),

@@ -9,9 +9,9 @@ import torch
 
 from infer.attention import torch_backend
 from infer.attention.metadata import AttentionMetadata
-from infer.kernels import cpu_attention, cpu_block_linear
+from infer.kernels import cpu_attention, cpu_extension
 
-pytestmark = pytest.mark.skipif(not cpu_block_linear.available(),
+pytestmark = pytest.mark.skipif(not cpu_extension.available(),
                                 reason="infer's CPU kernels cannot be built here")
 
 

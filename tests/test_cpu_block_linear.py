@@ -11,8 +11,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from test_gguf_quantized import _blocks, _weight
 
-from infer.kernels import cpu_block_linear
-from infer.kernels.cpu_block_linear import isa_flags, q4_1_linear, q8_0_linear
+from infer.kernels import cpu_extension
+from infer.kernels.cpu_block_linear import q4_1_linear, q8_0_linear
+from infer.kernels.cpu_extension import isa_flags
 from infer.quantization.cpu_blocks import (
     Q4BlocksLinearMethod,
     decode_q4_blocks,
@@ -21,7 +22,7 @@ from infer.quantization.cpu_blocks import (
 )
 from infer.quantization.gguf_blocks import GGUFBlocks, int4_groups
 
-pytestmark = pytest.mark.skipif(not cpu_block_linear.available(),
+pytestmark = pytest.mark.skipif(not cpu_extension.available(),
                                 reason="the block kernels do not build on this machine")
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infer.kernels import cpu_block_linear
+from infer.kernels import cpu_extension, cpu_int8_linear
 from infer.quantization.int8 import Int8WeightOnlyLinearMethod
 
-pytestmark = pytest.mark.skipif(not cpu_block_linear.available(),
+pytestmark = pytest.mark.skipif(not cpu_extension.available(),
                                 reason="infer's CPU kernels cannot be built here")
 
 
@@ -38,7 +38,7 @@ def test_the_kernel_gives_the_float64_product(rows, out, cols, scale_dtype):
     (1e-6 of sum |x w| s; bfloat16 rounding of x, as torch's INT8 kernel has, would be
     ~1e-3)."""
     x, w, scale = _operands(rows, out, cols, seed=rows * 1000 + cols, scale_dtype=scale_dtype)
-    got = cpu_block_linear.int8_linear(x, w, scale)
+    got = cpu_int8_linear.int8_linear(x, w, scale)
     want = _float64(x, w, scale)
     bound = (x.double().abs() @ w.double().abs().T) * scale.double()
     assert got.dtype == torch.float32 and got.shape == (rows, out)
@@ -51,9 +51,9 @@ def test_each_row_is_its_one_row_result_bit_for_bit(rows):
     pairs from 16 rows on), each row's output is the one it has alone: a sequence's
     logits do not depend on the batch beside it."""
     x, w, scale = _operands(rows, 45, 208, seed=rows)
-    together = cpu_block_linear.int8_linear(x, w, scale)
+    together = cpu_int8_linear.int8_linear(x, w, scale)
     for r in range(rows):
-        alone = cpu_block_linear.int8_linear(x[r:r + 1].clone(), w, scale)
+        alone = cpu_int8_linear.int8_linear(x[r:r + 1].clone(), w, scale)
         assert torch.equal(together[r:r + 1], alone)
 
 
@@ -66,7 +66,7 @@ def test_each_row_is_its_one_row_result_bit_for_bit(rows):
     (torch.zeros(2, 8), torch.zeros(3, 8, dtype=torch.int8), torch.ones(3).half(), "scale:")])
 def test_operands_it_cannot_take_are_refused_by_name(x, w, scale, message):
     with pytest.raises(RuntimeError, match=message):
-        cpu_block_linear.int8_linear(x, w, scale)
+        cpu_int8_linear.int8_linear(x, w, scale)
 
 
 def _int8_layer(out: int, cols: int, seed: int, on: bool) -> torch.nn.Module:
@@ -87,8 +87,8 @@ def test_an_int8_layer_takes_the_kernel_where_set(monkeypatch):
     method = on.quant_method
     want = _float64(x, on.weight, on.weight_scale)
     calls = []
-    real = cpu_block_linear.int8_linear
-    monkeypatch.setattr(cpu_block_linear, "int8_linear", lambda *a: calls.append(1) or real(*a))
+    real = cpu_int8_linear.int8_linear
+    monkeypatch.setattr(cpu_int8_linear, "int8_linear", lambda *a: calls.append(1) or real(*a))
     got_on = method.apply(on, x, None)
     assert calls == [1]
     assert torch.equal(got_on, real(x, on.weight, on.weight_scale))

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infer.kernels import cpu_block_linear
+from infer.kernels import cpu_extension, cpu_norm
 from infer.models.layers import RMSNorm
 
-pytestmark = pytest.mark.skipif(not cpu_block_linear.available(),
+pytestmark = pytest.mark.skipif(not cpu_extension.available(),
                                 reason="infer's CPU kernels cannot be built here")
 
 
@@ -29,7 +29,7 @@ def test_rms_norm_is_the_float64_norm(shape, eps):
     x = torch.randn(shape, generator=gen) * 3
     x.view(-1, shape[-1])[0, 0] = 80.0  # an outlier
     weight = torch.randn(shape[-1], generator=gen)
-    got = cpu_block_linear.rms_norm(x, weight, eps)
+    got = cpu_norm.rms_norm(x, weight, eps)
     want = _float64_norm(x, weight, eps)
     assert got.shape == x.shape and got.dtype == torch.float32
     assert ((got.double() - want).abs() <= 2e-6 * (want.abs() + 1e-3)).all()
@@ -40,7 +40,7 @@ def test_add_rms_norm_returns_the_norm_of_the_sum_and_the_sum():
     x, residual = torch.randn(4, 100, generator=gen), torch.randn(4, 100, generator=gen)
     weight = torch.rand(100, generator=gen) + 0.5
     before = residual.clone()
-    out, total = cpu_block_linear.add_rms_norm(x, residual, weight, 1e-6)
+    out, total = cpu_norm.add_rms_norm(x, residual, weight, 1e-6)
     assert torch.equal(total, before + x)
     assert torch.equal(residual, before)  # a new tensor, as the torch path's `residual + x`
     want = _float64_norm(before.double() + x.double(), weight, 1e-6)
@@ -50,9 +50,9 @@ def test_add_rms_norm_returns_the_norm_of_the_sum_and_the_sum():
 def test_each_row_is_its_one_row_result_bit_for_bit():
     gen = torch.Generator().manual_seed(5)
     x, weight = torch.randn(37, 200, generator=gen), torch.randn(200, generator=gen)
-    together = cpu_block_linear.rms_norm(x, weight, 1e-5)
+    together = cpu_norm.rms_norm(x, weight, 1e-5)
     for r in range(37):
-        assert torch.equal(together[r], cpu_block_linear.rms_norm(x[r:r + 1].clone(), weight,
+        assert torch.equal(together[r], cpu_norm.rms_norm(x[r:r + 1].clone(), weight,
                                                                   1e-5)[0])
 
 
@@ -63,7 +63,7 @@ def test_each_row_is_its_one_row_result_bit_for_bit():
     (torch.zeros(2, 8), torch.ones(8, dtype=torch.float64), "weight:")])
 def test_operands_it_cannot_take_are_refused_by_name(x, weight, message):
     with pytest.raises(RuntimeError, match=message):
-        cpu_block_linear.rms_norm(x, weight, 1e-6)
+        cpu_norm.rms_norm(x, weight, 1e-6)
 
 
 @pytest.mark.parametrize("offset", [0.0, 1.0])
@@ -81,8 +81,8 @@ def test_the_layer_takes_the_kernel_where_set_and_matches_its_torch_path(offset,
     want = norm(*args)
     calls = []
     for name in ("rms_norm", "add_rms_norm"):
-        real = getattr(cpu_block_linear, name)
-        monkeypatch.setattr(cpu_block_linear, name,
+        real = getattr(cpu_norm, name)
+        monkeypatch.setattr(cpu_norm, name,
                             lambda *a, _real=real: calls.append(1) or _real(*a))
     norm.cpu_kernel = True
     got = norm(*((x, residual.clone()) if with_residual else (x,)))

@@ -18,7 +18,7 @@ from real_models import smollm2_gguf
 from test_gguf_models import llama_config, random_hf_model, random_kquant_blocks, write_gguf
 from test_quantization import TEXT, _perplexity
 
-from infer.kernels import cpu_block_linear, triton_available
+from infer.kernels import cpu_extension, triton_available
 from infer.loader import load_gguf
 from infer.loader.gguf_file import open_gguf, quantized_blocks
 from infer.models.linear import (
@@ -125,7 +125,7 @@ def llama_source():
 
 
 BLOCK_KERNELS = [False, pytest.param(True, marks=pytest.mark.skipif(
-    not cpu_block_linear.available(), reason="infer's CPU block kernels do not build here"))]
+    not cpu_extension.available(), reason="infer's CPU block kernels do not build here"))]
 
 
 # Q4_0 / Q4_1: the default model's; Q4_K: a k-quant in 4 bits; Q8_0 / Q6_K: requantized

@@ -23,7 +23,7 @@ import torch
 from paged_runner import run_paged
 from tp_ranks import run_ranks
 
-from infer.kernels import cpu_block_linear
+from infer.kernels import cpu_extension
 
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
@@ -212,7 +212,7 @@ def tp_results(sources) -> dict[str, list[Any]]:
 def test_tensor_parallel_logits_equal_one_rank_of_the_same_format(sources, tp_results,
                                                                    name):
     case = CASES[name]
-    if case.int8x and not cpu_block_linear.available():
+    if case.int8x and not cpu_extension.available():
         pytest.skip("infer's CPU block kernels do not build here")
     fmt, linears, want = _run(str(sources[case.source]), case)
     assert fmt == case.format

@@ -2,7 +2,7 @@
 // sequence's one new query against its keys and values read through its block table, in
 // float32 (softmax by its maximum, as torch's reference path computes it); with a sliding
 // window only the last `window` keys, with a softcap each score `c tanh(score / c)`. Built into the
-// same extension as cpu_block_linear.cpp (`cpu_block_linear.available`); threads: torch's
+// CPU extension (`cpu_extension.available`); threads: torch's
 // intra-op pool, one (sequence, kv head) pair at a time.
 
 #include <ATen/Parallel.h>

@@ -5,7 +5,7 @@ torch operations a layer, each microseconds of dispatch on a CPU). Before it, in
 the layer's RoPE and KV store in one call too (`cpu_rope_store.cpp`, about twenty torch
 operations).
 
-Built into infer's CPU extension (`cpu_block_linear.available`: x86 with AVX2, a
+Built into infer's CPU extension (`cpu_extension.available`: x86 with AVX2, a
 compiler); where that is missing, or for what it does not cover (a cache that is not
 float32), the torch path runs.
 `EngineConfig.cpu_attention_kernel` turns it off."""
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from infer.kernels import cpu_block_linear
+from infer.kernels import cpu_extension
 
 _enabled = True  # EngineConfig.cpu_attention_kernel, set by the runner's set-up
 
@@ -26,13 +26,13 @@ def set_enabled(on: bool, device: torch.device | None = None) -> None:
     global _enabled
     _enabled = on
     if on and device is not None and device.type == "cpu":
-        cpu_block_linear.available()
+        cpu_extension.available()
 
 
 def takes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `paged_decode` serves this all-decode step."""
     return (_enabled and q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32
-            and k_cache.is_contiguous() and cpu_block_linear.available())
+            and k_cache.is_contiguous() and cpu_extension.available())
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -54,7 +54,7 @@ def takes_rope_store(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor,
             and q.dtype == k.dtype == k_cache.dtype == torch.float32
             and not rotary.use_triton and 2 * rotary.cos.shape[1] == q.shape[-1]
             and q.stride(1) == k.stride(1) == q.shape[-1] and q.stride(2) == k.stride(2) == 1
-            and cpu_block_linear.available())
+            and cpu_extension.available())
 
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: torch.nn.Module,

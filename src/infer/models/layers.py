@@ -10,7 +10,7 @@ from torch import nn
 
 from infer.config import RopeConfig
 from infer.distributed.group import TensorParallelGroup
-from infer.kernels import cpu_block_linear
+from infer.kernels import cpu_extension, cpu_norm
 from infer.models.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -66,8 +66,8 @@ class RMSNorm(nn.Module):
         if self.cpu_kernel and self._cpu_kernel_takes(x, residual):
             weight = self.weight + self.offset if self.offset else self.weight
             if residual is None:
-                return cpu_block_linear.rms_norm(x, weight, self.eps)
-            return cpu_block_linear.add_rms_norm(x, residual, weight, self.eps)
+                return cpu_norm.rms_norm(x, weight, self.eps)
+            return cpu_norm.add_rms_norm(x, residual, weight, self.eps)
         if residual is None:
             return self._norm(x)
         residual = residual + x
@@ -78,7 +78,7 @@ class RMSNorm(nn.Module):
                 and x.is_contiguous()
                 and (residual is None or (residual.dtype == torch.float32
                                           and residual.is_contiguous()))
-                and cpu_block_linear.available())
+                and cpu_extension.available())
 
     def _with_int8_rows(self, x: torch.Tensor, residual: torch.Tensor | None
                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from torch import nn
 
-from infer.kernels import cpu_block_linear
+from infer.kernels import cpu_extension
 from infer.models.linear import LinearBase, VocabParallelEmbedding
 from infer.models.weights import ShardId
 from infer.progress import loading_bar
@@ -65,7 +65,7 @@ def keep_gguf_quantized(model: nn.Module, blocks: dict[str, GGUFBlocks],
             by_param[target] = b
     if as_blocks:
         keep_linear, keep_table = _keep_blocks, _keep_table_blocks
-    elif cpu_int8_activations and cpu_block_linear.available():
+    elif cpu_int8_activations and cpu_extension.available():
         keep_linear, keep_table = _keep_cpu_blocks, _keep_cpu_table_blocks
     else:
         keep_linear, keep_table = _keep_linear, _keep_table

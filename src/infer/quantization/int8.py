@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.kernels import cpu_block_linear
+from infer.kernels import cpu_extension, cpu_int8_linear
 from infer.models.linear import LinearMethod
 from infer.models.weights import WeightLoader
 from infer.quantization.stored import channel_scale, quantized_as_loaded, stored_weight
@@ -160,8 +160,8 @@ def _cpu_matmul(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`x [rows, in]` times the layer's weight on the CPU: infer's kernel, x in float32,
     where the layer takes it (`cpu_int8_kernel`, set by the engine) and it is built; else
     PyTorch's, x rounded to 16 bits."""
-    if getattr(layer, "cpu_int8_kernel", False) and cpu_block_linear.available():
-        return cpu_block_linear.int8_linear(x.float(), layer.weight, layer.weight_scale)
+    if getattr(layer, "cpu_int8_kernel", False) and cpu_extension.available():
+        return cpu_int8_linear.int8_linear(x.float(), layer.weight, layer.weight_scale)
     return torch.ops.aten._weight_int8pack_mm(x.to(layer.compute_dtype), layer.weight,
                                               layer.weight_scale)
 
