@@ -1,9 +1,9 @@
 // Decode attention on the CPU over the paged KV cache, one call for a step's layer: every
 // sequence's one new query against its keys and values read through its block table, in
 // float32 (softmax by its maximum, as torch's reference path computes it); with a sliding
-// window only the last `window` keys, with a softcap each score `c tanh(score / c)`. Built into the
-// CPU extension (`cpu_extension.available`); threads: torch's
-// intra-op pool, one (sequence, kv head) pair at a time.
+// window only the last `window` keys, with a softcap each score `c tanh(score / c)`. Built
+// into the CPU extension (`cpu_extension.available`); threads: torch's intra-op pool, one
+// (sequence, kv head) pair at a time.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -30,7 +30,8 @@ def set_enabled(on: bool, device: torch.device | None = None) -> None:
 
 
 def takes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether `paged_decode` serves this all-decode step."""
+    """Whether `paged_decode` serves this all-decode step: on, a float32 query and cache on
+    the CPU, the extension built (what `rope_store` needs too)."""
     return (_enabled and q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32
             and k_cache.is_contiguous() and cpu_extension.available())
 
@@ -49,12 +50,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def takes_rope_store(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor,
                      rotary: torch.nn.Module) -> bool:
-    """Whether `rope_store` serves this layer's RoPE (tables over the whole head) and store."""
-    return (_enabled and q.device.type == "cpu"
-            and q.dtype == k.dtype == k_cache.dtype == torch.float32
-            and not rotary.use_triton and 2 * rotary.cos.shape[1] == q.shape[-1]
+    """Whether `rope_store` serves this layer's RoPE (tables over the whole head) and store:
+    as `takes`, and q and k float32 heads of contiguous values side by side."""
+    return (k.dtype == torch.float32 and not rotary.use_triton
+            and 2 * rotary.cos.shape[1] == q.shape[-1]
             and q.stride(1) == k.stride(1) == q.shape[-1] and q.stride(2) == k.stride(2) == 1
-            and cpu_extension.available())
+            and takes(q, k_cache))
 
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: torch.nn.Module,

@@ -64,10 +64,9 @@ class RMSNorm(nn.Module):
                 return rmsnorm(x, self.weight, self.eps, self.offset)
             return fused_add_rmsnorm(x, residual, self.weight, self.eps, self.offset)
         if self.cpu_kernel and self._cpu_kernel_takes(x, residual):
-            weight = self.weight + self.offset if self.offset else self.weight
             if residual is None:
-                return cpu_norm.rms_norm(x, weight, self.eps)
-            return cpu_norm.add_rms_norm(x, residual, weight, self.eps)
+                return cpu_norm.rms_norm(x, self._scale(), self.eps)
+            return cpu_norm.add_rms_norm(x, residual, self._scale(), self.eps)
         if residual is None:
             return self._norm(x)
         residual = residual + x
@@ -79,6 +78,10 @@ class RMSNorm(nn.Module):
                 and (residual is None or (residual.dtype == torch.float32
                                           and residual.is_contiguous()))
                 and cpu_extension.available())
+
+    def _scale(self) -> torch.Tensor:
+        """What the normalized x is multiplied by: the weight, or Gemma's `offset + w`."""
+        return self.weight + self.offset if self.offset else self.weight
 
     def _with_int8_rows(self, x: torch.Tensor, residual: torch.Tensor | None
                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +101,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         if dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu":
             # The same float32 operations in one call (torch's CPU composite), bit-equal.
-            weight = self.weight + self.offset if self.offset else self.weight
+            weight = self._scale()
             return torch.rms_norm(x, weight.shape, weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
