@@ -5,13 +5,17 @@ programmatic dependent launch, and the fastest of a sweep of INT4 launches (chan
 program, K step, warps); µs a call and the share of the copy bandwidth measured in the
 same run that the bytes it reads (packed weight, scales and zeros, x, y) make.
 
+`--blocks` times the default launch on other channel blockings of the weight
+(`int4_weights.kernel_layout`; 0 = the default's, 1 = every channel its own run of words,
+-1 = all channels in one block, the layout before blocks), the first of them the one swept.
+
 Each case is captured in a CUDA graph whose calls cycle through enough copies of the
 weight to pass the L2 cache three times, as a decode step's layers do
 (`quantized_gemv.time_cycled`); each launch's result is checked against the dequantized
 weight's product first.
 
     python benchmarks/int4_gemv_sweep.py [--shapes 1b 8b] [--rows 2] [--defaults-only |
-        --quick] [--suffix _s54]
+        --quick] [--blocks 0 -1 16] [--suffix _s54]
 """
 
 from __future__ import annotations
@@ -42,13 +46,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, choices=[1, 2], default=1)
     parser.add_argument("--defaults-only", action="store_true")
     parser.add_argument("--quick", action="store_true", help="every third launch")
+    parser.add_argument("--blocks", type=int, nargs="+", default=[0],
+                        help="channel blockings to time (0: the default, -1: one block)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("int4_gemv_sweep.py times CUDA kernels: no GPU here")
     from infer.kernels import dependent_launch
     from infer.kernels.gemv import Launch, gemv
     from infer.kernels.int4_gemv import default_launch, int4_gemv
-    from infer.quantization.int4_weights import pack_words, quantize_groups
+    from infer.quantization.int4_weights import channel_block, kernel_layout, quantize_groups
 
     ceil = common.ceilings()
     copy_gbs = ceil["copy_GBps"]
@@ -59,28 +65,37 @@ def main() -> None:
             if shape == "lm_head":  # INT8 in every quantized model
                 continue
             x = torch.randn(args.rows, k, device="cuda", dtype=torch.bfloat16)
-            q, scale, zero = quantize_groups(
+            q, scale16, zero16 = quantize_groups(
                 torch.randn(n, k, device="cuda") * 0.02, GROUP, torch.bfloat16)
-            packed = pack_words(q, GROUP).t().contiguous()
-            scale, zero = scale.t().contiguous(), zero.t().contiguous()
-            dense = (q.float().view(n, k // GROUP, GROUP) * scale.t().float()[..., None]
-                     + zero.t().float()[..., None]).view(n, k)
+            dense = (q.float().view(n, k // GROUP, GROUP) * scale16.float()[..., None]
+                     + zero16.float()[..., None]).view(n, k)
             expected = F.linear(x.float(), dense)
-            del q, dense
-            copies = max(1, -(-3 * L2_BYTES // packed.nbytes))
-            weights = [packed] + [packed.clone() for _ in range(copies - 1)]
-            moved = packed.nbytes + scale.nbytes + zero.nbytes + 2 * args.rows * (k + n)
-
-            def timed(launch, weights=weights, scale=scale, zero=zero, x=x,
-                      expected=expected) -> float:
-                got = int4_gemv(x, weights[0], scale, zero, launch).float()
-                err = (got - expected).abs().max().item() / expected.abs().max().item()
-                assert err < 2e-2, (launch, err)
-                return time_cycled(partial(_int4, scale=scale, zero=zero, launch=launch),
-                                   x, weights, replays=10)
-
+            del dense
             default = default_launch(n, k)
-            default_us = timed(default)
+            by_block = {}
+            for block in args.blocks:
+                block = {0: channel_block(n), -1: n}.get(block, block)
+                packed, scale, zero = kernel_layout(q, scale16, zero16, block)
+                copies = max(1, -(-3 * L2_BYTES // packed.nbytes))
+                weights = [packed] + [packed.clone() for _ in range(copies - 1)]
+
+                def timed(launch, weights=weights, scale=scale, zero=zero, x=x,
+                          expected=expected) -> float:
+                    got = int4_gemv(x, weights[0], scale, zero, launch).float()
+                    err = (got - expected).abs().max().item() / expected.abs().max().item()
+                    assert err < 2e-2, (launch, err)
+                    return time_cycled(partial(_int4, scale=scale, zero=zero, launch=launch),
+                                       x, weights, replays=10)
+
+                by_block[block] = timed(default)
+                if len(by_block) == 1:
+                    swept_weights, swept_timed = weights, timed
+                else:
+                    del weights
+            del q
+            weights, timed = swept_weights, swept_timed
+            moved = weights[0].nbytes + 2 * scale16.nbytes + 2 * args.rows * (k + n)
+            default_us = next(iter(by_block.values()))
             best, best_us = default, default_us
             swept = LAUNCHES[::3] if args.quick else LAUNCHES
             for launch in ([] if args.defaults_only else map(Launch._make, swept)):
@@ -102,7 +117,7 @@ def main() -> None:
             row = dict(model=model, shape=shape, rows=args.rows, n=n, k=k, MB=moved / 1e6,
                        int4_us=default_us, int4_frac=moved / default_us / 1e3 / copy_gbs,
                        best_us=best_us, best_frac=moved / best_us / 1e3 / copy_gbs,
-                       best=best._asdict(), int8_us=int8_us,
+                       best=best._asdict(), by_block=by_block, int8_us=int8_us,
                        int8_frac=int8_moved / int8_us / 1e3 / copy_gbs,
                        int8_over_int4=int8_us / default_us)
             rows.append(row)
@@ -115,6 +130,7 @@ def main() -> None:
         [("model", "model", ""), ("shape", "shape", ""), ("MB", "MB", ".1f"),
          ("int4 us", "int4_us", ".1f"), ("%copy", "int4_frac", ".0%"),
          ("best us", "best_us", ".1f"), ("%copy", "best_frac", ".0%"), ("best", "best", ""),
+         ("us by block", "by_block", ""),
          ("int8 us", "int8_us", ".1f"), ("%copy", "int8_frac", ".0%"),
          ("int8 / int4", "int8_over_int4", ".2f")])
 

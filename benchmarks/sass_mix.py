@@ -164,12 +164,12 @@ def _cases() -> list[Case]:
         cases.append(Case(
             f"int4_gemv ({shape})", "int4_gemv:_int4_gemv_kernel",
             dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", skip_ptr="*i32",
-                 y_ptr="*bf16", N=i32, groups=i32, stride_xm=i32, stride_w=i32,
-                 stride_s=i32, stride_ym=i32),
-            dict(BLOCK_N=launch.block_n, STRIPES=launch.block_k // 128, SW=128 // 8, ROWS=1,
-                 EVEN_K=True, GATE_UP="", SKIPS=False, PTX=True, PDL=False),
-            ["x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "groups", "stride_w",
-             "stride_s"],
+                 y_ptr="*bf16", N=i32, groups=i32, blocks=i32, stride_xm=i32, stride_wb=i32,
+                 stride_sb=i32, stride_ym=i32),
+            dict(BLOCK_N=launch.block_n, B=8, STRIPES=launch.block_k // 128, SW=128 // 8,
+                 ROWS=1, EVEN_K=True, GATE_UP="", SKIPS=False, PTX=True, PDL=False),
+            ["x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "groups", "blocks",
+             "stride_wb", "stride_sb"],
             launch.block_n * launch.block_k, 0.5, num_warps=launch.num_warps,
             note=f"one row, launch {tuple(launch)}"))
     # 3 to 64 rows of x on the tensor cores (TF32), 4-bit weights made float in registers
@@ -177,11 +177,11 @@ def _cases() -> list[Case]:
         cases.append(Case(
             f"int4_matmul (8B gate_up, {rows} rows)", "int4_matmul:_int4_matmul_kernel",
             dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", y_ptr="*bf16",
-                 M=i32, N=i32, K=i32, groups=i32, stride_xm=i32, stride_w=i32, stride_s=i32,
-                 stride_ym=i32),
-            dict(BLOCK_M=max(16, rows), BLOCK_N=64, STRIPES=2, SW=16, PDL=False),
+                 M=i32, N=i32, K=i32, groups=i32, stride_xm=i32, stride_wb=i32,
+                 stride_sb=i32, stride_ym=i32),
+            dict(BLOCK_M=max(16, rows), BLOCK_N=64, B=8, STRIPES=2, SW=16, PDL=False),
             ["x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "groups", "stride_xm",
-             "stride_w", "stride_s", "stride_ym"],
+             "stride_wb", "stride_sb", "stride_ym"],
             64 * 256, 0.5, num_warps=4, note="launch (64 channels, 256 of K, 4 warps)"))
     return cases
 

@@ -16,9 +16,12 @@ from infer.kernels import triton_available
 from infer.models.linear import LinearBase, MergedColumnParallelLinear, RowParallelLinear
 from infer.quantization.int4_weights import (
     Int4WeightOnlyLinearMethod,
+    channel_block,
     group_size,
+    kernel_layout,
     pack_words,
     quantize_groups,
+    unblocked,
     unpack_words,
 )
 
@@ -73,6 +76,50 @@ def test_words_hold_a_groups_values_at_its_eighths():
         assert torch.equal(unpack_words(pack_words(q, group), group), q)
 
 
+def test_kernel_layout_puts_each_block_of_channels_in_one_run():
+    """Block b of the words is channels b B .. b B + B - 1, K-major: element [b, r, c] is
+    word r of channel b B + c; scales and zeros alike; `unblocked` undoes it. The block
+    divides the channels and, for an even count, half of them (a gated MLP's gate and up
+    never share one)."""
+    gen = torch.Generator().manual_seed(3)
+    q, scale, zero = quantize_groups(torch.randn(24, 256, generator=gen), 64, torch.bfloat16)
+    words = pack_words(q, 64)
+    for block in (1, 4, 8, 24):
+        packed, s, z = kernel_layout(q, scale, zero, block)
+        assert packed.shape == (24 // block, 32, block) and s.shape == (24 // block, 4, block)
+        assert packed.is_contiguous() and s.is_contiguous()
+        for b, r, c in ((0, 0, 0), (24 // block - 1, 31, block - 1), (0, 5, block // 2)):
+            assert packed[b, r, c] == words[b * block + c, r]
+            assert z[b, min(r, 3), c] == zero[b * block + c, min(r, 3)]
+        assert torch.equal(unblocked(packed), words) and torch.equal(unblocked(s), scale)
+    assert [channel_block(n) for n in (28672, 576, 72, 40, 12, 37)] == [8, 8, 4, 4, 2, 1]
+
+
+@needs_triton
+def test_kernels_give_the_same_sums_for_every_blocking():
+    """The blocks change where a channel's words lie, not what is summed: the GEMV's rows
+    and `int4_matmul`'s are bit for bit the same for blocks of 1, 2, 8 and all 48
+    channels (the layout before blocks), and match float64."""
+    from infer.kernels.int4_gemv import int4_gemv
+    from infer.kernels.int4_matmul import int4_matmul
+
+    q, scale, zero = _int4_weight(48, 512, 64, 11)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    x = x.to(DEVICE)
+    ref = x.cpu().double() @ _dequantized(q, scale, zero).T
+    gemv, mma = [], []
+    for block in (1, 2, 8, 48):
+        args = [t.to(DEVICE) for t in kernel_layout(q, scale, zero, block)]
+        gemv.append(int4_gemv(x[:2], *args).cpu())
+        mma.append(int4_matmul(x, *args).cpu())
+    for y in gemv[1:]:
+        assert torch.equal(y, gemv[0])
+    for y in mma[1:]:
+        assert torch.equal(y, mma[0])
+    assert (gemv[0].double() - ref[:2]).abs().max() < 1e-2 * ref.abs().max()
+    assert (mma[0].double() - ref).abs().max() < 1e-2 * ref.abs().max()
+
+
 def test_group_size_is_the_largest_that_divides():
     assert group_size(2048) == 128 and group_size(576) == 64 and group_size(96) == 32
     assert group_size(100) is None
@@ -103,7 +150,7 @@ def test_kernel_matches_float64_from_the_integers(case, rows):
     n, k, group, launch = CASES[case]
     q, scale, zero = _int4_weight(n, k, group, case)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(10 + case))
-    args = [t.t().contiguous().to(DEVICE) for t in (pack_words(q, group), scale, zero)]
+    args = [t.to(DEVICE) for t in kernel_layout(q, scale, zero)]
     y = int4_gemv(x.to(DEVICE), *args, launch and Launch(*launch)).cpu()
     ref = x.double() @ _dequantized(q, scale, zero).T
     assert y.shape == (rows, n) and y.dtype == torch.float32
@@ -118,7 +165,7 @@ def test_gate_up_form_is_the_product_then_the_activation(act):
     from infer.kernels.int4_gemv import int4_gemv, int4_gemv_gate_up
 
     q, scale, zero = _int4_weight(2 * 36, 256, 64, 7)
-    args = [t.t().contiguous().to(DEVICE) for t in (pack_words(q, 64), scale, zero)]
+    args = [t.to(DEVICE) for t in kernel_layout(q, scale, zero)]
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     x = x.to(DEVICE)
     for launch in (Launch(8, 128, 4), None):
@@ -144,7 +191,7 @@ def test_packed_layer_matches_float64(rows):
     """One or two rows through the kernel, more through the dequantized weight."""
     layer = _packed_layer(96, 320, rows)
     method = layer.quant_method
-    assert layer.weight.dtype == torch.int32 and layer.weight.shape == (40, 96)
+    assert layer.weight.dtype == torch.int32 and layer.weight.shape == (12, 40, 8)
     x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     y = layer(x.to(DEVICE)).cpu()
     w = method.dequantize(layer).cpu().double()
@@ -240,7 +287,7 @@ def test_a_set_skip_flag_leaves_the_first_of_two_rows_out(act):
     from infer.kernels.row_skip import first_row_skipped_where
 
     q, scale, zero = _int4_weight(2 * 24, 384, 128, 9)
-    args = [t.t().contiguous().to(DEVICE) for t in (pack_words(q, 128), scale, zero)]
+    args = [t.to(DEVICE) for t in kernel_layout(q, scale, zero)]
     x = torch.randn(2, 384, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     x = x.to(DEVICE)
 
@@ -278,7 +325,7 @@ def test_matmul_matches_float64(dtype, rows, n, k, group, block_k):
     from infer.kernels.int4_matmul import int4_matmul
 
     q, scale, zero = _int4_weight(n, k, group, rows, dtype)
-    args = [t.t().contiguous().to(DEVICE) for t in (pack_words(q, group), scale, zero)]
+    args = [t.to(DEVICE) for t in kernel_layout(q, scale, zero)]
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
     y = int4_matmul(x.to(DEVICE), *args, block_k=block_k).cpu()
     ref = x.double() @ _dequantized(q, scale, zero).T

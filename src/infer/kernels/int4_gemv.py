@@ -2,12 +2,15 @@
 `w[n, k] = q[n, k] * scale[n, g] + zero[n, g]`, g = k // G, q in 0..15; float32
 accumulation, M 1 or 2 (`quantization/int4_weights.py` makes the weights).
 
-The layout is the kernel's, K-major: q packed eight to an int32 word, a group of G values
-of a channel (a stripe) in G / 8 words, nibble i of the stripe's word j holding k = g G +
-i G / 8 + j (lowest bits first), stored `[K / 8, N]` so that a thread's 16-byte load holds
-one word of four channels, which then share each x value it converts; `scale` and `zero`
-`[K / G, N]` in 16 bits. A program owns BLOCK_N output channels and walks all of K,
-STRIPES groups a step (a `[STRIPES, G / 8, BLOCK_N]` tile of words). A nibble becomes the
+The layout is the kernel's (`int4_weights.kernel_layout`): q packed eight to an int32
+word, a group of G values of a channel (a stripe) in G / 8 words, nibble i of the
+stripe's word j holding k = g G + i G / 8 + j (lowest bits first); the channels in blocks
+of B, each block's words K-major, `[N / B, K / 8, B]`, so that a thread's 16-byte load
+holds one word of four channels, which then share each x value it converts, and a
+program's channels are one run of memory; `scale` and `zero` `[N / B, K / G, B]` in 16
+bits. A program owns BLOCK_N output channels and walks all of K, STRIPES groups a step (a
+`[STRIPES, G / 8, BLOCK_N]` tile of words); with `gemv_gate_up`'s form its tile holds
+BLOCK_N / 2 gate channels, then the same up channels. A nibble becomes the
 float `v = 1/2 + q / 256` in one byte permute (under the exponent of 1/2, no convert, no
 subtraction: `v x` is exact in float32 for a 16-bit x), and each group is scaled once a
 word: `sum q x * scale + zero * sum x = 256 scale * sum v x + (zero - 128 scale) * sum x`.
@@ -25,7 +28,8 @@ import triton
 import triton.language as tl
 
 from infer.kernels import dependent_launch, gpu_compiled, row_skip
-from infer.kernels.gemv import Launch, channels, store_sums
+from infer.kernels.activation import gated
+from infer.kernels.gemv import Launch
 
 MAX_ROWS = 2
 WORD = 8  # 4-bit values an int32 word holds
@@ -110,21 +114,55 @@ def _products(words, scale, zero, x_ptr, g0, rg, rj, groups, SW: tl.constexpr,
 
 
 @triton.jit
+def block_channels(N, blocks, BLOCK_N: tl.constexpr, B: tl.constexpr,
+                   GATE_UP: tl.constexpr):
+    """(the output channels the program stores, the block of each tile column's weight
+    channel, its place in the block): BLOCK_N channels, or with GATE_UP (weight channels
+    2N) BLOCK_N / 2 gate channels then the same up channels, BLOCK_N / 2 stored. Columns
+    past the last channel read the last block (no mask on the weight's loads), not
+    stored."""
+    r = tl.arange(0, BLOCK_N)
+    if GATE_UP == "":
+        rn = tl.program_id(0) * BLOCK_N + r
+        channel = rn
+    else:
+        rn = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        channel = tl.program_id(0) * (BLOCK_N // 2) + r % (BLOCK_N // 2) \
+            + (r // (BLOCK_N // 2)) * N
+    return rn, tl.minimum(channel // B, blocks - 1), channel % B
+
+
+@triton.jit
+def store_halves(acc, y_ptr, rn, N, GATE_UP: tl.constexpr):
+    """A row's sums of `acc [BLOCK_N, ...]` rounded to y's dtype, stored at rn; with
+    GATE_UP (`block_channels`' gate half, then up half) `act(gate) * up` of each channel,
+    rounded as the activation kernel rounds what it reads and stores."""
+    y = tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty)
+    if GATE_UP != "":
+        gate, up = tl.split(tl.trans(tl.reshape(y, (2, y.shape[0] // 2))))
+        y = gated(gate, up, GATE_UP).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rn, y, mask=rn < N)
+
+
+@triton.jit
 def _int4_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, skip_ptr, y_ptr, N, groups, stride_xm, stride_w, stride_s,
-    stride_ym, BLOCK_N: tl.constexpr, STRIPES: tl.constexpr, SW: tl.constexpr,
-    ROWS: tl.constexpr, EVEN_K: tl.constexpr, GATE_UP: tl.constexpr, SKIPS: tl.constexpr,
-    PTX: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, z_ptr, skip_ptr, y_ptr, N, groups, blocks, stride_xm, stride_wb,
+    stride_sb, stride_ym, BLOCK_N: tl.constexpr, B: tl.constexpr, STRIPES: tl.constexpr,
+    SW: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr, GATE_UP: tl.constexpr,
+    SKIPS: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
 ):
-    rn, wn = channels(N, BLOCK_N, GATE_UP)  # tile column 2c gate, 2c + 1 up with GATE_UP
+    rn, block, at = block_channels(N, blocks, BLOCK_N, B, GATE_UP)
     rg = tl.arange(0, STRIPES)
     rj = tl.arange(0, SW)
-    # Channels past N read channel N - 1 (no mask on the weight's loads), not stored.
-    cols = wn[None, None, :]
-    words_at = w_ptr + (rg[:, None, None] * SW + rj[None, :, None]).to(tl.int64) * stride_w \
-        + cols
-    s_at = s_ptr + (rg[:, None, None] * stride_s).to(tl.int64) + cols
-    z_at = z_ptr + (rg[:, None, None] * stride_s).to(tl.int64) + cols
+    # a block's word rows (and group rows) lie B apart
+    stride_w = B
+    stride_s = B
+    block = block.to(tl.int64)[None, None, :]
+    at = at[None, None, :]
+    words_at = w_ptr + block * stride_wb + (rg[:, None, None] * SW + rj[None, :, None]) * B \
+        + at
+    s_at = s_ptr + block * stride_sb + rg[:, None, None] * B + at
+    z_at = z_ptr + block * stride_sb + rg[:, None, None] * B + at
     # The first tile (weights, scales, zeros) is read before the kernel before this one
     # has finished (dependent_launch.py), and the skip flag, written before the graph
     # holding this launch started (row_skip.py); x only after.
@@ -136,21 +174,21 @@ def _int4_gemv_kernel(
     dependent_launch.release(PDL)
     if SKIPS:  # two rows, the first left out where the flag is set
         if skip != 0:
-            _rows(words, scale, zero, words_at, s_at, z_at, x_ptr + stride_xm, s_ptr,
-                  y_ptr + stride_ym, rg, rj, rn, wn, N, groups, stride_xm, stride_w,
-                  stride_s, stride_ym, BLOCK_N, STRIPES, SW, 1, EVEN_K, GATE_UP, PTX)
+            _rows(words, scale, zero, words_at, s_at, z_at, x_ptr + stride_xm,
+                  y_ptr + stride_ym, rg, rj, rn, N, groups, stride_xm, stride_w, stride_s,
+                  stride_ym, BLOCK_N, STRIPES, SW, 1, EVEN_K, GATE_UP, PTX)
         else:
-            _rows(words, scale, zero, words_at, s_at, z_at, x_ptr, s_ptr, y_ptr, rg, rj, rn,
-                  wn, N, groups, stride_xm, stride_w, stride_s, stride_ym, BLOCK_N, STRIPES,
-                  SW, 2, EVEN_K, GATE_UP, PTX)
+            _rows(words, scale, zero, words_at, s_at, z_at, x_ptr, y_ptr, rg, rj, rn, N,
+                  groups, stride_xm, stride_w, stride_s, stride_ym, BLOCK_N, STRIPES, SW, 2,
+                  EVEN_K, GATE_UP, PTX)
     else:
-        _rows(words, scale, zero, words_at, s_at, z_at, x_ptr, s_ptr, y_ptr, rg, rj, rn, wn,
-              N, groups, stride_xm, stride_w, stride_s, stride_ym, BLOCK_N, STRIPES, SW,
-              ROWS, EVEN_K, GATE_UP, PTX)
+        _rows(words, scale, zero, words_at, s_at, z_at, x_ptr, y_ptr, rg, rj, rn, N, groups,
+              stride_xm, stride_w, stride_s, stride_ym, BLOCK_N, STRIPES, SW, ROWS, EVEN_K,
+              GATE_UP, PTX)
 
 
 @triton.jit
-def _rows(words, scale, zero, words_at, s_at, z_at, x_ptr, s_ptr, y_ptr, rg, rj, rn, wn, N,
+def _rows(words, scale, zero, words_at, s_at, z_at, x_ptr, y_ptr, rg, rj, rn, N,
           groups, stride_xm, stride_w, stride_s, stride_ym, BLOCK_N: tl.constexpr,
           STRIPES: tl.constexpr, SW: tl.constexpr, ROWS: tl.constexpr,
           EVEN_K: tl.constexpr, GATE_UP: tl.constexpr, PTX: tl.constexpr):
@@ -167,10 +205,10 @@ def _rows(words, scale, zero, words_at, s_at, z_at, x_ptr, s_ptr, y_ptr, rg, rj,
             acc_2 += _products(words, scale, zero, x_ptr + stride_xm, g0, rg, rj, groups,
                                SW, EVEN_K, PTX)
     acc = tl.trans(tl.reshape(acc, (STRIPES * SW, BLOCK_N)))
-    store_sums(acc, s_ptr, y_ptr, rn, wn, N, False, GATE_UP)
+    store_halves(acc, y_ptr, rn, N, GATE_UP)
     if ROWS == 2:
         acc_2 = tl.trans(tl.reshape(acc_2, (STRIPES * SW, BLOCK_N)))
-        store_sums(acc_2, s_ptr, y_ptr + stride_ym, rn, wn, N, False, GATE_UP)
+        store_halves(acc_2, y_ptr + stride_ym, rn, N, GATE_UP)
 
 
 def default_launch(n: int, k: int) -> Launch:
@@ -184,8 +222,8 @@ def default_launch(n: int, k: int) -> Launch:
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
               zero: torch.Tensor, launch: Launch | None = None) -> torch.Tensor:
     """`x [M, K]` (1 to MAX_ROWS rows of float16 / bfloat16 / float32, unit column
-    stride) times the 4-bit weight `(packed [K / 8, N] int32, scale, zero [K / G, N])` (see
-    above): `[M, N]` in x's dtype."""
+    stride) times the 4-bit weight `(packed [N / B, K / 8, B] int32, scale, zero [N / B,
+    K / G, B])` (see above): `[M, N]` in x's dtype."""
     return _launch(x, packed, scale, zero, launch)
 
 
@@ -195,7 +233,6 @@ def int4_gemv_gate_up(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
     """`act(gate) * up` of `int4_gemv(x, ...)` (the weight's channels gate's then up's,
     `2I` of them): `[M, I]`, in one launch (see `gemv.gemv_gate_up`)."""
     assert act in ("silu", "gelu_tanh"), act
-    assert packed.shape[1] % 2 == 0, packed.shape
     return _launch(x, packed, scale, zero, launch, act)
 
 
@@ -203,21 +240,17 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: to
             launch: Launch | None, gate_up: str = "") -> torch.Tensor:
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, (x.shape,
                                                                                 x.stride())
-    assert packed.dtype == torch.int32 and packed.dim() == 2 and packed.stride(1) == 1
-    words, channels_stored = packed.shape
+    blocks, words, block = check_layout(packed, scale, zero)
+    channels_stored = blocks * block
     k = words * WORD
     assert x.shape[1] == k, (x.shape, packed.shape)
-    assert scale.shape == zero.shape and scale.shape[1] == channels_stored, (scale.shape,
-                                                                            zero.shape)
-    assert scale.stride() == zero.stride() and scale.stride(1) == 1, (scale.stride(),
-                                                                       zero.stride())
-    groups = scale.shape[0]
-    group = k // groups if groups else 0
-    assert groups and group * groups == k and group % WORD == 0, (k, groups)
+    groups = scale.shape[1]
+    group = k // groups
     m = x.shape[0]
     block_n, block_k, num_warps = launch or default_launch(channels_stored, k)
-    assert block_k & (block_k - 1) == 0 and group & (group - 1) == 0, (block_k, group)
+    assert block_k & (block_k - 1) == 0, block_k
     n = channels_stored // 2 if gate_up else channels_stored
+    assert not gate_up or n % block == 0, (n, block)  # no block spans gate and up
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return y
@@ -228,11 +261,27 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: to
     if flag is not None:
         assert flag.dtype == torch.int32 and flag.device == x.device, (flag.dtype, flag.device)
     _int4_gemv_kernel[(triton.cdiv(n, per_program),)](
-        x, packed, scale, zero, x if flag is None else flag, y, n, groups, x.stride(0),
-        packed.stride(0), scale.stride(0), y.stride(0),
-        BLOCK_N=block_n, STRIPES=stripes, SW=group // WORD, ROWS=m,
+        x, packed, scale, zero, x if flag is None else flag, y, n, groups, blocks,
+        x.stride(0), packed.stride(0), scale.stride(0), y.stride(0),
+        BLOCK_N=block_n, B=block, STRIPES=stripes, SW=group // WORD, ROWS=m,
         EVEN_K=groups % stripes == 0, GATE_UP=gate_up, SKIPS=flag is not None,
         PTX=gpu_compiled(x.device),
         num_warps=num_warps, **dependent_launch.launch_options(),
     )
     return y
+
+
+def check_layout(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+                 ) -> tuple[int, int, int]:
+    """(blocks, words a channel, channels a block) of a weight in `kernel_layout`'s layout,
+    its shapes, dtypes and strides checked."""
+    assert packed.dtype == torch.int32 and packed.dim() == 3, (packed.dtype, packed.shape)
+    assert packed.is_contiguous() and scale.is_contiguous() and zero.is_contiguous()
+    blocks, words, block = packed.shape
+    assert scale.shape == zero.shape and scale.dim() == 3, (scale.shape, zero.shape)
+    assert (scale.shape[0], scale.shape[2]) == (blocks, block), (packed.shape, scale.shape)
+    groups = scale.shape[1]
+    group = words * WORD // groups if groups else 0
+    assert groups and group * groups == words * WORD and group % WORD == 0, (words, groups)
+    assert group & (group - 1) == 0, group
+    return blocks, words, block

@@ -1,7 +1,7 @@
 """A few rows (3 to MAX_ROWS: a small batch's decode, a verify step) times a 4-bit weight
 on the tensor cores: `y [M, N] = x [M, K] @ w [N, K]^T` with `int4_gemv.py`'s weights
-(`packed [K / 8, N]` int32, K-major, a group's values in stripes; `scale`, `zero` `[K / G,
-N]`).
+(`packed [N / B, K / 8, B]` int32, blocks of B channels K-major, a group's values in
+stripes; `scale`, `zero` `[N / B, K / G, B]`).
 
 Each program owns BLOCK_M rows by BLOCK_N channels and walks all of K, a step of
 STRIPES groups: the step's words `[STRIPES * G / 8, BLOCK_N]` hold, at each nibble
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels import dependent_launch
-from infer.kernels.int4_gemv import WORD
+from infer.kernels.int4_gemv import WORD, check_layout
 
 MAX_ROWS = 64
 
@@ -34,13 +34,16 @@ def _plane(words, scale, zero, i: tl.constexpr):
 
 @triton.jit
 def _int4_matmul_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, groups, stride_xm, stride_w, stride_s,
-    stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIPES: tl.constexpr,
-    SW: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, groups, stride_xm, stride_wb, stride_sb,
+    stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, B: tl.constexpr,
+    STRIPES: tl.constexpr, SW: tl.constexpr, PDL: tl.constexpr,
 ):
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    wn = tl.minimum(rn, N - 1)  # channels past N read channel N - 1, not stored
+    # channels past N read the last block, not stored; a block's rows lie B apart
+    block = tl.minimum(rn // B, N // B - 1).to(tl.int64)
+    w_cols = block * stride_wb + rn % B
+    s_cols = block * stride_sb + rn % B
     rw = tl.arange(0, STRIPES * SW)  # the step's word rows: group rw // SW, j = rw % SW
     group_of = rw // SW
     rows = x_ptr + tl.minimum(rm, M - 1).to(tl.int64)[:, None] * stride_xm
@@ -50,9 +53,9 @@ def _int4_matmul_kernel(
     for g0 in range(0, groups, STRIPES):
         gg = g0 + group_of
         inside = gg[:, None] < groups
-        words = tl.load(w_ptr + (g0 * SW + rw).to(tl.int64)[:, None] * stride_w
-                        + wn[None, :], mask=inside, other=0, eviction_policy="evict_first")
-        at = gg.to(tl.int64)[:, None] * stride_s + wn[None, :]
+        words = tl.load(w_ptr + (g0 * SW + rw)[:, None] * B + w_cols[None, :], mask=inside,
+                        other=0, eviction_policy="evict_first")
+        at = gg[:, None] * B + s_cols[None, :]
         scale = tl.load(s_ptr + at, mask=inside, other=0.0).to(tl.float32)
         zero = tl.load(z_ptr + at, mask=inside, other=0.0).to(tl.float32)
         # x's columns of plane i: g G + i G / 8 + j, G = 8 SW
@@ -69,18 +72,14 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                 zero: torch.Tensor, block_n: int = 64, block_k: int = 256,
                 num_warps: int = 4) -> torch.Tensor:
     """`x [M, K]` (M <= MAX_ROWS; float16 / bfloat16, unit column stride) times the 4-bit
-    weight `(packed [K / 8, N], scale, zero [K / G, N])`: `[M, N]` in x's dtype."""
+    weight `(packed [N / B, K / 8, B], scale, zero [N / B, K / G, B])`: `[M, N]` in x's
+    dtype."""
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, x.shape
     assert x.dtype in (torch.float16, torch.bfloat16), x.dtype
-    assert packed.dtype == torch.int32 and packed.dim() == 2 and packed.stride(1) == 1
-    words, n = packed.shape
-    k = words * WORD
-    groups = scale.shape[0]
-    assert x.shape[1] == k and scale.shape == zero.shape == (groups, n), (
-        x.shape, packed.shape, scale.shape, zero.shape)
-    assert scale.stride() == zero.stride() and scale.stride(1) == 1
+    blocks, words, block = check_layout(packed, scale, zero)
+    n, k, groups = blocks * block, words * WORD, scale.shape[1]
+    assert x.shape[1] == k, (x.shape, packed.shape)
     group = k // groups
-    assert group * groups == k and group % WORD == 0 and group & (group - 1) == 0, group
     m = x.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0:
@@ -91,6 +90,6 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _int4_matmul_kernel[grid](
         x, packed, scale, zero, y, m, n, k, groups, x.stride(0), packed.stride(0),
-        scale.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, STRIPES=stripes,
-        SW=sw, num_warps=num_warps, **dependent_launch.launch_options())
+        scale.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, B=block,
+        STRIPES=stripes, SW=sw, num_warps=num_warps, **dependent_launch.launch_options())
     return y
