@@ -69,9 +69,9 @@ def kernel_layout(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     """`quantize_groups`' values as `kernels/int4_gemv.py` reads them: the channels in
     blocks of `block` (`channel_block`'s by default), each block's words K-major and
     contiguous, `[N / block, K / 8, block]` int32 (`pack_words`' words), and its groups'
-    scales and zeros `[N / block, K / group, block]`; so a program's channels are one
-    run of memory (a layout with one block, `[K / 8, N]`, read at 11-24 % of the copy rate
-    on an H100: every tile row a separate 32-128 bytes)."""
+    scales and zeros `[N / block, K / group, block]`; so a GEMV program's channels are
+    one run of memory (on an H100 the 8B's o and down projections 10-16 % faster than
+    with all channels in one block, `[K / 8, N]`; the other layers within 5 %)."""
     rows, cols = q.shape
     block = block or channel_block(rows)
     assert rows % block == 0, (rows, block)
