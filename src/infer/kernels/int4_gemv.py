@@ -213,7 +213,8 @@ def _rows(words, scale, zero, words_at, s_at, z_at, x_ptr, y_ptr, rg, rj, rn, N,
 
 def default_launch(n: int, k: int) -> Launch:
     """The launch for an `[n, k]` 4-bit weight (`block_k` in weights), untuned: at least 8
-    channels a program (a tile row of 32 bytes, a DRAM sector), 8 KB of words a step."""
+    channels a program (a block of the layout, a tile row of 32 bytes), 8 KB of words a
+    step."""
     if n >= 6144:
         return Launch(block_n=16, block_k=1024, num_warps=8)
     return Launch(block_n=8, block_k=2048, num_warps=8)
