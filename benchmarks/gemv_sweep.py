@@ -5,7 +5,8 @@ Llama-3.1-8B shapes, and one rank of the 8B at TP=2 (half of every split matrix)
 each shape: cuBLAS (`F.linear`), the kernel's default launch, the default launch again
 with programmatic dependent launch (each call launched while the one before runs, as in a
 decode step), and the fastest of a sweep of launches (output channels per program, K
-step, warps), in µs per call and as a share of the copy bandwidth measured in the same run.
+step, warps; with `--dependent` each under dependent launch, against the default's
+dependent time), in µs per call and as a share of the copy bandwidth measured in the same run.
 
 Each case is captured in a CUDA graph (quantized_gemv.py's timer) whose calls cycle
 through enough copies of the weight to exceed the L2 cache three times over, as a decode
@@ -30,6 +31,7 @@ after a verdict that rejected a draft); the engine's kernel before it, without.
         [--rows 5 [--weight-first] --suffix _rows5] [--dtype int8 --suffix _int8]
         [--gemv --rows 2 [--dtype int8] --suffix _gemv2_int8]
         [--gate-up silu --suffix _gate_up] [--gemv --rows 2 --first-row-skipped]
+        [--dependent]
 """
 
 from __future__ import annotations
@@ -114,6 +116,9 @@ def main() -> None:
                         "set (the second row alone)")
     parser.add_argument("--form", choices=GEMV_FORMS, default="floats",
                         help="the GEMV's form (EngineConfig.gemv_form)")
+    parser.add_argument("--dependent", action="store_true",
+                        help="sweep the launches under dependent launch too (each call "
+                        "launched while the one before runs, as in a decode step)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gemv_sweep.py times CUDA kernels: no GPU here")
@@ -230,6 +235,9 @@ def main() -> None:
             best, best_us = default, default_us
             swept = launches(args.quick, through_gemv,
                              args.weight_first and not through_gemv, eight_bit)
+            dependent_launch.set_enabled(args.dependent)
+            if args.dependent:  # the best is then the dependent default's to beat
+                best_us = pdl_us
             for launch in ([] if args.defaults_only else swept):
                 try:
                     us = timed(launch)
@@ -239,6 +247,7 @@ def main() -> None:
                 sweep.append(dict(model=model, shape=shape, n=n, k=k, **launch, us=us))
                 if us < best_us:
                     best, best_us = launch, us
+            dependent_launch.set_enabled(False)
             row = dict(model=model, shape=shape, rows=args.rows, n=n, k=k, MB=moved / 1e6,
                        cublas_us=cublas_us,
                        cublas_frac=(2 * n * k + 2 * args.rows * (k + n)) / cublas_us / 1e3
