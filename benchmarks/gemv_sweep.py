@@ -116,9 +116,6 @@ def main() -> None:
                         "set (the second row alone)")
     parser.add_argument("--form", choices=GEMV_FORMS, default="floats",
                         help="the GEMV's form (EngineConfig.gemv_form)")
-    parser.add_argument("--early-tiles", type=int, choices=[1, 2], default=1,
-                        help="weight tiles read before the dependent-launch wait "
-                        "(EngineConfig.gemv_early_tiles)")
     parser.add_argument("--dependent", action="store_true",
                         help="sweep the launches under dependent launch too (each call "
                         "launched while the one before runs, as in a decode step)")
@@ -140,7 +137,6 @@ def main() -> None:
     if args.gemv and not 1 <= args.rows <= gemv_kernel.MAX_ROWS:
         raise SystemExit(f"--gemv: 1 to {gemv_kernel.MAX_ROWS} rows")
     gemv_kernel.set_form(args.form)
-    gemv_kernel.set_early_tiles(args.early_tiles)
     if eight_bit and not through_gemv:
         raise SystemExit("--dtype int8 / float8_e4m3fn: one row, or --gemv")
     if args.gate_up and not through_gemv:

@@ -263,44 +263,6 @@ def test_the_word_forms_match_float64(case, wdtype, form, gemv_form):
     assert error < TOLERANCE[torch.bfloat16], error
 
 
-@pytest.mark.parametrize("act", ["", "silu"])
-@pytest.mark.parametrize("wdtype", [torch.bfloat16, *EIGHT_BIT])
-@pytest.mark.parametrize("case", [0, 1, 2, 3, 5, 6])
-def test_two_tiles_read_early_give_the_same_bits(case, wdtype, act):
-    """`EngineConfig.gemv_early_tiles` 2 (the second weight tile read before the wait and
-    added in second, as the loop would): one and two rows, plain and gate_up, bit for bit
-    the one-tile result, which matches float64 (K past the last step, two steps or fewer,
-    K in one step, many steps)."""
-    from infer.kernels import gemv as gemv_kernel
-    from infer.kernels.gemv import Launch, default_launch, gemv, gemv_gate_up
-
-    n, k, launch = [*launches(), (48, 4096, Launch(16, 512, 8))][case]
-    gen = torch.Generator().manual_seed(130 + case)
-    x = torch.randn(2, k, generator=gen).to(torch.bfloat16).to(DEVICE)
-    w, scale, dense = _weight_on_device(2 * n if act else n, k, wdtype, gen)
-    launch = launch or default_launch(w.shape[0], k, w.element_size(), 2)
-
-    def product(rows: int) -> torch.Tensor:
-        if act:
-            return gemv_gate_up(x[:rows], w, act, scale=scale, launch=launch)
-        return gemv(x[:rows], w, launch, scale=scale)
-
-    one_tile = [product(rows) for rows in (1, 2)]
-    try:
-        gemv_kernel.set_early_tiles(2)
-        two_tiles = [product(rows) for rows in (1, 2)]
-    finally:
-        gemv_kernel.set_early_tiles(1)
-    for a, b in zip(two_tiles, one_tile, strict=True):
-        assert torch.equal(a, b)
-    ref = x.double() @ dense.T
-    if act:
-        gate, up = ref.split(n, dim=1)
-        ref = torch.nn.functional.silu(gate) * up
-    error = ((two_tiles[1].double() - ref).abs().max() / ref.abs().max()).item()
-    assert error < 2 * TOLERANCE[torch.bfloat16], error
-
-
 @pytest.mark.parametrize("outlier", [0.0, 1000.0])
 def test_the_units_float32_sums_round_at_a_ten_thousandth(outlier):
     """The GEMV's float32 sums before they are rounded to x's dtype (stored as float32 by a

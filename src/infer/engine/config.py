@@ -118,11 +118,6 @@ class EngineConfig:
         "of a row's sums (1e-7 otherwise); on an H100 the 8B INT8 batch-1 step 3.162 ms "
         "floats, 3.144 words, 3.236 units (docs/performance.md; not yet timed on an H200, "
         "where the instruction counts matter more) (kernels/gemv.py form_of)", GEMV_FORMS)
-    gemv_early_tiles: int = knob(
-        1, "with triton_gemv and gemv_form floats, how many weight tiles (1 or 2) each "
-        "program of the GEMV reads before its dependent-launch wait, while the kernel "
-        "before it runs (one more tile of registers; the same sums) "
-        "(kernels/gemv.py set_early_tiles)")
     gemv_gate_up_activation: bool = knob(
         True, "with triton_gemv, a gated MLP's rows that go to the GEMV (one of 16-bit "
         "weights; those gemv_8bit_max_rows sends of INT8 / FP8 ones) get act(gate) * up "
@@ -404,8 +399,6 @@ class EngineConfig:
         if not 1 <= self.gemv_8bit_max_rows <= 2:
             raise ValueError(f"gemv_8bit_max_rows must be in [1, 2] (kernels/gemv.py "
                              f"MAX_ROWS), got {self.gemv_8bit_max_rows}")
-        if self.gemv_early_tiles not in (1, 2):
-            raise ValueError(f"gemv_early_tiles must be 1 or 2, got {self.gemv_early_tiles}")
         if not 1 <= self.gemv_max_rows <= 16:
             raise ValueError(f"gemv_max_rows must be in [1, 16], "
                              f"got {self.gemv_max_rows}")

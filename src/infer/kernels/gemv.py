@@ -73,7 +73,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
     GATE_UP: tl.constexpr, SCALED: tl.constexpr, SKIPS: tl.constexpr,
     SKIPPED_WHOLE: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
-    FORM: tl.constexpr = "floats", EARLY: tl.constexpr = 1,
+    FORM: tl.constexpr = "floats",
 ):
     if SKIPPED_WHOLE:  # noqa: SIM102 (a constexpr branch: the runtime test is not compiled in)
         if tl.load(skip_ptr) != 0:  # one row, left out: the launch does nothing
@@ -87,7 +87,7 @@ def _gemv_kernel(
     rk = tl.arange(0, BLOCK_K)
     # Rows past N read row N - 1 (no mask on the weight's loads) and are not stored.
     w_rows = w_ptr + wn.to(tl.int64)[:, None] * stride_wn
-    # The first EARLY weight tiles are read before the kernel before this one has finished
+    # The first weight tile is read before the kernel before this one has finished
     # (dependent_launch.py), and the skip flag, written before the graph holding this
     # launch started (row_skip.py); x only after.
     if FORM != "floats" and not SCALED:  # 16-bit weights as words too
@@ -95,22 +95,20 @@ def _gemv_kernel(
                      tl.arange(0, BLOCK_K // 2), K // 2, EVEN_K)
     else:
         w = _weights(w_rows, rk, K, EVEN_K)
-    w_second = _weights(w_rows, BLOCK_K + rk, K, EVEN_K) if EARLY == 2 else w
     if SKIPS:
         skip = tl.load(skip_ptr)
     dependent_launch.wait(PDL)
     dependent_launch.release(PDL)
     if SKIPS:  # two rows, the first left out where the flag is set
         if skip != 0:
-            _rows(w, w_second, w_rows, rk, x_ptr + stride_xm, s_ptr, y_ptr + stride_ym, rn,
-                  wn, N, K, stride_xm, stride_ym, BLOCK_K, 1, EVEN_K, GATE_UP, SCALED, PTX,
-                  FORM, EARLY)
+            _rows(w, w_rows, rk, x_ptr + stride_xm, s_ptr, y_ptr + stride_ym, rn, wn, N, K,
+                  stride_xm, stride_ym, BLOCK_K, 1, EVEN_K, GATE_UP, SCALED, PTX, FORM)
         else:
-            _rows(w, w_second, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm,
-                  stride_ym, BLOCK_K, 2, EVEN_K, GATE_UP, SCALED, PTX, FORM, EARLY)
+            _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
+                  BLOCK_K, 2, EVEN_K, GATE_UP, SCALED, PTX, FORM)
     else:
-        _rows(w, w_second, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm,
-              stride_ym, BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX, FORM, EARLY)
+        _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
+              BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX, FORM)
 
 
 @triton.jit
@@ -129,25 +127,24 @@ def channels(N, BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr):
 
 
 @triton.jit
-def _rows(w, w_second, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
+def _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
           BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
           GATE_UP: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr,
-          FORM: tl.constexpr, EARLY: tl.constexpr):
-    """The program's channels of x's first ROWS rows, from the first weight tile `w` (and
-    with EARLY 2, form "floats", the second, `w_second`), in the form FORM (`form_of`)."""
+          FORM: tl.constexpr):
+    """The program's channels of x's first ROWS rows, from the first weight tile `w`, in
+    the form FORM (`form_of`)."""
     if FORM == "floats":
-        _float_rows(w, w_second, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm,
-                    stride_ym, BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX, EARLY)
+        _float_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
+                    BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX)
     else:
         _word_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
                    BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX, FORM == "units")
 
 
 @triton.jit
-def _float_rows(w, w_second, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm,
-                stride_ym, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
-                GATE_UP: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr,
-                EARLY: tl.constexpr):
+def _float_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
+                BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
+                GATE_UP: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr):
     """`_rows` in the form "floats": x through shared memory into the tile's layout (Triton's
     choice for a vector broadcast over the tile's rows), each weight made float32."""
     # A second row shares each weight made float32 (two accumulators of the one-row
@@ -156,13 +153,7 @@ def _float_rows(w, w_second, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stri
     acc = w * _row(x_ptr, rk, K, EVEN_K).to(tl.float32)[None, :]
     if ROWS == 2:
         acc_2 = w * _row(x_ptr + stride_xm, rk, K, EVEN_K).to(tl.float32)[None, :]
-    start: tl.constexpr = EARLY * BLOCK_K
-    if EARLY == 2:  # the second tile, read before the wait too
-        w = to_float(w_second, PTX)
-        acc += w * _row(x_ptr, BLOCK_K + rk, K, EVEN_K).to(tl.float32)[None, :]
-        if ROWS == 2:
-            acc_2 += w * _row(x_ptr + stride_xm, BLOCK_K + rk, K, EVEN_K).to(tl.float32)[None, :]
-    for k0 in range(start, K, BLOCK_K):
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + rk
         w = to_float(_weights(w_rows, kk, K, EVEN_K), PTX)
         acc += w * _row(x_ptr, kk, K, EVEN_K).to(tl.float32)[None, :]
@@ -357,14 +348,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
     flag = skip if skip_whole is None else skip_whole
     if flag is not None:
         assert flag.dtype == torch.int32 and flag.device == x.device, (flag.dtype, flag.device)
-    form = form_of(x, weight)
     _gemv_kernel[(triton.cdiv(n, channels),)](
         x, weight, weight if scale is None else scale, x if flag is None else flag, y, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, ROWS=m, EVEN_K=k % block_k == 0, GATE_UP=gate_up,
         SCALED=scale is not None, SKIPS=skip is not None,
         SKIPPED_WHOLE=skip_whole is not None, PTX=gpu_compiled(x.device),
-        FORM=form, EARLY=_early_tiles if form == "floats" and k > block_k else 1,
+        FORM=form_of(x, weight),
         num_warps=num_warps,
         **dependent_launch.launch_options(),
     )
@@ -372,14 +362,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
 
 
 _form = "floats"  # EngineConfig.gemv_form, set by the runner's set-up
-_early_tiles = 1  # EngineConfig.gemv_early_tiles, likewise
-
-
-def set_early_tiles(tiles: int) -> None:
-    """How many weight tiles (1 or 2) each program of the "floats" form reads before its
-    dependent-launch wait, from now on."""
-    global _early_tiles
-    _early_tiles = tiles
 
 
 def set_form(form: str) -> None:
