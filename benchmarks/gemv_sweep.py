@@ -16,7 +16,9 @@ rows_mma is also timed with the weight as the MMA's first operand in the engine'
 
 With `--dtype int8` or `float8_e4m3fn` the weight is 8-bit with a scale per channel,
 through the GEMV's scaled form, and `w8a16_matmul.py`'s own one-row kernel in its last
-default launch is timed beside it (with dependent launch, as the GEMV's "dependent").
+default launch is timed beside it (with dependent launch, as the GEMV's "dependent"); INT8
+also through `int8_x16.py` (the int8 tensor cores, x split into two int8 halves by its own
+launch, timed with it), which the engine sends 2 to `int8_mma_rows` rows.
 With `--gemv`, two rows (gemv.MAX_ROWS) go through the GEMV too, its launches swept, and
 the kernel the engine took for them before is timed beside it with dependent launch: INT8
 int8_x16 (its launch to split x included), FP8 and 16-bit rows_mma.
@@ -226,6 +228,9 @@ def main() -> None:
                         if eight_bit and args.rows == 1 else None)
             before_us = (checked_us(partial(before_gemv, scale=scale), x, weights, expected)
                          if args.gemv and args.rows > 1 else None)
+            int8_mma_us = (checked_us(partial(int8_x16_matmul, scale=scale), x, weights,
+                                      expected)
+                           if wdtype == torch.int8 and args.rows == 1 else None)
             dependent_launch.set_enabled(False)
             mma_us = w_first_us = None
             if args.rows == 1:  # the tensor-core kernel's, for comparison
@@ -255,6 +260,8 @@ def main() -> None:
                        default_us=default_us, default_frac=frac(default_us),
                        pdl_us=pdl_us, pdl_frac=frac(pdl_us), rows_mma_us=mma_us,
                        w8a16_us=w8a16_us, w8a16_frac=w8a16_us and frac(w8a16_us),
+                       int8_mma_us=int8_mma_us,
+                       int8_mma_frac=int8_mma_us and frac(int8_mma_us),
                        before_us=before_us, pdl_vs_before=before_us and before_us / pdl_us,
                        w_first_us=w_first_us, w_first_frac=w_first_us and frac(w_first_us),
                        best_us=best_us, best_frac=frac(best_us), best=best,
@@ -275,6 +282,7 @@ def main() -> None:
          ("default us", "default_us", ".1f"), ("%copy", "default_frac", ".0%"),
          ("dependent us", "pdl_us", ".1f"), ("%copy", "pdl_frac", ".0%"),
          ("W8A16 one-row us", "w8a16_us", ".1f"), ("%copy", "w8a16_frac", ".0%"),
+         ("int8 MMA one-row us", "int8_mma_us", ".1f"), ("%copy", "int8_mma_frac", ".0%"),
          ("engine before us", "before_us", ".1f"), ("before/dependent", "pdl_vs_before", ".2f"),
          ("rows_mma us", "rows_mma_us", ".1f"), ("weight first us", "w_first_us", ".1f"),
          ("%copy", "w_first_frac", ".0%"), ("best us", "best_us", ".1f"),
