@@ -90,7 +90,7 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
     def apply_gate_up(self, layer: nn.Module, x: torch.Tensor, act: str,
                       bias: torch.Tensor | None) -> torch.Tensor | None:
         x2 = x.reshape(-1, x.shape[-1])
-        if not x2.is_cuda or bias is not None:
+        if not x2.is_cuda or bias is not None or _one_row_to_int8_mma(layer, len(x2)):
             return None
         from infer.kernels.w8a16_matmul import gate_up_gemv
 
@@ -144,8 +144,7 @@ def _cuda_matmul(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     gemv_rows = getattr(layer, "w8a16_gemv_rows", 0)
     if len(x) > DEQUANTIZE_ROWS:  # compute-bound: cuBLAS on a copy
         return F.linear(x, layer.weight.to(x.dtype)) * layer.weight_scale
-    if (1 < len(x) <= getattr(layer, "int8_mma_rows", 0)
-            and not _to_gemv(len(x), layer.weight.shape[0], gemv_rows)):
+    if _to_int8_mma(layer, len(x)):
         from infer.kernels.int8_x16 import int8_x16_matmul
 
         return int8_x16_matmul(x.contiguous(), layer.weight, layer.weight_scale)
@@ -164,6 +163,22 @@ def _cpu_matmul(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return cpu_int8_linear.int8_linear(x.float(), layer.weight, layer.weight_scale)
     return torch.ops.aten._weight_int8pack_mm(x.to(layer.compute_dtype), layer.weight,
                                               layer.weight_scale)
+
+
+def _to_int8_mma(layer: nn.Module, rows: int) -> bool:
+    """Whether a CUDA step of `rows` rows takes the int8 tensor cores (`kernels/int8_x16.py`):
+    2 to `int8_mma_rows` rows the GEMV does not take, or `_one_row_to_int8_mma`."""
+    if rows == 1:
+        return _one_row_to_int8_mma(layer, rows)
+    return (rows <= getattr(layer, "int8_mma_rows", 0)
+            and not _to_gemv(rows, layer.weight.shape[0], getattr(layer, "w8a16_gemv_rows", 0)))
+
+
+def _one_row_to_int8_mma(layer: nn.Module, rows: int) -> bool:
+    """One row by a layer at least `int8_mma_one_row_min_n` wide (`set_8bit_kernels`; 0:
+    never)."""
+    min_n = getattr(layer, "int8_mma_one_row_min_n", 0)
+    return rows == 1 and 0 < min_n <= layer.weight.shape[0]
 
 
 def _to_gemv(rows: int, n: int, gemv_rows: int) -> bool:
