@@ -128,13 +128,13 @@ def test_one_row_by_a_layer_past_the_width_takes_the_kernel(act, min_n, monkeypa
                         lambda *a, **k: taken.append("mma") or real(*a, **k))
     x = torch.randn(1, 512, generator=gen).to(DEVICE, torch.bfloat16)
     ref = x.double() @ (layer.weight.double() * layer.weight_scale.double()[:, None]).T
-    for width, expected in ((min_n, ["mma"]), (769, ["mma"])):
+    for width in (min_n, 769):
         layer.int8_mma_one_row_min_n = width
         if act:
             fused = layer.quant_method.apply_gate_up(layer, x, act, None)
             assert (fused is None) == (width <= 768)
         y = layer(x).double()
-        assert taken == expected, width
+        assert taken == ["mma"], width  # the first width's row only
         assert (y - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
 
 
