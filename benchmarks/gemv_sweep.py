@@ -25,6 +25,9 @@ int8_x16 (its launch to split x included), FP8 and 16-bit rows_mma.
 With `--gate-up silu` only the gate_up projections run, through `gemv_gate_up` (the
 launch stores `silu(gate) * up`, as `gemv_gate_up_activation` has the engine do); cuBLAS,
 w8a16's kernel and rows_mma store `[gate | up]` (the activation's launch not timed).
+With `--x16-gemv` (`--dtype int8`, one row) the kernel timed, swept and shown as "default"
+is `int8_x16_gemv.py` (dp4a on x split into two int8 halves, its launch to split x timed
+with it) in place of the GEMV.
 With `--first-row-skipped` (`--gemv --rows 2`) the GEMV's launches run with the skip flag
 set (`kernels/row_skip.py`: the second row alone, as a draft round's catch-up forward
 after a verdict that rejected a draft); the engine's kernel before it, without.
@@ -33,7 +36,7 @@ after a verdict that rejected a draft); the engine's kernel before it, without.
         [--rows 5 [--weight-first] --suffix _rows5] [--dtype int8 --suffix _int8]
         [--gemv --rows 2 [--dtype int8] --suffix _gemv2_int8]
         [--gate-up silu --suffix _gate_up] [--gemv --rows 2 --first-row-skipped]
-        [--dependent]
+        [--dependent] [--dtype int8 --x16-gemv --suffix _x16]
 """
 
 from __future__ import annotations
@@ -121,10 +124,13 @@ def main() -> None:
     parser.add_argument("--dependent", action="store_true",
                         help="sweep the launches under dependent launch too (each call "
                         "launched while the one before runs, as in a decode step)")
+    parser.add_argument("--x16-gemv", action="store_true",
+                        help="with --dtype int8 (one row): int8_x16_gemv.py's kernel in the "
+                        "GEMV's place")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gemv_sweep.py times CUDA kernels: no GPU here")
-    from infer.kernels import dependent_launch, row_skip
+    from infer.kernels import dependent_launch, int8_x16_gemv, row_skip
     from infer.kernels import gemv as gemv_kernel
     from infer.kernels.gemv import Launch, default_launch, gemv, gemv_gate_up
     from infer.kernels.int8_x16 import int8_x16_matmul
@@ -145,11 +151,16 @@ def main() -> None:
         raise SystemExit("--gate-up: one row, or --gemv (gemv_gate_up is the GEMV's)")
     if args.first_row_skipped and not (args.gemv and args.rows == 2):
         raise SystemExit("--first-row-skipped: with --gemv --rows 2")
+    if args.x16_gemv and (args.dtype != "int8" or args.rows != 1 or args.gemv):
+        raise SystemExit("--x16-gemv: with --dtype int8, one row")
     flag = torch.ones(1, dtype=torch.int32, device="cuda")
     checked_from = 1 if args.first_row_skipped else 0  # the rows a skipped launch writes
 
     def run(x: torch.Tensor, weight: torch.Tensor, launch: dict,
             scale: torch.Tensor | None = None) -> torch.Tensor:
+        if args.x16_gemv:
+            return int8_x16_gemv.int8_x16_gemv(x, weight, scale, args.gate_up,
+                                               Launch(**launch) if launch else None)
         if through_gemv:
             launch = Launch(**launch) if launch else None
             with (row_skip.first_row_skipped_where(flag) if args.first_row_skipped
@@ -219,8 +230,11 @@ def main() -> None:
                 return checked_us(partial(run, launch=launch, scale=scale), x, weights,
                                   expected, checked_from)
 
-            default = (default_launch(n, k, weights[0].element_size(), x.shape[0])._asdict()
-                       if through_gemv else {})
+            if args.x16_gemv:
+                default = int8_x16_gemv.default_launch(n, k)._asdict()
+            else:
+                default = (default_launch(n, k, weights[0].element_size(),
+                                          x.shape[0])._asdict() if through_gemv else {})
             default_us = timed(default)
             dependent_launch.set_enabled(True)  # each call's launch under the one before
             pdl_us = timed(default)
@@ -273,7 +287,8 @@ def main() -> None:
             common.write_results("gemv_sweep", args, {"ceilings": ceil, "rows": rows,
                                                       "sweep": sweep})
     common.print_table(
-        f"{'GEMV' if through_gemv else 'rows_mma'} of {args.rows} row(s), {args.dtype} "
+        f"{'int8_x16_gemv' if args.x16_gemv else 'GEMV' if through_gemv else 'rows_mma'} "
+        f"of {args.rows} row(s), {args.dtype} "
         f"weights{', ' + args.gate_up + ' stored by the launch' if args.gate_up else ''} "
         "(cuBLAS: bf16; us per "
         "call in a CUDA graph, weights cycled past L2)", rows,

@@ -50,6 +50,9 @@ class Case:
     num_warps: int = 4
     num_stages: int = 2
     note: str = ""
+    # (an opcode, how many of it one iteration issues a thread) where ptxas may unroll the
+    # loop: the loop's count of that opcode then says how many iterations it holds
+    unrolled: tuple[str, int] | None = None
 
 
 def _cases() -> list[Case]:
@@ -155,6 +158,21 @@ def _cases() -> list[Case]:
                 ["words", "xq", "side", "y_ptr", *strides], block_n * units * unit_k,
                 stored / unit_k, num_warps=4,
                 note=f"launch ({block_n} rows, {units} units of {unit_k}, 4 warps)"))
+    # one row of INT8 weights by dp4a on x's two int8 halves (int8_x16_gemv.py)
+    from infer.kernels import int8_x16_gemv
+
+    for shape, (n, k) in (("8B gate_up", (28672, 4096)), ("8B down", (4096, 14336))):
+        launch = int8_x16_gemv.default_launch(n, k)
+        cases.append(Case(
+            f"int8_x16_gemv ({shape})", "int8_x16_gemv:_int8_x16_gemv_kernel",
+            dict(q_ptr="*i32", xs_ptr="*fp32", w_ptr="*i32", ws_ptr="*bf16", y_ptr="*bf16",
+                 N=i32, KW=i32, stride_wn=i32),
+            dict(BLOCK_N=launch.block_n, BLOCK_W=launch.block_k // 4, EVEN_K=True,
+                 GATE_UP="", PTX=True, PDL=False),
+            ["q_ptr", "w_ptr", "y_ptr", "N", "KW", "stride_wn"],
+            launch.block_n * launch.block_k, 1, num_warps=launch.num_warps,
+            note=f"one row, launch {tuple(launch)}",
+            unrolled=("IDP", launch.block_n * launch.block_k // 2 // (32 * launch.num_warps))))
     # weight-only INT4, eight values a word, 16-bit scale and zero a group of 128
     from infer.kernels import int4_gemv
 
@@ -263,8 +281,9 @@ def analyse(case: Case) -> dict:
     sass, registers = compile_case(case)
     loop = innermost_loop(sass)
     threads = 32 * case.num_warps
-    per_thread = case.weights_per_iteration / threads
     mix = collections.Counter(opcode.split(".")[0] for opcode in loop)
+    iterations = mix[case.unrolled[0]] / case.unrolled[1] if case.unrolled and loop else 1
+    per_thread = case.weights_per_iteration * iterations / threads
     loads = collections.Counter(opcode for opcode in loop if opcode.startswith("LDG"))
     return dict(
         kernel=case.name, note=case.note, registers=registers,

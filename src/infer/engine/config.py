@@ -203,6 +203,13 @@ class EngineConfig:
         "MLP's activation then takes its own launch. Unmeasured in the step (an H200 "
         "timed the kernel only at two rows: 8B gate_up 33.3 µs, LM head 125.2, where the "
         "one-row GEMV took 32.9 / 132.2); 0: off")
+    int8_x16_gemv: bool = knob(
+        False, "one-row weight-only INT8 steps (batch-1 decode) multiply by dp4a: x split "
+        "into two int8 halves of 16-bit fixed point as int8_mma_rows splits it (one launch "
+        "a matmul), then two integer instructions for four weights (kernels/"
+        "int8_x16_gemv.py; 0.92 instructions a weight compiled for sm_90 against the GEMV's "
+        "3.5-4.8), x's rounding a 16-bit step of its row's range; a gated MLP's activation "
+        "in the same launch. CUDA with kernel_backend triton; unmeasured on a GPU")
     gguf_int8_activations: bool = knob(
         True, "one-row matmuls by GGUF Q4_K, Q6_K and Q8_0 weights kept in their blocks "
         "(quantization=gguf) round x to int8 per 32 values and multiply with dp4a, as "

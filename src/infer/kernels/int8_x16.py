@@ -35,9 +35,12 @@ MAX_BLOCKS = 1 << 16  # row blocks a launch may have: a counter each
 
 
 @triton.jit
-def _split_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, BLOCK: tl.constexpr):
+def _split_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr):
     """Row `row` of x -> its scale, and q's halves: hi in plane 0, lo in plane 1 of
     q `[2, M, K]`."""
+    dependent_launch.wait(PDL)
+    dependent_launch.release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -69,7 +72,8 @@ def split_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m and k:
         block = min(4096, triton.next_power_of_2(k))
         _split_rows_kernel[(m,)](x, q, scale, m, k, x.stride(0), BLOCK=block,
-                                 num_warps=8 if block >= 2048 else 4)
+                                 num_warps=8 if block >= 2048 else 4,
+                                 **dependent_launch.launch_options())
     return q, scale
 
 

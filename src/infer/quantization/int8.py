@@ -4,7 +4,8 @@ weight being `weight * weight_scale[:, None]`; activations stay in 16 bits on a 
 On CUDA the matmul is ours for decode-sized steps (`kernels/w8a16_matmul.py`, Triton;
 torch's CUDA `_weight_int8pack_mm` was 7x slower than bfloat16 on the H100; with
 `EngineConfig.int8_mma_rows`, steps of a few rows on the int8 tensor cores,
-`kernels/int8_x16.py`), and cuBLAS on a dequantized copy of the weight for prefill-sized
+`kernels/int8_x16.py`; with `int8_x16_gemv`, one row by dp4a, `kernels/int8_x16_gemv.py`),
+and cuBLAS on a dequantized copy of the weight for prefill-sized
 ones. On the CPU it is infer's C++ kernel (`kernels/cpu_int8_linear.cpp`,
 `EngineConfig.cpu_int8_kernel`): x stays float32, each row's result the same whatever the
 step's rows. Without it (off, or not built), torch's `_weight_int8pack_mm`, fed 16-bit
@@ -90,7 +91,15 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
     def apply_gate_up(self, layer: nn.Module, x: torch.Tensor, act: str,
                       bias: torch.Tensor | None) -> torch.Tensor | None:
         x2 = x.reshape(-1, x.shape[-1])
-        if not x2.is_cuda or bias is not None or _one_row_to_int8_mma(layer, len(x2)):
+        if not x2.is_cuda or bias is not None:
+            return None
+        if _to_x16_gemv(layer, x2):
+            from infer.kernels.int8_x16_gemv import int8_x16_gemv
+
+            y = int8_x16_gemv(x2.to(layer.compute_dtype).contiguous(), layer.weight,
+                              layer.weight_scale, act)
+            return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+        if _one_row_to_int8_mma(layer, len(x2)):
             return None
         from infer.kernels.w8a16_matmul import gate_up_gemv
 
@@ -144,6 +153,10 @@ def _cuda_matmul(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     gemv_rows = getattr(layer, "w8a16_gemv_rows", 0)
     if len(x) > DEQUANTIZE_ROWS:  # compute-bound: cuBLAS on a copy
         return F.linear(x, layer.weight.to(x.dtype)) * layer.weight_scale
+    if _to_x16_gemv(layer, x):
+        from infer.kernels.int8_x16_gemv import int8_x16_gemv
+
+        return int8_x16_gemv(x.contiguous(), layer.weight, layer.weight_scale)
     if _to_int8_mma(layer, len(x)):
         from infer.kernels.int8_x16 import int8_x16_matmul
 
@@ -172,6 +185,15 @@ def _to_int8_mma(layer: nn.Module, rows: int) -> bool:
         return _one_row_to_int8_mma(layer, rows)
     return (rows <= getattr(layer, "int8_mma_rows", 0)
             and not _to_gemv(rows, layer.weight.shape[0], getattr(layer, "w8a16_gemv_rows", 0)))
+
+
+def _to_x16_gemv(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether one row `x` multiplies by dp4a on its int8 halves
+    (`kernels/int8_x16_gemv.py`): with `int8_x16_gemv` (`set_8bit_kernels`), where the
+    kernel takes the weight, before the wide layers' `int8_mma_one_row_min_n`."""
+    from infer.kernels.int8_x16_gemv import takes
+
+    return getattr(layer, "int8_x16_gemv", False) and takes(x, layer.weight)
 
 
 def _one_row_to_int8_mma(layer: nn.Module, rows: int) -> bool:

@@ -1,0 +1,114 @@
+"""One row of x times INT8 weights by `dp4a`, x carried as 16-bit fixed point in two int8
+halves: `y [1, N] = x [1, K] @ (w [N, K] * scale[:, None])^T`.
+
+The float GEMV (`gemv.py`) makes each int8 weight a float and multiplies it in float32:
+~3.5-4.8 instructions a weight, so a byte of INT8 weight costs twice the instructions of
+a byte of bfloat16 weight, and on an H100 the INT8 GEMVs of a batch-1 decode step read at
+88 % of the bfloat16 ones' rate. Here x is first split as the int8 tensor-core kernel splits
+it (`int8_x16.split_rows`: `x ~ s (256 hi + lo)`, one scale a row) and each 32-bit word of
+four weights meets the matching words of hi and of lo in one `dp4a` each: two integer
+instructions for four weights, no conversion. The int32 sums are exact
+(`|w| <= 128, |hi| <= 127, |lo| <= 128`: below 2^31 for K up to 2^17); each output is
+`s * scale_w * (256 sum(w hi) + sum(w lo))`, x's rounding (half a 16-bit step of its row's
+range) the only error, the same as the tensor-core kernel's at two rows and more.
+
+Each program owns BLOCK_N output channels and walks all of K (`gemv.py`'s shape of launch),
+BLOCK_K weights (BLOCK_K / 4 words) of each row a step; with GATE_UP it multiplies the gate
+and up rows of the same channels and stores `act(gate) * up` (`gemv.channels`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from infer.kernels import dependent_launch, gpu_compiled
+from infer.kernels.gemv import Launch, channels, store_sums
+from infer.kernels.gguf_q4k_int8x import _dp4a
+from infer.kernels.int8_x16 import split_rows
+
+
+@triton.jit
+def _words(rows, cols, KW, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(rows + cols[None, :], eviction_policy="evict_first")
+    return tl.load(rows + cols[None, :], mask=cols[None, :] < KW, other=0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
+def _halves(q_ptr, cols, KW, EVEN_K: tl.constexpr):
+    """The words of x's high and low halves at the word columns `cols`."""
+    if EVEN_K:
+        return tl.load(q_ptr + cols)[None, :], tl.load(q_ptr + KW + cols)[None, :]
+    return (tl.load(q_ptr + cols, mask=cols < KW, other=0)[None, :],
+            tl.load(q_ptr + KW + cols, mask=cols < KW, other=0)[None, :])
+
+
+@triton.jit
+def _int8_x16_gemv_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, KW, stride_wn,
+                          BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                          EVEN_K: tl.constexpr, GATE_UP: tl.constexpr, PTX: tl.constexpr,
+                          PDL: tl.constexpr):
+    rn, wn = channels(N, BLOCK_N, GATE_UP)
+    rw = tl.arange(0, BLOCK_W)
+    # Rows past N read row N - 1 (no mask on the weight's loads) and are not stored.
+    w_rows = w_ptr + wn.to(tl.int64)[:, None] * stride_wn
+    # The first weight tile is read before the kernel before this one has finished
+    # (dependent_launch.py); x's halves only after.
+    w = _words(w_rows, rw, KW, EVEN_K)
+    dependent_launch.wait(PDL)
+    dependent_launch.release(PDL)
+    hi, lo = _halves(q_ptr, rw, KW, EVEN_K)
+    acc_hi = _dp4a(w, hi, tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.int32), PTX, SIGNED=True)
+    acc_lo = _dp4a(w, lo, tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.int32), PTX, SIGNED=True)
+    for k0 in range(BLOCK_W, KW, BLOCK_W):
+        w = _words(w_rows, k0 + rw, KW, EVEN_K)
+        hi, lo = _halves(q_ptr, k0 + rw, KW, EVEN_K)
+        acc_hi = _dp4a(w, hi, acc_hi, PTX, SIGNED=True)
+        acc_lo = _dp4a(w, lo, acc_lo, PTX, SIGNED=True)
+    sums = (tl.sum(acc_hi, axis=1).to(tl.float32) * 256.0
+            + tl.sum(acc_lo, axis=1).to(tl.float32)) * tl.load(xs_ptr)
+    store_sums(sums[:, None], ws_ptr, y_ptr, rn, wn, N, True, GATE_UP)
+
+
+def default_launch(n: int, k: int) -> Launch:
+    """The launch for an `[n, k]` weight (block_k in weights: a multiple of 4)."""
+    if n >= 6144:
+        return Launch(block_n=16, block_k=512, num_warps=8)
+    return Launch(block_n=4, block_k=2048, num_warps=8)
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `int8_x16_gemv` multiplies this one-row step: a contiguous int8 weight whose
+    rows are whole 32-bit words, on a GPU or the interpreter alike."""
+    return (x.dim() == 2 and x.shape[0] == 1 and weight.dtype == torch.int8
+            and weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] % 4 == 0
+            and weight.data_ptr() % 4 == 0)
+
+
+def int8_x16_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                  act: str = "", launch: Launch | None = None) -> torch.Tensor:
+    """`x [1, K]` (float16 / bfloat16 / float32, unit column stride) times the transpose of
+    `weight [N, K]` int8 (`takes`) scaled by `scale [N]`: `[1, N]` in x's dtype; with `act`
+    ("silu" / "gelu_tanh") `act(gate) * up` of a gated MLP's `[gate | up]` weight,
+    `[1, N / 2]`, rounded as `gemv.gemv_gate_up` rounds it."""
+    assert takes(x, weight) and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
+    assert x.stride(1) == 1 and scale.shape == weight.shape[:1] and scale.is_contiguous()
+    assert act in ("", "silu", "gelu_tanh"), act
+    weight_rows, k = weight.shape
+    n = weight_rows // 2 if act else weight_rows
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if n == 0 or k == 0:
+        return y.zero_()  # act(0) * 0 = 0 too
+    block_n, block_k, num_warps = launch or default_launch(weight_rows, k)
+    assert block_k % 4 == 0 and (not act or block_n % 2 == 0), launch
+    q, x_scale = split_rows(x)
+    kw = k // 4
+    _int8_x16_gemv_kernel[(triton.cdiv(n, block_n // 2 if act else block_n),)](
+        q.view(torch.int32), x_scale, weight.view(torch.int32), scale, y, n, kw, kw,
+        BLOCK_N=block_n, BLOCK_W=block_k // 4, EVEN_K=kw % (block_k // 4) == 0,
+        GATE_UP=act, PTX=gpu_compiled(x.device), num_warps=num_warps,
+        **dependent_launch.launch_options())
+    return y

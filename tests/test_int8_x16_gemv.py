@@ -1,0 +1,138 @@
+"""One row times INT8 weights by dp4a on x's two int8 halves (`kernels/int8_x16_gemv.py`),
+against float64: equal to float64's product on the rounded row to float32 rounding (the
+integer sums are exact), within x's rounding of the exact product, and the gated form bit
+for bit the plain one followed by the activation kernel. Shapes off the launch's blocks,
+K not a multiple of the step, weights at -128. Triton's interpreter on the CPU;
+`INFER_TEST_DEVICE=cuda` runs the compiled kernels."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from infer.kernels import int8_x16, int8_x16_gemv
+from infer.kernels.activation import gated_rows
+from infer.kernels.gemv import Launch
+
+DEVICE = torch.device(os.environ.get("INFER_TEST_DEVICE", "cpu"))
+
+
+def _row(k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, k, generator=g) * torch.logspace(-2, 1, k)[None, :]
+    x[0, k // 3] = -9.0 * x.abs().max()  # an outlier sets the row's scale
+    return x
+
+
+def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 1)
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    w[0, :] = -128  # the extreme the sums' bound allows for
+    return w, torch.rand(n, generator=g) * 0.01 + 1e-4
+
+
+@pytest.mark.parametrize("n,k,launch", [
+    (70, 256, Launch(block_n=16, block_k=64, num_warps=4)),  # rows past N, K in 4 steps
+    (33, 1000, Launch(block_n=8, block_k=128, num_warps=4)),  # K not a multiple of a step
+    (130, 4096, None),  # the default launch
+])
+def test_matches_float64_on_the_rounded_row(n, k, launch):
+    x = _row(k, n)
+    w, w_scale = _weights(n, k, n)
+    y = int8_x16_gemv.int8_x16_gemv(x.to(DEVICE), w.to(DEVICE), w_scale.to(DEVICE),
+                                    launch=launch).cpu()
+    assert y.shape == (1, n) and y.dtype == torch.float32
+    q, scale = int8_x16.split_rows(x.to(DEVICE))
+    rounded = (256 * q[0].double() + q[1].double()).cpu() * scale.cpu().double()[:, None]
+    weights = w.double() * w_scale.double()[:, None]
+    want = rounded @ weights.T
+    magnitude = rounded.abs() @ weights.abs().T
+    assert ((y.double() - want).abs() <= 1e-6 * magnitude).all()
+    # against x itself: each value moved by at most half its row's step
+    bound = (scale.cpu().double() / 2) * weights.abs().sum(dim=1)[None, :]
+    exact = x.double() @ weights.T
+    assert ((y.double() - exact).abs() <= bound * (1 + 1e-4) + 1e-6 * magnitude).all()
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_form_is_the_plain_one_then_the_activation(act):
+    inter, k = 37, 512
+    x = _row(k, 5).to(torch.bfloat16)
+    w, w_scale = _weights(2 * inter, k, 5)
+    launch = Launch(block_n=8, block_k=128, num_warps=4)
+    args = (x.to(DEVICE), w.to(DEVICE), w_scale.to(DEVICE))
+    fused = int8_x16_gemv.int8_x16_gemv(*args, act=act, launch=launch).cpu()
+    plain = int8_x16_gemv.int8_x16_gemv(*args, launch=launch)
+    assert fused.shape == (1, inter) and fused.dtype == torch.bfloat16
+    assert torch.equal(fused, gated_rows(plain, act).cpu())
+
+
+def test_takes_only_whole_words_of_int8():
+    x = torch.zeros(1, 8)
+    assert int8_x16_gemv.takes(x, torch.zeros(3, 8, dtype=torch.int8))
+    assert not int8_x16_gemv.takes(x[:, :6], torch.zeros(3, 6, dtype=torch.int8))
+    assert not int8_x16_gemv.takes(torch.zeros(2, 8), torch.zeros(3, 8, dtype=torch.int8))
+    assert not int8_x16_gemv.takes(x, torch.zeros(8, 3, dtype=torch.int8).T)
+    assert not int8_x16_gemv.takes(x, torch.zeros(3, 8, dtype=torch.bfloat16))
+
+
+def test_which_steps_take_the_kernel():
+    """The CUDA routing rule (`quantization/int8.py`): with `int8_x16_gemv`, one row by a
+    layer whose weight the kernel takes; never more rows, never with the knob off."""
+    from infer.models.linear import ColumnParallelLinear
+    from infer.quantization.int8 import Int8WeightOnlyLinearMethod, _to_x16_gemv
+
+    layer = ColumnParallelLinear(64, 96, bias=False)
+    Int8WeightOnlyLinearMethod().quantize(layer)
+    assert not _to_x16_gemv(layer, torch.zeros(1, 64))  # the knob unset
+    layer.int8_x16_gemv = True
+    assert _to_x16_gemv(layer, torch.zeros(1, 64))
+    assert not _to_x16_gemv(layer, torch.zeros(2, 64))
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="INT8 layers take the kernel on CUDA only")
+@pytest.mark.parametrize("act", ["", "silu"])
+def test_one_row_by_an_int8_layer_with_the_knob_takes_the_kernel(act, monkeypatch):
+    """With `int8_x16_gemv` one row goes to the kernel (a gate_up layer's activation in its
+    launch), two rows do not; both against float64."""
+    from infer.kernels.activation import gated_rows as gated_reference
+    from infer.models.linear import MergedColumnParallelLinear
+    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
+
+    gen = torch.Generator().manual_seed(7)
+    layer = MergedColumnParallelLinear(512, [384, 384], bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(768, 512, generator=gen))
+    layer = layer.to(DEVICE, torch.bfloat16)
+    Int8WeightOnlyLinearMethod().quantize(layer)
+    layer.int8_x16_gemv, layer.w8a16_gemv_rows = True, 2
+    taken = []
+    real = int8_x16_gemv.int8_x16_gemv
+    monkeypatch.setattr(int8_x16_gemv, "int8_x16_gemv",
+                        lambda *a, **k: taken.append(len(a[0])) or real(*a, **k))
+    x = torch.randn(2, 512, generator=gen).to(DEVICE, torch.bfloat16)
+    ref = x.double() @ (layer.weight.double() * layer.weight_scale.double()[:, None]).T
+    if act:
+        y = layer.quant_method.apply_gate_up(layer, x[:1], act, None).double()
+        ref = gated_reference(ref.to(torch.bfloat16), act).double()
+    else:
+        y = layer(x[:1]).double()
+        layer(x)  # two rows: another kernel
+    assert taken == [1]
+    assert (y - ref[:1]).abs().max().item() <= 1e-2 * ref.abs().max().item()
+
+
+def test_the_knob_reaches_every_linear_layer_and_the_lm_head():
+    from tiny_model import tiny_model_dir
+
+    from infer import LLM
+    from infer.models.linear import LinearBase, ParallelLMHead
+
+    llm = LLM(str(tiny_model_dir()), device=str(DEVICE), num_blocks=64, max_model_len=128,
+              quantization="int8", kernel_backend="triton", int8_x16_gemv=True,
+              cuda_graphs=False)
+    layers = [m for m in llm.engine.core.runner.model.modules()
+              if isinstance(m, (LinearBase, ParallelLMHead))]
+    assert layers and all(m.int8_x16_gemv for m in layers)
