@@ -128,6 +128,7 @@ def test_the_knob_reaches_every_linear_layer_and_the_lm_head():
     from tiny_model import tiny_model_dir
 
     from infer import LLM
+    from infer.models.layers import RMSNorm
     from infer.models.linear import LinearBase, ParallelLMHead
 
     llm = LLM(str(tiny_model_dir()), device=str(DEVICE), num_blocks=64, max_model_len=128,
@@ -136,3 +137,52 @@ def test_the_knob_reaches_every_linear_layer_and_the_lm_head():
     layers = [m for m in llm.engine.core.runner.model.modules()
               if isinstance(m, (LinearBase, ParallelLMHead))]
     assert layers and all(m.int8_x16_gemv for m in layers)
+    norms = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.x16_rows for m in norms)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_norms_halves_are_split_rows_of_its_output(residual):
+    """An RMSNorm's one-row output split into halves in its own launch (`x16_rows`) equals
+    `split_rows` of the output as stored, bit for bit, and the output is the plain norm's."""
+    from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(1, 1000, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    w = (torch.rand(1000, generator=g) + 0.5).to(torch.bfloat16).to(DEVICE)
+    if residual:
+        res = torch.randn(1, 1000, generator=g).to(torch.bfloat16).to(DEVICE)
+        out, res_out, (q, scale) = fused_add_rmsnorm(x, res.clone(), w, 1e-6, x16_rows=True)
+        plain, plain_res = fused_add_rmsnorm(x, res.clone(), w, 1e-6)
+        assert torch.equal(res_out, plain_res)
+    else:
+        out, (q, scale) = rmsnorm(x, w, 1e-6, x16_rows=True)
+        plain = rmsnorm(x, w, 1e-6)
+    assert torch.equal(out, plain)
+    want_q, want_scale = int8_x16.split_rows(out)
+    assert q.shape == want_q.shape == (2, 1, 1000)
+    assert torch.equal(q, want_q) and torch.equal(scale, want_scale)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the norms hand out halves on CUDA only")
+def test_a_norms_halves_reach_the_kernel_without_a_split(monkeypatch):
+    """With `x16_rows` the norm's one-row output carries its halves into the INT8 layer's
+    kernel: no split of its own, the same product as with one."""
+    from infer.models.layers import RMSNorm
+    from infer.models.linear import ColumnParallelLinear
+    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
+
+    gen = torch.Generator().manual_seed(11)
+    layer = ColumnParallelLinear(512, 256, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(256, 512, generator=gen))
+    layer = layer.to(DEVICE, torch.bfloat16)
+    Int8WeightOnlyLinearMethod().quantize(layer)
+    layer.int8_x16_gemv = True
+    norm = RMSNorm(512, 1e-6).to(DEVICE, torch.bfloat16)
+    norm.use_triton = True
+    x = torch.randn(1, 512, generator=gen).to(DEVICE, torch.bfloat16)
+    want = layer(norm(x).clone())  # a copy carries no halves: split in the kernel's call
+    norm.x16_rows = True
+    monkeypatch.setattr(int8_x16_gemv, "split_rows", lambda *a: pytest.fail("split"))
+    assert torch.equal(layer(norm(x)), want)

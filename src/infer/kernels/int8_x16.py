@@ -47,22 +47,51 @@ def _split_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, BLOCK: tl.constexpr,
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.max(amax, axis=0) * (1.0 / QMAX)
-    scale = tl.where(scale > 0, scale, 1.0)
-    inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+    scale, inv = row_scale(tl.max(amax, axis=0))
     for k0 in range(0, K, BLOCK):
         mask = k0 + cols < K
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=mask, other=0.0)
-        q = tl.floor(x.to(tl.float32) * inv + 0.5)
-        q = tl.minimum(tl.maximum(q, -QMAX), QMAX).to(tl.int32)
-        hi = (q + 128) >> 8  # arithmetic shift: floor((q + 128) / 256)
-        lo = q - hi * 256
-        tl.store(q_ptr + row * K + k0 + cols, hi.to(tl.int8), mask=mask)
-        tl.store(q_ptr + (M + row) * K + k0 + cols, lo.to(tl.int8), mask=mask)
+        store_halves(q_ptr + row * K + k0 + cols, M * K, x.to(tl.float32), inv, mask)
     tl.store(s_ptr + row, scale)
 
 
-def split_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@triton.jit
+def row_scale(amax):
+    """(the scale of a row whose largest magnitude is `amax`, its inverse)."""
+    scale = amax * (1.0 / QMAX)
+    scale = tl.where(scale > 0, scale, 1.0)
+    return scale, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+
+
+@triton.jit
+def store_halves(hi_at, lo_offset, x, inv, mask):
+    """`x` (float32) as 16-bit fixed point of step `1 / inv`: its high halves at `hi_at`,
+    its low ones `lo_offset` after."""
+    q = tl.floor(x * inv + 0.5)
+    q = tl.minimum(tl.maximum(q, -QMAX), QMAX).to(tl.int32)
+    hi = (q + 128) >> 8  # arithmetic shift: floor((q + 128) / 256)
+    lo = q - hi * 256
+    tl.store(hi_at, hi.to(tl.int8), mask=mask)
+    tl.store(hi_at + lo_offset, lo.to(tl.int8), mask=mask)
+
+
+Halves = tuple[torch.Tensor, torch.Tensor]
+
+
+def attach_halves(x: torch.Tensor, halves: Halves) -> torch.Tensor:
+    """One row `x`, carrying its `split_rows` (made by the kernel that made x: the RMSNorm's)
+    for the matmuls it goes into; the same invariant as `int8_rows.attach`'s (x never
+    changed in place)."""
+    x.x16_halves = halves
+    return x
+
+
+def attached_halves(x: torch.Tensor) -> Halves | None:
+    """The halves `x` carries (`attach_halves`), if any."""
+    return getattr(x, "x16_halves", None)
+
+
+def split_rows(x: torch.Tensor) -> Halves:
     """`x [M, K]` (unit column stride) -> (int8 `[2, M, K]`: the rows' high and low halves,
     float32 `[M]`: their scales), `x ~ scale[:, None] * (256 hi + lo)`."""
     assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())

@@ -26,7 +26,7 @@ import triton.language as tl
 from infer.kernels import dependent_launch, gpu_compiled
 from infer.kernels.gemv import Launch, channels, store_sums
 from infer.kernels.gguf_q4k_int8x import _dp4a
-from infer.kernels.int8_x16 import split_rows
+from infer.kernels.int8_x16 import Halves, split_rows
 
 
 @triton.jit
@@ -89,11 +89,13 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def int8_x16_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                  act: str = "", launch: Launch | None = None) -> torch.Tensor:
+                  act: str = "", launch: Launch | None = None,
+                  halves: Halves | None = None) -> torch.Tensor:
     """`x [1, K]` (float16 / bfloat16 / float32, unit column stride) times the transpose of
     `weight [N, K]` int8 (`takes`) scaled by `scale [N]`: `[1, N]` in x's dtype; with `act`
     ("silu" / "gelu_tanh") `act(gate) * up` of a gated MLP's `[gate | up]` weight,
-    `[1, N / 2]`, rounded as `gemv.gemv_gate_up` rounds it."""
+    `[1, N / 2]`, rounded as `gemv.gemv_gate_up` rounds it. `halves`: x's `split_rows`,
+    where the kernel that made x made them too (else split here, a launch)."""
     assert takes(x, weight) and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
     assert x.stride(1) == 1 and scale.shape == weight.shape[:1] and scale.is_contiguous()
     assert act in ("", "silu", "gelu_tanh"), act
@@ -104,7 +106,8 @@ def int8_x16_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         return y.zero_()  # act(0) * 0 = 0 too
     block_n, block_k, num_warps = launch or default_launch(weight_rows, k)
     assert block_k % 4 == 0 and (not act or block_n % 2 == 0), launch
-    q, x_scale = split_rows(x)
+    q, x_scale = halves or split_rows(x)
+    assert q.shape == (2, 1, k), q.shape
     kw = k // 4
     _int8_x16_gemv_kernel[(triton.cdiv(n, block_n // 2 if act else block_n),)](
         q.view(torch.int32), x_scale, weight.view(torch.int32), scale, y, n, kw, kw,

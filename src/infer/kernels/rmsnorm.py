@@ -7,7 +7,9 @@ rounds again; Gemma's `x * (1 + w)` (offset 1) scales in float32 and rounds once
 
 With `int8_rows` a one-row norm also hands out its output rounded to int8 per 32 values
 (`int8_rows.py`'s layout, from the output as stored): what the GGUF int8-x kernels of the
-next projection take, without a launch of its own.
+next projection take, without a launch of its own. With `x16_rows`, the output split into
+two int8 halves of 16-bit fixed point instead (`int8_x16.split_rows`'s), for the INT8
+one-row kernel (`int8_x16_gemv.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import triton.language as tl
 
 from infer.kernels import dependent_launch
 from infer.kernels.int8_rows import store_rounded
+from infer.kernels.int8_x16 import row_scale, store_halves
 
 
 @triton.jit
@@ -26,7 +29,7 @@ def _rmsnorm_kernel(
     stride_x, stride_res, stride_out,
     n_cols, eps,
     OFFSET: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-    INT8_ROWS: tl.constexpr, PDL: tl.constexpr,
+    INT8_ROWS: tl.constexpr, PDL: tl.constexpr, X16_ROWS: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -48,6 +51,10 @@ def _rmsnorm_kernel(
         b = tl.arange(0, BLOCK // 32)[:, None]
         store_rounded(xq_ptr, side_ptr, tl.reshape(y.to(tl.float32), (BLOCK // 32, 32)), b,
                       b * 32 < n_cols)
+    if X16_ROWS:  # one row: its halves `[2, 1, n_cols]` at xq_ptr, its scale at side_ptr
+        scale, inv = row_scale(tl.max(tl.abs(y.to(tl.float32)), axis=0))
+        store_halves(xq_ptr + cols, n_cols, y.to(tl.float32), inv, mask)
+        tl.store(side_ptr, scale)
 
 
 @triton.jit
@@ -62,17 +69,20 @@ def normalised(x, w, n_cols, eps, OFFSET: tl.constexpr, dtype: tl.constexpr):
 
 def _launch(x2d: torch.Tensor, res2d: torch.Tensor | None, weight: torch.Tensor,
             out2d: torch.Tensor, eps: float, offset: float,
-            int8_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+            rounded: tuple[torch.Tensor, torch.Tensor] | None = None,
+            halves: bool = False) -> None:
+    """`rounded`: buffers for the output's rounding to int8 (`_int8_buffers`), or with
+    `halves` for its two int8 halves (`_x16_buffers`)."""
     rows, n = x2d.shape
     block = triton.next_power_of_2(n)
     num_warps = min(max(block // 256, 1), 16)
-    xq, side = int8_rows if int8_rows is not None else (out2d, out2d)
+    xq, side = rounded if rounded is not None else (out2d, out2d)
     _rmsnorm_kernel[(rows,)](
         x2d, res2d if res2d is not None else x2d, weight, out2d, xq, side,
         x2d.stride(0), res2d.stride(0) if res2d is not None else 0, out2d.stride(0),
         n, eps,
         OFFSET=offset, HAS_RESIDUAL=res2d is not None, BLOCK=block,
-        INT8_ROWS=int8_rows is not None, num_warps=num_warps,
+        INT8_ROWS=rounded is not None and not halves, X16_ROWS=halves, num_warps=num_warps,
         **dependent_launch.launch_options(),
     )
 
@@ -90,6 +100,20 @@ def _int8_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             torch.empty((k // 64, 4), dtype=torch.float32, device=x.device))
 
 
+def _x16_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    assert x.numel() == x.shape[-1], x.shape
+    return (torch.empty((2, 1, x.shape[-1]), dtype=torch.int8, device=x.device),
+            torch.empty((1,), dtype=torch.float32, device=x.device))
+
+
+def _rounding_buffers(x: torch.Tensor, int8_rows: bool, x16_rows: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    assert not (int8_rows and x16_rows)
+    if int8_rows:
+        return _int8_buffers(x)
+    return _x16_buffers(x) if x16_rows else None
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, offset: float) -> None:
     assert offset in (0.0, 1.0), "offset is 0 (x * w) or 1 (Gemma's x * (1 + w))"
     assert weight.dim() == 1 and weight.shape[0] == x.shape[-1], (weight.shape, x.shape)
@@ -98,11 +122,12 @@ def _check(x: torch.Tensor, weight: torch.Tensor, offset: float) -> None:
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-            offset: float = 0.0, int8_rows: bool = False
+            offset: float = 0.0, int8_rows: bool = False, x16_rows: bool = False
             ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """RMSNorm over the last dim of `x` (any leading shape, e.g. `[T, H, D]` for q/k norms).
     Returns a new contiguous tensor in x's dtype; with `int8_rows` (`takes_int8_rows(x)`)
-    also that tensor rounded to int8 (`int8_rows.py`)."""
+    also that tensor rounded to int8 (`int8_rows.py`), with `x16_rows` (one row) its two
+    int8 halves `[2, 1, K]` and its scale `[1]` (`int8_x16.split_rows`'s)."""
     _check(x, weight, offset)
     n = x.shape[-1]
     # reshape copies only if the leading dims cannot be flattened as a view.
@@ -110,18 +135,18 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rounded = _int8_buffers(x) if int8_rows else None
+    rounded = _rounding_buffers(x, int8_rows, x16_rows)
     if x2d.shape[0]:
-        _launch(x2d, None, weight, out.view(-1, n), eps, offset, rounded)
+        _launch(x2d, None, weight, out.view(-1, n), eps, offset, rounded, x16_rows)
     return out if rounded is None else (out, rounded)
 
 
 def fused_add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    offset: float = 0.0, int8_rows: bool = False,
+    offset: float = 0.0, int8_rows: bool = False, x16_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, tuple]:
     """`residual += x` (in place) and returns `(rmsnorm(residual), residual)`; with
-    `int8_rows`, the norm rounded to int8 third (as `rmsnorm`)."""
+    `int8_rows` / `x16_rows`, the norm's rounding third (as `rmsnorm`)."""
     _check(x, weight, offset)
     assert residual.shape == x.shape and residual.device == x.device, (residual.shape, x.shape)
     # Updated in place, so it must be addressable as rows of unit stride.
@@ -131,7 +156,8 @@ def fused_add_rmsnorm(
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rounded = _int8_buffers(x) if int8_rows else None
+    rounded = _rounding_buffers(x, int8_rows, x16_rows)
     if x2d.shape[0]:
-        _launch(x2d, residual.view(-1, n), weight, out.view(-1, n), eps, offset, rounded)
+        _launch(x2d, residual.view(-1, n), weight, out.view(-1, n), eps, offset, rounded,
+                x16_rows)
     return (out, residual) if rounded is None else (out, residual, rounded)

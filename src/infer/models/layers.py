@@ -33,7 +33,8 @@ class RMSNorm(nn.Module):
     rank's partial sum, all-reduced first: in the same kernel where the group has the
     fused one (`kernels/all_reduce_norm.py`). With `int8_rows` (set with the GGUF int8-x
     kernels, `set_gguf_int8_activations`) a one-row output carries its rounding to int8
-    for the projections it goes into (`kernels/int8_rows.py`). With `cpu_kernel` (set by
+    for the projections it goes into (`kernels/int8_rows.py`); with `x16_rows` (set with
+    `int8_x16_gemv`) its two int8 halves (`kernels/int8_x16.py`). With `cpu_kernel` (set by
     `set_cpu_norms`) float32 rows on a CPU take infer's C++ kernel (`kernels/cpu_norm.cpp`).
     """
 
@@ -45,6 +46,7 @@ class RMSNorm(nn.Module):
         self.use_triton = False
         self.reduce_input: TensorParallelGroup | None = None
         self.int8_rows = False
+        self.x16_rows = False
         self.cpu_kernel = False
 
     def forward(
@@ -59,7 +61,9 @@ class RMSNorm(nn.Module):
             from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm, takes_int8_rows
 
             if self.int8_rows and takes_int8_rows(x):
-                return self._with_int8_rows(x, residual)
+                return self._with_rounding(x, residual, int8_rows=True)
+            if self.x16_rows and x.is_cuda and x.numel() == x.shape[-1]:
+                return self._with_rounding(x, residual, x16_rows=True)
             if residual is None:
                 return rmsnorm(x, self.weight, self.eps, self.offset)
             return fused_add_rmsnorm(x, residual, self.weight, self.eps, self.offset)
@@ -83,17 +87,21 @@ class RMSNorm(nn.Module):
         """What the normalized x is multiplied by: the weight, or Gemma's `offset + w`."""
         return self.weight + self.offset if self.offset else self.weight
 
-    def _with_int8_rows(self, x: torch.Tensor, residual: torch.Tensor | None
-                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def _with_rounding(self, x: torch.Tensor, residual: torch.Tensor | None,
+                       **rounding: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The norm of one row carrying its rounding (`rounding`: `int8_rows=True` or
+        `x16_rows=True`, as the kernels take them)."""
         from infer.kernels.int8_rows import attach
+        from infer.kernels.int8_x16 import attach_halves
         from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 
+        attached = attach_halves if rounding.get("x16_rows") else attach
         if residual is None:
-            out, rounded = rmsnorm(x, self.weight, self.eps, self.offset, int8_rows=True)
-            return attach(out, rounded)
+            out, rounded = rmsnorm(x, self.weight, self.eps, self.offset, **rounding)
+            return attached(out, rounded)
         out, residual, rounded = fused_add_rmsnorm(x, residual, self.weight, self.eps,
-                                                   self.offset, int8_rows=True)
-        return attach(out, rounded), residual
+                                                   self.offset, **rounding)
+        return attached(out, rounded), residual
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # transformers' rounding (LlamaRMSNorm, Gemma3RMSNorm), which the Triton kernel

@@ -198,6 +198,20 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
             m.w8a16_gemv_rows = gemv_rows
             m.gate_up_rows_apart = gate_up_rows_apart
             m.cpu_int8_kernel = cpu_int8_kernel
+    set_x16_norms(model, int8_x16_gemv)
+
+
+def set_x16_norms(model: nn.Module, on: bool) -> None:
+    """Whether `model`'s RMSNorms hand out a one-row output with its split into int8 halves
+    (`layers.RMSNorm.x16_rows`), for `int8_x16_gemv`: on where the model has INT8 layers."""
+    from infer.models.layers import RMSNorm
+    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
+
+    found = on and any(isinstance(getattr(m, "quant_method", None), Int8WeightOnlyLinearMethod)
+                       for m in model.modules())
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.x16_rows = found
 
 
 # What a linear layer built without a `quant_method` gets (`linear_method_default`).

@@ -84,7 +84,12 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
               ) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        y = _cuda_matmul(layer, x2) if x2.is_cuda else _cpu_matmul(layer, x2)
+        if x2.is_cuda:
+            from infer.kernels.int8_x16 import attached_halves
+
+            y = _cuda_matmul(layer, x2, attached_halves(x))
+        else:
+            y = _cpu_matmul(layer, x2)
         y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
         return y if bias is None else y + bias
 
@@ -94,10 +99,11 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
         if not x2.is_cuda or bias is not None:
             return None
         if _to_x16_gemv(layer, x2):
+            from infer.kernels.int8_x16 import attached_halves
             from infer.kernels.int8_x16_gemv import int8_x16_gemv
 
             y = int8_x16_gemv(x2.to(layer.compute_dtype).contiguous(), layer.weight,
-                              layer.weight_scale, act)
+                              layer.weight_scale, act, halves=attached_halves(x))
             return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
         if _one_row_to_int8_mma(layer, len(x2)):
             return None
@@ -146,9 +152,10 @@ class Int8W8A8LinearMethod(Int8WeightOnlyLinearMethod):
         return y if bias is None else y + bias
 
 
-def _cuda_matmul(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _cuda_matmul(layer: nn.Module, x: torch.Tensor,
+                 halves: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`x [rows, in]` times the layer's weight on CUDA, by the step's rows (the module's
-    docstring)."""
+    docstring); `halves`: one row's split into int8 halves, where the norm made it."""
     x = x.to(layer.compute_dtype)
     gemv_rows = getattr(layer, "w8a16_gemv_rows", 0)
     if len(x) > DEQUANTIZE_ROWS:  # compute-bound: cuBLAS on a copy
@@ -156,7 +163,7 @@ def _cuda_matmul(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if _to_x16_gemv(layer, x):
         from infer.kernels.int8_x16_gemv import int8_x16_gemv
 
-        return int8_x16_gemv(x.contiguous(), layer.weight, layer.weight_scale)
+        return int8_x16_gemv(x.contiguous(), layer.weight, layer.weight_scale, halves=halves)
     if _to_int8_mma(layer, len(x)):
         from infer.kernels.int8_x16 import int8_x16_matmul
 
