@@ -27,11 +27,12 @@ def _rows(m: int, k: int) -> torch.Tensor:
     return x
 
 
-def test_split_rows_are_each_rows_16_bit_fixed_point():
-    x = _rows(9, 1000).float()
+@pytest.mark.parametrize("m,k", [(9, 1000), (3, 17000)])  # one pass; K in slices
+def test_split_rows_are_each_rows_16_bit_fixed_point(m, k):
+    x = _rows(m, k).float()
     q, scale = int8_x16.split_rows(x.to(DEVICE))
     q, scale = q.cpu(), scale.cpu()
-    assert q.shape == (2, 9, 1000) and q.dtype == torch.int8
+    assert q.shape == (2, m, k) and q.dtype == torch.int8
     hi, lo = q[0].long(), q[1].long()
     assert hi.abs().max() <= 127 and lo.min() >= -128 and lo.max() <= 127
     amax = x.abs().amax(dim=1)
@@ -41,7 +42,7 @@ def test_split_rows_are_each_rows_16_bit_fixed_point():
     assert fixed.abs().max() <= QMAX
     exact = x.double() / scale.double()[:, None]
     assert (fixed - exact).abs().max() <= 0.5 + 1e-3  # rounded to the nearest step
-    assert torch.equal(fixed[4], torch.zeros(1000, dtype=torch.long))
+    assert torch.equal(fixed[m // 2], torch.zeros(k, dtype=torch.long))
 
 
 @pytest.mark.parametrize("m,n,k,splits", [(1, 70, 256, 1), (5, 130, 300, 1),

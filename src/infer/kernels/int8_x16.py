@@ -36,13 +36,19 @@ MAX_BLOCKS = 1 << 16  # row blocks a launch may have: a counter each
 
 @triton.jit
 def _split_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, BLOCK: tl.constexpr,
-                       PDL: tl.constexpr):
+                       ONE_PASS: tl.constexpr, PDL: tl.constexpr):
     """Row `row` of x -> its scale, and q's halves: hi in plane 0, lo in plane 1 of
-    q `[2, M, K]`."""
+    q `[2, M, K]`; with ONE_PASS (BLOCK >= K) the row read once."""
     dependent_launch.wait(PDL)
     dependent_launch.release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
+    if ONE_PASS:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
+        scale, inv = row_scale(tl.max(tl.abs(x), axis=0))
+        store_halves(q_ptr + row * K + cols, M * K, x, inv, cols < K)
+        tl.store(s_ptr + row, scale)
+        return
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
@@ -99,9 +105,9 @@ def split_rows(x: torch.Tensor) -> Halves:
     q = torch.empty((2, m, k), dtype=torch.int8, device=x.device)
     scale = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m and k:
-        block = min(4096, triton.next_power_of_2(k))
+        block = min(16384, triton.next_power_of_2(k))
         _split_rows_kernel[(m,)](x, q, scale, m, k, x.stride(0), BLOCK=block,
-                                 num_warps=8 if block >= 2048 else 4,
+                                 ONE_PASS=block >= k, num_warps=min(max(block // 512, 4), 16),
                                  **dependent_launch.launch_options())
     return q, scale
 
