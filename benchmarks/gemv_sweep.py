@@ -78,10 +78,14 @@ def weight_first_launches(**extra: bool) -> list[dict]:
 
 
 def launches(quick: bool, gemv: bool, weight_first: bool = False,
-             eight_bit: bool = False) -> list[dict]:
-    """The GEMV's launches or rows_mma's (splits None: its own rule)."""
+             eight_bit: bool = False, x16_gemv: bool = False) -> list[dict]:
+    """The GEMV's launches, int8_x16_gemv's, or rows_mma's (splits None: its own rule)."""
     if weight_first:
         return weight_first_launches(weight_first=True)
+    if x16_gemv:
+        out = [dict(block_n=bn, block_k=bk, num_warps=warps) for bn, bk, warps in
+               itertools.product((8, 16, 32), (256, 512, 1024), (4, 8))]
+        return out[::3] if quick else out
     if gemv:
         steps = (512, 1024, 2048, 4096) if eight_bit else (256, 512, 1024)
         out = [dict(block_n=bn, block_k=bk, num_warps=warps) for bn, bk, warps in
@@ -253,7 +257,7 @@ def main() -> None:
                 w_first_us = timed(weight_first_launch(n, k, x.device))
             best, best_us = default, default_us
             swept = launches(args.quick, through_gemv,
-                             args.weight_first and not through_gemv, eight_bit)
+                             args.weight_first and not through_gemv, eight_bit, args.x16_gemv)
             dependent_launch.set_enabled(args.dependent)
             if args.dependent:  # the best is then the dependent default's to beat
                 best_us = pdl_us
