@@ -83,8 +83,13 @@ TEXT = ("The history of the city goes back more than two thousand years. It grew
 
 
 def _perplexity(model, ids: list[int]) -> float:
-    logits = run_paged(model, [ids], [len(ids)], block_size=16)[0].double()
-    logprobs = torch.log_softmax(logits[:-1], dim=-1)
+    return perplexity_of(run_paged(model, [ids], [len(ids)], block_size=16)[0], ids)
+
+
+def perplexity_of(logits: torch.Tensor, ids: list[int]) -> float:
+    """The perplexity of `ids` under `logits [len(ids), vocab]` (position i's predicts
+    token i + 1)."""
+    logprobs = torch.log_softmax(logits[:-1].double(), dim=-1)
     nll = -logprobs.gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
     return math.exp(nll)
 
