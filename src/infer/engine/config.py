@@ -205,8 +205,9 @@ class EngineConfig:
         "one-row GEMV took 32.9 / 132.2); 0: off")
     int8_x16_gemv: bool = knob(
         False, "one-row weight-only INT8 steps (batch-1 decode) multiply by dp4a: x split "
-        "into two int8 halves of 16-bit fixed point as int8_mma_rows splits it (one launch "
-        "a matmul), then two integer instructions for four weights (kernels/"
+        "into two int8 halves of 16-bit fixed point as int8_mma_rows splits it (by the "
+        "RMSNorm's launch where it made x, else a launch of its own), then two integer "
+        "instructions for four weights (kernels/"
         "int8_x16_gemv.py; 0.92 instructions a weight compiled for sm_90 against the GEMV's "
         "3.5-4.8), x's rounding a 16-bit step of its row's range; a gated MLP's activation "
         "in the same launch. CUDA with kernel_backend triton; unmeasured on a GPU")

@@ -78,7 +78,9 @@ def _int8_x16_gemv_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, KW, stride_wn,
 
 
 def default_launch(n: int, k: int) -> Launch:
-    """The launch for an `[n, k]` weight (block_k in weights: a multiple of 4)."""
+    """The launch for an `[n, k]` weight (block_k in weights: a multiple of 4): the 8-bit
+    GEMV's rule (`gemv.default_launch`), not yet swept for this kernel on a GPU
+    (`gemv_sweep.py --dtype int8 --x16-gemv`)."""
     if n >= 6144:
         return Launch(block_n=16, block_k=512, num_warps=8)
     return Launch(block_n=4, block_k=2048, num_warps=8)
