@@ -25,16 +25,9 @@ import triton.language as tl
 
 from infer.kernels import dependent_launch, gpu_compiled
 from infer.kernels.gemv import Launch, channels, store_sums
+from infer.kernels.gemv import _weights as _words
 from infer.kernels.gguf_q4k_int8x import _dp4a
 from infer.kernels.int8_x16 import Halves, split_rows
-
-
-@triton.jit
-def _words(rows, cols, KW, EVEN_K: tl.constexpr):
-    if EVEN_K:
-        return tl.load(rows + cols[None, :], eviction_policy="evict_first")
-    return tl.load(rows + cols[None, :], mask=cols[None, :] < KW, other=0,
-                   eviction_policy="evict_first")
 
 
 @triton.jit
