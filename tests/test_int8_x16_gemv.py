@@ -2,8 +2,10 @@
 against float64: equal to float64's product on the rounded row to float32 rounding (the
 integer sums are exact), within x's rounding of the exact product, and the gated form bit
 for bit the plain one followed by the activation kernel. Shapes off the launch's blocks,
-K not a multiple of the step, weights at -128. Triton's interpreter on the CPU;
-`INFER_TEST_DEVICE=cuda` runs the compiled kernels."""
+K not a multiple of the step, weights at -128. Then the RMSNorm's halves (bit for bit
+`split_rows` of its output), the engine's routing, and the rounding's effect on a real
+model (SmolLM2's perplexity). Triton's interpreter on the CPU; `INFER_TEST_DEVICE=cuda`
+runs the compiled kernels."""
 
 import os
 
