@@ -164,12 +164,16 @@ def test_the_knob_reaches_every_linear_layer_and_the_lm_head():
     from tiny_model import tiny_model_dir
 
     from infer import LLM
+    from infer.models.layers import RMSNorm
     from infer.models.linear import LinearBase, ParallelLMHead
 
     llm = LLM(str(tiny_model_dir()), device=str(DEVICE), num_blocks=64, max_model_len=128,
               quantization="int8", kernel_backend="triton", int8_mma_rows=32,
-              int8_mma_one_row_min_n=4096, cuda_graphs=False)
+              int8_mma_one_row_min_n=4096, int8_x16_gemv=True, cuda_graphs=False)
     layers = [m for m in llm.engine.core.runner.model.modules()
               if isinstance(m, (LinearBase, ParallelLMHead))]
     assert layers and all(m.int8_mma_rows == 32 for m in layers)
     assert all(m.int8_mma_one_row_min_n == 4096 for m in layers)
+    assert all(m.int8_x16_gemv for m in layers)  # int8_x16_gemv.py's knob
+    norms = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.x16_rows for m in norms)

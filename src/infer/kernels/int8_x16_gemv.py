@@ -26,6 +26,7 @@ import triton.language as tl
 from infer.kernels import dependent_launch, gpu_compiled
 from infer.kernels.gemv import Launch, channels, store_sums
 from infer.kernels.gemv import _weights as _words
+from infer.kernels.gemv import default_launch as gemv_launch
 from infer.kernels.gguf_q4k_int8x import _dp4a
 from infer.kernels.int8_x16 import Halves, split_rows
 
@@ -72,11 +73,9 @@ def _int8_x16_gemv_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, KW, stride_wn,
 
 def default_launch(n: int, k: int) -> Launch:
     """The launch for an `[n, k]` weight (block_k in weights: a multiple of 4): the 8-bit
-    GEMV's rule (`gemv.default_launch`), not yet swept for this kernel on a GPU
-    (`gemv_sweep.py --dtype int8 --x16-gemv`)."""
-    if n >= 6144:
-        return Launch(block_n=16, block_k=512, num_warps=8)
-    return Launch(block_n=4, block_k=2048, num_warps=8)
+    GEMV's one-row rule, not yet swept for this kernel on a GPU (`gemv_sweep.py --dtype
+    int8 --x16-gemv`)."""
+    return gemv_launch(n, k, weight_bytes=1)
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -198,9 +198,11 @@ def _to_x16_gemv(layer: nn.Module, x: torch.Tensor) -> bool:
     """Whether one row `x` multiplies by dp4a on its int8 halves
     (`kernels/int8_x16_gemv.py`): with `int8_x16_gemv` (`set_8bit_kernels`), where the
     kernel takes the weight, before the wide layers' `int8_mma_one_row_min_n`."""
+    if not getattr(layer, "int8_x16_gemv", False):
+        return False
     from infer.kernels.int8_x16_gemv import takes
 
-    return getattr(layer, "int8_x16_gemv", False) and takes(x, layer.weight)
+    return takes(x, layer.weight)
 
 
 def _one_row_to_int8_mma(layer: nn.Module, rows: int) -> bool:
