@@ -47,17 +47,16 @@ def _split_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, BLOCK: tl.constexpr,
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
         scale, inv = row_scale(tl.max(tl.abs(x), axis=0))
         store_halves(q_ptr + row * K + cols, M * K, x, inv, cols < K)
-        tl.store(s_ptr + row, scale)
-        return
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale, inv = row_scale(tl.max(amax, axis=0))
-    for k0 in range(0, K, BLOCK):
-        mask = k0 + cols < K
-        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=mask, other=0.0)
-        store_halves(q_ptr + row * K + k0 + cols, M * K, x.to(tl.float32), inv, mask)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            part = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(part.to(tl.float32)))
+        scale, inv = row_scale(tl.max(amax, axis=0))
+        for k0 in range(0, K, BLOCK):
+            mask = k0 + cols < K
+            part = tl.load(x_ptr + row * stride_x + k0 + cols, mask=mask, other=0.0)
+            store_halves(q_ptr + row * K + k0 + cols, M * K, part.to(tl.float32), inv, mask)
     tl.store(s_ptr + row, scale)
 
 
