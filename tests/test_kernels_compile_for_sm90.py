@@ -1,0 +1,112 @@
+"""The decode path's Triton kernels compile for an H100 (sm_90), here, without a GPU.
+
+Triton's interpreter runs every kernel's tests on the CPU, but it is not the compiler: a
+kernel can run there and be refused by the compiler (session 59: a loop re-typing a
+variable first set in a constexpr branch that returns), and the refusal then shows only on
+a lent GPU. Each case is compiled to a cubin by Triton's own CUDA backend (its `ptxas`
+ships in the wheel): the projections' kernels as `benchmarks/sass_mix.py` analyses them,
+and the modes of the kernels around them that those cases leave out (dependent launch on,
+the split and norm kernels' constexpr branches). One child process compiles them all, with
+Triton's interpreter off (the tests run under it, and it replaces the kernels' functions)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("triton.backends.nvidia")
+
+
+def _sass_mix():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sass_mix.py"
+    spec = importlib.util.spec_from_file_location("sass_mix", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+SASS_MIX = _sass_mix()
+Case = SASS_MIX.Case
+I32 = "i32"
+
+
+def _modes() -> list:
+    """Constexpr modes of the kernels beside the projections, with dependent launch on."""
+    cases = []
+    for one_pass in (True, False):
+        cases.append(Case(
+            f"split_rows (one pass {one_pass})", "int8_x16:_split_rows_kernel",
+            dict(x_ptr="*bf16", q_ptr="*i8", s_ptr="*fp32", M=I32, K=I32, stride_x=I32),
+            dict(BLOCK=4096 if one_pass else 16384, ONE_PASS=one_pass, PDL=True), [], 1, 1,
+            num_warps=8))
+    norm_args = dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16",
+                     xq_ptr="*i8", side_ptr="*fp32", stride_x=I32, stride_res=I32,
+                     stride_out=I32, n_cols=I32, eps="fp32")
+    for residual in (False, True):
+        for rows in ("", "INT8_ROWS", "X16_ROWS"):
+            cases.append(Case(
+                f"rmsnorm (residual {residual}, {rows or 'plain'})", "rmsnorm:_rmsnorm_kernel",
+                {**norm_args, **({} if rows else dict(xq_ptr="*bf16", side_ptr="*bf16"))},
+                dict(OFFSET=0.0, HAS_RESIDUAL=residual, BLOCK=4096,
+                     INT8_ROWS=rows == "INT8_ROWS", PDL=True, X16_ROWS=rows == "X16_ROWS"),
+                [], 1, 1, num_warps=8))
+    for act in ("", "silu"):
+        cases.append(Case(
+            f"int8_x16_gemv (gate_up {act or 'none'}, uneven K, PDL)",
+            "int8_x16_gemv:_int8_x16_gemv_kernel",
+            dict(q_ptr="*i32", xs_ptr="*fp32", w_ptr="*i32", ws_ptr="*bf16", y_ptr="*bf16",
+                 N=I32, KW=I32, stride_wn=I32),
+            dict(BLOCK_N=8, BLOCK_W=256, EVEN_K=False, GATE_UP=act, PTX=True, PDL=True),
+            [], 1, 1, num_warps=4))
+    cases.append(Case(
+        "int8_x16 matmul (32 rows, split K, PDL)", "int8_x16:_int8_x16_kernel",
+        dict(q_ptr="*i8", xs_ptr="*fp32", w_ptr="*i8", ws_ptr="*bf16", y_ptr="*bf16",
+             part_ptr="*fp32", counts="*i32", M=I32, N=I32, K=I32, stride_ym=I32,
+             steps_per_split=I32, splits=I32),
+        dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, EVEN_K=False, PDL=True),
+        ["q_ptr", "w_ptr", "K"], 1, 1, num_warps=4, num_stages=3))
+    return cases
+
+
+def _cases() -> list:
+    return SASS_MIX._cases() + _modes()
+
+
+CASES = _cases()
+
+
+def _compile_all() -> None:
+    """In the child: each case's registers a thread, or the compiler's error."""
+    results = {}
+    for case in _cases():
+        try:
+            results[case.name] = SASS_MIX.compile_case(case)[1]
+        except Exception as exc:  # the compiler's refusal, reported by the test
+            results[case.name] = f"{type(exc).__name__}: {exc}"
+    print(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "0",
+           "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "tests")])}
+    done = subprocess.run(
+        [sys.executable, "-c", "import test_kernels_compile_for_sm90 as t; t._compile_all()"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_compiles_for_sm90(case, compiled):
+    registers = compiled[case.name]
+    assert isinstance(registers, int) and 0 < registers <= 255, registers
