@@ -42,7 +42,6 @@ def test_defaults_are_valid():
         (dict(fp8_mma_rows=65), ["fp8_mma_rows", "[0, 64]"]),
         (dict(fp8_mma_rows=-1), ["fp8_mma_rows", "MAX_ROWS"]),
         (dict(int8_mma_rows=65), ["int8_mma_rows", "[0, 64]"]),
-        (dict(int8_mma_one_row_min_n=-1), ["int8_mma_one_row_min_n", ">= 0"]),
         (dict(grammar_process=True, speculative_method="ngram"),
          ["grammar_process=True", "speculative_method='ngram'"]),
     ],

@@ -89,54 +89,16 @@ def test_bad_shapes_are_refused():
 
 def test_which_steps_take_the_int8_tensor_cores():
     """The CUDA routing rule (`quantization/int8.py`): 2 to `int8_mma_rows` rows the GEMV
-    does not take (two rows of a layer this narrow it does), and one row only with
-    `int8_mma_one_row_min_n` set and at most the layer's width."""
+    does not take (two rows of a layer this narrow it does), never one row."""
     from infer.models.linear import ColumnParallelLinear
     from infer.quantization.int8 import Int8WeightOnlyLinearMethod, _to_int8_mma
 
     layer = ColumnParallelLinear(64, 768, bias=False)
     Int8WeightOnlyLinearMethod().quantize(layer)
+    assert not _to_int8_mma(layer, 3)  # the knob unset
     layer.int8_mma_rows, layer.w8a16_gemv_rows = 64, 2
-    assert not _to_int8_mma(layer, 1)  # the knob unset
-    for min_n in (0, 768, 769):
-        layer.int8_mma_one_row_min_n = min_n
-        for rows in (1, 2, 3, 64, 65):
-            expected = (rows == 1 and min_n == 768) or 3 <= rows <= 64
-            assert _to_int8_mma(layer, rows) == expected, (rows, min_n)
-
-
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="INT8 layers take the kernel on CUDA only")
-@pytest.mark.parametrize(("act", "min_n"), [("", 384), ("silu", 768)])
-def test_one_row_by_a_layer_past_the_width_takes_the_kernel(act, min_n, monkeypatch):
-    """`int8_mma_one_row_min_n`: one row of a layer at least that wide goes to the int8
-    tensor cores, not the GEMV (a gate_up layer's fused GEMV declines it, so the activation
-    takes its own launch); with the width past the layer's, the row stays with the GEMV.
-    Both against float64."""
-    from infer.kernels import int8_x16
-    from infer.models.linear import MergedColumnParallelLinear
-    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
-
-    gen = torch.Generator().manual_seed(min_n)
-    layer = MergedColumnParallelLinear(512, [384, 384], bias=False)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(768, 512, generator=gen))
-    layer = layer.to(DEVICE, torch.bfloat16)
-    Int8WeightOnlyLinearMethod().quantize(layer)
-    layer.w8a16_gemv_rows = 2
-    taken = []
-    real = int8_x16.int8_x16_matmul
-    monkeypatch.setattr(int8_x16, "int8_x16_matmul",
-                        lambda *a, **k: taken.append("mma") or real(*a, **k))
-    x = torch.randn(1, 512, generator=gen).to(DEVICE, torch.bfloat16)
-    ref = x.double() @ (layer.weight.double() * layer.weight_scale.double()[:, None]).T
-    for width in (min_n, 769):
-        layer.int8_mma_one_row_min_n = width
-        if act:
-            fused = layer.quant_method.apply_gate_up(layer, x, act, None)
-            assert (fused is None) == (width <= 768)
-        y = layer(x).double()
-        assert taken == ["mma"], width  # the first width's row only
-        assert (y - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
+    for rows in (1, 2, 3, 64, 65):
+        assert _to_int8_mma(layer, rows) == (3 <= rows <= 64), rows
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="INT8 layers take the kernel on CUDA only")
@@ -160,7 +122,9 @@ def test_int8_layers_with_the_knob_take_the_kernel_and_match_float64(rows, monke
     assert (y - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
 
 
-def test_the_knob_reaches_every_linear_layer_and_the_lm_head():
+def test_the_knobs_reach_every_linear_layer_and_the_lm_head():
+    """`int8_mma_rows` as set, and `int8_x16_gemv` by default, on every INT8 layer; the
+    norms then hand out x's halves."""
     from tiny_model import tiny_model_dir
 
     from infer import LLM
@@ -169,11 +133,10 @@ def test_the_knob_reaches_every_linear_layer_and_the_lm_head():
 
     llm = LLM(str(tiny_model_dir()), device=str(DEVICE), num_blocks=64, max_model_len=128,
               quantization="int8", kernel_backend="triton", int8_mma_rows=32,
-              int8_mma_one_row_min_n=4096, int8_x16_gemv=True, cuda_graphs=False)
+              cuda_graphs=False)
     layers = [m for m in llm.engine.core.runner.model.modules()
               if isinstance(m, (LinearBase, ParallelLMHead))]
     assert layers and all(m.int8_mma_rows == 32 for m in layers)
-    assert all(m.int8_mma_one_row_min_n == 4096 for m in layers)
     assert all(m.int8_x16_gemv for m in layers)  # int8_x16_gemv.py's knob
     norms = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, RMSNorm)]
     assert norms and all(m.x16_rows for m in norms)

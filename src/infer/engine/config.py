@@ -196,21 +196,15 @@ class EngineConfig:
         "16-bit step of its row's range. CUDA with kernel_backend triton; on an H200, 8B "
         "shape, decode at batch 8 / 32 / 64: 3.24 / 3.71 / 4.73 ms against 3.57 / 5.35 / "
         "7.35 (docs/performance.md); 0: off")
-    int8_mma_one_row_min_n: int = knob(
-        0, "with int8_mma_rows, one-row weight-only INT8 steps (batch-1 decode) by layers "
-        "at least this many outputs wide (the LM head 128,256, the 8B's gate_up 28,672) "
-        "take the int8 tensor cores too (kernels/int8_x16.py), before the GEMV; a gated "
-        "MLP's activation then takes its own launch. Unmeasured in the step (an H200 "
-        "timed the kernel only at two rows: 8B gate_up 33.3 µs, LM head 125.2, where the "
-        "one-row GEMV took 32.9 / 132.2); 0: off")
     int8_x16_gemv: bool = knob(
-        False, "one-row weight-only INT8 steps (batch-1 decode) multiply by dp4a: x split "
+        True, "one-row weight-only INT8 steps (batch-1 decode) multiply by dp4a: x split "
         "into two int8 halves of 16-bit fixed point as int8_mma_rows splits it (by the "
         "RMSNorm's launch where it made x, else a launch of its own), then two integer "
-        "instructions for four weights (kernels/"
-        "int8_x16_gemv.py; 0.92 instructions a weight compiled for sm_90 against the GEMV's "
-        "3.5-4.8), x's rounding a 16-bit step of its row's range; a gated MLP's activation "
-        "in the same launch. CUDA with kernel_backend triton; unmeasured on a GPU")
+        "instructions for four weights (kernels/int8_x16_gemv.py; 0.92 instructions a "
+        "weight compiled for sm_90 against the float GEMV's 3.5-4.8), x's rounding a "
+        "16-bit step of its row's range; a gated MLP's activation in the same launch. "
+        "CUDA with kernel_backend triton; on an H100, 8B shape, batch-1 decode 3.04 ms "
+        "against 3.10-3.11 with the float GEMV (docs/performance.md); off: that GEMV")
     gguf_int8_activations: bool = knob(
         True, "one-row matmuls by GGUF Q4_K, Q6_K and Q8_0 weights kept in their blocks "
         "(quantization=gguf) round x to int8 per 32 values and multiply with dp4a, as "
@@ -405,9 +399,6 @@ class EngineConfig:
         if not 0 <= self.fp8_mma_rows <= 64:
             raise ValueError(f"fp8_mma_rows must be in [0, 64] (kernels/rows_mma.py "
                              f"MAX_ROWS), got {self.fp8_mma_rows}")
-        if self.int8_mma_one_row_min_n < 0:
-            raise ValueError(f"int8_mma_one_row_min_n must be >= 0 (0: off), "
-                             f"got {self.int8_mma_one_row_min_n}")
         if not 0 <= self.int8_mma_rows <= 64:
             raise ValueError(f"int8_mma_rows must be in [0, 64] (kernels/int8_x16.py "
                              f"MAX_ROWS), got {self.int8_mma_rows}")

@@ -61,8 +61,8 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
     tensor cores for 8-bit ones past those
     (`w8a16_tensor_cores`, `w8a16_tensor_core_rows`), FP8 by FP8 in infer's kernel for FP8 ones
     (`fp8_decode_activations`, `fp8_mma_rows`), either operand first there
-    (`mma_weight_first`), the int8 tensor cores for INT8 ones (`int8_mma_rows`; one row
-    of wide layers with `int8_mma_one_row_min_n`), dp4a for one row of INT8 ones
+    (`mma_weight_first`), the int8 tensor cores for INT8 ones (`int8_mma_rows`), dp4a
+    for one row of INT8 ones
     (`int8_x16_gemv`) and for
     GGUF Q4_K, Q6_K and Q8_0 blocks (`gguf_int8_activations`, x rounded where it is made
     with `gguf_fused_x_rounding`); on a CPU, INT8 ones through infer's C++ kernel
@@ -89,7 +89,6 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
                      fp8_rows, config.int8_mma_rows if triton else 0,
                      config.gemv_8bit_max_rows if config.triton_gemv and triton else 0,
                      config.gate_up_rows_apart, config.cpu_int8_kernel,
-                     config.int8_mma_one_row_min_n if triton and config.int8_mma_rows else 0,
                      config.int8_x16_gemv and triton)
     set_gguf_int8_activations(model, config.gguf_int8_activations and triton,
                               config.gguf_fused_x_rounding)

@@ -105,8 +105,6 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
             y = int8_x16_gemv(x2.to(layer.compute_dtype).contiguous(), layer.weight,
                               layer.weight_scale, act, halves=attached_halves(x))
             return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
-        if _one_row_to_int8_mma(layer, len(x2)):
-            return None
         from infer.kernels.w8a16_matmul import gate_up_gemv
 
         y = gate_up_gemv(x2.to(layer.compute_dtype).contiguous(), layer.weight,
@@ -187,29 +185,20 @@ def _cpu_matmul(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _to_int8_mma(layer: nn.Module, rows: int) -> bool:
     """Whether a CUDA step of `rows` rows takes the int8 tensor cores (`kernels/int8_x16.py`):
-    2 to `int8_mma_rows` rows the GEMV does not take, or `_one_row_to_int8_mma`."""
-    if rows == 1:
-        return _one_row_to_int8_mma(layer, rows)
-    return (rows <= getattr(layer, "int8_mma_rows", 0)
+    2 to `int8_mma_rows` rows the GEMV does not take."""
+    return (1 < rows <= getattr(layer, "int8_mma_rows", 0)
             and not _to_gemv(rows, layer.weight.shape[0], getattr(layer, "w8a16_gemv_rows", 0)))
 
 
 def _to_x16_gemv(layer: nn.Module, x: torch.Tensor) -> bool:
     """Whether one row `x` multiplies by dp4a on its int8 halves
     (`kernels/int8_x16_gemv.py`): with `int8_x16_gemv` (`set_8bit_kernels`), where the
-    kernel takes the weight, before the wide layers' `int8_mma_one_row_min_n`."""
+    kernel takes the weight."""
     if not getattr(layer, "int8_x16_gemv", False):
         return False
     from infer.kernels.int8_x16_gemv import takes
 
     return takes(x, layer.weight)
-
-
-def _one_row_to_int8_mma(layer: nn.Module, rows: int) -> bool:
-    """One row by a layer at least `int8_mma_one_row_min_n` wide (`set_8bit_kernels`; 0:
-    never)."""
-    min_n = getattr(layer, "int8_mma_one_row_min_n", 0)
-    return rows == 1 and 0 < min_n <= layer.weight.shape[0]
 
 
 def _to_gemv(rows: int, n: int, gemv_rows: int) -> bool:
