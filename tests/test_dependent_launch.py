@@ -245,3 +245,41 @@ def test_dependent_launches_around_a_launch_that_does_nothing():
         want, got_eager, got_graph = (t[0][rows] for t in (want, got_eager, got_graph))
         assert torch.isfinite(want).all()
         assert torch.equal(want, got_eager) and torch.equal(want, got_graph)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA GPU of compute capability 9+")
+def test_dependent_launches_of_the_int8_dp4a_one_row_path():
+    """One row through INT8 layers by dp4a (`int8_x16_gemv`): the norm splitting its
+    output into halves in its own launch, the gate_up GEMV storing the activation, its
+    output split by `split_rows` for the down GEMV, each reading what the one before wrote:
+    bit for bit the plain launches'."""
+    from infer.kernels.int8_x16_gemv import int8_x16_gemv
+    from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+
+    gen = torch.Generator().manual_seed(5)
+    hidden, inter = 1024, 4096
+
+    def int8(rows, cols):
+        w = torch.randint(-127, 128, (rows, cols), generator=gen, dtype=torch.int8).cuda()
+        return w, (torch.rand(rows, generator=gen) * 1e-3).to("cuda", torch.bfloat16)
+
+    layers = [(int8(2 * inter, hidden), int8(hidden, inter)) for _ in range(4)]
+    norm_weight = (torch.rand(hidden, generator=gen) + 0.5).to("cuda", torch.bfloat16)
+
+    def chain(x):
+        residual = x.clone()
+        h, halves = rmsnorm(x, norm_weight, 1e-6, x16_rows=True)
+        for (up, up_scale), (down, down_scale) in layers:
+            act = int8_x16_gemv(h, up, up_scale, "silu", halves=halves)
+            h, residual, halves = fused_add_rmsnorm(
+                int8_x16_gemv(act, down, down_scale), residual, norm_weight, 1e-6,
+                x16_rows=True)
+        return h, residual
+
+    inputs = [torch.randn(1, hidden, generator=gen).to("cuda", torch.bfloat16)
+              for _ in range(3)]
+    plain, eager, replayed = _plain_eager_and_replayed(chain, inputs)
+    for want, got_eager, got_graph in zip(plain, eager, replayed):
+        assert torch.isfinite(want[0]).all()
+        for a, b, c in zip(want, got_eager, got_graph):
+            assert torch.equal(a, b) and torch.equal(a, c)
