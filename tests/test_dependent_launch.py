@@ -251,8 +251,10 @@ def test_dependent_launches_around_a_launch_that_does_nothing():
 def test_dependent_launches_of_the_int8_dp4a_one_row_path():
     """One row through INT8 layers by dp4a (`int8_x16_gemv`): the norm splitting its
     output into halves in its own launch, the gate_up GEMV storing the activation, its
-    output split by `split_rows` for the down GEMV, each reading what the one before wrote:
-    bit for bit the plain launches'."""
+    output split for the down GEMV by `split_rows` or (every other layer) by the gate_up
+    launch itself, each reading what the one before wrote: bit for bit the plain
+    launches'."""
+    from infer.kernels.int8_x16 import attached_halves
     from infer.kernels.int8_x16_gemv import int8_x16_gemv
     from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 
@@ -269,11 +271,11 @@ def test_dependent_launches_of_the_int8_dp4a_one_row_path():
     def chain(x):
         residual = x.clone()
         h, halves = rmsnorm(x, norm_weight, 1e-6, x16_rows=True)
-        for (up, up_scale), (down, down_scale) in layers:
-            act = int8_x16_gemv(h, up, up_scale, "silu", halves=halves)
-            h, residual, halves = fused_add_rmsnorm(
-                int8_x16_gemv(act, down, down_scale), residual, norm_weight, 1e-6,
-                x16_rows=True)
+        for i, ((up, up_scale), (down, down_scale)) in enumerate(layers):
+            act = int8_x16_gemv(h, up, up_scale, "silu", halves=halves, halves_out=i % 2 == 0)
+            down_x = int8_x16_gemv(act, down, down_scale, halves=attached_halves(act))
+            h, residual, halves = fused_add_rmsnorm(down_x, residual, norm_weight, 1e-6,
+                                                    x16_rows=True)
         return h, residual
 
     inputs = [torch.randn(1, hidden, generator=gen).to("cuda", torch.bfloat16)

@@ -58,13 +58,14 @@ def _modes() -> list:
                 dict(OFFSET=0.0, HAS_RESIDUAL=residual, BLOCK=4096,
                      INT8_ROWS=rows == "INT8_ROWS", PDL=True, X16_ROWS=rows == "X16_ROWS"),
                 [], 1, 1, num_warps=8))
-    for act in ("", "silu"):
+    for act, words, out in (("", False, False), ("silu", False, True), ("", True, True)):
         cases.append(Case(
-            f"int8_x16_gemv (gate_up {act or 'none'}, uneven K, PDL)",
-            "int8_x16_gemv:_int8_x16_gemv_kernel",
+            f"int8_x16_gemv (gate_up {act or 'none'}, uneven K, a scale a word of x {words},"
+            f" halves out {out}, PDL)", "int8_x16_gemv:_int8_x16_gemv_kernel",
             dict(q_ptr="*i32", xs_ptr="*fp32", w_ptr="*i32", ws_ptr="*bf16", y_ptr="*bf16",
-                 N=I32, KW=I32, stride_wn=I32),
-            dict(BLOCK_N=8, BLOCK_W=256, EVEN_K=False, GATE_UP=act, PTX=True, PDL=True),
+                 yq_ptr="*i8", ys_ptr="*fp32", N=I32, KW=I32, stride_wn=I32),
+            dict(BLOCK_N=8, BLOCK_W=256, EVEN_K=False, GATE_UP=act, WORD_SCALES=words,
+                 HALVES_OUT=out, PTX=True, PDL=True),
             [], 1, 1, num_warps=4))
     cases.append(Case(
         "int8_x16 matmul (32 rows, split K, PDL)", "int8_x16:_int8_x16_kernel",

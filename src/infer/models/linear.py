@@ -171,7 +171,8 @@ def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1,
 def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: bool,
                      fp8_mma_rows: int = 0, int8_mma_rows: int = 0,
                      gemv_rows: int = 0, gate_up_rows_apart: bool = False,
-                     cpu_int8_kernel: bool = False, int8_x16_gemv: bool = False) -> None:
+                     cpu_int8_kernel: bool = False, int8_x16_gemv: bool = False,
+                     int8_x16_act_halves: bool = False) -> None:
     """How `model`'s 8-bit layers (projections, LM head) multiply decode-sized steps:
     weight-only INT8 / FP8 on tensor cores up to `tensor_core_rows` rows where they gain
     (`w8a16_matmul.py`'s rule; 0: never) or CUDA cores, up to `gemv_rows` rows scaled per
@@ -181,7 +182,8 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
     `kernels/rows_mma.py` rather than `torch._scaled_mm`; INT8 ones of 2 to
     `int8_mma_rows` rows on the int8 tensor cores (`kernels/int8_x16.py`; 0: never), past
     `gemv_rows`, and every INT8 layer's one row by dp4a with `int8_x16_gemv`
-    (`kernels/int8_x16_gemv.py`); a gate_up projection's two rows whose
+    (`kernels/int8_x16_gemv.py`), a gate_up projection's then handing the down projection
+    its activation's halves with `int8_x16_act_halves`; a gate_up projection's two rows whose
     first may be skipped as two one-row GEMV launches with `gate_up_rows_apart`
     (`w8a16_matmul.gate_up_gemv`); INT8 ones on a CPU through infer's kernel with
     `cpu_int8_kernel` (`kernels/cpu_int8_linear.cpp`)."""
@@ -192,6 +194,7 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
             m.fp8_mma_rows = fp8_mma_rows
             m.int8_mma_rows = int8_mma_rows
             m.int8_x16_gemv = int8_x16_gemv
+            m.int8_x16_act_halves = int8_x16_act_halves
             m.w8a16_gemv_rows = gemv_rows
             m.gate_up_rows_apart = gate_up_rows_apart
             m.cpu_int8_kernel = cpu_int8_kernel
