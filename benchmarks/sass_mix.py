@@ -161,7 +161,7 @@ def _cases() -> list[Case]:
     # one row of INT8 weights by dp4a on x's two int8 halves (int8_x16_gemv.py)
     from infer.kernels import int8_x16_gemv
 
-    # (x as a scale a word too: the down projection's input with `int8_x16_act_halves`)
+    # (x as a scale a word too: the down projection's input with `int8_x16_word_halves`)
     for shape, (n, k), words in (("8B gate_up", (28672, 4096), False),
                                  ("8B down", (4096, 14336), False),
                                  ("8B down, a scale a word of x", (4096, 14336), True)):

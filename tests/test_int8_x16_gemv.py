@@ -140,6 +140,79 @@ def test_halves_out_only_in_whole_words():
         x, w[:30], w_scale[:30], halves_out=True)) is None  # 30 outputs
 
 
+@pytest.mark.parametrize(("head_dim", "seq_len", "splits", "counters", "at_once"), [
+    (64, 40, 1, False, False),  # one launch, no split
+    (128, 300, 3, True, False),  # the last split combines, one split a time
+    (128, 300, 3, True, True),  # ... several splits' partials a load
+    (128, 20, 3, True, False),  # one live split: no partials
+    (64, 300, 4, False, False),  # the second launch combines
+])
+def test_decode_attention_hands_out_its_outputs_word_halves(head_dim, seq_len, splits,
+                                                            counters, at_once):
+    """`paged_decode(x16_halves=True)` for one token: its output carries halves written
+    by whichever launch writes the output, bit for bit `split_rows` of its words; the
+    output itself unchanged."""
+    from test_kernels import _paged_case
+
+    from infer.kernels import paged_attention
+    from infer.kernels.paged_attention import paged_decode
+
+    heads, kv_heads = 8, 2
+    meta, q, (k_cache, v_cache), _ = _paged_case([1], [seq_len], heads, kv_heads, head_dim)
+    q = q.to(torch.bfloat16)
+    k_cache, v_cache = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)
+    counts = torch.zeros(kv_heads, dtype=torch.int32, device=q.device) if counters else None
+    before = paged_attention._combining_at_once
+    paged_attention.set_combine_at_once(at_once)
+    try:
+        def run(x16):
+            return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables,
+                                head_dim ** -0.5, num_splits=splits, split_counters=counts,
+                                min_split_keys=16, x16_halves=x16)
+        plain, out = run(False), run(True)
+    finally:
+        paged_attention.set_combine_at_once(before)
+    assert int8_x16.attached_halves(plain) is None
+    assert torch.equal(out, plain)
+    q_halves, scale = int8_x16.attached_halves(out)
+    want_q, want_scale = _word_halves(out.reshape(1, -1))
+    assert q_halves.shape == (2, 1, heads * head_dim) and scale.shape == (heads * head_dim // 4,)
+    assert torch.equal(q_halves, want_q) and torch.equal(scale, want_scale)
+
+
+def test_the_attention_layers_one_token_output_reaches_the_o_projection_with_halves(
+        monkeypatch):
+    """With `int8_x16_word_halves` the decode attention's one-token output reaches the o
+    projection carrying its halves (through the layer's view of it): `split_rows` of its
+    words, bit for bit. (Triton's backend under the interpreter; the CPU's INT8 matmul
+    leaves them unused.)"""
+    from tiny_model import tiny_model_dir
+
+    from infer import LLM, SamplingParams
+    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
+
+    llm = LLM(str(tiny_model_dir()), device="cpu", num_blocks=64, max_model_len=128,
+              quantization="int8", kernel_backend="triton", attention_backend="triton",
+              int8_x16_word_halves=True, cuda_graphs=False)
+    model = llm.engine.core.runner.model
+    o_projs = {id(m.self_attn.o_proj) for m in model.model.layers}
+    seen = []
+    real = Int8WeightOnlyLinearMethod.apply
+
+    def apply(self, layer, x, bias):
+        if id(layer) in o_projs and x.shape[0] == 1:
+            seen.append((x.clone(), int8_x16.attached_halves(x)))
+        return real(self, layer, x, bias)
+
+    monkeypatch.setattr(Int8WeightOnlyLinearMethod, "apply", apply)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    decode_rows = [(x, h) for x, h in seen if h is not None]
+    assert len(decode_rows) >= len(o_projs)  # every layer, each decode step
+    for x, (q, scale) in decode_rows:
+        want_q, want_scale = _word_halves(x)
+        assert torch.equal(q, want_q) and torch.equal(scale, want_scale)
+
+
 def test_takes_only_whole_words_of_int8():
     x = torch.zeros(1, 8)
     assert int8_x16_gemv.takes(x, torch.zeros(3, 8, dtype=torch.int8))
@@ -243,7 +316,7 @@ def test_a_norms_halves_reach_the_kernel_without_a_split(monkeypatch):
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="INT8 layers take the kernel on CUDA only")
 def test_a_gate_up_layers_halves_reach_the_down_layer_without_a_split(monkeypatch):
-    """With `int8_x16_act_halves` a gate_up layer's one-row activation carries its halves
+    """With `int8_x16_word_halves` a gate_up layer's one-row activation carries its halves
     (a scale a word) into the down layer's kernel: no split of its own, the product
     float64's on the activation so rounded."""
     from infer.models.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -258,7 +331,7 @@ def test_a_gate_up_layers_halves_reach_the_down_layer_without_a_split(monkeypatc
     gate_up, down = (m.to(DEVICE, torch.bfloat16) for m in (gate_up, down))
     for layer in (gate_up, down):
         Int8WeightOnlyLinearMethod().quantize(layer)
-        layer.int8_x16_gemv = layer.int8_x16_act_halves = True
+        layer.int8_x16_gemv = layer.int8_x16_word_halves = True
     x = torch.randn(1, 256, generator=gen).to(DEVICE, torch.bfloat16)
     act = gate_up.forward_gate_up(x, "silu")
     q, scale = int8_x16.attached_halves(act)

@@ -205,12 +205,12 @@ class EngineConfig:
         "16-bit step of its row's range; a gated MLP's activation in the same launch. "
         "CUDA with kernel_backend triton; on an H100, 8B shape, batch-1 decode 3.04 ms "
         "against 3.10-3.11 with the float GEMV (docs/performance.md); off: that GEMV")
-    int8_x16_act_halves: bool = knob(
-        False, "with int8_x16_gemv, a gated MLP's gate_up launch splits the activation it "
-        "stores into int8 halves itself, a scale a word of four values (each word's own "
-        "largest value), and the down projection's dp4a GEMV scales each word's exact sum "
-        "by its scale: no split launch for the down input (32 launches a step of the 8B, "
-        "2.2 µs each on an H100). Unmeasured on a GPU")
+    int8_x16_word_halves: bool = knob(
+        False, "with int8_x16_gemv, the kernels that make the o and down projections' one "
+        "row (the decode attention, a gated MLP's gate_up GEMV) split it into int8 halves "
+        "themselves, a scale a word of four values (each word's own largest value), and "
+        "those projections' dp4a GEMVs scale each word's exact sum by its scale: no split "
+        "launches (64 a step of the 8B, 2.0-2.2 µs each on an H100). Unmeasured on a GPU")
     gguf_int8_activations: bool = knob(
         True, "one-row matmuls by GGUF Q4_K, Q6_K and Q8_0 weights kept in their blocks "
         "(quantization=gguf) round x to int8 per 32 values and multiply with dp4a, as "

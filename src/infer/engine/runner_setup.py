@@ -64,7 +64,7 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
     (`mma_weight_first`), the int8 tensor cores for INT8 ones (`int8_mma_rows`), dp4a
     for one row of INT8 ones
     (`int8_x16_gemv`, the activation split for the down projection by the gate_up one's
-    launch with `int8_x16_act_halves`) and for
+    launch with `int8_x16_word_halves`) and for
     GGUF Q4_K, Q6_K and Q8_0 blocks (`gguf_int8_activations`, x rounded where it is made
     with `gguf_fused_x_rounding`); on a CPU, INT8 ones through infer's C++ kernel
     (`cpu_int8_kernel`)."""
@@ -90,7 +90,7 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
                      fp8_rows, config.int8_mma_rows if triton else 0,
                      config.gemv_8bit_max_rows if config.triton_gemv and triton else 0,
                      config.gate_up_rows_apart, config.cpu_int8_kernel,
-                     config.int8_x16_gemv and triton, config.int8_x16_act_halves)
+                     config.int8_x16_gemv and triton, config.int8_x16_word_halves)
     set_gguf_int8_activations(model, config.gguf_int8_activations and triton,
                               config.gguf_fused_x_rounding)
 

@@ -104,7 +104,7 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
 
             y = int8_x16_gemv(x2.to(layer.compute_dtype).contiguous(), layer.weight,
                               layer.weight_scale, act, halves=attached_halves(x),
-                              halves_out=getattr(layer, "int8_x16_act_halves", False))
+                              halves_out=getattr(layer, "int8_x16_word_halves", False))
             halves = attached_halves(y)
             y = y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
             return y if halves is None else attach_halves(y, halves)
