@@ -146,13 +146,16 @@ def test_dependent_launches_of_the_gguf_one_row_kernels():
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA GPU of compute capability 9+")
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_dependent_launches_of_a_layers_attention(head_dim):
+@pytest.mark.parametrize(("head_dim", "x16"), [(64, False), (128, False), (128, True)])
+def test_dependent_launches_of_a_layers_attention(head_dim, x16):
     """qkv GEMV, RoPE + KV store, split decode attention combined by its last split (a
     graph's launch, made for 64 splits: those past the sequence's keys end before their
     wait), o GEMV: each reading what the one before wrote, the lengths, positions and
-    slots staged before each run, sequences of 1 to 300 tokens."""
+    slots staged before each run, sequences of 1 to 300 tokens. With `x16` the attention
+    splits its output into halves for an INT8 o projection's dp4a GEMV."""
     from infer.kernels.gemv import gemv
+    from infer.kernels.int8_x16 import attached_halves
+    from infer.kernels.int8_x16_gemv import int8_x16_gemv
     from infer.kernels.paged_attention import paged_decode
     from infer.kernels.rope_kv_store import rope_store_kv
 
@@ -165,6 +168,8 @@ def test_dependent_launches_of_a_layers_attention(head_dim):
         return torch.randn(*shape, generator=gen).mul_(0.05).to("cuda", torch.bfloat16)
 
     w_qkv, w_o = rand(qkv_width, hidden), rand(hidden, hidden)
+    w8_o = torch.randint(-127, 128, (hidden, hidden), generator=gen, dtype=torch.int8).cuda()
+    w8_o_scale = (torch.rand(hidden, generator=gen) * 1e-3).to("cuda", torch.bfloat16)
     pristine = [rand(blocks, block_size, kv_heads, head_dim) * 20 for _ in range(2)]
     caches = [c.clone() for c in pristine]
     angles = torch.arange(512.0)[:, None] / 10000 ** (torch.arange(head_dim // 2) / (head_dim // 2))
@@ -192,7 +197,10 @@ def test_dependent_launches_of_a_layers_attention(head_dim):
         v = qkv[:, hidden + kv_heads * head_dim:].view(1, kv_heads, head_dim)
         rope_store_kv(q, k, v, *caches, slots, positions, cos, sin)
         paged_decode(q, *caches, seq_lens, table, head_dim ** -0.5, num_splits=64, out=out,
-                     split_counters=counters, min_split_keys=64)
+                     split_counters=counters, min_split_keys=64, x16_halves=x16)
+        if x16:
+            return (int8_x16_gemv(out.view(1, hidden), w8_o, w8_o_scale,
+                                  halves=attached_halves(out)),)
         return (gemv(out.view(1, hidden), w_o),)
 
     inputs = [rand(1, hidden) for _ in lengths]
