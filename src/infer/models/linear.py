@@ -194,7 +194,7 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
             m.fp8_mma_rows = fp8_mma_rows
             m.int8_mma_rows = int8_mma_rows
             m.int8_x16_gemv = int8_x16_gemv
-            m.int8_x16_word_halves = int8_x16_word_halves
+            m.int8_x16_word_halves = int8_x16_gemv and int8_x16_word_halves
             m.w8a16_gemv_rows = gemv_rows
             m.gate_up_rows_apart = gate_up_rows_apart
             m.cpu_int8_kernel = cpu_int8_kernel
