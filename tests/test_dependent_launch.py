@@ -86,6 +86,12 @@ def _plain_eager_and_replayed(chain, inputs, stage=lambda i: None):
     return plain, eager, replayed
 
 
+def _int8(gen: torch.Generator, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random int8 weights `[rows, cols]` and small per-row bfloat16 scales, on the GPU."""
+    w = torch.randint(-127, 128, (rows, cols), generator=gen, dtype=torch.int8).cuda()
+    return w, (torch.rand(rows, generator=gen) * 1e-3).to("cuda", torch.bfloat16)
+
+
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA GPU of compute capability 9+")
 def test_dependent_launches_read_what_the_kernel_before_wrote():
     gen = torch.Generator().manual_seed(0)
@@ -225,11 +231,7 @@ def test_dependent_launches_around_a_launch_that_does_nothing():
     gen = torch.Generator().manual_seed(3)
     hidden, inter = 1024, 4096
 
-    def int8(rows, cols):
-        w = torch.randint(-127, 128, (rows, cols), generator=gen, dtype=torch.int8).cuda()
-        return w, (torch.rand(rows, generator=gen) * 1e-3).to("cuda", torch.bfloat16)
-
-    layers = [(int8(2 * inter, hidden), int8(hidden, inter)) for _ in range(4)]
+    layers = [(_int8(gen, 2 * inter, hidden), _int8(gen, hidden, inter)) for _ in range(4)]
     norm_weight = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
     flag = torch.zeros(1, device="cuda", dtype=torch.int32)
     flags = [1, 0, 1]
@@ -269,11 +271,7 @@ def test_dependent_launches_of_the_int8_dp4a_one_row_path():
     gen = torch.Generator().manual_seed(5)
     hidden, inter = 1024, 4096
 
-    def int8(rows, cols):
-        w = torch.randint(-127, 128, (rows, cols), generator=gen, dtype=torch.int8).cuda()
-        return w, (torch.rand(rows, generator=gen) * 1e-3).to("cuda", torch.bfloat16)
-
-    layers = [(int8(2 * inter, hidden), int8(hidden, inter)) for _ in range(4)]
+    layers = [(_int8(gen, 2 * inter, hidden), _int8(gen, hidden, inter)) for _ in range(4)]
     norm_weight = (torch.rand(hidden, generator=gen) + 0.5).to("cuda", torch.bfloat16)
 
     def chain(x):

@@ -11,7 +11,6 @@ Triton's interpreter off (the tests run under it, and it replaces the kernels' f
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,15 +22,7 @@ import pytest
 pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia")
 
-
-def _sass_mix():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sass_mix.py"
-    spec = importlib.util.spec_from_file_location("sass_mix", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
+from test_sass_mix import _sass_mix
 
 SASS_MIX = _sass_mix()
 Case = SASS_MIX.Case
