@@ -27,7 +27,9 @@ launch stores `silu(gate) * up`, as `gemv_gate_up_activation` has the engine do)
 w8a16's kernel and rows_mma store `[gate | up]` (the activation's launch not timed).
 With `--x16-gemv` (`--dtype int8`, one row) the kernel timed, swept and shown as "default"
 is `int8_x16_gemv.py` (dp4a on x split into two int8 halves, its launch to split x timed
-with it) in place of the GEMV.
+with it) in place of the GEMV; with `--x16-halves row|words` the halves are made before
+the timed calls (one scale a row, or a scale a word of four values as the attention and
+gate_up launches make them with `int8_x16_word_halves`): the GEMV alone.
 With `--first-row-skipped` (`--gemv --rows 2`) the GEMV's launches run with the skip flag
 set (`kernels/row_skip.py`: the second row alone, as a draft round's catch-up forward
 after a verdict that rejected a draft); the engine's kernel before it, without.
@@ -36,7 +38,7 @@ after a verdict that rejected a draft); the engine's kernel before it, without.
         [--rows 5 [--weight-first] --suffix _rows5] [--dtype int8 --suffix _int8]
         [--gemv --rows 2 [--dtype int8] --suffix _gemv2_int8]
         [--gate-up silu --suffix _gate_up] [--gemv --rows 2 --first-row-skipped]
-        [--dependent] [--dtype int8 --x16-gemv --suffix _x16]
+        [--dependent] [--dtype int8 --x16-gemv [--x16-halves words] --suffix _x16]
 """
 
 from __future__ import annotations
@@ -131,13 +133,18 @@ def main() -> None:
     parser.add_argument("--x16-gemv", action="store_true",
                         help="with --dtype int8 (one row): int8_x16_gemv.py's kernel in the "
                         "GEMV's place")
+    parser.add_argument("--x16-halves", choices=["split", "row", "words"], default="split",
+                        help="with --x16-gemv, x's halves: split by the timed call's own "
+                        "launch, or made beforehand with one scale for the row (as the "
+                        "RMSNorm makes them) or a scale a word (as int8_x16_word_halves' "
+                        "attention and gate_up launches make them): the GEMV alone")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gemv_sweep.py times CUDA kernels: no GPU here")
     from infer.kernels import dependent_launch, int8_x16_gemv, row_skip
     from infer.kernels import gemv as gemv_kernel
     from infer.kernels.gemv import Launch, default_launch, gemv, gemv_gate_up
-    from infer.kernels.int8_x16 import int8_x16_matmul
+    from infer.kernels.int8_x16 import int8_x16_matmul, split_rows
     from infer.kernels.rows_mma import MAX_ROWS, rows_mma, weight_first_launch
     from infer.kernels.w8a16_matmul import _matmul as w8a16_kernel
 
@@ -157,6 +164,21 @@ def main() -> None:
         raise SystemExit("--first-row-skipped: with --gemv --rows 2")
     if args.x16_gemv and (args.dtype != "int8" or args.rows != 1 or args.gemv):
         raise SystemExit("--x16-gemv: with --dtype int8, one row")
+    if args.x16_halves != "split" and not args.x16_gemv:
+        raise SystemExit("--x16-halves: with --x16-gemv")
+    made_halves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def halves_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """x's halves made before the timed call (--x16-halves), one set an x."""
+        if args.x16_halves == "split":
+            return None
+        if x.data_ptr() not in made_halves:
+            if args.x16_halves == "row":
+                made_halves[x.data_ptr()] = split_rows(x)
+            else:
+                q, scale = split_rows(x.reshape(-1, 4))
+                made_halves[x.data_ptr()] = (q.reshape(2, 1, -1), scale)
+        return made_halves[x.data_ptr()]
     flag = torch.ones(1, dtype=torch.int32, device="cuda")
     checked_from = 1 if args.first_row_skipped else 0  # the rows a skipped launch writes
 
@@ -164,7 +186,8 @@ def main() -> None:
             scale: torch.Tensor | None = None) -> torch.Tensor:
         if args.x16_gemv:
             return int8_x16_gemv.int8_x16_gemv(x, weight, scale, args.gate_up,
-                                               Launch(**launch) if launch else None)
+                                               Launch(**launch) if launch else None,
+                                               halves=halves_of(x))
         if through_gemv:
             launch = Launch(**launch) if launch else None
             with (row_skip.first_row_skipped_where(flag) if args.first_row_skipped
