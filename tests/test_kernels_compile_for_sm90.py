@@ -5,9 +5,10 @@ kernel can run there and be refused by the compiler (session 59: a loop re-typin
 variable first set in a constexpr branch that returns), and the refusal then shows only on
 a lent GPU. Each case is compiled to a cubin by Triton's own CUDA backend (its `ptxas`
 ships in the wheel): the projections' kernels as `benchmarks/sass_mix.py` analyses them,
-and the modes of the kernels around them that those cases leave out (dependent launch on,
-the split and norm kernels' constexpr branches). One child process compiles them all, with
-Triton's interpreter off (the tests run under it, and it replaces the kernels' functions)."""
+and the modes those cases leave out (dependent launch on; the constexpr branches of the
+split, norm, dp4a GEMV and decode attention kernels). One child process compiles them all,
+with Triton's interpreter off (the tests run under it, and it replaces the kernels'
+functions)."""
 
 from __future__ import annotations
 
@@ -105,7 +106,10 @@ def _compile_all() -> None:
         try:
             results[case.name] = SASS_MIX.compile_case(case)[1]
         except Exception as exc:  # the compiler's refusal, reported by the test
-            results[case.name] = f"{type(exc).__name__}: {exc}"
+            cause = exc
+            while cause.__cause__ is not None:  # a refusal inside a called function
+                cause = cause.__cause__
+            results[case.name] = f"{type(exc).__name__}: {exc}\n... {cause!r}"
     print(json.dumps(results))
 
 
