@@ -80,13 +80,16 @@ def store_halves(hi_at, lo_offset, x, inv, mask):
     tl.store(hi_at + lo_offset, lo.to(tl.int8), mask=mask)
 
 
+# (int8 `[2, 1, K]`: a row's high and low halves, float32 scales: `[1]`, one for the row
+# as `split_rows` makes them, or `[K / 4]`, one a word of four values)
 Halves = tuple[torch.Tensor, torch.Tensor]
 
 
 def attach_halves(x: torch.Tensor, halves: Halves) -> torch.Tensor:
-    """One row `x`, carrying its `split_rows` (made by the kernel that made x: the RMSNorm's)
-    for the matmuls it goes into; the same invariant as `int8_rows.attach`'s (x never
-    changed in place)."""
+    """One row `x`, carrying its halves made by the kernel that made x (the RMSNorm's, one
+    scale for the row; the decode attention's or a gate_up GEMV's, a scale a word) for the
+    matmuls it goes into; the same invariant as `int8_rows.attach`'s (x never changed in
+    place)."""
     x.x16_halves = halves
     return x
 
