@@ -200,7 +200,7 @@ class EngineConfig:
         True, "one-row weight-only INT8 steps (batch-1 decode) multiply by dp4a: x split "
         "into two int8 halves of 16-bit fixed point as int8_mma_rows splits it (by the "
         "RMSNorm's launch where it made x, else a launch of its own), then two integer "
-        "instructions for four weights (kernels/int8_x16_gemv.py; 0.92 instructions a "
+        "instructions for four weights (kernels/int8_x16_gemv.py; 0.84 instructions a "
         "weight compiled for sm_90 against the float GEMV's 3.5-4.8), x's rounding a "
         "16-bit step of its row's range; a gated MLP's activation in the same launch. "
         "CUDA with kernel_backend triton; on an H100, 8B shape, batch-1 decode 3.04 ms "
