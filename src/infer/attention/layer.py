@@ -67,18 +67,16 @@ class Attention(nn.Module):
             q = self.backend.write_kv_with_prologue(self.k_cache, self.v_cache, q, k, v,
                                                     meta.slot_mapping, positions,
                                                     self.prologue)
-        x16 = {"x16_halves": True} if self.x16_halves and num_tokens == 1 else {}
+        x16 = self.x16_halves and num_tokens == 1
         out = self.backend.forward(
             q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
-            self.logit_softcap, **x16,
+            self.logit_softcap, x16_halves=x16,
         )
         rows = out.view(num_tokens, self.num_heads * self.head_dim)
         if x16:
-            from infer.kernels.int8_x16 import attach_halves, attached_halves
+            from infer.kernels.int8_x16 import with_halves_of
 
-            halves = attached_halves(out)
-            if halves is not None:
-                attach_halves(rows, halves)
+            return with_halves_of(out, rows)
         return rows
 
 

@@ -94,6 +94,12 @@ def attach_halves(x: torch.Tensor, halves: Halves) -> torch.Tensor:
     return x
 
 
+def with_halves_of(x: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """`view` (a reshape of x, or x itself), carrying x's halves if x carries any."""
+    halves = attached_halves(x)
+    return view if halves is None else attach_halves(view, halves)
+
+
 def attached_halves(x: torch.Tensor) -> Halves | None:
     """The halves `x` carries (`attach_halves`), if any."""
     return getattr(x, "x16_halves", None)
