@@ -102,8 +102,7 @@ def test_dependent_launches_read_what_the_kernel_before_wrote():
 
     weights = [(rand(2 * inter, hidden), rand(hidden, inter)) for _ in range(6)]
     norm_weight = rand(hidden) + 1
-    w8 = torch.randint(-127, 128, (hidden, inter), generator=gen, dtype=torch.int8).cuda()
-    w8_scale = (torch.rand(hidden, generator=gen) * 1e-3).to("cuda", torch.bfloat16)
+    w8, w8_scale = _int8(gen, hidden, inter)
     inputs = [rand(1, hidden) for _ in range(3)]
     plain, eager, replayed = _plain_eager_and_replayed(
         lambda x: _chain(x, weights, norm_weight, w8, w8_scale), inputs)
@@ -174,8 +173,7 @@ def test_dependent_launches_of_a_layers_attention(head_dim, x16):
         return torch.randn(*shape, generator=gen).mul_(0.05).to("cuda", torch.bfloat16)
 
     w_qkv, w_o = rand(qkv_width, hidden), rand(hidden, hidden)
-    w8_o = torch.randint(-127, 128, (hidden, hidden), generator=gen, dtype=torch.int8).cuda()
-    w8_o_scale = (torch.rand(hidden, generator=gen) * 1e-3).to("cuda", torch.bfloat16)
+    w8_o, w8_o_scale = _int8(gen, hidden, hidden)
     pristine = [rand(blocks, block_size, kv_heads, head_dim) * 20 for _ in range(2)]
     caches = [c.clone() for c in pristine]
     angles = torch.arange(512.0)[:, None] / 10000 ** (torch.arange(head_dim // 2) / (head_dim // 2))
