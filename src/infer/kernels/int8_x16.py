@@ -80,6 +80,21 @@ def store_halves(hi_at, lo_offset, x, inv, mask):
     tl.store(hi_at + lo_offset, lo.to(tl.int8), mask=mask)
 
 
+@triton.jit
+def store_word_halves(q_ptr, s_ptr, values, cols, mask, K):
+    """`values [R, C]` (C a multiple of 4; stored where `mask`) at the columns `cols` of a
+    row of K values, split a word of four at a time, each word by its own largest value:
+    the halves at q_ptr (hi, then lo K after), each word's scale at s_ptr + its first
+    column / 4 (where any of its values is stored)."""
+    words = tl.reshape(values.to(tl.float32), (values.shape[0], values.shape[1] // 4, 4))
+    scale, inv = row_scale(tl.max(tl.abs(words), axis=2))
+    at = tl.reshape(cols, words.shape)
+    stored = tl.reshape(mask, words.shape)
+    store_halves(q_ptr + at, K, words, inv[:, :, None], stored)
+    tl.store(s_ptr + tl.min(at, axis=2) // 4, scale,
+             mask=tl.max(stored.to(tl.int32), axis=2) > 0)
+
+
 # (int8 `[2, 1, K]`: a row's high and low halves, float32 scales: `[1]`, one for the row
 # as `split_rows` makes them, or `[K / 4]`, one a word of four values)
 Halves = tuple[torch.Tensor, torch.Tensor]

@@ -37,7 +37,7 @@ from infer.kernels.gemv import Launch, channels, store_sums
 from infer.kernels.gemv import _weights as _words
 from infer.kernels.gemv import default_launch as gemv_launch
 from infer.kernels.gguf_q4k_int8x import _dp4a
-from infer.kernels.int8_x16 import Halves, attach_halves, row_scale, split_rows, store_halves
+from infer.kernels.int8_x16 import Halves, attach_halves, split_rows, store_word_halves
 
 
 @triton.jit
@@ -99,12 +99,7 @@ def _int8_x16_gemv_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, yq_ptr, ys_ptr, N
                 + tl.sum(acc_lo, axis=1).to(tl.float32)) * tl.load(xs_ptr)
         y = store_sums(sums[:, None], ws_ptr, y_ptr, rn, wn, N, True, GATE_UP)
     if HALVES_OUT:  # y as the next kernel's x: its halves, a scale a word of four values
-        words = tl.reshape(y.to(tl.float32), (y.shape[0] // 4, 4))
-        scale, inv = row_scale(tl.max(tl.abs(words), axis=1))
-        at = tl.reshape(rn, (y.shape[0] // 4, 4))
-        store_halves(yq_ptr + at, N, words, inv[:, None], at < N)
-        word_at = tl.program_id(0) * (y.shape[0] // 4) + tl.arange(0, y.shape[0] // 4)
-        tl.store(ys_ptr + word_at, scale, mask=word_at * 4 < N)
+        store_word_halves(yq_ptr, ys_ptr, y[None, :], rn[None, :], rn[None, :] < N, N)
 
 
 def default_launch(n: int, k: int) -> Launch:

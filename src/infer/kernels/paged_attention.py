@@ -21,7 +21,7 @@ import triton.language as tl
 
 from infer.kernels import dependent_launch, sm_count
 from infer.kernels.activation import _tanh
-from infer.kernels.int8_x16 import attach_halves, row_scale, store_halves
+from infer.kernels.int8_x16 import attach_halves, store_word_halves
 
 
 @triton.jit
@@ -76,18 +76,13 @@ def _store_out(out_ptr, out_offs, dims, o, qmask, hq_ptr, hs_ptr, heads, head_di
     """Output rows `o [rows, BLOCK_D]` (float32) rounded to out's dtype, stored at
     `out_offs`; with X16 (one token, whose output is the row x of `int8_x16_gemv`, K =
     heads x head_dim values, head_dim a multiple of 4) also x's int8 halves, hi at hq_ptr
-    and lo K after, and a scale a word of four values at hs_ptr, each word split by its
-    own largest value (`int8_x16.row_scale`, `store_halves`)."""
+    and lo K after, and a scale a word of four values at hs_ptr
+    (`int8_x16.store_word_halves`)."""
     y = o.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + out_offs[:, None] + dims[None, :], y, mask=qmask)
     if X16:
-        words = tl.reshape(y.to(tl.float32), (o.shape[0], o.shape[1] // 4, 4))
-        scale, inv = row_scale(tl.max(tl.abs(words), axis=2))
-        cols = tl.reshape(heads[:, None] * head_dim + dims[None, :], words.shape)
-        mask = tl.reshape(qmask, words.shape)
-        store_halves(hq_ptr + cols, K, words, inv[:, :, None], mask)
-        first = tl.min(cols, axis=2)  # each word's first column
-        tl.store(hs_ptr + first // 4, scale, mask=tl.max(mask.to(tl.int32), axis=2) > 0)
+        store_word_halves(hq_ptr, hs_ptr, y, heads[:, None] * head_dim + dims[None, :], qmask,
+                          K)
 
 
 @triton.jit
