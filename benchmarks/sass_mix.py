@@ -161,17 +161,14 @@ def _cases() -> list[Case]:
     # one row of INT8 weights by dp4a on x's two int8 halves (int8_x16_gemv.py)
     from infer.kernels import int8_x16_gemv
 
-    # (x as a scale a word too: the down projection's input with `int8_x16_word_halves`)
-    for shape, (n, k), words in (("8B gate_up", (28672, 4096), False),
-                                 ("8B down", (4096, 14336), False),
-                                 ("8B down, a scale a word of x", (4096, 14336), True)):
+    for shape, (n, k) in (("8B gate_up", (28672, 4096)), ("8B down", (4096, 14336))):
         launch = int8_x16_gemv.default_launch(n, k)
         cases.append(Case(
             f"int8_x16_gemv ({shape})", "int8_x16_gemv:_int8_x16_gemv_kernel",
             dict(q_ptr="*i32", xs_ptr="*fp32", w_ptr="*i32", ws_ptr="*bf16", y_ptr="*bf16",
-                 yq_ptr="*i8", ys_ptr="*fp32", N=i32, KW=i32, stride_wn=i32),
+                 N=i32, KW=i32, stride_wn=i32),
             dict(BLOCK_N=launch.block_n, BLOCK_W=launch.block_k // 4, EVEN_K=True,
-                 GATE_UP="", WORD_SCALES=words, HALVES_OUT=False, PTX=True, PDL=False),
+                 GATE_UP="", PTX=True, PDL=False),
             ["q_ptr", "w_ptr", "y_ptr", "N", "KW", "stride_wn"],
             launch.block_n * launch.block_k, 1, num_warps=launch.num_warps,
             note=f"one row, launch {tuple(launch)}",

@@ -151,16 +151,13 @@ def test_dependent_launches_of_the_gguf_one_row_kernels():
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA GPU of compute capability 9+")
-@pytest.mark.parametrize(("head_dim", "x16"), [(64, False), (128, False), (128, True)])
-def test_dependent_launches_of_a_layers_attention(head_dim, x16):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dependent_launches_of_a_layers_attention(head_dim):
     """qkv GEMV, RoPE + KV store, split decode attention combined by its last split (a
     graph's launch, made for 64 splits: those past the sequence's keys end before their
     wait), o GEMV: each reading what the one before wrote, the lengths, positions and
-    slots staged before each run, sequences of 1 to 300 tokens. With `x16` the attention
-    splits its output into halves for an INT8 o projection's dp4a GEMV."""
+    slots staged before each run, sequences of 1 to 300 tokens."""
     from infer.kernels.gemv import gemv
-    from infer.kernels.int8_x16 import attached_halves
-    from infer.kernels.int8_x16_gemv import int8_x16_gemv
     from infer.kernels.paged_attention import paged_decode
     from infer.kernels.rope_kv_store import rope_store_kv
 
@@ -173,7 +170,6 @@ def test_dependent_launches_of_a_layers_attention(head_dim, x16):
         return torch.randn(*shape, generator=gen).mul_(0.05).to("cuda", torch.bfloat16)
 
     w_qkv, w_o = rand(qkv_width, hidden), rand(hidden, hidden)
-    w8_o, w8_o_scale = _int8(gen, hidden, hidden)
     pristine = [rand(blocks, block_size, kv_heads, head_dim) * 20 for _ in range(2)]
     caches = [c.clone() for c in pristine]
     angles = torch.arange(512.0)[:, None] / 10000 ** (torch.arange(head_dim // 2) / (head_dim // 2))
@@ -201,10 +197,7 @@ def test_dependent_launches_of_a_layers_attention(head_dim, x16):
         v = qkv[:, hidden + kv_heads * head_dim:].view(1, kv_heads, head_dim)
         rope_store_kv(q, k, v, *caches, slots, positions, cos, sin)
         paged_decode(q, *caches, seq_lens, table, head_dim ** -0.5, num_splits=64, out=out,
-                     split_counters=counters, min_split_keys=64, x16_halves=x16)
-        if x16:
-            return (int8_x16_gemv(out.view(1, hidden), w8_o, w8_o_scale,
-                                  halves=attached_halves(out)),)
+                     split_counters=counters, min_split_keys=64)
         return (gemv(out.view(1, hidden), w_o),)
 
     inputs = [rand(1, hidden) for _ in lengths]
@@ -259,10 +252,8 @@ def test_dependent_launches_around_a_launch_that_does_nothing():
 def test_dependent_launches_of_the_int8_dp4a_one_row_path():
     """One row through INT8 layers by dp4a (`int8_x16_gemv`): the norm splitting its
     output into halves in its own launch, the gate_up GEMV storing the activation, its
-    output split for the down GEMV by `split_rows` or (every other layer) by the gate_up
-    launch itself, each reading what the one before wrote: bit for bit the plain
-    launches'."""
-    from infer.kernels.int8_x16 import attached_halves
+    output split by `split_rows` for the down GEMV, each reading what the one before wrote:
+    bit for bit the plain launches'."""
     from infer.kernels.int8_x16_gemv import int8_x16_gemv
     from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 
@@ -275,11 +266,11 @@ def test_dependent_launches_of_the_int8_dp4a_one_row_path():
     def chain(x):
         residual = x.clone()
         h, halves = rmsnorm(x, norm_weight, 1e-6, x16_rows=True)
-        for i, ((up, up_scale), (down, down_scale)) in enumerate(layers):
-            act = int8_x16_gemv(h, up, up_scale, "silu", halves=halves, halves_out=i % 2 == 0)
-            down_x = int8_x16_gemv(act, down, down_scale, halves=attached_halves(act))
-            h, residual, halves = fused_add_rmsnorm(down_x, residual, norm_weight, 1e-6,
-                                                    x16_rows=True)
+        for (up, up_scale), (down, down_scale) in layers:
+            act = int8_x16_gemv(h, up, up_scale, "silu", halves=halves)
+            h, residual, halves = fused_add_rmsnorm(
+                int8_x16_gemv(act, down, down_scale), residual, norm_weight, 1e-6,
+                x16_rows=True)
         return h, residual
 
     inputs = [torch.randn(1, hidden, generator=gen).to("cuda", torch.bfloat16)

@@ -123,24 +123,20 @@ def test_int8_layers_with_the_knob_take_the_kernel_and_match_float64(rows, monke
 
 
 def test_the_knobs_reach_every_linear_layer_and_the_lm_head():
-    """`int8_mma_rows` and `int8_x16_word_halves` as set, and `int8_x16_gemv` by default,
-    on every INT8 layer; the norms, and with the second the attention layers, then hand out
-    x's halves."""
+    """`int8_mma_rows` as set, and `int8_x16_gemv` by default, on every INT8 layer; the
+    norms then hand out x's halves."""
     from tiny_model import tiny_model_dir
 
     from infer import LLM
-    from infer.attention.layer import Attention
     from infer.models.layers import RMSNorm
     from infer.models.linear import LinearBase, ParallelLMHead
 
     llm = LLM(str(tiny_model_dir()), device=str(DEVICE), num_blocks=64, max_model_len=128,
               quantization="int8", kernel_backend="triton", int8_mma_rows=32,
-              int8_x16_word_halves=True, cuda_graphs=False)
+              cuda_graphs=False)
     layers = [m for m in llm.engine.core.runner.model.modules()
               if isinstance(m, (LinearBase, ParallelLMHead))]
     assert layers and all(m.int8_mma_rows == 32 for m in layers)
-    assert all(m.int8_x16_gemv and m.int8_x16_word_halves for m in layers)
+    assert all(m.int8_x16_gemv for m in layers)  # int8_x16_gemv.py's knob
     norms = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, RMSNorm)]
     assert norms and all(m.x16_rows for m in norms)
-    attention = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, Attention)]
-    assert attention and all(m.x16_halves for m in attention)

@@ -2,9 +2,7 @@
 against float64: equal to float64's product on the rounded row to float32 rounding (the
 integer sums are exact), within x's rounding of the exact product, and the gated form bit
 for bit the plain one followed by the activation kernel. Shapes off the launch's blocks,
-K not a multiple of the step, weights at -128. x's halves with a scale a word against
-float64 too, and those the kernel makes of its own output (`halves_out`) bit for bit
-`split_rows` of its words. Then the RMSNorm's halves (bit for bit
+K not a multiple of the step, weights at -128. Then the RMSNorm's halves (bit for bit
 `split_rows` of its output), the engine's routing, and the rounding's effect on a real
 model (SmolLM2's perplexity). Triton's interpreter on the CPU; `INFER_TEST_DEVICE=cuda`
 runs the compiled kernels."""
@@ -71,146 +69,6 @@ def test_gated_form_is_the_plain_one_then_the_activation(act):
     plain = int8_x16_gemv.int8_x16_gemv(*args, launch=launch)
     assert fused.shape == (1, inter) and fused.dtype == torch.bfloat16
     assert torch.equal(fused, gated_rows(plain, act).cpu())
-
-
-def _word_halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row's halves with a scale a word of four values: `split_rows` of its words."""
-    q, scale = int8_x16.split_rows(x.reshape(-1, 4))
-    return q.reshape(2, 1, -1), scale
-
-
-@pytest.mark.parametrize("k,launch", [
-    (1000, Launch(block_n=8, block_k=128, num_warps=4)),  # K not a multiple of a step
-    (4096, None),
-])
-def test_a_scale_a_word_matches_float64_on_the_rounded_row(k, launch):
-    """Halves with a scale a word (as `halves_out` makes them): each word's exact sum
-    scaled by its own scale, equal to float64's product on the rounded row to float32
-    rounding and within each word's rounding of the exact product."""
-    n = 70
-    x = _row(k, 9)
-    x[0, : k // 2] *= 1e-3  # words far below the row's largest keep their own precision
-    w, w_scale = _weights(n, k, 9)
-    q, scale = _word_halves(x.to(DEVICE))
-    y = int8_x16_gemv.int8_x16_gemv(x.to(DEVICE), w.to(DEVICE), w_scale.to(DEVICE),
-                                    launch=launch, halves=(q, scale)).cpu()
-    steps = scale.cpu().double().repeat_interleave(4)[None, :]
-    rounded = (256 * q[0].double() + q[1].double()).cpu() * steps
-    weights = w.double() * w_scale.double()[:, None]
-    want = rounded @ weights.T
-    magnitude = rounded.abs() @ weights.abs().T
-    assert ((y.double() - want).abs() <= 1e-6 * magnitude).all()
-    bound = (steps / 2) @ weights.abs().T
-    exact = x.double() @ weights.T
-    assert ((y.double() - exact).abs() <= bound * (1 + 1e-4) + 1e-6 * magnitude).all()
-    # the small half's own scales: far finer than one scale for the row
-    row_step = x.abs().max().item() / int8_x16.QMAX.value
-    assert steps[0, : k // 2].max().item() < 1e-2 * row_step
-
-
-@pytest.mark.parametrize("act,launch", [
-    ("silu", Launch(block_n=8, block_k=128, num_warps=4)),  # 4 outputs a program
-    ("gelu_tanh", Launch(block_n=32, block_k=64, num_warps=4)),  # 16, the last part-filled
-    ("", Launch(block_n=8, block_k=128, num_warps=4)),
-])
-def test_halves_out_are_the_outputs_words_split(act, launch):
-    """`halves_out`: the output, as stored, carries its halves made by the same launch,
-    bit for bit `split_rows` of its words; the output itself unchanged."""
-    n, k = 72, 512
-    x = _row(k, 13).to(torch.bfloat16)
-    w, w_scale = _weights(2 * n if act else n, k, 13)
-    args = (x.to(DEVICE), w.to(DEVICE), w_scale.to(DEVICE))
-    y = int8_x16_gemv.int8_x16_gemv(*args, act=act, launch=launch, halves_out=True)
-    assert torch.equal(y, int8_x16_gemv.int8_x16_gemv(*args, act=act, launch=launch))
-    q, scale = int8_x16.attached_halves(y)
-    want_q, want_scale = _word_halves(y)
-    assert q.shape == (2, 1, n) and scale.shape == (n // 4,)
-    assert torch.equal(q, want_q) and torch.equal(scale, want_scale)
-
-
-def test_halves_out_only_in_whole_words():
-    """An output, or a program's share of it, not whole words carries no halves (the
-    kernel after splits it itself)."""
-    x = _row(256, 2).to(DEVICE)
-    w, w_scale = (t.to(DEVICE) for t in _weights(2 * 30, 256, 2))
-    two_a_program = Launch(block_n=4, block_k=128, num_warps=4)
-    assert int8_x16.attached_halves(int8_x16_gemv.int8_x16_gemv(
-        x, w[:60], w_scale[:60], act="silu", launch=two_a_program, halves_out=True)) is None
-    assert int8_x16.attached_halves(int8_x16_gemv.int8_x16_gemv(
-        x, w[:30], w_scale[:30], halves_out=True)) is None  # 30 outputs
-
-
-@pytest.mark.parametrize(("head_dim", "seq_len", "splits", "counters", "at_once"), [
-    (64, 40, 1, False, False),  # one launch, no split
-    (128, 300, 3, True, False),  # the last split combines, one split a time
-    (128, 300, 3, True, True),  # ... several splits' partials a load
-    (128, 20, 3, True, False),  # one live split: no partials
-    (64, 300, 4, False, False),  # the second launch combines
-])
-def test_decode_attention_hands_out_its_outputs_word_halves(head_dim, seq_len, splits,
-                                                            counters, at_once):
-    """`paged_decode(x16_halves=True)` for one token: its output carries halves written
-    by whichever launch writes the output, bit for bit `split_rows` of its words; the
-    output itself unchanged."""
-    from test_kernels import _paged_case
-
-    from infer.kernels import paged_attention
-    from infer.kernels.paged_attention import paged_decode
-
-    heads, kv_heads = 8, 2
-    meta, q, (k_cache, v_cache), _ = _paged_case([1], [seq_len], heads, kv_heads, head_dim)
-    q = q.to(torch.bfloat16)
-    k_cache, v_cache = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)
-    counts = torch.zeros(kv_heads, dtype=torch.int32, device=q.device) if counters else None
-    before = paged_attention._combining_at_once
-    paged_attention.set_combine_at_once(at_once)
-    try:
-        def run(x16):
-            return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables,
-                                head_dim ** -0.5, num_splits=splits, split_counters=counts,
-                                min_split_keys=16, x16_halves=x16)
-        plain, out = run(False), run(True)
-    finally:
-        paged_attention.set_combine_at_once(before)
-    assert int8_x16.attached_halves(plain) is None
-    assert torch.equal(out, plain)
-    q_halves, scale = int8_x16.attached_halves(out)
-    want_q, want_scale = _word_halves(out.reshape(1, -1))
-    assert q_halves.shape == (2, 1, heads * head_dim) and scale.shape == (heads * head_dim // 4,)
-    assert torch.equal(q_halves, want_q) and torch.equal(scale, want_scale)
-
-
-def test_the_attention_layers_one_token_output_reaches_the_o_projection_with_halves(
-        monkeypatch):
-    """With `int8_x16_word_halves` the decode attention's one-token output reaches the o
-    projection carrying its halves (through the layer's view of it): `split_rows` of its
-    words, bit for bit. (Triton's backend under the interpreter; the CPU's INT8 matmul
-    leaves them unused.)"""
-    from tiny_model import tiny_model_dir
-
-    from infer import LLM, SamplingParams
-    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
-
-    llm = LLM(str(tiny_model_dir()), device="cpu", num_blocks=64, max_model_len=128,
-              quantization="int8", kernel_backend="triton", attention_backend="triton",
-              int8_x16_word_halves=True, cuda_graphs=False)
-    model = llm.engine.core.runner.model
-    o_projs = {id(m.self_attn.o_proj) for m in model.model.layers}
-    seen = []
-    real = Int8WeightOnlyLinearMethod.apply
-
-    def apply(self, layer, x, bias):
-        if id(layer) in o_projs and x.shape[0] == 1:
-            seen.append((x.clone(), int8_x16.attached_halves(x)))
-        return real(self, layer, x, bias)
-
-    monkeypatch.setattr(Int8WeightOnlyLinearMethod, "apply", apply)
-    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-    decode_rows = [(x, h) for x, h in seen if h is not None]
-    assert len(decode_rows) >= len(o_projs)  # every layer, each decode step
-    for x, (q, scale) in decode_rows:
-        want_q, want_scale = _word_halves(x)
-        assert torch.equal(q, want_q) and torch.equal(scale, want_scale)
 
 
 def test_takes_only_whole_words_of_int8():
@@ -312,38 +170,6 @@ def test_a_norms_halves_reach_the_kernel_without_a_split(monkeypatch):
     norm.x16_rows = True
     monkeypatch.setattr(int8_x16_gemv, "split_rows", lambda *a: pytest.fail("split"))
     assert torch.equal(layer(norm(x)), want)
-
-
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="INT8 layers take the kernel on CUDA only")
-def test_a_gate_up_layers_halves_reach_the_down_layer_without_a_split(monkeypatch):
-    """With `int8_x16_word_halves` a gate_up layer's one-row activation carries its halves
-    (a scale a word) into the down layer's kernel: no split of its own, the product
-    float64's on the activation so rounded."""
-    from infer.models.linear import MergedColumnParallelLinear, RowParallelLinear
-    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
-
-    gen = torch.Generator().manual_seed(17)
-    # 4096 weight rows: the default launch's 4 outputs a program are a whole word
-    gate_up = MergedColumnParallelLinear(256, [2048, 2048], bias=False)
-    down = RowParallelLinear(2048, 256, bias=False)
-    for layer in (gate_up, down):
-        with torch.no_grad():
-            layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen))
-    gate_up, down = (m.to(DEVICE, torch.bfloat16) for m in (gate_up, down))
-    for layer in (gate_up, down):
-        Int8WeightOnlyLinearMethod().quantize(layer)
-        layer.int8_x16_gemv = layer.int8_x16_word_halves = True
-    x = torch.randn(1, 256, generator=gen).to(DEVICE, torch.bfloat16)
-    act = gate_up.forward_gate_up(x, "silu")
-    q, scale = int8_x16.attached_halves(act)
-    assert scale.shape == (512,)
-    monkeypatch.setattr(int8_x16_gemv, "split_rows", lambda *a: pytest.fail("split"))
-    y = down(act).double().cpu()
-    steps = scale.cpu().double().repeat_interleave(4)[None, :]
-    rounded = (256 * q[0].double() + q[1].double()).cpu() * steps
-    weights = (down.weight.double() * down.weight_scale.double()[:, None]).cpu()
-    want = (rounded @ weights.T).to(torch.bfloat16).double()
-    assert torch.allclose(y, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
 def test_smollm2_with_x_in_halves_stays_within_one_percent_of_the_unquantized_model(monkeypatch):

@@ -50,38 +50,14 @@ def _modes() -> list:
                 dict(OFFSET=0.0, HAS_RESIDUAL=residual, BLOCK=4096,
                      INT8_ROWS=rows == "INT8_ROWS", PDL=True, X16_ROWS=rows == "X16_ROWS"),
                 [], 1, 1, num_warps=8))
-    for act, words, out in (("", False, False), ("silu", False, True), ("", True, True)):
+    for act in ("", "silu"):
         cases.append(Case(
-            f"int8_x16_gemv (gate_up {act or 'none'}, uneven K, a scale a word of x {words},"
-            f" halves out {out}, PDL)", "int8_x16_gemv:_int8_x16_gemv_kernel",
+            f"int8_x16_gemv (gate_up {act or 'none'}, uneven K, PDL)",
+            "int8_x16_gemv:_int8_x16_gemv_kernel",
             dict(q_ptr="*i32", xs_ptr="*fp32", w_ptr="*i32", ws_ptr="*bf16", y_ptr="*bf16",
-                 yq_ptr="*i8", ys_ptr="*fp32", N=I32, KW=I32, stride_wn=I32),
-            dict(BLOCK_N=8, BLOCK_W=256, EVEN_K=False, GATE_UP=act, WORD_SCALES=words,
-                 HALVES_OUT=out, PTX=True, PDL=True),
+                 N=I32, KW=I32, stride_wn=I32),
+            dict(BLOCK_N=8, BLOCK_W=256, EVEN_K=False, GATE_UP=act, PTX=True, PDL=True),
             [], 1, 1, num_warps=4))
-    attention_args = dict(
-        q_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16", bt_ptr="*i32", seq_lens_ptr="*i32",
-        out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32", counter_ptr="*i32",
-        hq_ptr="*i8", hs_ptr="*fp32", **dict.fromkeys(
-            ["stride_qt", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb",
-             "stride_vt", "stride_vh", "stride_bt", "stride_ot", "stride_oh", "num_heads",
-             "num_kv_heads", "num_splits", "min_split_keys", "window", "head_dim", "group"],
-            I32), scale="fp32", softcap="fp32")
-    for split, last, at_once, x16 in ((False, False, 0, False), (False, False, 0, True),
-                                      (True, True, 0, True), (True, True, 4, True)):
-        cases.append(Case(
-            f"decode attention (split {split}, last combines {last}, {at_once} at once, "
-            f"halves {x16}, PDL)", "paged_attention:_decode_kernel", attention_args,
-            dict(QLEN=1, BLOCK_G=16, BLOCK_R=16, BLOCK_N=64, BLOCK_D=128, CAUSAL=False,
-                 ROW_WINDOW=False, BLOCK_SIZE=16, SPLIT=split, LAST_COMBINES=last,
-                 SOFTCAP=False, WINDOW=False, PRECISION="tf32", BLOCK_S=at_once, X16=x16,
-                 PDL=True), [], 1, 1, num_warps=8))
-    cases.append(Case(
-        "decode attention's combining launch (halves, PDL)", "paged_attention:_reduce_kernel",
-        dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", hq_ptr="*i8",
-             hs_ptr="*fp32", stride_ot=I32, stride_oh=I32, num_heads=I32, num_splits=I32,
-             head_dim=I32),
-        dict(BLOCK_D=128, X16=True, PDL=True), [], 1, 1, num_warps=4))
     cases.append(Case(
         "int8_x16 matmul (32 rows, split K, PDL)", "int8_x16:_int8_x16_kernel",
         dict(q_ptr="*i8", xs_ptr="*fp32", w_ptr="*i8", ws_ptr="*bf16", y_ptr="*bf16",

@@ -49,11 +49,10 @@ class AttentionBackend(Protocol):
     def forward(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-        logit_softcap: float | None = None, x16_halves: bool = False,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         """Causal attention of new queries `[num_tokens, heads, head_dim]` over the cache,
-        which already holds their keys/values; with `x16_halves` one token's output may
-        carry its int8 halves (`int8_x16.attach_halves`) for an INT8 o projection."""
+        which already holds their keys/values."""
         ...
 
     def init_graph_metadata(

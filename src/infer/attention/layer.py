@@ -46,9 +46,6 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.backend: AttentionBackend = TorchAttentionBackend()
-        # One token's output handed out with its int8 halves for the o projection's dp4a
-        # GEMV (`EngineConfig.int8_x16_word_halves`; the triton backend's decode kernel).
-        self.x16_halves = False
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -67,17 +64,11 @@ class Attention(nn.Module):
             q = self.backend.write_kv_with_prologue(self.k_cache, self.v_cache, q, k, v,
                                                     meta.slot_mapping, positions,
                                                     self.prologue)
-        x16 = self.x16_halves and num_tokens == 1
         out = self.backend.forward(
             q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
-            self.logit_softcap, x16_halves=x16,
+            self.logit_softcap,
         )
-        rows = out.view(num_tokens, self.num_heads * self.head_dim)
-        if x16:
-            from infer.kernels.int8_x16 import with_halves_of
-
-            return with_halves_of(out, rows)
-        return rows
+        return out.view(num_tokens, self.num_heads * self.head_dim)
 
 
 def set_attention_backend(model: nn.Module, backend: AttentionBackend | str) -> None:

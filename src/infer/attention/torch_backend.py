@@ -53,13 +53,11 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
-    x16_halves: bool = False,
 ) -> torch.Tensor:
     """Causal attention of new queries `[num_tokens, heads, head_dim]` over the cache.
 
     The new tokens' keys/values must already be in the cache. Returns
     `[num_tokens, heads, head_dim]` in q's dtype; softmax is computed in float32.
-    `x16_halves` is the Triton backend's (an output with its int8 halves): here none.
     """
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

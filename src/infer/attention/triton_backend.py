@@ -68,10 +68,7 @@ def write_kv_with_prologue(
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     scale: float, sliding_window: int | None = None, logit_softcap: float | None = None,
-    x16_halves: bool = False,
 ) -> torch.Tensor:
-    """`torch_backend.paged_attention`'s contract; `x16_halves`: one token's decode output
-    carries its int8 halves (`paged_decode`)."""
     if meta.prefill_tiles is not None:  # a captured step of any shape: one fixed launch
         return paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                              meta.block_tables, 0, scale, sliding_window, logit_softcap,
@@ -84,8 +81,7 @@ def paged_attention(
     if first == meta.num_seqs:
         return paged_attention_kernels(q, k_cache, v_cache, meta, scale, sliding_window,
                                        logit_softcap, num_splits=meta.decode_splits,
-                                       split_counters=meta.split_counters,
-                                       x16_halves=x16_halves)
+                                       split_counters=meta.split_counters)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     start = sum(meta.query_lens_host[:first])
     if first > 0:
@@ -104,7 +100,6 @@ def paged_attention_kernels(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     scale: float, sliding_window: int | None = None, logit_softcap: float | None = None,
     num_splits: int | None = None, split_counters: torch.Tensor | None = None,
-    x16_halves: bool = False,
 ) -> torch.Tensor:
     """Our kernels only, same contract as `torch_backend.paged_attention`: a batch of pure
     decodes takes the split-K decode kernel, and so does a graph's step of several tokens
@@ -124,8 +119,7 @@ def paged_attention_kernels(
                                             q.device)
         return paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
                             sliding_window, logit_softcap, num_splits,
-                            split_counters=split_counters, query_len=query_len,
-                            x16_halves=x16_halves)
+                            split_counters=split_counters, query_len=query_len)
     return paged_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                          meta.block_tables, max(meta.query_lens_host, default=0), scale,
                          sliding_window, logit_softcap)

@@ -200,17 +200,11 @@ class EngineConfig:
         True, "one-row weight-only INT8 steps (batch-1 decode) multiply by dp4a: x split "
         "into two int8 halves of 16-bit fixed point as int8_mma_rows splits it (by the "
         "RMSNorm's launch where it made x, else a launch of its own), then two integer "
-        "instructions for four weights (kernels/int8_x16_gemv.py; 0.84 instructions a "
+        "instructions for four weights (kernels/int8_x16_gemv.py; 0.92 instructions a "
         "weight compiled for sm_90 against the float GEMV's 3.5-4.8), x's rounding a "
         "16-bit step of its row's range; a gated MLP's activation in the same launch. "
         "CUDA with kernel_backend triton; on an H100, 8B shape, batch-1 decode 3.04 ms "
         "against 3.10-3.11 with the float GEMV (docs/performance.md); off: that GEMV")
-    int8_x16_word_halves: bool = knob(
-        False, "with int8_x16_gemv, the kernels that make the o and down projections' one "
-        "row (the decode attention, a gated MLP's gate_up GEMV) split it into int8 halves "
-        "themselves, a scale a word of four values (each word's own largest value), and "
-        "those projections' dp4a GEMVs scale each word's exact sum by its scale: no split "
-        "launches (64 a step of the 8B, 2.0-2.2 µs each on an H100). Unmeasured on a GPU")
     gguf_int8_activations: bool = knob(
         True, "one-row matmuls by GGUF Q4_K, Q6_K and Q8_0 weights kept in their blocks "
         "(quantization=gguf) round x to int8 per 32 values and multiply with dp4a, as "

@@ -110,9 +110,7 @@ class _Cut:
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                logit_softcap: float | None = None, x16_halves: bool = False
-                ) -> torch.Tensor:
-        # Its output is a graph buffer written between pieces: it carries no halves.
+                logit_softcap: float | None = None) -> torch.Tensor:
         attend = _LayerAttention(self.backend, k_cache, v_cache, scale, sliding_window,
                                  logit_softcap)
         out = self.out[:q.shape[0]]

@@ -62,9 +62,9 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
     (`w8a16_tensor_cores`, `w8a16_tensor_core_rows`), FP8 by FP8 in infer's kernel for FP8 ones
     (`fp8_decode_activations`, `fp8_mma_rows`), either operand first there
     (`mma_weight_first`), the int8 tensor cores for INT8 ones (`int8_mma_rows`), dp4a
-    for one row of INT8 ones (`int8_x16_gemv`; the o and down projections' inputs split
-    by the attention and gate_up launches that make them with `int8_x16_word_halves`) and
-    for GGUF Q4_K, Q6_K and Q8_0 blocks (`gguf_int8_activations`, x rounded where it is made
+    for one row of INT8 ones
+    (`int8_x16_gemv`) and for
+    GGUF Q4_K, Q6_K and Q8_0 blocks (`gguf_int8_activations`, x rounded where it is made
     with `gguf_fused_x_rounding`); on a CPU, INT8 ones through infer's C++ kernel
     (`cpu_int8_kernel`)."""
     set_cpu_norms(model, config.cpu_norm_kernel)
@@ -89,7 +89,7 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
                      fp8_rows, config.int8_mma_rows if triton else 0,
                      config.gemv_8bit_max_rows if config.triton_gemv and triton else 0,
                      config.gate_up_rows_apart, config.cpu_int8_kernel,
-                     config.int8_x16_gemv and triton, config.int8_x16_word_halves)
+                     config.int8_x16_gemv and triton)
     set_gguf_int8_activations(model, config.gguf_int8_activations and triton,
                               config.gguf_fused_x_rounding)
 

@@ -248,8 +248,7 @@ def _from_units(acc, x_ptr, rk, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
 def store_sums(acc, s_ptr, y_ptr, rn, wn, N, SCALED: tl.constexpr, GATE_UP: tl.constexpr):
     """A row's sums of `acc [BLOCK_N, BLOCK_K]` (weight rows wn), scaled per channel where
     SCALED, rounded to y's dtype; with GATE_UP, `act(gate) * up` of each channel's pair
-    (rounded as the activation kernel rounds what it reads and stores), stored at rn; the
-    stored values returned."""
+    (rounded as the activation kernel rounds what it reads and stores), stored at rn."""
     y = tl.sum(acc, axis=1)
     if SCALED:
         y *= tl.load(s_ptr + wn).to(tl.float32)
@@ -258,7 +257,6 @@ def store_sums(acc, s_ptr, y_ptr, rn, wn, N, SCALED: tl.constexpr, GATE_UP: tl.c
         gate, up = tl.split(tl.reshape(y, (y.shape[0] // 2, 2)))
         y = gated(gate, up, GATE_UP).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + rn, y, mask=rn < N)
-    return y
 
 
 def default_launch(n: int, k: int, weight_bytes: int = 2, rows: int = 1) -> Launch:

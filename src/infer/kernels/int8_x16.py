@@ -80,39 +80,15 @@ def store_halves(hi_at, lo_offset, x, inv, mask):
     tl.store(hi_at + lo_offset, lo.to(tl.int8), mask=mask)
 
 
-@triton.jit
-def store_word_halves(q_ptr, s_ptr, values, cols, mask, K):
-    """`values [R, C]` (C a multiple of 4; stored where `mask`) at the columns `cols` of a
-    row of K values, split a word of four at a time, each word by its own largest value:
-    the halves at q_ptr (hi, then lo K after), each word's scale at s_ptr + its first
-    column / 4 (where any of its values is stored)."""
-    words = tl.reshape(values.to(tl.float32), (values.shape[0], values.shape[1] // 4, 4))
-    scale, inv = row_scale(tl.max(tl.abs(words), axis=2))
-    at = tl.reshape(cols, words.shape)
-    stored = tl.reshape(mask, words.shape)
-    store_halves(q_ptr + at, K, words, inv[:, :, None], stored)
-    tl.store(s_ptr + tl.min(at, axis=2) // 4, scale,
-             mask=tl.max(stored.to(tl.int32), axis=2) > 0)
-
-
-# (int8 `[2, 1, K]`: a row's high and low halves, float32 scales: `[1]`, one for the row
-# as `split_rows` makes them, or `[K / 4]`, one a word of four values)
 Halves = tuple[torch.Tensor, torch.Tensor]
 
 
 def attach_halves(x: torch.Tensor, halves: Halves) -> torch.Tensor:
-    """One row `x`, carrying its halves made by the kernel that made x (the RMSNorm's, one
-    scale for the row; the decode attention's or a gate_up GEMV's, a scale a word) for the
-    matmuls it goes into; the same invariant as `int8_rows.attach`'s (x never changed in
-    place)."""
+    """One row `x`, carrying its `split_rows` (made by the kernel that made x: the RMSNorm's)
+    for the matmuls it goes into; the same invariant as `int8_rows.attach`'s (x never
+    changed in place)."""
     x.x16_halves = halves
     return x
-
-
-def with_halves_of(x: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
-    """`view` (a reshape of x, or x itself), carrying x's halves if x carries any."""
-    halves = attached_halves(x)
-    return view if halves is None else attach_halves(view, halves)
 
 
 def attached_halves(x: torch.Tensor) -> Halves | None:

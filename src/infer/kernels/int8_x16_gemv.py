@@ -15,15 +15,6 @@ range) the only error, the same as the tensor-core kernel's at two rows and more
 Each program owns BLOCK_N output channels and walks all of K (`gemv.py`'s shape of launch),
 BLOCK_K weights (BLOCK_K / 4 words) of each row a step; with GATE_UP it multiplies the gate
 and up rows of the same channels and stores `act(gate) * up` (`gemv.channels`).
-
-x's halves may also carry a scale a word of four values (WORD_SCALES), as this kernel
-makes them for its own output (HALVES_OUT): a program then splits the outputs it stores,
-each word by its own largest value, so the next kernel (the down projection, after a
-gate_up one) takes no split launch, which one scale for the row would need (no program
-sees the row). Each word's sum is then exact, `dp4a(w, lo, dp4a(w, hi, 0) << 8)`, and
-scaled as it comes, in float32: 1.72 instructions a weight compiled for sm_90 against 0.84
-(bfloat16's GEMV: 1.55-1.86 a weight byte). Each value's rounding is then half a step of
-its word's range, never coarser than its row's.
 """
 
 from __future__ import annotations
@@ -37,35 +28,27 @@ from infer.kernels.gemv import Launch, channels, store_sums
 from infer.kernels.gemv import _weights as _words
 from infer.kernels.gemv import default_launch as gemv_launch
 from infer.kernels.gguf_q4k_int8x import _dp4a
-from infer.kernels.int8_x16 import Halves, attach_halves, split_rows, store_word_halves
-
-
-@triton.jit
-def _in_tile(ptr, cols, KW, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """x's words (or their scales) at the word columns `cols`, `[BLOCK_N, len(cols)]`:
-    loaded in the weight tile's layout, each thread its own columns' (the rows' repeats hit
-    L1), where a vector broadcast over the rows went through shared memory on narrow tiles
-    (sm_90, Triton 3.6: 1.26 instructions a weight instead of 0.92)."""
-    at = ptr + cols[None, :] + tl.zeros((BLOCK_N, 1), dtype=tl.int32)
-    if EVEN_K:
-        return tl.load(at)
-    mask = cols[None, :] + tl.zeros((BLOCK_N, 1), dtype=tl.int32) < KW
-    return tl.load(at, mask=mask, other=0)
+from infer.kernels.int8_x16 import Halves, split_rows
 
 
 @triton.jit
 def _halves(q_ptr, cols, KW, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The words of x's high and low halves at the word columns `cols` (`_in_tile`)."""
-    return (_in_tile(q_ptr, cols, KW, EVEN_K, BLOCK_N),
-            _in_tile(q_ptr + KW, cols, KW, EVEN_K, BLOCK_N))
+    """The words of x's high and low halves at the word columns `cols`, `[BLOCK_N,
+    len(cols)]`: loaded in the weight tile's layout, each thread its own columns' words
+    (the rows' repeats hit L1), where a vector broadcast over the rows went through shared
+    memory on narrow tiles (sm_90, Triton 3.6: 1.26 instructions a weight instead of 0.92)."""
+    at = q_ptr + cols[None, :] + tl.zeros((BLOCK_N, 1), dtype=tl.int32)
+    if EVEN_K:
+        return tl.load(at), tl.load(at + KW)
+    mask = cols[None, :] + tl.zeros((BLOCK_N, 1), dtype=tl.int32) < KW
+    return (tl.load(at, mask=mask, other=0), tl.load(at + KW, mask=mask, other=0))
 
 
 @triton.jit
-def _int8_x16_gemv_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, yq_ptr, ys_ptr, N, KW,
-                          stride_wn, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                          EVEN_K: tl.constexpr, GATE_UP: tl.constexpr,
-                          WORD_SCALES: tl.constexpr, HALVES_OUT: tl.constexpr,
-                          PTX: tl.constexpr, PDL: tl.constexpr):
+def _int8_x16_gemv_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, KW, stride_wn,
+                          BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                          EVEN_K: tl.constexpr, GATE_UP: tl.constexpr, PTX: tl.constexpr,
+                          PDL: tl.constexpr):
     rn, wn = channels(N, BLOCK_N, GATE_UP)
     rw = tl.arange(0, BLOCK_W)
     # Rows past N read row N - 1 (no mask on the weight's loads) and are not stored.
@@ -76,30 +59,16 @@ def _int8_x16_gemv_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, yq_ptr, ys_ptr, N
     dependent_launch.wait(PDL)
     dependent_launch.release(PDL)
     hi, lo = _halves(q_ptr, rw, KW, EVEN_K, BLOCK_N)
-    if WORD_SCALES:  # a scale a word of x: each word's exact sum scaled as it comes
-        zero = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.int32)
-        word = _dp4a(w, lo, _dp4a(w, hi, zero, PTX, SIGNED=True) << 8, PTX, SIGNED=True)
-        acc = word.to(tl.float32) * _in_tile(xs_ptr, rw, KW, EVEN_K, BLOCK_N)
-        for k0 in range(BLOCK_W, KW, BLOCK_W):
-            w_k = _words(w_rows, k0 + rw, KW, EVEN_K)
-            hi_k, lo_k = _halves(q_ptr, k0 + rw, KW, EVEN_K, BLOCK_N)
-            word = _dp4a(w_k, lo_k, _dp4a(w_k, hi_k, zero, PTX, SIGNED=True) << 8, PTX,
-                         SIGNED=True)
-            acc += word.to(tl.float32) * _in_tile(xs_ptr, k0 + rw, KW, EVEN_K, BLOCK_N)
-        y = store_sums(acc, ws_ptr, y_ptr, rn, wn, N, True, GATE_UP)
-    else:  # one scale for the row: the sums scaled once, at the end
-        acc_hi = _dp4a(w, hi, tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.int32), PTX, SIGNED=True)
-        acc_lo = _dp4a(w, lo, tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.int32), PTX, SIGNED=True)
-        for k0 in range(BLOCK_W, KW, BLOCK_W):
-            w_k = _words(w_rows, k0 + rw, KW, EVEN_K)
-            hi_k, lo_k = _halves(q_ptr, k0 + rw, KW, EVEN_K, BLOCK_N)
-            acc_hi = _dp4a(w_k, hi_k, acc_hi, PTX, SIGNED=True)
-            acc_lo = _dp4a(w_k, lo_k, acc_lo, PTX, SIGNED=True)
-        sums = (tl.sum(acc_hi, axis=1).to(tl.float32) * 256.0
-                + tl.sum(acc_lo, axis=1).to(tl.float32)) * tl.load(xs_ptr)
-        y = store_sums(sums[:, None], ws_ptr, y_ptr, rn, wn, N, True, GATE_UP)
-    if HALVES_OUT:  # y as the next kernel's x: its halves, a scale a word of four values
-        store_word_halves(yq_ptr, ys_ptr, y[None, :], rn[None, :], rn[None, :] < N, N)
+    acc_hi = _dp4a(w, hi, tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.int32), PTX, SIGNED=True)
+    acc_lo = _dp4a(w, lo, tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.int32), PTX, SIGNED=True)
+    for k0 in range(BLOCK_W, KW, BLOCK_W):
+        w = _words(w_rows, k0 + rw, KW, EVEN_K)
+        hi, lo = _halves(q_ptr, k0 + rw, KW, EVEN_K, BLOCK_N)
+        acc_hi = _dp4a(w, hi, acc_hi, PTX, SIGNED=True)
+        acc_lo = _dp4a(w, lo, acc_lo, PTX, SIGNED=True)
+    sums = (tl.sum(acc_hi, axis=1).to(tl.float32) * 256.0
+            + tl.sum(acc_lo, axis=1).to(tl.float32)) * tl.load(xs_ptr)
+    store_sums(sums[:, None], ws_ptr, y_ptr, rn, wn, N, True, GATE_UP)
 
 
 def default_launch(n: int, k: int) -> Launch:
@@ -124,16 +93,12 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def int8_x16_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                   act: str = "", launch: Launch | None = None,
-                  halves: Halves | None = None, halves_out: bool = False) -> torch.Tensor:
+                  halves: Halves | None = None) -> torch.Tensor:
     """`x [1, K]` (float16 / bfloat16 / float32, unit column stride) times the transpose of
     `weight [N, K]` int8 (`takes`) scaled by `scale [N]`: `[1, N]` in x's dtype; with `act`
     ("silu" / "gelu_tanh") `act(gate) * up` of a gated MLP's `[gate | up]` weight,
-    `[1, N / 2]`, rounded as `gemv.gemv_gate_up` rounds it. `halves`: x's halves where the
-    kernel that made x made them too (else split here, a launch): `split_rows`' (one scale,
-    `[1]`) or this kernel's (a scale a word of four values, `[K / 4]`). With `halves_out`
-    the output carries its own (`int8_x16.attach_halves`), made by the same launch, where
-    it and each program's share of it are whole words (the launch's channels a program a
-    multiple of 4, of 8 with `act`)."""
+    `[1, N / 2]`, rounded as `gemv.gemv_gate_up` rounds it. `halves`: x's `split_rows`,
+    where the kernel that made x made them too (else split here, a launch)."""
     assert takes(x, weight) and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
     assert x.stride(1) == 1 and scale.shape == weight.shape[:1] and scale.is_contiguous()
     assert act in ("", "silu", "gelu_tanh"), act
@@ -143,21 +108,13 @@ def int8_x16_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if n == 0 or k == 0:
         return y.zero_()  # act(0) * 0 = 0 too
     block_n, block_k, num_warps = launch or default_launch(weight_rows, k)
-    stored = block_n // 2 if act else block_n  # outputs a program
     assert block_k % 4 == 0 and (not act or block_n % 2 == 0), launch
     q, x_scale = halves or split_rows(x)
-    assert q.shape == (2, 1, k) and x_scale.numel() in (1, k // 4), (q.shape, x_scale.shape)
+    assert q.shape == (2, 1, k), q.shape
     kw = k // 4
-    halves_out = halves_out and n % 4 == 0 and stored % 4 == 0
-    if halves_out:
-        out = (torch.empty((2, 1, n), dtype=torch.int8, device=x.device),
-               torch.empty((n // 4,), dtype=torch.float32, device=x.device))
-        attach_halves(y, out)
-    else:
-        out = (y, y)  # not written
-    _int8_x16_gemv_kernel[(triton.cdiv(n, stored),)](
-        q.view(torch.int32), x_scale, weight.view(torch.int32), scale, y, out[0], out[1], n,
-        kw, kw, BLOCK_N=block_n, BLOCK_W=block_k // 4, EVEN_K=kw % (block_k // 4) == 0,
-        GATE_UP=act, WORD_SCALES=x_scale.numel() > 1, HALVES_OUT=halves_out,
-        PTX=gpu_compiled(x.device), num_warps=num_warps, **dependent_launch.launch_options())
+    _int8_x16_gemv_kernel[(triton.cdiv(n, block_n // 2 if act else block_n),)](
+        q.view(torch.int32), x_scale, weight.view(torch.int32), scale, y, n, kw, kw,
+        BLOCK_N=block_n, BLOCK_W=block_k // 4, EVEN_K=kw % (block_k // 4) == 0,
+        GATE_UP=act, PTX=gpu_compiled(x.device), num_warps=num_warps,
+        **dependent_launch.launch_options())
     return y

@@ -21,7 +21,6 @@ import triton.language as tl
 
 from infer.kernels import dependent_launch, sm_count
 from infer.kernels.activation import _tanh
-from infer.kernels.int8_x16 import attach_halves, store_word_halves
 
 
 @triton.jit
@@ -71,35 +70,18 @@ def _attend(
 
 
 @triton.jit
-def _store_out(out_ptr, out_offs, dims, o, qmask, hq_ptr, hs_ptr, heads, head_dim, K,
-               X16: tl.constexpr):
-    """Output rows `o [rows, BLOCK_D]` (float32) rounded to out's dtype, stored at
-    `out_offs`; with X16 (one token, whose output is the row x of `int8_x16_gemv`, K =
-    heads x head_dim values, head_dim a multiple of 4) also x's int8 halves, hi at hq_ptr
-    and lo K after, and a scale a word of four values at hs_ptr
-    (`int8_x16.store_word_halves`)."""
-    y = o.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + out_offs[:, None] + dims[None, :], y, mask=qmask)
-    if X16:
-        store_word_halves(hq_ptr, hs_ptr, y, heads[:, None] * head_dim + dims[None, :], qmask,
-                          K)
-
-
-@triton.jit
 def _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, rows, out_offs, num_splits, count,
-                    head_dim, dims, qmask, gmask, hq_ptr, hs_ptr, K,
+                    head_dim, dims, qmask, gmask,
                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, L2_ONLY: tl.constexpr,
-                    X16: tl.constexpr, BLOCK_S: tl.constexpr = 0):
+                    BLOCK_S: tl.constexpr = 0):
     """Output rows (`rows`: token * num_heads + head; written at `out_offs`) = the first
     `count` splits' partials weighted by 2^lse. Split 0 always holds the first visible
     key, so its lse is finite; empty splits (lse = -inf) weigh 0. BLOCK_S > 0: that many
-    splits' partials loaded at once (`set_combine_at_once`), else one split at a time.
-    X16: one token's rows, stored with their halves (`_store_out`)."""
+    splits' partials loaded at once (`set_combine_at_once`), else one split at a time."""
     row0 = rows * num_splits
     if BLOCK_S > 0:
         _combine_at_once(part_o_ptr, part_lse_ptr, out_ptr, row0, out_offs, count, head_dim,
-                         dims, qmask, gmask, hq_ptr, hs_ptr, rows, K, BLOCK_R, BLOCK_D,
-                         BLOCK_S, L2_ONLY, X16)
+                         dims, qmask, gmask, BLOCK_R, BLOCK_D, BLOCK_S, L2_ONLY)
         return
     m = tl.load(part_lse_ptr + row0, mask=gmask, other=0.0,
                 cache_modifier=".cg" if L2_ONLY else "")
@@ -117,14 +99,14 @@ def _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, rows, out_offs, num_split
         total = total * alpha + w
         m = m_new
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    _store_out(out_ptr, out_offs, dims, out, qmask, hq_ptr, hs_ptr, rows, head_dim, K, X16)
+    tl.store(out_ptr + out_offs[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=qmask)
 
 
 @triton.jit
 def _combine_at_once(part_o_ptr, part_lse_ptr, out_ptr, row0, out_offs, count, head_dim,
-                     dims, qmask, gmask, hq_ptr, hs_ptr, heads, K, BLOCK_R: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, L2_ONLY: tl.constexpr,
-                     X16: tl.constexpr):
+                     dims, qmask, gmask, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_S: tl.constexpr, L2_ONLY: tl.constexpr):
     """`_combine_splits` with BLOCK_S splits' partials a load: one round trip to memory
     for a few splits, where the loop one split at a time waits for each in turn."""
     s = tl.arange(0, BLOCK_S)
@@ -148,13 +130,14 @@ def _combine_at_once(part_o_ptr, part_lse_ptr, out_ptr, row0, out_offs, count, h
         total = total * alpha + tl.sum(w, 1)
         m = m_new
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    _store_out(out_ptr, out_offs, dims, out, qmask, hq_ptr, hs_ptr, heads, head_dim, K, X16)
+    tl.store(out_ptr + out_offs[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=qmask)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    counter_ptr, hq_ptr, hs_ptr,
+    counter_ptr,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ot, stride_oh,
     num_heads, num_kv_heads, num_splits, min_split_keys, scale, softcap, window, head_dim,
@@ -164,12 +147,11 @@ def _decode_kernel(
     ROW_WINDOW: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, LAST_COMBINES: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_S: tl.constexpr, X16: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """A program: one (sequence, kv head, split). Its rows are (token, head of the GQA
     group) pairs, row r = token r // BLOCK_G, head r % BLOCK_G, for the sequence's QLEN
-    new tokens (its last: token t at position seq_len - QLEN + t). X16: one token, its
-    output stored with its halves too (`_store_out`)."""
+    new tokens (its last: token t at position seq_len - QLEN + t)."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -222,11 +204,11 @@ def _decode_kernel(
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     rows = token * num_heads + heads
     out_offs = token * stride_ot + heads * stride_oh
+    out_ptrs = out_ptr + out_offs[:, None] + dims[None, :]
     if SPLIT:
         if LAST_COMBINES:
             if live == 1:  # the only split with keys: nothing to combine
-                _store_out(out_ptr, out_offs, dims, o, qmask, hq_ptr, hs_ptr, heads,
-                           head_dim, num_heads * head_dim, X16)
+                tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=qmask)
             else:
                 _store_partial(part_o_ptr, part_lse_ptr, o, l_i, m_i, rows, num_splits,
                                split, head_dim, dims, qmask, rmask)
@@ -239,16 +221,14 @@ def _decode_kernel(
                 counter = counter_ptr + seq * num_kv_heads + kv_head
                 if tl.atomic_add(counter, 1, sem="acq_rel") == live - 1:
                     _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, rows, out_offs,
-                                    num_splits, live, head_dim, dims, qmask, rmask, hq_ptr,
-                                    hs_ptr, num_heads * head_dim, BLOCK_R, BLOCK_D, True,
-                                    X16, BLOCK_S)
+                                    num_splits, live, head_dim, dims, qmask, rmask, BLOCK_R,
+                                    BLOCK_D, True, BLOCK_S)
                     tl.atomic_xchg(counter, 0, sem="relaxed")
         else:
             _store_partial(part_o_ptr, part_lse_ptr, o, l_i, m_i, rows, num_splits, split,
                            head_dim, dims, qmask, rmask)
     else:
-        _store_out(out_ptr, out_offs, dims, o, qmask, hq_ptr, hs_ptr, heads, head_dim,
-                   num_heads * head_dim, X16)
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=qmask)
 
 
 @triton.jit
@@ -264,8 +244,8 @@ def _store_partial(part_o_ptr, part_lse_ptr, o, l_i, m_i, rows, num_splits, spli
 
 @triton.jit
 def _reduce_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, hq_ptr, hs_ptr, stride_ot, stride_oh, num_heads,
-    num_splits, head_dim, BLOCK_D: tl.constexpr, X16: tl.constexpr, PDL: tl.constexpr,
+    part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_heads, num_splits,
+    head_dim, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     dependent_launch.wait(PDL)
     dependent_launch.release(PDL)
@@ -276,8 +256,7 @@ def _reduce_kernel(
     qmask = (heads[:, None] >= 0) & (dims[None, :] < head_dim)
     _combine_splits(part_o_ptr, part_lse_ptr, out_ptr, token * num_heads + heads,
                     token * stride_ot + heads * stride_oh, num_splits, num_splits, head_dim,
-                    dims, qmask, heads >= 0, hq_ptr, hs_ptr, num_heads * head_dim, 1,
-                    BLOCK_D, False, X16)
+                    dims, qmask, heads >= 0, 1, BLOCK_D, False)
 
 
 # Lengths that change from step to step are not specialised on (Triton would compile
@@ -454,7 +433,7 @@ def paged_decode(
     out: torch.Tensor | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None,
     split_counters: torch.Tensor | None = None, min_split_keys: int | None = None,
-    query_len: int = 1, x16_halves: bool = False,
+    query_len: int = 1,
 ) -> torch.Tensor:
     """`query_len` new queries per sequence (`q[query_len * i + t]` is sequence i's token
     at position seq_lens[i] - query_len + t, its K/V and those of the tokens before it
@@ -469,11 +448,7 @@ def paged_decode(
     (int32, zeros, at least `num_seqs * kv_heads`; left zero after each launch), by the
     last split of each (sequence, kv head) to finish: one launch fewer, for CUDA graphs,
     whose buffers can hold the counters between replays; there empty splits end at once,
-    and a sequence with one live split writes its output without partials.
-
-    `x16_halves`, one token's output (head_dim a multiple of 4): the output carries its
-    int8 halves for `int8_x16_gemv`, a scale a word of four values
-    (`int8_x16.attach_halves`), written by the launches that write it."""
+    and a sequence with one live split writes its output without partials."""
     _check(q, k_cache, v_cache, block_tables, seq_lens)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -487,14 +462,6 @@ def paged_decode(
     assert out.shape == q.shape and out.stride(2) == 1 and out.dtype == q.dtype
     if num_seqs == 0:
         return out
-    x16 = x16_halves and num_tokens == 1 and head_dim % 4 == 0
-    if x16:
-        k = num_heads * head_dim
-        halves = (torch.empty((2, 1, k), dtype=torch.int8, device=q.device),
-                  torch.empty((k // 4,), dtype=torch.float32, device=q.device))
-        attach_halves(out, halves)
-    else:
-        halves = (out, out)  # not written
     common = _common(q, k_cache, scale, sliding_window, logit_softcap)
     block_d = max(16, triton.next_power_of_2(head_dim))
     # Rows per token: the GQA group, to a power of 2; one token alone pads to 16 rows
@@ -519,7 +486,7 @@ def paged_decode(
         assert split_counters.numel() >= num_seqs * num_kv_heads, split_counters.shape
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse,
-        split_counters if last_combines else seq_lens, *halves,
+        split_counters if last_combines else seq_lens,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         num_heads, num_kv_heads, num_splits, min_split_keys, **common,
@@ -529,16 +496,15 @@ def paged_decode(
         BLOCK_N=block_n or default_block_n,
         BLOCK_D=block_d, SPLIT=split, LAST_COMBINES=last_combines,
         BLOCK_S=(combine_block(num_splits, block_rows, block_d, num_warps or default_warps)
-                 if last_combines else 0), X16=x16,
+                 if last_combines else 0),
         num_warps=num_warps or default_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
         **dependent_launch.launch_options(),
     )
     if split and not last_combines:
         _reduce_kernel[(num_tokens, num_heads)](
-            part_o, part_lse, out, *halves, out.stride(0), out.stride(1), num_heads,
-            num_splits, head_dim, BLOCK_D=block_d, X16=x16, num_warps=4,
-            **dependent_launch.launch_options(),
+            part_o, part_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
+            head_dim, BLOCK_D=block_d, num_warps=4, **dependent_launch.launch_options(),
         )
     return out
 

@@ -171,8 +171,7 @@ def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1,
 def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: bool,
                      fp8_mma_rows: int = 0, int8_mma_rows: int = 0,
                      gemv_rows: int = 0, gate_up_rows_apart: bool = False,
-                     cpu_int8_kernel: bool = False, int8_x16_gemv: bool = False,
-                     int8_x16_word_halves: bool = False) -> None:
+                     cpu_int8_kernel: bool = False, int8_x16_gemv: bool = False) -> None:
     """How `model`'s 8-bit layers (projections, LM head) multiply decode-sized steps:
     weight-only INT8 / FP8 on tensor cores up to `tensor_core_rows` rows where they gain
     (`w8a16_matmul.py`'s rule; 0: never) or CUDA cores, up to `gemv_rows` rows scaled per
@@ -182,11 +181,10 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
     `kernels/rows_mma.py` rather than `torch._scaled_mm`; INT8 ones of 2 to
     `int8_mma_rows` rows on the int8 tensor cores (`kernels/int8_x16.py`; 0: never), past
     `gemv_rows`, and every INT8 layer's one row by dp4a with `int8_x16_gemv`
-    (`kernels/int8_x16_gemv.py`), the attention and gate_up projections then handing the
-    o and down projections their outputs' halves with `int8_x16_word_halves`; a gate_up
-    projection's two rows whose first may be skipped as two one-row GEMV launches with
-    `gate_up_rows_apart` (`w8a16_matmul.gate_up_gemv`); INT8 ones on a CPU through
-    infer's kernel with `cpu_int8_kernel` (`kernels/cpu_int8_linear.cpp`)."""
+    (`kernels/int8_x16_gemv.py`); a gate_up projection's two rows whose
+    first may be skipped as two one-row GEMV launches with `gate_up_rows_apart`
+    (`w8a16_matmul.gate_up_gemv`); INT8 ones on a CPU through infer's kernel with
+    `cpu_int8_kernel` (`kernels/cpu_int8_linear.cpp`)."""
     for m in model.modules():
         if isinstance(m, (LinearBase, ParallelLMHead)):
             m.w8a16_tensor_core_rows = tensor_core_rows
@@ -194,28 +192,23 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
             m.fp8_mma_rows = fp8_mma_rows
             m.int8_mma_rows = int8_mma_rows
             m.int8_x16_gemv = int8_x16_gemv
-            m.int8_x16_word_halves = int8_x16_gemv and int8_x16_word_halves
             m.w8a16_gemv_rows = gemv_rows
             m.gate_up_rows_apart = gate_up_rows_apart
             m.cpu_int8_kernel = cpu_int8_kernel
-    set_x16_producers(model, int8_x16_gemv, int8_x16_gemv and int8_x16_word_halves)
+    set_x16_norms(model, int8_x16_gemv)
 
 
-def set_x16_producers(model: nn.Module, norms: bool, attention: bool) -> None:
-    """Whether `model`'s RMSNorms (`norms`) and attention layers (`attention`) hand out a
-    one-row output with its split into int8 halves (`layers.RMSNorm.x16_rows`,
-    `Attention.x16_halves`), for `int8_x16_gemv`: where the model has INT8 layers."""
-    from infer.attention.layer import Attention
+def set_x16_norms(model: nn.Module, on: bool) -> None:
+    """Whether `model`'s RMSNorms hand out a one-row output with its split into int8 halves
+    (`layers.RMSNorm.x16_rows`), for `int8_x16_gemv`: on where the model has INT8 layers."""
     from infer.models.layers import RMSNorm
     from infer.quantization.int8 import Int8WeightOnlyLinearMethod
 
-    found = any(isinstance(getattr(m, "quant_method", None), Int8WeightOnlyLinearMethod)
-                for m in model.modules())
+    found = on and any(isinstance(getattr(m, "quant_method", None), Int8WeightOnlyLinearMethod)
+                       for m in model.modules())
     for m in model.modules():
         if isinstance(m, RMSNorm):
-            m.x16_rows = norms and found
-        elif isinstance(m, Attention):
-            m.x16_halves = attention and found
+            m.x16_rows = found
 
 
 # What a linear layer built without a `quant_method` gets (`linear_method_default`).

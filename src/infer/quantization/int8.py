@@ -99,13 +99,12 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
         if not x2.is_cuda or bias is not None:
             return None
         if _to_x16_gemv(layer, x2):
-            from infer.kernels.int8_x16 import attached_halves, with_halves_of
+            from infer.kernels.int8_x16 import attached_halves
             from infer.kernels.int8_x16_gemv import int8_x16_gemv
 
             y = int8_x16_gemv(x2.to(layer.compute_dtype).contiguous(), layer.weight,
-                              layer.weight_scale, act, halves=attached_halves(x),
-                              halves_out=getattr(layer, "int8_x16_word_halves", False))
-            return with_halves_of(y, y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype))
+                              layer.weight_scale, act, halves=attached_halves(x))
+            return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
         from infer.kernels.w8a16_matmul import gate_up_gemv
 
         y = gate_up_gemv(x2.to(layer.compute_dtype).contiguous(), layer.weight,
