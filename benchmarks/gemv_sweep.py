@@ -27,9 +27,8 @@ launch stores `silu(gate) * up`, as `gemv_gate_up_activation` has the engine do)
 w8a16's kernel and rows_mma store `[gate | up]` (the activation's launch not timed).
 With `--x16-gemv` (`--dtype int8`, one row) the kernel timed, swept and shown as "default"
 is `int8_x16_gemv.py` (dp4a on x split into two int8 halves, its launch to split x timed
-with it) in place of the GEMV; with `--x16-halves row|words` the halves are made before
-the timed calls (one scale a row, or a scale a word of four values as the attention and
-gate_up launches make them with `int8_x16_word_halves`): the GEMV alone.
+with it) in place of the GEMV; with `--x16-halves row` the halves are made before the
+timed calls (one scale a row, as the RMSNorm makes them): the GEMV alone.
 With `--first-row-skipped` (`--gemv --rows 2`) the GEMV's launches run with the skip flag
 set (`kernels/row_skip.py`: the second row alone, as a draft round's catch-up forward
 after a verdict that rejected a draft); the engine's kernel before it, without.
@@ -133,11 +132,10 @@ def main() -> None:
     parser.add_argument("--x16-gemv", action="store_true",
                         help="with --dtype int8 (one row): int8_x16_gemv.py's kernel in the "
                         "GEMV's place")
-    parser.add_argument("--x16-halves", choices=["split", "row", "words"], default="split",
+    parser.add_argument("--x16-halves", choices=["split", "row"], default="split",
                         help="with --x16-gemv, x's halves: split by the timed call's own "
                         "launch, or made beforehand with one scale for the row (as the "
-                        "RMSNorm makes them) or a scale a word (as int8_x16_word_halves' "
-                        "attention and gate_up launches make them): the GEMV alone")
+                        "RMSNorm makes them): the GEMV alone")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gemv_sweep.py times CUDA kernels: no GPU here")
@@ -173,11 +171,7 @@ def main() -> None:
         if args.x16_halves == "split":
             return None
         if x.data_ptr() not in made_halves:
-            if args.x16_halves == "row":
-                made_halves[x.data_ptr()] = split_rows(x)
-            else:
-                q, scale = split_rows(x.reshape(-1, 4))
-                made_halves[x.data_ptr()] = (q.reshape(2, 1, -1), scale)
+            made_halves[x.data_ptr()] = split_rows(x)
         return made_halves[x.data_ptr()]
     flag = torch.ones(1, dtype=torch.int32, device="cuda")
     checked_from = 1 if args.first_row_skipped else 0  # the rows a skipped launch writes

@@ -250,10 +250,11 @@ def test_dependent_launches_around_a_launch_that_does_nothing():
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA GPU of compute capability 9+")
 def test_dependent_launches_of_the_int8_dp4a_one_row_path():
-    """One row through INT8 layers by dp4a (`int8_x16_gemv`): the norm splitting its
-    output into halves in its own launch, the gate_up GEMV storing the activation, its
-    output split by `split_rows` for the down GEMV, each reading what the one before wrote:
-    bit for bit the plain launches'."""
+    """One row through INT8 layers as the engine takes it (`int8_x16_gemv`): the norm
+    splitting its output into halves in its own launch, the gate_up GEMV by dp4a storing
+    the activation, the down projection by the float GEMV, each reading what the one
+    before wrote: bit for bit the plain launches'."""
+    from infer.kernels.gemv import gemv
     from infer.kernels.int8_x16_gemv import int8_x16_gemv
     from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 
@@ -269,7 +270,7 @@ def test_dependent_launches_of_the_int8_dp4a_one_row_path():
         for (up, up_scale), (down, down_scale) in layers:
             act = int8_x16_gemv(h, up, up_scale, "silu", halves=halves)
             h, residual, halves = fused_add_rmsnorm(
-                int8_x16_gemv(act, down, down_scale), residual, norm_weight, 1e-6,
+                gemv(act, down, scale=down_scale), residual, norm_weight, 1e-6,
                 x16_rows=True)
         return h, residual
 

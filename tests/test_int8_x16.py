@@ -139,4 +139,58 @@ def test_the_knobs_reach_every_linear_layer_and_the_lm_head():
     assert layers and all(m.int8_mma_rows == 32 for m in layers)
     assert all(m.int8_x16_gemv for m in layers)  # int8_x16_gemv.py's knob
     norms = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, RMSNorm)]
-    assert norms and all(m.x16_rows for m in norms)
+    # one row for the dp4a GEMV, up to 32 for the int8 tensor cores
+    assert norms and all(m.x16_rows == range(1, 33) for m in norms)
+
+
+def test_the_norms_split_only_the_steps_an_int8_kernel_takes_so():
+    """`set_x16_norms`: the steps whose norms split their rows, by the knobs; none in a
+    model without INT8 layers."""
+    from infer.models.layers import RMSNorm
+    from infer.models.linear import ColumnParallelLinear, set_x16_norms
+    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
+
+    model = torch.nn.ModuleList([RMSNorm(64, 1e-6), ColumnParallelLinear(64, 64, bias=False)])
+    set_x16_norms(model, True, 64)
+    assert model[0].x16_rows == range(0)  # no INT8 layer
+    Int8WeightOnlyLinearMethod().quantize(model[1])
+    for one_row, mma_rows, rows in [(True, 64, [1, 64]), (True, 0, [1, 1]),
+                                    (False, 16, [2, 16]), (False, 0, None)]:
+        set_x16_norms(model, one_row, mma_rows)
+        assert list(model[0].x16_rows) == (list(range(rows[0], rows[1] + 1)) if rows else [])
+
+
+def test_halves_made_beforehand_give_the_same_product_without_a_split(monkeypatch):
+    """`int8_x16_matmul(..., halves)`: the product of the same x split in its own call,
+    bit for bit, with no split launch."""
+    x = _rows(17, 300).float().to(DEVICE)
+    w = torch.randint(-127, 128, (96, 300), dtype=torch.int8).to(DEVICE)
+    w_scale = (torch.rand(96) * 0.01 + 1e-4).to(DEVICE)
+    want = int8_x16.int8_x16_matmul(x, w, w_scale)
+    halves = int8_x16.split_rows(x)
+    monkeypatch.setattr(int8_x16, "split_rows", lambda *a: pytest.fail("split"))
+    assert torch.equal(int8_x16.int8_x16_matmul(x, w, w_scale, halves), want)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the norms hand out halves on CUDA only")
+def test_a_norms_halves_reach_the_int8_tensor_cores_without_a_split(monkeypatch):
+    """At 32 rows a norm's output carries its rows' halves into an INT8 layer on the int8
+    tensor cores (`RMSNorm.x16_rows`): no split launch, the same output as with one."""
+    from infer.models.layers import RMSNorm
+    from infer.models.linear import ColumnParallelLinear
+    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
+
+    gen = torch.Generator().manual_seed(23)
+    layer = ColumnParallelLinear(512, 384, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(384, 512, generator=gen))
+    layer = layer.to(DEVICE, torch.bfloat16)
+    Int8WeightOnlyLinearMethod().quantize(layer)
+    layer.int8_mma_rows = 64
+    norm = RMSNorm(512, 1e-6).to(DEVICE, torch.bfloat16)
+    norm.use_triton = True
+    x = torch.randn(32, 512, generator=gen).to(DEVICE, torch.bfloat16)
+    want = layer(norm(x))
+    norm.x16_rows = range(1, 65)
+    monkeypatch.setattr(int8_x16, "split_rows", lambda *a: pytest.fail("split"))
+    assert torch.equal(layer(norm(x)), want)

@@ -81,24 +81,28 @@ def test_takes_only_whole_words_of_int8():
 
 
 def test_which_steps_take_the_kernel():
-    """The CUDA routing rule (`quantization/int8.py`): with `int8_x16_gemv`, one row by a
-    layer whose weight the kernel takes; never more rows, never with the knob off."""
+    """The CUDA routing rule (`quantization/int8.py`): with `int8_x16_gemv`, one row that
+    comes split already (the RMSNorm's halves) by a layer whose weight the kernel takes;
+    never a row without its halves, never more rows, never with the knob off."""
     from infer.models.linear import ColumnParallelLinear
     from infer.quantization.int8 import Int8WeightOnlyLinearMethod, _to_x16_gemv
 
     layer = ColumnParallelLinear(64, 96, bias=False)
     Int8WeightOnlyLinearMethod().quantize(layer)
-    assert not _to_x16_gemv(layer, torch.zeros(1, 64))  # the knob unset
+    halves = int8_x16.split_rows(torch.ones(1, 64, device=DEVICE))
+    assert not _to_x16_gemv(layer, torch.ones(1, 64), halves)  # the knob unset
     layer.int8_x16_gemv = True
-    assert _to_x16_gemv(layer, torch.zeros(1, 64))
-    assert not _to_x16_gemv(layer, torch.zeros(2, 64))
+    assert _to_x16_gemv(layer, torch.ones(1, 64), halves)
+    assert not _to_x16_gemv(layer, torch.ones(1, 64), None)  # a split launch of its own
+    assert not _to_x16_gemv(layer, torch.ones(2, 64), halves)
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="INT8 layers take the kernel on CUDA only")
 @pytest.mark.parametrize("act", ["", "silu"])
 def test_one_row_by_an_int8_layer_with_the_knob_takes_the_kernel(act, monkeypatch):
-    """With `int8_x16_gemv` one row goes to the kernel (a gate_up layer's activation in its
-    launch), two rows do not; both against float64."""
+    """With `int8_x16_gemv` one row carrying its halves goes to the kernel (a gate_up
+    layer's activation in its launch); the same row without them, and two rows, do not;
+    all against float64."""
     from infer.models.linear import MergedColumnParallelLinear
     from infer.quantization.int8 import Int8WeightOnlyLinearMethod
 
@@ -115,27 +119,31 @@ def test_one_row_by_an_int8_layer_with_the_knob_takes_the_kernel(act, monkeypatc
                         lambda *a, **k: taken.append(len(a[0])) or real(*a, **k))
     x = torch.randn(2, 512, generator=gen).to(DEVICE, torch.bfloat16)
     ref = x.double() @ (layer.weight.double() * layer.weight_scale.double()[:, None]).T
+    row = int8_x16.attach_halves(x[:1].clone(), int8_x16.split_rows(x[:1]))
     if act:
-        y = layer.quant_method.apply_gate_up(layer, x[:1], act, None).double()
+        ys = [layer.quant_method.apply_gate_up(layer, r, act, None).double()
+              for r in (row, x[:1])]
         ref = gated_rows(ref.to(torch.bfloat16), act).double()
     else:
-        y = layer(x[:1]).double()
+        ys = [layer(r).double() for r in (row, x[:1])]
         layer(x)  # two rows: another kernel
     assert taken == [1]
-    assert (y - ref[:1]).abs().max().item() <= 1e-2 * ref.abs().max().item()
+    for y in ys:
+        assert (y - ref[:1]).abs().max().item() <= 1e-2 * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("residual", [False, True])
-def test_the_norms_halves_are_split_rows_of_its_output(residual):
-    """An RMSNorm's one-row output split into halves in its own launch (`x16_rows`) equals
+def test_the_norms_halves_are_split_rows_of_its_output(residual, rows):
+    """An RMSNorm's output split into halves in its own launch (`x16_rows`) equals
     `split_rows` of the output as stored, bit for bit, and the output is the plain norm's."""
     from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 
     g = torch.Generator().manual_seed(3)
-    x = (torch.randn(1, 1000, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    x = (torch.randn(rows, 1000, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
     w = (torch.rand(1000, generator=g) + 0.5).to(torch.bfloat16).to(DEVICE)
     if residual:
-        res = torch.randn(1, 1000, generator=g).to(torch.bfloat16).to(DEVICE)
+        res = torch.randn(rows, 1000, generator=g).to(torch.bfloat16).to(DEVICE)
         out, res_out, (q, scale) = fused_add_rmsnorm(x, res.clone(), w, 1e-6, x16_rows=True)
         plain, plain_res = fused_add_rmsnorm(x, res.clone(), w, 1e-6)
         assert torch.equal(res_out, plain_res)
@@ -144,7 +152,7 @@ def test_the_norms_halves_are_split_rows_of_its_output(residual):
         plain = rmsnorm(x, w, 1e-6)
     assert torch.equal(out, plain)
     want_q, want_scale = int8_x16.split_rows(out)
-    assert q.shape == want_q.shape == (2, 1, 1000)
+    assert q.shape == want_q.shape == (2, rows, 1000)
     assert torch.equal(q, want_q) and torch.equal(scale, want_scale)
 
 
@@ -166,8 +174,9 @@ def test_a_norms_halves_reach_the_kernel_without_a_split(monkeypatch):
     norm = RMSNorm(512, 1e-6).to(DEVICE, torch.bfloat16)
     norm.use_triton = True
     x = torch.randn(1, 512, generator=gen).to(DEVICE, torch.bfloat16)
-    want = layer(norm(x).clone())  # a copy carries no halves: split in the kernel's call
-    norm.x16_rows = True
+    out = norm(x)
+    want = int8_x16_gemv.int8_x16_gemv(out, layer.weight, layer.weight_scale)  # its own split
+    norm.x16_rows = range(1, 2)
     monkeypatch.setattr(int8_x16_gemv, "split_rows", lambda *a: pytest.fail("split"))
     assert torch.equal(layer(norm(x)), want)
 

@@ -41,7 +41,7 @@ def _modes() -> list:
             num_warps=8))
     norm_args = dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16",
                      xq_ptr="*i8", side_ptr="*fp32", stride_x=I32, stride_res=I32,
-                     stride_out=I32, n_cols=I32, eps="fp32")
+                     stride_out=I32, n_cols=I32, eps="fp32", lo_offset=I32)
     for residual in (False, True):
         for rows in ("", "INT8_ROWS", "X16_ROWS"):
             cases.append(Case(

@@ -84,9 +84,9 @@ Halves = tuple[torch.Tensor, torch.Tensor]
 
 
 def attach_halves(x: torch.Tensor, halves: Halves) -> torch.Tensor:
-    """One row `x`, carrying its `split_rows` (made by the kernel that made x: the RMSNorm's)
-    for the matmuls it goes into; the same invariant as `int8_rows.attach`'s (x never
-    changed in place)."""
+    """`x`, carrying its rows' `split_rows` (made by the kernel that made x: the
+    RMSNorm's) for the matmuls it goes into; the same invariant as `int8_rows.attach`'s (x
+    never changed in place)."""
     x.x16_halves = halves
     return x
 
@@ -175,10 +175,12 @@ def launch_for(n: int, k: int, device: torch.device) -> dict[str, int]:
 
 
 def int8_x16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                    **launch: int) -> torch.Tensor:
+                    halves: Halves | None = None, **launch: int) -> torch.Tensor:
     """`x [M, K]` (M <= MAX_ROWS; float16 / bfloat16 / float32, unit column stride) times
     the transpose of `weight [N, K]` int8 (contiguous) scaled by `scale [N]`: `[M, N]` in
-    x's dtype. `launch` (all of `launch_for`'s keys; none: `launch_for`'s) is for tuning."""
+    x's dtype. `halves`: x's `split_rows`, where the kernel that made x made them (none:
+    split here, a launch of its own). `launch` (all of `launch_for`'s keys; none:
+    `launch_for`'s) is for tuning."""
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, x.shape
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), x.dtype
     assert weight.dtype == torch.int8 and weight.dim() == 2 and weight.is_contiguous()
@@ -188,7 +190,8 @@ def int8_x16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0 or k == 0:
         return y.zero_()
-    q, x_scale = split_rows(x)
+    q, x_scale = halves or split_rows(x)
+    assert q.shape == (2, m, k) and x_scale.shape == (m,), (q.shape, x_scale.shape)
     block_n, block_k = launch["block_n"], launch["block_k"]
     steps = triton.cdiv(k, block_k)
     per_split = triton.cdiv(steps, min(launch["splits"], steps))

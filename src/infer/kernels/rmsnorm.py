@@ -7,9 +7,10 @@ rounds again; Gemma's `x * (1 + w)` (offset 1) scales in float32 and rounds once
 
 With `int8_rows` a one-row norm also hands out its output rounded to int8 per 32 values
 (`int8_rows.py`'s layout, from the output as stored): what the GGUF int8-x kernels of the
-next projection take, without a launch of its own. With `x16_rows`, the output split into
-two int8 halves of 16-bit fixed point instead (`int8_x16.split_rows`'s), for the INT8
-one-row kernel (`int8_x16_gemv.py`).
+next projection take, without a launch of its own. With `x16_rows`, each row of the output
+split into two int8 halves of 16-bit fixed point instead (`int8_x16.split_rows`'s), for the
+INT8 kernels that take x so (`int8_x16_gemv.py` at one row, `int8_x16.py`'s int8 tensor
+cores at a few).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from infer.kernels.int8_x16 import row_scale, store_halves
 def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, xq_ptr, side_ptr,
     stride_x, stride_res, stride_out,
-    n_cols, eps,
+    n_cols, eps, lo_offset,
     OFFSET: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
     INT8_ROWS: tl.constexpr, PDL: tl.constexpr, X16_ROWS: tl.constexpr = False,
 ):
@@ -51,10 +52,11 @@ def _rmsnorm_kernel(
         b = tl.arange(0, BLOCK // 32)[:, None]
         store_rounded(xq_ptr, side_ptr, tl.reshape(y.to(tl.float32), (BLOCK // 32, 32)), b,
                       b * 32 < n_cols)
-    if X16_ROWS:  # one row: its halves `[2, 1, n_cols]` at xq_ptr, its scale at side_ptr
+    if X16_ROWS:  # each row's halves in `[2, rows, n_cols]` at xq_ptr (the low ones
+        # lo_offset after), its scale at side_ptr + row
         scale, inv = row_scale(tl.max(tl.abs(y.to(tl.float32)), axis=0))
-        store_halves(xq_ptr + cols, n_cols, y.to(tl.float32), inv, mask)
-        tl.store(side_ptr, scale)
+        store_halves(xq_ptr + row * n_cols + cols, lo_offset, y.to(tl.float32), inv, mask)
+        tl.store(side_ptr + row, scale)
 
 
 @triton.jit
@@ -80,7 +82,7 @@ def _launch(x2d: torch.Tensor, res2d: torch.Tensor | None, weight: torch.Tensor,
     _rmsnorm_kernel[(rows,)](
         x2d, res2d if res2d is not None else x2d, weight, out2d, xq, side,
         x2d.stride(0), res2d.stride(0) if res2d is not None else 0, out2d.stride(0),
-        n, eps,
+        n, eps, rows * n,
         OFFSET=offset, HAS_RESIDUAL=res2d is not None, BLOCK=block,
         INT8_ROWS=rounded is not None and not halves, X16_ROWS=halves, num_warps=num_warps,
         **dependent_launch.launch_options(),
@@ -101,9 +103,10 @@ def _int8_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _x16_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    assert x.numel() == x.shape[-1], x.shape
-    return (torch.empty((2, 1, x.shape[-1]), dtype=torch.int8, device=x.device),
-            torch.empty((1,), dtype=torch.float32, device=x.device))
+    k = x.shape[-1]
+    rows = x.numel() // k
+    return (torch.empty((2, rows, k), dtype=torch.int8, device=x.device),
+            torch.empty((rows,), dtype=torch.float32, device=x.device))
 
 
 def _rounding_buffers(x: torch.Tensor, int8_rows: bool, x16_rows: bool
@@ -126,8 +129,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """RMSNorm over the last dim of `x` (any leading shape, e.g. `[T, H, D]` for q/k norms).
     Returns a new contiguous tensor in x's dtype; with `int8_rows` (`takes_int8_rows(x)`)
-    also that tensor rounded to int8 (`int8_rows.py`), with `x16_rows` (one row) its two
-    int8 halves `[2, 1, K]` and its scale `[1]` (`int8_x16.split_rows`'s)."""
+    also that tensor rounded to int8 (`int8_rows.py`), with `x16_rows` its rows' two int8
+    halves `[2, rows, K]` and their scales `[rows]` (`int8_x16.split_rows`'s)."""
     _check(x, weight, offset)
     n = x.shape[-1]
     # reshape copies only if the leading dims cannot be flattened as a view.

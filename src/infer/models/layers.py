@@ -33,9 +33,10 @@ class RMSNorm(nn.Module):
     rank's partial sum, all-reduced first: in the same kernel where the group has the
     fused one (`kernels/all_reduce_norm.py`). With `int8_rows` (set with the GGUF int8-x
     kernels, `set_gguf_int8_activations`) a one-row output carries its rounding to int8
-    for the projections it goes into (`kernels/int8_rows.py`); with `x16_rows` (set with
-    `int8_x16_gemv`) its two int8 halves (`kernels/int8_x16.py`). With `cpu_kernel` (set by
-    `set_cpu_norms`) float32 rows on a CPU take infer's C++ kernel (`kernels/cpu_norm.cpp`).
+    for the projections it goes into (`kernels/int8_rows.py`); an output of as many rows
+    as `x16_rows` holds (set for INT8 models, `set_x16_norms`), its rows' two int8 halves
+    (`kernels/int8_x16.py`). With `cpu_kernel` (set by `set_cpu_norms`) float32 rows on a
+    CPU take infer's C++ kernel (`kernels/cpu_norm.cpp`).
     """
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
@@ -46,7 +47,7 @@ class RMSNorm(nn.Module):
         self.use_triton = False
         self.reduce_input: TensorParallelGroup | None = None
         self.int8_rows = False
-        self.x16_rows = False
+        self.x16_rows = range(0)  # set_x16_norms
         self.cpu_kernel = False
 
     def forward(
@@ -62,7 +63,7 @@ class RMSNorm(nn.Module):
 
             if self.int8_rows and takes_int8_rows(x):
                 return self._with_rounding(x, residual, int8_rows=True)
-            if self.x16_rows and x.is_cuda and x.numel() == x.shape[-1]:
+            if x.is_cuda and x.numel() // x.shape[-1] in self.x16_rows:
                 return self._with_rounding(x, residual, x16_rows=True)
             if residual is None:
                 return rmsnorm(x, self.weight, self.eps, self.offset)

@@ -180,11 +180,11 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
     and FP8 by FP8 steps of up to `fp8_mma_rows` rows in
     `kernels/rows_mma.py` rather than `torch._scaled_mm`; INT8 ones of 2 to
     `int8_mma_rows` rows on the int8 tensor cores (`kernels/int8_x16.py`; 0: never), past
-    `gemv_rows`, and every INT8 layer's one row by dp4a with `int8_x16_gemv`
-    (`kernels/int8_x16_gemv.py`); a gate_up projection's two rows whose
-    first may be skipped as two one-row GEMV launches with `gate_up_rows_apart`
-    (`w8a16_matmul.gate_up_gemv`); INT8 ones on a CPU through infer's kernel with
-    `cpu_int8_kernel` (`kernels/cpu_int8_linear.cpp`)."""
+    `gemv_rows`, and one row made by an RMSNorm by dp4a with `int8_x16_gemv`
+    (`kernels/int8_x16_gemv.py`), x split by the norms that make it (`set_x16_norms`); a
+    gate_up projection's two rows whose first may be skipped as two one-row GEMV launches
+    with `gate_up_rows_apart` (`w8a16_matmul.gate_up_gemv`); INT8 ones on a CPU through
+    infer's kernel with `cpu_int8_kernel` (`kernels/cpu_int8_linear.cpp`)."""
     for m in model.modules():
         if isinstance(m, (LinearBase, ParallelLMHead)):
             m.w8a16_tensor_core_rows = tensor_core_rows
@@ -195,20 +195,23 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
             m.w8a16_gemv_rows = gemv_rows
             m.gate_up_rows_apart = gate_up_rows_apart
             m.cpu_int8_kernel = cpu_int8_kernel
-    set_x16_norms(model, int8_x16_gemv)
+    set_x16_norms(model, int8_x16_gemv, int8_mma_rows)
 
 
-def set_x16_norms(model: nn.Module, on: bool) -> None:
-    """Whether `model`'s RMSNorms hand out a one-row output with its split into int8 halves
-    (`layers.RMSNorm.x16_rows`), for `int8_x16_gemv`: on where the model has INT8 layers."""
+def set_x16_norms(model: nn.Module, one_row: bool, mma_rows: int) -> None:
+    """Which steps' RMSNorms hand out their output with its rows split into int8 halves
+    (`RMSNorm.x16_rows`), so that the INT8 kernels taking x so (`int8_x16_gemv` at one
+    row, `one_row`; the int8 tensor cores at 2 to `mma_rows`) need no split launch of
+    their own: where the model has INT8 layers."""
     from infer.models.layers import RMSNorm
     from infer.quantization.int8 import Int8WeightOnlyLinearMethod
 
-    found = on and any(isinstance(getattr(m, "quant_method", None), Int8WeightOnlyLinearMethod)
-                       for m in model.modules())
+    found = any(isinstance(getattr(m, "quant_method", None), Int8WeightOnlyLinearMethod)
+                for m in model.modules())
+    rows = range(1 if one_row else 2, max(mma_rows, one_row) + 1) if found else range(0)
     for m in model.modules():
         if isinstance(m, RMSNorm):
-            m.x16_rows = found
+            m.x16_rows = rows
 
 
 # What a linear layer built without a `quant_method` gets (`linear_method_default`).

@@ -4,7 +4,8 @@ weight being `weight * weight_scale[:, None]`; activations stay in 16 bits on a 
 On CUDA the matmul is ours for decode-sized steps (`kernels/w8a16_matmul.py`, Triton;
 torch's CUDA `_weight_int8pack_mm` was 7x slower than bfloat16 on the H100; with
 `EngineConfig.int8_mma_rows`, steps of a few rows on the int8 tensor cores,
-`kernels/int8_x16.py`; with `int8_x16_gemv`, one row by dp4a, `kernels/int8_x16_gemv.py`),
+`kernels/int8_x16.py`; with `int8_x16_gemv`, one row the RMSNorm split by dp4a,
+`kernels/int8_x16_gemv.py`),
 and cuBLAS on a dequantized copy of the weight for prefill-sized
 ones. On the CPU it is infer's C++ kernel (`kernels/cpu_int8_linear.cpp`,
 `EngineConfig.cpu_int8_kernel`): x stays float32, each row's result the same whatever the
@@ -16,6 +17,8 @@ to bfloat16 for each quantized matmul.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +28,9 @@ from infer.models.linear import LinearMethod
 from infer.models.weights import WeightLoader
 from infer.quantization.stored import channel_scale, quantized_as_loaded, stored_weight
 from infer.quantization.tables import convert_table
+
+if TYPE_CHECKING:
+    from infer.kernels.int8_x16 import Halves
 
 QMAX = 127
 # On CUDA, more rows than this (prefill chunks) dequantize the weight for cuBLAS; fewer
@@ -98,12 +104,14 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
         x2 = x.reshape(-1, x.shape[-1])
         if not x2.is_cuda or bias is not None:
             return None
-        if _to_x16_gemv(layer, x2):
-            from infer.kernels.int8_x16 import attached_halves
+        from infer.kernels.int8_x16 import attached_halves
+
+        halves = attached_halves(x)
+        if _to_x16_gemv(layer, x2, halves):
             from infer.kernels.int8_x16_gemv import int8_x16_gemv
 
             y = int8_x16_gemv(x2.to(layer.compute_dtype).contiguous(), layer.weight,
-                              layer.weight_scale, act, halves=attached_halves(x))
+                              layer.weight_scale, act, halves=halves)
             return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
         from infer.kernels.w8a16_matmul import gate_up_gemv
 
@@ -153,19 +161,20 @@ class Int8W8A8LinearMethod(Int8WeightOnlyLinearMethod):
 def _cuda_matmul(layer: nn.Module, x: torch.Tensor,
                  halves: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`x [rows, in]` times the layer's weight on CUDA, by the step's rows (the module's
-    docstring); `halves`: one row's split into int8 halves, where the norm made it."""
+    docstring); `halves`: x's rows split into int8 halves, where the kernel that made x
+    made them (the RMSNorm, the gated activation)."""
     x = x.to(layer.compute_dtype)
     gemv_rows = getattr(layer, "w8a16_gemv_rows", 0)
     if len(x) > DEQUANTIZE_ROWS:  # compute-bound: cuBLAS on a copy
         return F.linear(x, layer.weight.to(x.dtype)) * layer.weight_scale
-    if _to_x16_gemv(layer, x):
+    if _to_x16_gemv(layer, x, halves):
         from infer.kernels.int8_x16_gemv import int8_x16_gemv
 
         return int8_x16_gemv(x.contiguous(), layer.weight, layer.weight_scale, halves=halves)
     if _to_int8_mma(layer, len(x)):
         from infer.kernels.int8_x16 import int8_x16_matmul
 
-        return int8_x16_matmul(x.contiguous(), layer.weight, layer.weight_scale)
+        return int8_x16_matmul(x.contiguous(), layer.weight, layer.weight_scale, halves)
     from infer.kernels.w8a16_matmul import w8a16_matmul
 
     return w8a16_matmul(x.contiguous(), layer.weight, layer.weight_scale,
@@ -190,11 +199,14 @@ def _to_int8_mma(layer: nn.Module, rows: int) -> bool:
             and not _to_gemv(rows, layer.weight.shape[0], getattr(layer, "w8a16_gemv_rows", 0)))
 
 
-def _to_x16_gemv(layer: nn.Module, x: torch.Tensor) -> bool:
+def _to_x16_gemv(layer: nn.Module, x: torch.Tensor, halves: Halves | None) -> bool:
     """Whether one row `x` multiplies by dp4a on its int8 halves
-    (`kernels/int8_x16_gemv.py`): with `int8_x16_gemv` (`set_8bit_kernels`), where the
-    kernel takes the weight."""
-    if not getattr(layer, "int8_x16_gemv", False):
+    (`kernels/int8_x16_gemv.py`): with `int8_x16_gemv` (`set_8bit_kernels`), where x comes
+    split already (`halves`, made by the RMSNorm that made x) and the kernel takes the
+    weight. A row that would need a split launch of its own (the o and down projections'
+    inputs) takes the float GEMV: on an H100 the 8B step was 2.99 ms that way against 3.05
+    with the 64 split launches."""
+    if halves is None or not getattr(layer, "int8_x16_gemv", False):
         return False
     from infer.kernels.int8_x16_gemv import takes
 
