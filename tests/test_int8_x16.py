@@ -27,6 +27,19 @@ def _rows(m: int, k: int) -> torch.Tensor:
     return x
 
 
+def int8_layer(gen: torch.Generator, n: int, k: int) -> torch.nn.Module:
+    """A bfloat16 `[n, k]` linear layer of random weights on DEVICE, made INT8 per channel."""
+    from infer.models.linear import ColumnParallelLinear
+    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
+
+    layer = ColumnParallelLinear(k, n, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=gen))
+    layer = layer.to(DEVICE, torch.bfloat16)
+    Int8WeightOnlyLinearMethod().quantize(layer)
+    return layer
+
+
 @pytest.mark.parametrize("m,k", [(9, 1000), (3, 17000)])  # one pass; K in slices
 def test_split_rows_are_each_rows_16_bit_fixed_point(m, k):
     x = _rows(m, k).float()
@@ -105,15 +118,9 @@ def test_which_steps_take_the_int8_tensor_cores():
 @pytest.mark.parametrize("rows", [2, 17, 64])
 def test_int8_layers_with_the_knob_take_the_kernel_and_match_float64(rows, monkeypatch):
     from infer.kernels import w8a16_matmul
-    from infer.models.linear import ColumnParallelLinear
-    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
 
     gen = torch.Generator().manual_seed(rows)
-    layer = ColumnParallelLinear(512, 384, bias=False)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(384, 512, generator=gen))
-    layer = layer.to(DEVICE, torch.bfloat16)
-    Int8WeightOnlyLinearMethod().quantize(layer)
+    layer = int8_layer(gen, 384, 512)
     layer.int8_mma_rows = 64
     monkeypatch.setattr(w8a16_matmul, "w8a16_matmul", lambda *a, **k: pytest.fail("W8A16"))
     x = torch.randn(rows, 512, generator=gen).to(DEVICE, torch.bfloat16)
@@ -177,15 +184,9 @@ def test_a_norms_halves_reach_the_int8_tensor_cores_without_a_split(monkeypatch)
     """At 32 rows a norm's output carries its rows' halves into an INT8 layer on the int8
     tensor cores (`RMSNorm.x16_rows`): no split launch, the same output as with one."""
     from infer.models.layers import RMSNorm
-    from infer.models.linear import ColumnParallelLinear
-    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
 
     gen = torch.Generator().manual_seed(23)
-    layer = ColumnParallelLinear(512, 384, bias=False)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(384, 512, generator=gen))
-    layer = layer.to(DEVICE, torch.bfloat16)
-    Int8WeightOnlyLinearMethod().quantize(layer)
+    layer = int8_layer(gen, 384, 512)
     layer.int8_mma_rows = 64
     norm = RMSNorm(512, 1e-6).to(DEVICE, torch.bfloat16)
     norm.use_triton = True

@@ -160,16 +160,12 @@ def test_the_norms_halves_are_split_rows_of_its_output(residual, rows):
 def test_a_norms_halves_reach_the_kernel_without_a_split(monkeypatch):
     """With `x16_rows` the norm's one-row output carries its halves into the INT8 layer's
     kernel: no split of its own, the same product as with one."""
+    from test_int8_x16 import int8_layer
+
     from infer.models.layers import RMSNorm
-    from infer.models.linear import ColumnParallelLinear
-    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
 
     gen = torch.Generator().manual_seed(11)
-    layer = ColumnParallelLinear(512, 256, bias=False)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(256, 512, generator=gen))
-    layer = layer.to(DEVICE, torch.bfloat16)
-    Int8WeightOnlyLinearMethod().quantize(layer)
+    layer = int8_layer(gen, 256, 512)
     layer.int8_x16_gemv = True
     norm = RMSNorm(512, 1e-6).to(DEVICE, torch.bfloat16)
     norm.use_triton = True

@@ -193,9 +193,10 @@ class EngineConfig:
         "the int8 tensor cores, each row of x carried as 16-bit fixed point in two int8 "
         "halves (kernels/int8_x16.py), instead of making every weight a float16 "
         "(w8a16_tensor_cores) or a float32 (kernels/w8a16_matmul.py); x's rounding is a "
-        "16-bit step of its row's range. CUDA with kernel_backend triton; on an H200, 8B "
-        "shape, decode at batch 8 / 32 / 64: 3.24 / 3.71 / 4.73 ms against 3.57 / 5.35 / "
-        "7.35 (docs/performance.md); 0: off")
+        "16-bit step of its row's range, the RMSNorm before a projection splitting its rows "
+        "in its own launch. CUDA with kernel_backend triton; on an H200, 8B shape, decode at "
+        "batch 8 / 32 / 64: 3.24 / 3.71 / 4.73 ms against 3.57 / 5.35 / 7.35; on an H100 "
+        "batch 32 4.16 ms, 1.59x bf16 (docs/performance.md); 0: off")
     int8_x16_gemv: bool = knob(
         True, "one-row weight-only INT8 steps (batch-1 decode) whose row the RMSNorm made "
         "multiply by dp4a: the norm's launch splits x into two int8 halves of 16-bit fixed "
