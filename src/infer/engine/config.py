@@ -201,12 +201,12 @@ class EngineConfig:
         True, "one-row weight-only INT8 steps (batch-1 decode) whose row the RMSNorm made "
         "multiply by dp4a: the norm's launch splits x into two int8 halves of 16-bit fixed "
         "point as int8_mma_rows splits it, then two integer instructions for four weights "
-        "(kernels/int8_x16_gemv.py; 0.92 instructions a weight compiled for sm_90 against "
+        "(kernels/int8_x16_gemv.py; 0.88 instructions a weight compiled for sm_90 against "
         "the float GEMV's 3.5-4.8), x's rounding a 16-bit step of its row's range; a gated "
         "MLP's activation in the same launch. The o and down projections, whose rows no "
         "norm makes, keep the float GEMV (a split launch of their own cost more than it "
         "gained). CUDA with kernel_backend triton; on an H100, 8B shape, batch-1 decode "
-        "2.99 ms against 3.10-3.11 with the float GEMV everywhere (docs/performance.md); "
+        "2.98 ms against 3.10-3.11 with the float GEMV everywhere (docs/performance.md); "
         "off: that GEMV")
     gguf_int8_activations: bool = knob(
         True, "one-row matmuls by GGUF Q4_K, Q6_K and Q8_0 weights kept in their blocks "

@@ -158,11 +158,11 @@ class Int8W8A8LinearMethod(Int8WeightOnlyLinearMethod):
         return y if bias is None else y + bias
 
 
-def _cuda_matmul(layer: nn.Module, x: torch.Tensor,
-                 halves: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def _cuda_matmul(layer: nn.Module, x: torch.Tensor, halves: Halves | None = None
+                 ) -> torch.Tensor:
     """`x [rows, in]` times the layer's weight on CUDA, by the step's rows (the module's
-    docstring); `halves`: x's rows split into int8 halves, where the kernel that made x
-    made them (the RMSNorm, the gated activation)."""
+    docstring); `halves`: x's rows split into int8 halves, where the RMSNorm that made x
+    made them."""
     x = x.to(layer.compute_dtype)
     gemv_rows = getattr(layer, "w8a16_gemv_rows", 0)
     if len(x) > DEQUANTIZE_ROWS:  # compute-bound: cuBLAS on a copy
