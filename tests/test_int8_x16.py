@@ -157,7 +157,10 @@ def test_the_norms_split_only_the_steps_an_int8_kernel_takes_so():
     from infer.models.linear import ColumnParallelLinear, set_x16_norms
     from infer.quantization.int8 import Int8WeightOnlyLinearMethod
 
-    model = torch.nn.ModuleList([RMSNorm(64, 1e-6), ColumnParallelLinear(64, 64, bias=False)])
+    attention = torch.nn.Module()  # per-head norms, as self_attention.py's with qk_norm
+    attention.q_norm, attention.k_norm = RMSNorm(16, 1e-6), RMSNorm(16, 1e-6)
+    model = torch.nn.ModuleList([RMSNorm(64, 1e-6), ColumnParallelLinear(64, 64, bias=False),
+                                 attention])
     set_x16_norms(model, True, 64)
     assert model[0].x16_rows == range(0)  # no INT8 layer
     Int8WeightOnlyLinearMethod().quantize(model[1])
@@ -165,6 +168,7 @@ def test_the_norms_split_only_the_steps_an_int8_kernel_takes_so():
                                     (False, 16, [2, 16]), (False, 0, None)]:
         set_x16_norms(model, one_row, mma_rows)
         assert list(model[0].x16_rows) == (list(range(rows[0], rows[1] + 1)) if rows else [])
+        assert attention.q_norm.x16_rows == attention.k_norm.x16_rows == range(0)
 
 
 def test_halves_made_beforehand_give_the_same_product_without_a_split(monkeypatch):
