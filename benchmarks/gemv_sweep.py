@@ -37,7 +37,7 @@ after a verdict that rejected a draft); the engine's kernel before it, without.
         [--rows 5 [--weight-first] --suffix _rows5] [--dtype int8 --suffix _int8]
         [--gemv --rows 2 [--dtype int8] --suffix _gemv2_int8]
         [--gate-up silu --suffix _gate_up] [--gemv --rows 2 --first-row-skipped]
-        [--dependent] [--dtype int8 --x16-gemv [--x16-halves words] --suffix _x16]
+        [--dependent] [--dtype int8 --x16-gemv [--x16-halves row] --suffix _x16]
 """
 
 from __future__ import annotations

@@ -6,9 +6,8 @@ variable first set in a constexpr branch that returns), and the refusal then sho
 a lent GPU. Each case is compiled to a cubin by Triton's own CUDA backend (its `ptxas`
 ships in the wheel): the projections' kernels as `benchmarks/sass_mix.py` analyses them,
 and the modes those cases leave out (dependent launch on; the constexpr branches of the
-split, norm, dp4a GEMV and decode attention kernels). One child process compiles them all,
-with Triton's interpreter off (the tests run under it, and it replaces the kernels'
-functions)."""
+split, norm and dp4a GEMV kernels). One child process compiles them all, with Triton's
+interpreter off (the tests run under it, and it replaces the kernels' functions)."""
 
 from __future__ import annotations
 

@@ -5,9 +5,8 @@ On CUDA the matmul is ours for decode-sized steps (`kernels/w8a16_matmul.py`, Tr
 torch's CUDA `_weight_int8pack_mm` was 7x slower than bfloat16 on the H100; with
 `EngineConfig.int8_mma_rows`, steps of a few rows on the int8 tensor cores,
 `kernels/int8_x16.py`; with `int8_x16_gemv`, one row the RMSNorm split by dp4a,
-`kernels/int8_x16_gemv.py`),
-and cuBLAS on a dequantized copy of the weight for prefill-sized
-ones. On the CPU it is infer's C++ kernel (`kernels/cpu_int8_linear.cpp`,
+`kernels/int8_x16_gemv.py`), and cuBLAS on a dequantized copy of the weight for
+prefill-sized ones. On the CPU it is infer's C++ kernel (`kernels/cpu_int8_linear.cpp`,
 `EngineConfig.cpu_int8_kernel`): x stays float32, each row's result the same whatever the
 step's rows. Without it (off, or not built), torch's `_weight_int8pack_mm`, fed 16-bit
 activations: it has no fast float32 path (8x slower than float32 `F.linear` at SmolLM2's
@@ -204,7 +203,7 @@ def _to_x16_gemv(layer: nn.Module, x: torch.Tensor, halves: Halves | None) -> bo
     (`kernels/int8_x16_gemv.py`): with `int8_x16_gemv` (`set_8bit_kernels`), where x comes
     split already (`halves`, made by the RMSNorm that made x) and the kernel takes the
     weight. A row that would need a split launch of its own (the o and down projections'
-    inputs) takes the float GEMV: on an H100 the 8B step was 2.99 ms that way against 3.05
+    inputs) takes the float GEMV: on an H100 the 8B step was 2.98 ms that way against 3.05
     with the 64 split launches."""
     if halves is None or not getattr(layer, "int8_x16_gemv", False):
         return False
