@@ -33,7 +33,8 @@ With `--first-row-skipped` (`--gemv --rows 2`) the GEMV's launches run with the 
 set (`kernels/row_skip.py`: the second row alone, as a draft round's catch-up forward
 after a verdict that rejected a draft); the engine's kernel before it, without.
 
-    python benchmarks/gemv_sweep.py [--shapes 1b 8b 8b-tp2] [--quick | --defaults-only]
+    python benchmarks/gemv_sweep.py [--shapes 1b 8b 8b-tp2] [--projections o down]
+        [--quick | --defaults-only]
         [--rows 5 [--weight-first] --suffix _rows5] [--dtype int8 --suffix _int8]
         [--gemv --rows 2 [--dtype int8] --suffix _gemv2_int8]
         [--gate-up silu --suffix _gate_up] [--gemv --rows 2 --first-row-skipped]
@@ -90,7 +91,7 @@ def launches(quick: bool, gemv: bool, weight_first: bool = False,
     if gemv:
         steps = (512, 1024, 2048, 4096) if eight_bit else (256, 512, 1024)
         out = [dict(block_n=bn, block_k=bk, num_warps=warps) for bn, bk, warps in
-               itertools.product((4, 8, 16), steps, (4, 8))]
+               itertools.product((2, 4, 8, 16) if eight_bit else (4, 8, 16), steps, (4, 8))]
     else:
         out = [dict(block_n=bn, block_k=bk, splits=splits, num_warps=warps,
                     num_stages=stages)
@@ -104,6 +105,9 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_args(parser)
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--projections", nargs="+", default=None,
+                        help="only these projections of each shape set (qkv o gate_up down "
+                        "lm_head)")
     parser.add_argument("--quick", action="store_true", help="every third launch")
     parser.add_argument("--defaults-only", action="store_true",
                         help="time the kernel's default launch only")
@@ -221,6 +225,8 @@ def main() -> None:
         for shape, n, k in SHAPES[model]:
             if args.gate_up and shape != "gate_up":
                 continue
+            if args.projections and shape not in args.projections:
+                continue
             x = torch.randn(args.rows, k, device="cuda", dtype=torch.bfloat16)
             w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                    for _ in range(max(1, -(-3 * L2_BYTES // (2 * n * k))))]
@@ -254,8 +260,9 @@ def main() -> None:
             if args.x16_gemv:
                 default = int8_x16_gemv.default_launch(n, k)._asdict()
             else:
-                default = (default_launch(n, k, weights[0].element_size(),
-                                          x.shape[0])._asdict() if through_gemv else {})
+                default = (default_launch(n, k, weights[0].element_size(), x.shape[0],
+                                          wdtype == torch.int8)._asdict()
+                           if through_gemv else {})
             default_us = timed(default)
             dependent_launch.set_enabled(True)  # each call's launch under the one before
             pdl_us = timed(default)

@@ -231,6 +231,28 @@ def test_gemv_of_8bit_weights_matches_float64(wdtype, dtype, case):
     assert error < TOLERANCE[dtype], error
 
 
+def test_one_int8_row_on_a_4096_wide_layer_takes_its_own_launch(monkeypatch):
+    """One INT8 row times a layer 4096 wide (the 8B's o) takes the launch swept for it (8
+    channels, K in steps of 1024, a ragged last one here) and matches float64 on the same
+    integers scaled; so does the down projection's (4 channels; K past 4096) on a narrow
+    layer."""
+    import infer.kernels.gemv as gemv_kernel
+    from infer.kernels.gemv import Launch, default_launch, gemv
+
+    asked = []
+    monkeypatch.setattr(gemv_kernel, "default_launch",
+                        lambda *a: asked.append(default_launch(*a)) or asked[-1])
+    for n, k, launch in ((4096, 1100, None), (37, 4200, Launch(4, 1024, 4))):
+        gen = torch.Generator().manual_seed(k)
+        x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+        w, scale = _eight_bit_weight(n, k, torch.int8, gen)
+        y = gemv(x.to(DEVICE), w.to(DEVICE), launch, scale=scale.to(DEVICE)).cpu()
+        ref = x.double() @ (w.double() * scale.double()[:, None]).T
+        error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+        assert error < TOLERANCE[torch.bfloat16], (n, k, error)
+    assert asked == [Launch(8, 1024, 4)] != [default_launch(4096, 1100, 1)], asked
+
+
 @pytest.mark.parametrize("form", ["words", "units"])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, *EIGHT_BIT])
 @pytest.mark.parametrize("case", [0, 1, 2, 3, 4, 5, 6])

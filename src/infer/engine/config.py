@@ -206,7 +206,7 @@ class EngineConfig:
         "MLP's activation in the same launch. The o and down projections, whose rows no "
         "norm makes, keep the float GEMV (a split launch of their own cost more than it "
         "gained). CUDA with kernel_backend triton; on an H100, 8B shape, batch-1 decode "
-        "2.98 ms against 3.10-3.11 with the float GEMV everywhere (docs/performance.md); "
+        "2.94-2.95 ms against 3.10-3.11 with the float GEMV everywhere (docs/performance.md); "
         "off: that GEMV")
     gguf_int8_activations: bool = knob(
         True, "one-row matmuls by GGUF Q4_K, Q6_K and Q8_0 weights kept in their blocks "

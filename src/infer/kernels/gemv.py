@@ -259,22 +259,34 @@ def store_sums(acc, s_ptr, y_ptr, rn, wn, N, SCALED: tl.constexpr, GATE_UP: tl.c
     tl.store(y_ptr + rn, y, mask=rn < N)
 
 
-def default_launch(n: int, k: int, weight_bytes: int = 2, rows: int = 1) -> Launch:
-    """The launch for `rows` rows times an `[n, k]` weight of `weight_bytes`-byte elements,
-    from `benchmarks/gemv_sweep.py` on an H200 over the 1B and 8B projections (and
-    8B-at-TP=2 for 16-bit weights). 16-bit (`gemv_sweep_h200.json`): the best single rule,
-    within 1.14x of each shape's fastest launch, 1.7 % slower than those over all fifteen
-    (cuBLAS: 8.5 %). 8-bit (`gemv_sweep_h200_s41_{int8,fp8}.json`): 16 channels a program
-    on layers wide enough for 384 of them, 4 on narrower ones (more programs for the SMs);
-    0.5-0.7 % slower than each shape's fastest over all ten, within 1.17x of each. Two rows
-    of 8-bit weights (the layers `w8a16_matmul.gemv_takes` sends here, narrow ones):
-    shorter K steps, the one-row launch's 2048 costing the 1B qkv / o / down 7.4 / 5.6 /
-    11.1 µs against 5.6 / 4.7 / 11.0 for INT8 (`gemv_sweep_h200_s45b_gemv2_int8.json`),
-    FP8 7.0 / 5.2 / 10.7 against 5.2 / 4.3 / 10.1 (`..._s47_gemv2_fp8.json`)."""
+def default_launch(n: int, k: int, weight_bytes: int = 2, rows: int = 1,
+                   int8: bool = False) -> Launch:
+    """The launch for `rows` rows times an `[n, k]` weight of `weight_bytes`-byte
+    elements (`int8`: INT8 ones), from `benchmarks/gemv_sweep.py` on an H200 over the 1B
+    and 8B projections (and 8B-at-TP=2 for 16-bit weights). 16-bit
+    (`gemv_sweep_h200.json`): the best single rule, within 1.14x of each shape's fastest
+    launch, 1.7 % slower than those over all fifteen (cuBLAS: 8.5 %). 8-bit
+    (`gemv_sweep_h200_s41_{int8,fp8}.json`): 16 channels a program on layers wide enough
+    for 384 of them, 4 on narrower ones (more programs for the SMs); 0.5-0.7 % slower
+    than each shape's fastest over all ten, within 1.17x of each. Two rows of 8-bit
+    weights (the layers `w8a16_matmul.gemv_takes` sends here, narrow ones): shorter K
+    steps, the one-row launch's 2048 costing the 1B qkv / o / down 7.4 / 5.6 / 11.1 µs
+    against 5.6 / 4.7 / 11.0 for INT8 (`gemv_sweep_h200_s45b_gemv2_int8.json`), FP8
+    7.0 / 5.2 / 10.7 against 5.2 / 4.3 / 10.1 (`..._s47_gemv2_fp8.json`).
+
+    One row of INT8 on layers 4,096 to 6,143 wide (the 8B's o and down, which take this
+    GEMV while the dp4a one takes the rest): 8 channels by 1024 of K where K is at most
+    4096, else 4 by 1024, 4 warps; the fastest under dependent launch on an H100
+    (`gemv_sweep_h100_80gb_hbm3_s61a_gemv_od.json`: o 7.75 -> 7.44 µs, down 21.70 ->
+    21.51), and in the 8B step 2.94 / 2.95 ms against 2.99 / 2.98
+    (`decode_h100_80gb_hbm3_s61e_*`). FP8 lost with it (3.20 against 3.17 ms) and keeps
+    the 8-bit rule."""
     if weight_bytes == 1 and rows == 2:
         if n >= 3072:
             return Launch(block_n=4, block_k=512, num_warps=4)
         return Launch(block_n=4, block_k=1024, num_warps=8)
+    if int8 and rows == 1 and 4096 <= n < 6144:
+        return Launch(block_n=8 if k <= 4096 else 4, block_k=1024, num_warps=4)
     if weight_bytes == 1:
         if n >= 6144:
             return Launch(block_n=16, block_k=512, num_warps=8)
@@ -334,8 +346,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
         assert scale.shape == weight.shape[:1] and scale.is_contiguous(), scale.shape
     m = x.shape[0]
     weight_rows, k = weight.shape
-    block_n, block_k, num_warps = launch or default_launch(weight_rows, k,
-                                                           weight.element_size(), m)
+    block_n, block_k, num_warps = launch or default_launch(
+        weight_rows, k, weight.element_size(), m, weight.dtype == torch.int8)
     n = weight_rows // 2 if gate_up else weight_rows
     y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     assert y.shape == (m, n) and y.stride(1) == 1 and y.dtype == x.dtype, (y.shape, n)
