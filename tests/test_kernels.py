@@ -314,6 +314,53 @@ def test_both_decode_launches_of_head_size_128(block_n, warps, num_splits, count
     assert_close(out, expected)
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="the wait is hooked under Triton's interpreter")
+@pytest.mark.parametrize("preload", [False, True])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window", "softcap", "block_n"),
+                         [(4, 2, 128, None, None, 64), (8, 2, 64, 20, 30.0, 16)])
+@pytest.mark.parametrize(("num_splits", "counters"), [(1, False), (4, True)])
+@pytest.mark.parametrize(("query_len", "seq_len"), [(1, 1), (1, 17), (1, 64), (1, 65),
+                                                    (1, 150), (5, 5), (5, 70)])
+def test_one_sequence_reads_the_new_keys_only_after_its_wait(
+        heads, kv_heads, head_dim, window, softcap, block_n, num_splits, counters,
+        query_len, seq_len, preload, monkeypatch) -> None:
+    """One sequence's decode launch, its new tokens' keys and values NaN in the cache until
+    the dependent-launch wait returns (the kernel before, which stores them, then done:
+    the wait is hooked to store them): right, with its first tile read before the wait
+    (`set_preload`) or not, and bit for bit the same either way."""
+    from infer.kernels import dependent_launch, paged_attention
+
+    meta, q, (k_cache, v_cache), (k_ref, v_ref) = _paged_case(
+        [query_len], [seq_len], heads, kv_heads, head_dim)
+    scale = head_dim ** -0.5
+    expected = torch_backend.paged_attention(q, k_ref, v_ref, meta, scale, window, softcap)
+    table = meta.block_tables[0].tolist()
+    new = [(table[p // 16], p % 16) for p in range(seq_len - query_len, seq_len)]
+    stores = []
+
+    def stored_by_the_kernel_before(_pdl: object) -> None:
+        stores.append(1)
+        for b, r in new:
+            k_cache[b, r], v_cache[b, r] = k_ref[b, r], v_ref[b, r]
+
+    monkeypatch.setattr(dependent_launch, "wait", stored_by_the_kernel_before)
+    counts = torch.zeros(kv_heads, dtype=torch.int32, device=DEVICE) if counters else None
+    outs = []
+    for on in (False, preload):
+        for b, r in new:
+            k_cache[b, r] = v_cache[b, r] = float("nan")
+        paged_attention.set_preload(on)
+        try:
+            outs.append(paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables,
+                                     scale, window, softcap, num_splits=num_splits,
+                                     split_counters=counts, min_split_keys=block_n,
+                                     block_n=block_n, query_len=query_len))
+        finally:
+            paged_attention.set_preload(False)
+        assert_close(outs[-1], expected)
+    assert stores and torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window", "softcap"), ATTN_CASES)
 @pytest.mark.parametrize(("num_splits", "counters"), [(1, False), (3, True), (4, False)])
 @pytest.mark.parametrize("query_len", [2, 5])

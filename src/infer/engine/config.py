@@ -93,6 +93,13 @@ class EngineConfig:
         "instead of one a split (kernels/paged_attention.py combine_block); off: no faster "
         "on an H200 (batch-1 INT8 1B / 8B 0.591 / 2.590 -> 0.592 / 2.597 ms, "
         "docs/performance.md)")
+    decode_attention_preload: bool = knob(
+        False, "with attention_backend triton, a one-sequence decode attention launch "
+        "(batch 1, or one sequence's verify step) reads its first tile's keys and values "
+        "stored by earlier steps before the dependent-launch wait, while the RoPE / KV-store "
+        "launch before it runs; after the wait only the queries and the new tokens' keys "
+        "and values (kernels/paged_attention.py set_preload); the same sums bit for bit. "
+        "Not yet timed on a GPU")
     triton_gemv: bool = knob(
         True, "one-row matmuls of 16-bit weights (batch-1 decode: projections without a "
         "bias, LM head) through infer's Triton GEMV (kernels/gemv.py) instead of cuBLAS, "

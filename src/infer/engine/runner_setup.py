@@ -38,7 +38,8 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
     kernel_backend = pick_backend("kernel_backend", config.kernel_backend, device)
     # Bound before sizing the pool, so the warm-up forward measures the backends in use.
     set_attention_backend(model, attention_backend)
-    set_decode_combine(config.decode_combine_at_once and attention_backend == "triton")
+    set_decode_attention(config.decode_combine_at_once and attention_backend == "triton",
+                         config.decode_attention_preload and attention_backend == "triton")
     cpu_attention.set_enabled(config.cpu_attention_kernel, device)
     set_kernel_backend(model, kernel_backend)
     set_layer_kernels(model, config, kernel_backend)
@@ -94,16 +95,18 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
                               config.gguf_fused_x_rounding)
 
 
-def set_decode_combine(at_once: bool) -> None:
+def set_decode_attention(at_once: bool, preload: bool) -> None:
     """How the decode attention's last split combines the partials
-    (`paged_attention.set_combine_at_once`); set for every engine, so that one built after
-    another in the process does not inherit it."""
+    (`paged_attention.set_combine_at_once`), and whether a one-sequence launch reads its
+    first tile before its wait (`set_preload`); set for every engine, so that one built
+    after another in the process does not inherit them."""
     from infer.kernels import triton_available
 
     if triton_available():
         from infer.kernels import paged_attention
 
         paged_attention.set_combine_at_once(at_once)
+        paged_attention.set_preload(preload)
 
 
 def _has_fp8_mma() -> bool:
