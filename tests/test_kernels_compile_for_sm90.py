@@ -6,9 +6,10 @@ variable first set in a constexpr branch that returns), and the refusal then sho
 a lent GPU. Each case is compiled to a cubin by Triton's own CUDA backend (its `ptxas`
 ships in the wheel): the projections' kernels as `benchmarks/sass_mix.py` analyses them,
 and the modes those cases leave out (dependent launch on; the constexpr branches of the
-split, norm and dp4a GEMV kernels; the one-sequence decode attention reading its first
-tile before its wait). One child process compiles them all, with Triton's interpreter off
-(the tests run under it, and it replaces the kernels' functions)."""
+split, norm and dp4a GEMV kernels; a one-row norm in slices; the one-sequence decode
+attention reading its first tile before its wait). One child process compiles them all,
+with Triton's interpreter off (the tests run under it, and it replaces the kernels'
+functions)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,17 @@ def _modes() -> list:
                 dict(OFFSET=0.0, HAS_RESIDUAL=residual, BLOCK=4096,
                      INT8_ROWS=rows == "INT8_ROWS", PDL=True, X16_ROWS=rows == "X16_ROWS"),
                 [], 1, 1, num_warps=8))
+    slice_args = {**norm_args, "sum_ptr": "*bf16"}
+    for name in ("stride_x", "stride_res", "stride_out", "lo_offset"):
+        del slice_args[name]
+    for rows in ("", "INT8_ROWS", "X16_ROWS"):
+        cases.append(Case(
+            f"rmsnorm of one row in slices (residual, {rows or 'plain'})",
+            "rmsnorm:_row_slices_kernel",
+            {**slice_args, **({} if rows else dict(xq_ptr="*bf16", side_ptr="*bf16"))},
+            dict(OFFSET=0.0, HAS_RESIDUAL=True, BLOCK=4096, SLICE=512,
+                 INT8_ROWS=rows == "INT8_ROWS", X16_ROWS=rows == "X16_ROWS", PDL=True),
+            [], 1, 1, num_warps=8))
     for act in ("", "silu"):
         cases.append(Case(
             f"int8_x16_gemv (gate_up {act or 'none'}, uneven K, PDL)",

@@ -66,7 +66,8 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
     for one row of INT8 ones
     (`int8_x16_gemv`) and for
     GGUF Q4_K, Q6_K and Q8_0 blocks (`gguf_int8_activations`, x rounded where it is made
-    with `gguf_fused_x_rounding`); on a CPU, INT8 ones through infer's C++ kernel
+    with `gguf_fused_x_rounding`), how many programs a one-row norm takes
+    (`norm_row_programs`); on a CPU, INT8 ones through infer's C++ kernel
     (`cpu_int8_kernel`)."""
     set_cpu_norms(model, config.cpu_norm_kernel)
     triton = kernel_backend == "triton"
@@ -75,10 +76,11 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
     set_gate_up_activation(model, config.gemv_gate_up_activation and config.triton_gemv
                            and triton)
     if triton:
-        from infer.kernels import gemv, rows_mma
+        from infer.kernels import gemv, rmsnorm, rows_mma
 
         rows_mma.set_weight_first(config.mma_weight_first)
         gemv.set_form(config.gemv_form)
+        rmsnorm.set_row_programs(config.norm_row_programs)
     fp8_mma = triton and _has_fp8_mma()
     fp8_x = config.fp8_decode_activations and fp8_mma
     if config.fp8_decode_activations and triton and not fp8_x:
