@@ -1,4 +1,5 @@
-"""RMSNorm and fused residual-add + RMSNorm: one program per row, float32 accumulation.
+"""RMSNorm and fused residual-add + RMSNorm: one program per row (or several for one row,
+`set_row_programs`), float32 accumulation.
 
 Rounded as transformers rounds (HF `LlamaRMSNorm`, `Gemma3RMSNorm`), so the torch path
 (`infer.models.layers.RMSNorm`) and these kernels agree bit for bit in bf16: `x * w`
@@ -157,6 +158,7 @@ def _launch(x2d: torch.Tensor, res2d: torch.Tensor | None, weight: torch.Tensor,
     block = triton.next_power_of_2(n)
     slices = row_programs(rows, n)
     if slices > 1:
+        assert res2d is None or sum2d is not None, "a sliced row's sum needs its own tensor"
         xq, side = rounded if rounded is not None else (out2d, out2d)
         _row_slices_kernel[(slices,)](
             x2d, res2d if res2d is not None else x2d, weight, out2d,
