@@ -159,6 +159,7 @@ def test_the_norms_split_only_the_steps_an_int8_kernel_takes_so():
 
     attention = torch.nn.Module()  # per-head norms, as self_attention.py's with qk_norm
     attention.q_norm, attention.k_norm = RMSNorm(16, 1e-6), RMSNorm(16, 1e-6)
+    attention.q_norm.feeds_projection = attention.k_norm.feeds_projection = False
     model = torch.nn.ModuleList([RMSNorm(64, 1e-6), ColumnParallelLinear(64, 64, bias=False),
                                  attention])
     set_x16_norms(model, True, 64)
@@ -169,6 +170,35 @@ def test_the_norms_split_only_the_steps_an_int8_kernel_takes_so():
         set_x16_norms(model, one_row, mma_rows)
         assert list(model[0].x16_rows) == (list(range(rows[0], rows[1] + 1)) if rows else [])
         assert attention.q_norm.x16_rows == attention.k_norm.x16_rows == range(0)
+
+
+def test_only_the_norms_before_a_projection_split_their_rows():
+    """In a Gemma 3 model with INT8 layers: the norms before the q/k/v and gate/up
+    projections and the final one (before the LM head) split their rows; the per-head q / k
+    norms (into RoPE) and the sandwich norms after attention and after the MLP (into the
+    residual adds) do not; for GGUF's int8-x kernels the same norms round their rows."""
+    from infer.models import config_from_hf, model_class
+    from infer.models.layers import RMSNorm
+    from infer.models.linear import set_x16_norms
+    from infer.quantization.gguf_gpu import GGUFBlocksLinearMethod, set_gguf_int8_activations
+    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
+
+    cfg = config_from_hf(dict(model_type="gemma3_text", vocab_size=32, hidden_size=64,
+                              intermediate_size=96, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    model = model_class(cfg)(cfg)
+    layer = model.model.layers[0]
+    Int8WeightOnlyLinearMethod().quantize(layer.self_attn.qkv_proj)
+    set_x16_norms(model, True, 8)
+    splitting = {name for name, m in model.named_modules()
+                 if isinstance(m, RMSNorm) and m.x16_rows == range(1, 9)}
+    assert splitting == {f"model.layers.{i}.{norm}" for i in range(2)
+                         for norm in ("input_layernorm", "pre_feedforward_layernorm")
+                         } | {"model.norm"}, sorted(splitting)
+    layer.mlp.down_proj.quant_method = GGUFBlocksLinearMethod()  # as a GGUF model's
+    set_gguf_int8_activations(model, True, fused=True)
+    assert {name for name, m in model.named_modules()
+            if isinstance(m, RMSNorm) and m.int8_rows} == splitting
 
 
 def test_halves_made_beforehand_give_the_same_product_without_a_split(monkeypatch):

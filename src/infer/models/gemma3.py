@@ -30,8 +30,10 @@ if TYPE_CHECKING:
     from infer.loader.gguf_metadata import GGUFMetadata
 
 
-def _norm(cfg: ModelConfig, dim: int) -> RMSNorm:
-    return RMSNorm(dim, cfg.norm_eps, offset=1.0)
+def _norm(cfg: ModelConfig, dim: int, feeds_projection: bool = True) -> RMSNorm:
+    norm = RMSNorm(dim, cfg.norm_eps, offset=1.0)
+    norm.feeds_projection = feeds_projection
+    return norm
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -39,10 +41,11 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = _norm(cfg, cfg.hidden_size)
         self.self_attn = SelfAttention(cfg, layer, rotary, norm_offset=1.0)
-        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
+        # The sandwich norms' outputs go into the residual adds, not into a projection.
+        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size, feeds_projection=False)
         self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
-        self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
+        self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size, feeds_projection=False)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,

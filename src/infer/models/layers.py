@@ -35,8 +35,10 @@ class RMSNorm(nn.Module):
     kernels, `set_gguf_int8_activations`) a one-row output carries its rounding to int8
     for the projections it goes into (`kernels/int8_rows.py`); an output of as many rows
     as `x16_rows` holds (set for INT8 models, `set_x16_norms`), its rows' two int8 halves
-    (`kernels/int8_x16.py`). With `cpu_kernel` (set by `set_cpu_norms`) float32 rows on a
-    CPU take infer's C++ kernel (`kernels/cpu_norm.cpp`).
+    (`kernels/int8_x16.py`). Both only where `feeds_projection` (the model's say: not the
+    per-head q / k norms, whose rows go to RoPE, nor Gemma 3's norms before the residual
+    adds). With `cpu_kernel` (set by `set_cpu_norms`) float32 rows on a CPU take infer's C++
+    kernel (`kernels/cpu_norm.cpp`).
     """
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
@@ -48,6 +50,7 @@ class RMSNorm(nn.Module):
         self.reduce_input: TensorParallelGroup | None = None
         self.int8_rows = False
         self.x16_rows = range(0)  # set_x16_norms
+        self.feeds_projection = True
         self.cpu_kernel = False
 
     def forward(

@@ -202,19 +202,17 @@ def set_x16_norms(model: nn.Module, one_row: bool, mma_rows: int) -> None:
     """Which steps' RMSNorms hand out their output with its rows split into int8 halves
     (`RMSNorm.x16_rows`), so that the INT8 kernels taking x so (`int8_x16_gemv` at one
     row, `one_row`; the int8 tensor cores at 2 to `mma_rows`) need no split launch of
-    their own: where the model has INT8 layers. Not the per-head q / k norms (their rows
-    are heads, going to RoPE, not to a projection)."""
+    their own: where the model has INT8 layers, and the norm's output goes into a
+    projection (`RMSNorm.feeds_projection`)."""
     from infer.models.layers import RMSNorm
     from infer.quantization.int8 import Int8WeightOnlyLinearMethod
 
     found = any(isinstance(getattr(m, "quant_method", None), Int8WeightOnlyLinearMethod)
                 for m in model.modules())
     rows = range(1 if one_row else 2, max(mma_rows, one_row) + 1) if found else range(0)
-    per_head = {id(getattr(m, name)) for m in model.modules() for name in ("q_norm", "k_norm")
-                if isinstance(getattr(m, name, None), RMSNorm)}
     for m in model.modules():
         if isinstance(m, RMSNorm):
-            m.x16_rows = range(0) if id(m) in per_head else rows
+            m.x16_rows = rows if m.feeds_projection else range(0)
 
 
 # What a linear layer built without a `quant_method` gets (`linear_method_default`).

@@ -31,6 +31,7 @@ class SelfAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, offset=norm_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, offset=norm_offset)
+            self.q_norm.feeds_projection = self.k_norm.feeds_projection = False  # RoPE
         self.qk_norm = cfg.qk_norm
         # The q/k norms and RoPE run where attention stores the keys (fused on Triton).
         prologue = None

@@ -35,8 +35,9 @@ FUSED_ROWS: dict[QType, int] = {QType.Q4_K: 64, QType.Q6_K: 64, QType.Q8_0: 64}
 def set_gguf_int8_activations(model: nn.Module, on: bool, fused: bool = False) -> None:
     """Whether `model`'s GGUF Q4_K / Q6_K / Q8_0 layers multiply one row by x rounded to
     int8 (dp4a); `fused`: x rounded by the launch that makes it where it can be (the
-    model's RMSNorms hand out their one-row outputs rounded, the gated activation before
-    a down projection is rounded in its own launch: kernels/int8_rows.py)."""
+    model's RMSNorms before a projection, `RMSNorm.feeds_projection`, hand out their
+    one-row outputs rounded; the gated activation before a down projection is rounded in
+    its own launch: kernels/int8_rows.py)."""
     from infer.models.layers import RMSNorm
 
     found = False
@@ -47,7 +48,7 @@ def set_gguf_int8_activations(model: nn.Module, on: bool, fused: bool = False) -
             found = True
     for m in model.modules():
         if isinstance(m, RMSNorm):
-            m.int8_rows = on and fused and found
+            m.int8_rows = on and fused and found and m.feeds_projection
 
 
 @functools.cache
