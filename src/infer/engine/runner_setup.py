@@ -62,13 +62,11 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
     tensor cores for 8-bit ones past those
     (`w8a16_tensor_cores`, `w8a16_tensor_core_rows`), FP8 by FP8 in infer's kernel for FP8 ones
     (`fp8_decode_activations`, `fp8_mma_rows`), either operand first there
-    (`mma_weight_first`), the int8 tensor cores for INT8 ones (`int8_mma_rows`), dp4a
-    for one row of INT8 ones
-    (`int8_x16_gemv`) and for
-    GGUF Q4_K, Q6_K and Q8_0 blocks (`gguf_int8_activations`, x rounded where it is made
-    with `gguf_fused_x_rounding`), how many programs a one-row norm takes
-    (`norm_row_programs`); on a CPU, INT8 ones through infer's C++ kernel
-    (`cpu_int8_kernel`)."""
+    (`mma_weight_first`), the int8 tensor cores for INT8 ones (`int8_mma_rows`), dp4a for
+    one row of INT8 ones (`int8_x16_gemv`) and for GGUF Q4_K, Q6_K and Q8_0 blocks
+    (`gguf_int8_activations`, x rounded where it is made with `gguf_fused_x_rounding`), how
+    many programs a one-row norm takes (`norm_row_programs`); on a CPU, INT8 ones through
+    infer's C++ kernel (`cpu_int8_kernel`)."""
     set_cpu_norms(model, config.cpu_norm_kernel)
     triton = kernel_backend == "triton"
     set_triton_gemv(model, config.triton_gemv and triton, config.gemv_max_rows,
