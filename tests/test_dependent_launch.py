@@ -152,15 +152,11 @@ def test_dependent_launches_of_the_gguf_one_row_kernels():
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA GPU of compute capability 9+")
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("preload", [False, True])
-def test_dependent_launches_of_a_layers_attention(head_dim, preload):
+def test_dependent_launches_of_a_layers_attention(head_dim):
     """qkv GEMV, RoPE + KV store, split decode attention combined by its last split (a
     graph's launch, made for 64 splits: those past the sequence's keys end before their
     wait), o GEMV: each reading what the one before wrote, the lengths, positions and
-    slots staged before each run, sequences of 1 to 300 tokens. With `preload` the
-    attention reads its first tile's stored keys and values before its wait (the cache
-    holds other values at the new token's slot until the RoPE launch stores its own)."""
-    from infer.kernels import paged_attention
+    slots staged before each run, sequences of 1 to 300 tokens."""
     from infer.kernels.gemv import gemv
     from infer.kernels.paged_attention import paged_decode
     from infer.kernels.rope_kv_store import rope_store_kv
@@ -205,11 +201,7 @@ def test_dependent_launches_of_a_layers_attention(head_dim, preload):
         return (gemv(out.view(1, hidden), w_o),)
 
     inputs = [rand(1, hidden) for _ in lengths]
-    paged_attention.set_preload(preload)
-    try:
-        plain, eager, replayed = _plain_eager_and_replayed(chain, inputs, stage)
-    finally:
-        paged_attention.set_preload(False)
+    plain, eager, replayed = _plain_eager_and_replayed(chain, inputs, stage)
     assert len({float(p[0].float().norm()) for p in plain}) == len(lengths)
     for want, got_eager, got_graph in zip(plain, eager, replayed):
         assert torch.isfinite(want[0]).all()

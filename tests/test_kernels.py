@@ -95,57 +95,6 @@ def test_rmsnorm_bf16_bit_exact(bf16_rounds_to_nearest, offset: float) -> None:
         assert torch.equal(hf(x), expected)
 
 
-@pytest.mark.parametrize("programs", [2, 8])
-@pytest.mark.parametrize("offset", [0.0, 1.0])
-@pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("rounding", ["", "int8_rows", "x16_rows"])
-def test_a_row_taken_by_several_programs(programs: int, offset: float, residual: bool,
-                                         rounding: str) -> None:
-    """`set_row_programs`: one row by several programs, each the whole row's sums and its
-    own columns' outputs (a last one partly past the row). The residual's sum exact, into a
-    new tensor (the residual left as it was); the output the one-program launch's (under
-    the interpreter bit for bit: the same sum of squares; on a GPU up to its order); the
-    rounding that of the output as stored: int8 blocks as `int8_rows.quantize_x` rounds it,
-    halves as `int8_x16.split_rows` splits it, bit for bit."""
-    from infer.kernels import int8_x16
-    from infer.kernels import rmsnorm as norm_kernels
-    from infer.kernels.int8_rows import quantize_x
-
-    n, eps = 4032, 1e-6  # 63 blocks of 64: a block of 4096 in slices of 2048 / 512
-    x = (randn(1, n) * 3).bfloat16()
-    res = (randn(1, n) * 3).bfloat16()
-    w = (randn(n) * 0.2 + (0.0 if offset else 1.0)).bfloat16()
-    kwargs = {rounding: True} if rounding else {}
-
-    def norm() -> tuple[tuple, torch.Tensor]:
-        """(the launch's outputs: the norm, the sum if `residual`, the rounding if
-        `rounding`; the residual passed, after the launch)."""
-        kept = res.clone()
-        got = (fused_add_rmsnorm(x, kept, w, eps, offset, **kwargs) if residual
-               else rmsnorm(x, w, eps, offset, **kwargs))
-        return (got if isinstance(got, tuple) else (got,)), kept
-
-    one, one_kept = norm()
-    norm_kernels.set_row_programs(programs)
-    try:
-        assert norm_kernels.row_programs(1, n) == programs
-        several, kept = norm()
-    finally:
-        norm_kernels.set_row_programs(1)
-    out = several[0]
-    if residual:  # the one-program launch's sum, in place
-        assert torch.equal(kept, res), "the residual is left as it was"
-        assert torch.equal(several[1], one_kept) and torch.equal(one[1], one_kept)
-    if INTERPRETED:
-        assert torch.equal(out, one[0])
-    else:
-        assert_close(out, one[0], rel=1e-2)
-    if rounding == "int8_rows":
-        assert all(torch.equal(a, b) for a, b in zip(several[-1], quantize_x(out.view(-1))))
-    if rounding == "x16_rows":
-        assert all(torch.equal(a, b) for a, b in zip(several[-1], int8_x16.split_rows(out)))
-
-
 @pytest.mark.parametrize("head_dim", [64, 80])
 def test_rope_in_place_on_qkv_views(head_dim: int) -> None:
     tokens, heads, kv_heads, max_pos = 7, 4, 2, 50
@@ -363,53 +312,6 @@ def test_both_decode_launches_of_head_size_128(block_n, warps, num_splits, count
                  min_split_keys=block_n, block_n=block_n, num_warps=warps,
                  query_len=query_len)
     assert_close(out, expected)
-
-
-@pytest.mark.skipif(not INTERPRETED, reason="the wait is hooked under Triton's interpreter")
-@pytest.mark.parametrize("preload", [False, True])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window", "softcap", "block_n"),
-                         [(4, 2, 128, None, None, 64), (8, 2, 64, 20, 30.0, 16)])
-@pytest.mark.parametrize(("num_splits", "counters"), [(1, False), (4, True)])
-@pytest.mark.parametrize(("query_len", "seq_len"), [(1, 1), (1, 17), (1, 64), (1, 65),
-                                                    (1, 150), (5, 5), (5, 70)])
-def test_one_sequence_reads_the_new_keys_only_after_its_wait(
-        heads, kv_heads, head_dim, window, softcap, block_n, num_splits, counters,
-        query_len, seq_len, preload, monkeypatch) -> None:
-    """One sequence's decode launch, its new tokens' keys and values NaN in the cache until
-    the dependent-launch wait returns (the kernel before, which stores them, then done:
-    the wait is hooked to store them): right, with its first tile read before the wait
-    (`set_preload`) or not, and bit for bit the same either way."""
-    from infer.kernels import dependent_launch, paged_attention
-
-    meta, q, (k_cache, v_cache), (k_ref, v_ref) = _paged_case(
-        [query_len], [seq_len], heads, kv_heads, head_dim)
-    scale = head_dim ** -0.5
-    expected = torch_backend.paged_attention(q, k_ref, v_ref, meta, scale, window, softcap)
-    table = meta.block_tables[0].tolist()
-    new = [(table[p // 16], p % 16) for p in range(seq_len - query_len, seq_len)]
-    stores = []
-
-    def stored_by_the_kernel_before(_pdl: object) -> None:
-        stores.append(1)
-        for b, r in new:
-            k_cache[b, r], v_cache[b, r] = k_ref[b, r], v_ref[b, r]
-
-    monkeypatch.setattr(dependent_launch, "wait", stored_by_the_kernel_before)
-    counts = torch.zeros(kv_heads, dtype=torch.int32, device=DEVICE) if counters else None
-    outs = []
-    for on in (False, preload):
-        for b, r in new:
-            k_cache[b, r] = v_cache[b, r] = float("nan")
-        paged_attention.set_preload(on)
-        try:
-            outs.append(paged_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables,
-                                     scale, window, softcap, num_splits=num_splits,
-                                     split_counters=counts, min_split_keys=block_n,
-                                     block_n=block_n, query_len=query_len))
-        finally:
-            paged_attention.set_preload(False)
-        assert_close(outs[-1], expected)
-    assert stores and torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window", "softcap"), ATTN_CASES)

@@ -6,10 +6,8 @@ variable first set in a constexpr branch that returns), and the refusal then sho
 a lent GPU. Each case is compiled to a cubin by Triton's own CUDA backend (its `ptxas`
 ships in the wheel): the projections' kernels as `benchmarks/sass_mix.py` analyses them,
 and the modes those cases leave out (dependent launch on; the constexpr branches of the
-split, norm and dp4a GEMV kernels; a one-row norm in slices; the one-sequence decode
-attention reading its first tile before its wait). One child process compiles them all,
-with Triton's interpreter off (the tests run under it, and it replaces the kernels'
-functions)."""
+split, norm and dp4a GEMV kernels). One child process compiles them all, with Triton's
+interpreter off (the tests run under it, and it replaces the kernels' functions)."""
 
 from __future__ import annotations
 
@@ -51,17 +49,6 @@ def _modes() -> list:
                 dict(OFFSET=0.0, HAS_RESIDUAL=residual, BLOCK=4096,
                      INT8_ROWS=rows == "INT8_ROWS", PDL=True, X16_ROWS=rows == "X16_ROWS"),
                 [], 1, 1, num_warps=8))
-    slice_args = {**norm_args, "sum_ptr": "*bf16"}
-    for name in ("stride_x", "stride_res", "stride_out", "lo_offset"):
-        del slice_args[name]
-    for rows in ("", "INT8_ROWS", "X16_ROWS"):
-        cases.append(Case(
-            f"rmsnorm of one row in slices (residual, {rows or 'plain'})",
-            "rmsnorm:_row_slices_kernel",
-            {**slice_args, **({} if rows else dict(xq_ptr="*bf16", side_ptr="*bf16"))},
-            dict(OFFSET=0.0, HAS_RESIDUAL=True, BLOCK=4096, SLICE=512,
-                 INT8_ROWS=rows == "INT8_ROWS", X16_ROWS=rows == "X16_ROWS", PDL=True),
-            [], 1, 1, num_warps=8))
     for act in ("", "silu"):
         cases.append(Case(
             f"int8_x16_gemv (gate_up {act or 'none'}, uneven K, PDL)",
@@ -77,23 +64,6 @@ def _modes() -> list:
              steps_per_split=I32, splits=I32),
         dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, EVEN_K=False, PDL=True),
         ["q_ptr", "w_ptr", "K"], 1, 1, num_warps=4, num_stages=3))
-    attention_args = dict(
-        q_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16", bt_ptr="*i32", seq_lens_ptr="*i32",
-        out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32", counter_ptr="*i32",
-        **dict.fromkeys(["stride_qt", "stride_qh", "stride_kb", "stride_kt", "stride_kh",
-                         "stride_vb", "stride_vt", "stride_vh", "stride_bt", "stride_ot",
-                         "stride_oh", "num_heads", "num_kv_heads", "num_splits",
-                         "min_split_keys"], I32),
-        scale="fp32", softcap="fp32", window=I32, head_dim=I32, group=I32)
-    for qlen in (1, 5):
-        cases.append(Case(
-            f"decode attention (one sequence, {qlen} token(s), first tile preloaded, PDL)",
-            "paged_attention:_decode_kernel", attention_args,
-            dict(QLEN=qlen, BLOCK_G=16 if qlen == 1 else 4, BLOCK_R=16 if qlen == 1 else 32,
-                 BLOCK_N=64, BLOCK_D=128, CAUSAL=qlen > 1, ROW_WINDOW=False, BLOCK_SIZE=16,
-                 SPLIT=True, LAST_COMBINES=True, SOFTCAP=False, WINDOW=False,
-                 PRECISION="ieee", BLOCK_S=0, PDL=True, PRELOAD=True),
-            [], 1, 1, num_warps=8))
     return cases
 
 

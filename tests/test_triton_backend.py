@@ -131,38 +131,6 @@ def test_one_sequence_through_the_gemv_matches_torch(model_dir, monkeypatch):
         assert "gemv_gate_up" in calls
 
 
-@pytest.mark.parametrize("model_dir", ["llama-gqa", "gemma3"], indirect=True)
-def test_one_sequence_with_sliced_norms_and_preloaded_attention_matches_torch(
-        model_dir, monkeypatch):
-    """`norm_row_programs` (its slices made small enough for the tiny model's rows: every
-    one-row norm in four programs, the residual's sum a new tensor) and
-    `decode_attention_preload` (the one-sequence decode launches) in a whole model: the
-    torch backend's tokens and log-probabilities."""
-    import infer.kernels.rmsnorm as rmsnorm
-    from infer.kernels import paged_attention
-
-    monkeypatch.setattr(rmsnorm, "SLICE_MIN", 16)
-    taken = []
-    real = rmsnorm.row_programs
-    monkeypatch.setattr(rmsnorm, "row_programs",
-                        lambda rows, n: taken.append(real(rows, n)) or taken[-1])
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
-    prompt = _prompts()[:1]
-    outs = {}
-    try:
-        for backend in ("torch", "triton"):
-            llm = LLM(str(model_dir), device=DEVICE, dtype="float32", cuda_graphs=False,
-                      block_size=4, max_model_len=64, max_num_seqs=2,
-                      attention_backend=backend, kernel_backend=backend,
-                      norm_row_programs=4, decode_attention_preload=True)
-            outs[backend] = llm.generate(prompt, params, use_tqdm=False)
-    finally:  # process-wide settings: the next engine's set-up sets them again
-        rmsnorm.set_row_programs(1)
-        paged_attention.set_preload(False)
-    _assert_same(outs["triton"], outs["torch"])
-    assert 4 in taken, taken  # the decode steps' one-row norms, in four programs
-
-
 @pytest.mark.parametrize("model_dir", ATTENTION_CASES, indirect=True)
 @pytest.mark.parametrize("graphs", ["mixed", "piecewise"])
 def test_graph_buffers_match_torch(model_dir, graphs):

@@ -93,21 +93,6 @@ class EngineConfig:
         "instead of one a split (kernels/paged_attention.py combine_block); off: no faster "
         "on an H200 (batch-1 INT8 1B / 8B 0.591 / 2.590 -> 0.592 / 2.597 ms, "
         "docs/performance.md)")
-    decode_attention_preload: bool = knob(
-        False, "with attention_backend triton, a one-sequence decode attention launch "
-        "(batch 1, or one sequence's verify step) reads its first tile's keys and values "
-        "stored by earlier steps before the dependent-launch wait, while the RoPE / KV-store "
-        "launch before it runs; after the wait only the queries and the new tokens' keys "
-        "and values (kernels/paged_attention.py set_preload); the same sums bit for bit. "
-        "Not yet timed on a GPU")
-    norm_row_programs: int = knob(
-        1, "with kernel_backend triton, how many programs a one-row RMSNorm (batch-1 "
-        "decode) takes, a power of 2, each storing 512 columns or more: each reads the "
-        "whole row for its sums and stores its own columns, the residual's sum into a new "
-        "tensor (kernels/rmsnorm.py row_programs); 1: one program of up to 16 warps, which "
-        "issues all of its row's work on one SM (544 instructions a thread with an INT8 "
-        "model's halves, compiled for sm_90; 592 at 8 warps in 8 programs). Not yet timed "
-        "on a GPU")
     triton_gemv: bool = knob(
         True, "one-row matmuls of 16-bit weights (batch-1 decode: projections without a "
         "bias, LM head) through infer's Triton GEMV (kernels/gemv.py) instead of cuBLAS, "
@@ -388,7 +373,7 @@ class EngineConfig:
         if not is_device(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("block_size", "num_speculative_tokens", "ngram_min", "ngram_max",
-                     "speculative_max_batch", "tensor_parallel_size", "norm_row_programs"):
+                     "speculative_max_batch", "tensor_parallel_size"):
             self._check_positive(name)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
                      "prefill_chunk_size",

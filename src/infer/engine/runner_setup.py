@@ -38,8 +38,7 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
     kernel_backend = pick_backend("kernel_backend", config.kernel_backend, device)
     # Bound before sizing the pool, so the warm-up forward measures the backends in use.
     set_attention_backend(model, attention_backend)
-    set_decode_attention(config.decode_combine_at_once and attention_backend == "triton",
-                         config.decode_attention_preload and attention_backend == "triton")
+    set_decode_combine(config.decode_combine_at_once and attention_backend == "triton")
     cpu_attention.set_enabled(config.cpu_attention_kernel, device)
     set_kernel_backend(model, kernel_backend)
     set_layer_kernels(model, config, kernel_backend)
@@ -64,9 +63,8 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
     (`fp8_decode_activations`, `fp8_mma_rows`), either operand first there
     (`mma_weight_first`), the int8 tensor cores for INT8 ones (`int8_mma_rows`), dp4a for
     one row of INT8 ones (`int8_x16_gemv`) and for GGUF Q4_K, Q6_K and Q8_0 blocks
-    (`gguf_int8_activations`, x rounded where it is made with `gguf_fused_x_rounding`), how
-    many programs a one-row norm takes (`norm_row_programs`); on a CPU, INT8 ones through
-    infer's C++ kernel (`cpu_int8_kernel`)."""
+    (`gguf_int8_activations`, x rounded where it is made with `gguf_fused_x_rounding`); on
+    a CPU, INT8 ones through infer's C++ kernel (`cpu_int8_kernel`)."""
     set_cpu_norms(model, config.cpu_norm_kernel)
     triton = kernel_backend == "triton"
     set_triton_gemv(model, config.triton_gemv and triton, config.gemv_max_rows,
@@ -74,11 +72,10 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
     set_gate_up_activation(model, config.gemv_gate_up_activation and config.triton_gemv
                            and triton)
     if triton:
-        from infer.kernels import gemv, rmsnorm, rows_mma
+        from infer.kernels import gemv, rows_mma
 
         rows_mma.set_weight_first(config.mma_weight_first)
         gemv.set_form(config.gemv_form)
-        rmsnorm.set_row_programs(config.norm_row_programs)
     fp8_mma = triton and _has_fp8_mma()
     fp8_x = config.fp8_decode_activations and fp8_mma
     if config.fp8_decode_activations and triton and not fp8_x:
@@ -95,18 +92,16 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
                               config.gguf_fused_x_rounding)
 
 
-def set_decode_attention(at_once: bool, preload: bool) -> None:
+def set_decode_combine(at_once: bool) -> None:
     """How the decode attention's last split combines the partials
-    (`paged_attention.set_combine_at_once`), and whether a one-sequence launch reads its
-    first tile before its wait (`set_preload`); set for every engine, so that one built
-    after another in the process does not inherit them."""
+    (`paged_attention.set_combine_at_once`); set for every engine, so that one built after
+    another in the process does not inherit it."""
     from infer.kernels import triton_available
 
     if triton_available():
         from infer.kernels import paged_attention
 
         paged_attention.set_combine_at_once(at_once)
-        paged_attention.set_preload(preload)
 
 
 def _has_fp8_mma() -> bool:

@@ -34,70 +34,39 @@ def _attend(
 ):
     """Fold keys `[lo, hi)` of one sequence into the running (acc, l, m) of a q tile."""
     dims = tl.arange(0, BLOCK_D)
+    dmask = dims < head_dim
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < hi
-        blk, row = _tile_rows(bt_ptr, kpos, kmask, BLOCK_SIZE)
-        k = _keys(kc_ptr, blk, row, kv_head, stride_kb, stride_kt, stride_kh, dims, head_dim,
-                  kmask)
-        p, alpha, l_i, m_new = _probabilities(q, k, kpos, kmask, q_pos, l_i, m_i, scale,
-                                              softcap, window, CAUSAL, SOFTCAP, WINDOW,
-                                              PRECISION)
-        v = _values(vc_ptr, blk, row, kv_head, stride_vb, stride_vt, stride_vh, dims,
-                    head_dim, kmask)
+        blk = tl.load(bt_ptr + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
+        row = kpos % BLOCK_SIZE
+        koff = blk * stride_kb + row * stride_kt + kv_head * stride_kh
+        k = tl.load(kc_ptr + koff[None, :] + dims[:, None],
+                    mask=kmask[None, :] & dmask[:, None], other=0.0)
+        s = tl.dot(q, k, input_precision=PRECISION)
+        if SOFTCAP:
+            s = s * scale
+            s = softcap * _tanh(s / softcap) * 1.4426950408889634
+        else:
+            s = s * (scale * 1.4426950408889634)
+        visible = kmask[None, :]
+        if CAUSAL:
+            visible = visible & (kpos[None, :] <= q_pos[:, None])
+        if WINDOW:
+            visible = visible & (q_pos[:, None] - kpos[None, :] < window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing visible yet keeps m = -inf; subtract 0 instead to avoid NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        voff = blk * stride_vb + row * stride_vt + kv_head * stride_vh
+        v = tl.load(vc_ptr + voff[:, None] + dims[None, :],
+                    mask=kmask[:, None] & dmask[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
-
-
-@triton.jit
-def _tile_rows(bt_ptr, kpos, kmask, BLOCK_SIZE: tl.constexpr):
-    """(the cache block, the row in it) of each key position of a tile."""
-    blk = tl.load(bt_ptr + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
-    return blk, kpos % BLOCK_SIZE
-
-
-@triton.jit
-def _keys(kc_ptr, blk, row, kv_head, stride_kb, stride_kt, stride_kh, dims, head_dim, mask):
-    """The tile's keys `[BLOCK_D, BLOCK_N]` where `mask` (0 elsewhere)."""
-    koff = blk * stride_kb + row * stride_kt + kv_head * stride_kh
-    return tl.load(kc_ptr + koff[None, :] + dims[:, None],
-                   mask=mask[None, :] & (dims < head_dim)[:, None], other=0.0)
-
-
-@triton.jit
-def _values(vc_ptr, blk, row, kv_head, stride_vb, stride_vt, stride_vh, dims, head_dim,
-            mask):
-    """The tile's values `[BLOCK_N, BLOCK_D]` where `mask` (0 elsewhere)."""
-    voff = blk * stride_vb + row * stride_vt + kv_head * stride_vh
-    return tl.load(vc_ptr + voff[:, None] + dims[None, :],
-                   mask=mask[:, None] & (dims < head_dim)[None, :], other=0.0)
-
-
-@triton.jit
-def _probabilities(q, k, kpos, kmask, q_pos, l_i, m_i, scale, softcap, window,
-                   CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """A tile's scores by the online softmax: (p, the running sums' factor alpha, the new
-    l, the new m)."""
-    s = tl.dot(q, k, input_precision=PRECISION)
-    if SOFTCAP:
-        s = s * scale
-        s = softcap * _tanh(s / softcap) * 1.4426950408889634
-    else:
-        s = s * (scale * 1.4426950408889634)
-    visible = kmask[None, :]
-    if CAUSAL:
-        visible = visible & (kpos[None, :] <= q_pos[:, None])
-    if WINDOW:
-        visible = visible & (q_pos[:, None] - kpos[None, :] < window)
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row with nothing visible yet keeps m = -inf; subtract 0 instead to avoid NaN.
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_use[:, None])
-    alpha = tl.exp2(m_i - m_use)
-    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
 
 
 @triton.jit
@@ -178,13 +147,11 @@ def _decode_kernel(
     ROW_WINDOW: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, LAST_COMBINES: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_S: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr = False,
+    BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """A program: one (sequence, kv head, split). Its rows are (token, head of the GQA
     group) pairs, row r = token r // BLOCK_G, head r % BLOCK_G, for the sequence's QLEN
-    new tokens (its last: token t at position seq_len - QLEN + t). With PRELOAD its first
-    tile's keys and values stored before this step are read before the dependent-launch
-    wait (`set_preload`)."""
+    new tokens (its last: token t at position seq_len - QLEN + t)."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -207,27 +174,15 @@ def _decode_kernel(
     if LAST_COMBINES:  # noqa: SIM102 (a constexpr branch: the runtime test is not compiled in)
         if split >= live:
             return
-    s_lo = lo + split * chunk
-    s_hi = tl.minimum(s_lo + chunk, seq_len)
-    dims = tl.arange(0, BLOCK_D)
-    if PRELOAD:
-        # The keys and values of the positions before the new tokens' were stored by
-        # earlier steps, and the block table before the step's kernels started: neither is
-        # written by the kernel before this one, which stores the new tokens' only.
-        kpos = s_lo + tl.arange(0, BLOCK_N)
-        kmask = kpos < s_hi
-        blk, row = _tile_rows(bt_ptr + seq * stride_bt, kpos, kmask, BLOCK_SIZE)
-        stored = kmask & (kpos < seq_len - QLEN)
-        k_first = _keys(kc_ptr, blk, row, kv_head, stride_kb, stride_kt, stride_kh, dims,
-                        head_dim, stored)
-        v_first = _values(vc_ptr, blk, row, kv_head, stride_vb, stride_vt, stride_vh, dims,
-                          head_dim, stored)
     dependent_launch.wait(PDL)
     dependent_launch.release(PDL)
+    s_lo = lo + split * chunk
+    s_hi = tl.minimum(s_lo + chunk, seq_len)
 
     r = tl.arange(0, BLOCK_R)
     tok = r // BLOCK_G
     g = r % BLOCK_G
+    dims = tl.arange(0, BLOCK_D)
     heads = kv_head * group + g
     token = seq * QLEN + tok  # the row's token in q and out
     rmask = (tok < QLEN) & (g < group)
@@ -238,20 +193,6 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     q_pos = (seq_len - QLEN + tok).to(tl.int32)
-    if PRELOAD:  # the first tile, its new tokens' keys and values read now
-        new = kmask & (kpos >= seq_len - QLEN)
-        k_first = tl.where(new[None, :], _keys(kc_ptr, blk, row, kv_head, stride_kb,
-                                               stride_kt, stride_kh, dims, head_dim, new),
-                           k_first)
-        v_first = tl.where(new[:, None], _values(vc_ptr, blk, row, kv_head, stride_vb,
-                                                 stride_vt, stride_vh, dims, head_dim, new),
-                           v_first)
-        p, alpha, l_i, m_i = _probabilities(q, k_first, kpos, kmask, q_pos, l_i, m_i, scale,
-                                            softcap, window, CAUSAL, SOFTCAP, ROW_WINDOW,
-                                            PRECISION)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v_first.dtype), v_first,
-                                            input_precision=PRECISION)
-        s_lo += BLOCK_N
     # The range is clipped to the keys some token sees: per-element masks (CAUSAL,
     # ROW_WINDOW) only where the tokens are several, each with its position and window.
     acc, l_i, m_i = _attend(
@@ -460,17 +401,6 @@ def set_combine_at_once(on: bool) -> None:
     _combining_at_once = on
 
 
-_preloading = False  # EngineConfig.decode_attention_preload, set by the runner's set-up
-
-
-def set_preload(on: bool) -> None:
-    """Whether a one-sequence decode launch reads its first tile's stored keys and values
-    before the dependent-launch wait (`_decode_kernel`'s PRELOAD): only the new tokens'
-    are then read after it, beside the queries."""
-    global _preloading
-    _preloading = on
-
-
 def combine_block(num_splits: int, block_rows: int, block_d: int, num_warps: int) -> int:
     """The splits a combine loads at once (0: one at a time): up to the launch's splits,
     COMBINE_FLOATS_PER_THREAD a thread at most, where `set_combine_at_once`."""
@@ -569,7 +499,7 @@ def paged_decode(
                  if last_combines else 0),
         num_warps=num_warps or default_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
-        **dependent_launch.launch_options(), PRELOAD=_preloading and num_seqs == 1,
+        **dependent_launch.launch_options(),
     )
     if split and not last_combines:
         _reduce_kernel[(num_tokens, num_heads)](

@@ -1,5 +1,4 @@
-"""RMSNorm and fused residual-add + RMSNorm: one program per row (or several for one row,
-`set_row_programs`), float32 accumulation.
+"""RMSNorm and fused residual-add + RMSNorm: one program per row, float32 accumulation.
 
 Rounded as transformers rounds (HF `LlamaRMSNorm`, `Gemma3RMSNorm`), so the torch path
 (`infer.models.layers.RMSNorm`) and these kernels agree bit for bit in bf16: `x * w`
@@ -64,110 +63,20 @@ def _rmsnorm_kernel(
 def normalised(x, w, n_cols, eps, OFFSET: tl.constexpr, dtype: tl.constexpr):
     """One row's RMSNorm (`x`, `w` float32), rounded to `dtype` as the module docstring
     says."""
-    return _weighted(x, w, 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps), OFFSET,
-                     dtype)
-
-
-@triton.jit
-def _weighted(x, w, inv_rms, OFFSET: tl.constexpr, dtype: tl.constexpr):
-    """`x` (float32) times its row's `inv_rms` and the weight, rounded as `normalised`."""
+    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     if OFFSET == 0.0:
         return ((x * inv_rms).to(dtype).to(tl.float32) * w).to(dtype)
     return (x * inv_rms * (w + OFFSET)).to(dtype)
 
 
-@triton.jit
-def _row_slices_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, xq_ptr, side_ptr, n_cols, eps,
-    OFFSET: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-    SLICE: tl.constexpr, INT8_ROWS: tl.constexpr, X16_ROWS: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One row by several programs (`set_row_programs`): each takes the whole row's sum of
-    squares (and with X16_ROWS its largest output) and stores its own SLICE columns of the
-    outputs. The residual's sum goes to `sum_ptr`, not back into the residual, which the
-    other programs read whole."""
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    mine = tl.program_id(0) * SLICE + tl.arange(0, SLICE)
-    mine_mask = mine < n_cols
-    w_mine = tl.load(w_ptr + mine, mask=mine_mask, other=0.0).to(tl.float32)
-    if X16_ROWS:
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    dependent_launch.wait(PDL)
-    dependent_launch.release(PDL)
-    x = _summed(x_ptr, res_ptr, cols, mask, HAS_RESIDUAL)
-    x_mine = _summed(x_ptr, res_ptr, mine, mine_mask, HAS_RESIDUAL)
-    if HAS_RESIDUAL:
-        tl.store(sum_ptr + mine, x_mine.to(sum_ptr.dtype.element_ty), mask=mine_mask)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    dtype = out_ptr.dtype.element_ty
-    y_mine = _weighted(x_mine, w_mine, inv_rms, OFFSET, dtype)
-    tl.store(out_ptr + mine, y_mine, mask=mine_mask)
-    if INT8_ROWS:  # the slice's blocks of 32
-        b = tl.program_id(0) * (SLICE // 32) + tl.arange(0, SLICE // 32)[:, None]
-        store_rounded(xq_ptr, side_ptr, tl.reshape(y_mine.to(tl.float32), (SLICE // 32, 32)),
-                      b, b * 32 < n_cols)
-    if X16_ROWS:  # the whole row's largest output, the slice's halves
-        y = _weighted(x, w, inv_rms, OFFSET, dtype)
-        scale, inv = row_scale(tl.max(tl.abs(y.to(tl.float32)), axis=0))
-        store_halves(xq_ptr + mine, n_cols, y_mine.to(tl.float32), inv, mine_mask)
-        if tl.program_id(0) == 0:
-            tl.store(side_ptr, scale)
-
-
-@triton.jit
-def _summed(x_ptr, res_ptr, cols, mask, HAS_RESIDUAL: tl.constexpr):
-    """x's columns `cols` (float32), with the residual's added where HAS_RESIDUAL (the sum
-    rounded to the residual's dtype, as `_rmsnorm_kernel` rounds it)."""
-    x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + cols, mask=mask, other=0.0)
-        x = (x + r.to(tl.float32)).to(r.dtype).to(tl.float32)
-    return x
-
-
-_row_programs = 1  # EngineConfig.norm_row_programs, set by the runner's set-up
-SLICE_MIN = 512  # columns a program of a sliced row stores at least
-
-
-def set_row_programs(programs: int) -> None:
-    """How many programs a one-row norm takes from now on (`row_programs`)."""
-    global _row_programs
-    _row_programs = programs
-
-
-def row_programs(rows: int, n: int) -> int:
-    """The programs a norm of `rows` rows of `n` columns takes a row: one, or for one row
-    up to `set_row_programs`' count, each storing SLICE_MIN columns or more (a power of 2:
-    the row's block cut evenly)."""
-    if rows != 1 or _row_programs <= 1:
-        return 1
-    return min(1 << (_row_programs.bit_length() - 1),
-               max(1, triton.next_power_of_2(n) // SLICE_MIN))
-
-
 def _launch(x2d: torch.Tensor, res2d: torch.Tensor | None, weight: torch.Tensor,
             out2d: torch.Tensor, eps: float, offset: float,
             rounded: tuple[torch.Tensor, torch.Tensor] | None = None,
-            halves: bool = False, sum2d: torch.Tensor | None = None) -> None:
+            halves: bool = False) -> None:
     """`rounded`: buffers for the output's rounding to int8 (`_int8_buffers`), or with
-    `halves` for its two int8 halves (`_x16_buffers`). `sum2d`: where a sliced one-row
-    launch stores the residual's sum (`row_programs`; else it goes back into `res2d`)."""
+    `halves` for its two int8 halves (`_x16_buffers`)."""
     rows, n = x2d.shape
     block = triton.next_power_of_2(n)
-    slices = row_programs(rows, n)
-    if slices > 1:
-        assert res2d is None or sum2d is not None, "a sliced row's sum needs its own tensor"
-        xq, side = rounded if rounded is not None else (out2d, out2d)
-        _row_slices_kernel[(slices,)](
-            x2d, res2d if res2d is not None else x2d, weight, out2d,
-            sum2d if sum2d is not None else out2d, xq, side, n, eps,
-            OFFSET=offset, HAS_RESIDUAL=res2d is not None, BLOCK=block,
-            SLICE=block // slices, INT8_ROWS=rounded is not None and not halves,
-            X16_ROWS=halves, num_warps=min(max(block // 512, 1), 8),
-            **dependent_launch.launch_options())
-        return
     num_warps = min(max(block // 256, 1), 16)
     xq, side = rounded if rounded is not None else (out2d, out2d)
     _rmsnorm_kernel[(rows,)](
@@ -239,10 +148,8 @@ def fused_add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
     offset: float = 0.0, int8_rows: bool = False, x16_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, tuple]:
-    """`residual + x` (the sum: into `residual`, in place, or where several programs take
-    the one row (`row_programs`), into a new tensor, the residual left as it was) and
-    returns `(rmsnorm(sum), sum)`; with `int8_rows` / `x16_rows`, the norm's rounding third
-    (as `rmsnorm`)."""
+    """`residual += x` (in place) and returns `(rmsnorm(residual), residual)`; with
+    `int8_rows` / `x16_rows`, the norm's rounding third (as `rmsnorm`)."""
     _check(x, weight, offset)
     assert residual.shape == x.shape and residual.device == x.device, (residual.shape, x.shape)
     # Updated in place, so it must be addressable as rows of unit stride.
@@ -253,10 +160,7 @@ def fused_add_rmsnorm(
         x2d = x2d.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rounded = _rounding_buffers(x, int8_rows, x16_rows)
-    summed = residual
     if x2d.shape[0]:
-        if row_programs(x2d.shape[0], n) > 1:
-            summed = torch.empty_like(residual)
         _launch(x2d, residual.view(-1, n), weight, out.view(-1, n), eps, offset, rounded,
-                x16_rows, None if summed is residual else summed.view(-1, n))
-    return (out, summed) if rounded is None else (out, summed, rounded)
+                x16_rows)
+    return (out, residual) if rounded is None else (out, residual, rounded)
