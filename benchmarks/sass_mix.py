@@ -70,9 +70,7 @@ def _cases() -> list[Case]:
             ("bf16", "*bf16", 2, "floats"), ("bf16 words", "*bf16", 2, "words"),
             ("int8", "*i8", 1, "floats"),
             ("int8 words", "*i8", 1, "words"), ("int8 units", "*i8", 1, "units"),
-            ("int8 halves", "*i8", 1, "halves"),
-            ("fp8", "*fp8e4nv", 1, "floats"), ("fp8 words", "*fp8e4nv", 1, "words"),
-            ("fp8 halves", "*fp8e4nv", 1, "halves")):
+            ("fp8", "*fp8e4nv", 1, "floats"), ("fp8 words", "*fp8e4nv", 1, "words")):
         for shape, (n, k) in (("8B gate_up", (28672, 4096)), ("1B qkv", (3072, 2048))):
             launch = default_launch(n, k, size)
             cases.append(Case(
@@ -255,9 +253,7 @@ def innermost_loop(sass: str) -> list[str]:
     """The opcodes of the K loop: of the loops (a backward branch's target to the branch)
     that hold no other loop, the longest (a kernel's rarely taken paths have shorter ones)
     of those with a matrix multiply-add, if any has one (a tensor-core kernel's loop that
-    adds K slices' parts may be longer than its K loop), else of those with a paired
-    float16 multiply-add, if any has one (the GEMV's "halves" form, whose rare float32
-    path is the longer loop)."""
+    adds K slices' parts may be longer than its K loop)."""
     instructions = []
     for line in sass.splitlines():
         match = _INSTRUCTION.match(line)
@@ -278,9 +274,7 @@ def innermost_loop(sass: str) -> list[str]:
 
     with_mma = [span for span in innermost  # HMMA, QGMMA, ...: not HFMA2.MMA (a move)
                 if any(op.split(".")[0].endswith("MMA") for op in opcodes(span))]
-    with_hfma2 = [span for span in innermost if "HFMA2" in opcodes(span)]
-    return opcodes(max(with_mma or with_hfma2 or innermost,
-                       key=lambda span: span[1] - span[0]))
+    return opcodes(max(with_mma or innermost, key=lambda span: span[1] - span[0]))
 
 
 def analyse(case: Case) -> dict:

@@ -291,8 +291,7 @@ def test_the_units_float32_sums_round_at_a_ten_thousandth(outlier):
     direct launch), int8 weights of an 8B layer's size: "floats" and "words" within 1e-6 of
     the largest |y| of float64's, "units" within 5e-4 (its sums of `x (1 + (q + 128) /
     2^15)` round at 2^15 times the weight's step; ~1.5e-4 here, with an outlier of x or
-    not), "halves" within 1e-3 (float16 products and sums of 8 of them a lane: ~4e-4
-    here). What EngineConfig.gemv_form's help says."""
+    not). What EngineConfig.gemv_form's help says."""
     import triton
 
     from infer.kernels.gemv import Launch, _gemv_kernel
@@ -306,7 +305,7 @@ def test_the_units_float32_sums_round_at_a_ten_thousandth(outlier):
     w[:, 17] = 0
     ref = x.double().cpu() @ w.double().T
     errors = {}
-    for form in ("floats", "words", "units", "halves"):
+    for form in ("floats", "words", "units"):
         y = torch.full((1, n), float("nan"), device=DEVICE)
         _gemv_kernel[(triton.cdiv(n, launch.block_n),)](
             x, w.to(DEVICE), torch.ones(n, device=DEVICE), x, y, n, k, x.stride(0), k, n,
@@ -316,59 +315,6 @@ def test_the_units_float32_sums_round_at_a_ten_thousandth(outlier):
         errors[form] = ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item()
     assert errors["floats"] < 1e-6 and errors["words"] < 1e-6, errors
     assert 1e-6 < errors["units"] < 5e-4, errors
-    assert 1e-6 < errors["halves"] < 1e-3, errors
-
-
-@pytest.mark.parametrize("wdtype", EIGHT_BIT)
-@pytest.mark.parametrize("act", ["", "silu"])
-@pytest.mark.parametrize("case", [0, 1, 2, 3, 4, 5])
-def test_the_halves_form_matches_float64(case, act, wdtype, gemv_form):
-    """The GEMV's "halves" form (`_half_row`): one row of 8-bit weights (the integers / FP8
-    values scaled) against float64's product, and the gate_up launch's `act(gate) * up`
-    against float64's; two rows take "floats"."""
-    import torch.nn.functional as F
-
-    from infer.kernels.gemv import default_launch, gemv, gemv_gate_up
-
-    n, k, launch = launches()[case]
-    gen = torch.Generator().manual_seed(140 + case)
-    x = torch.randn(2, k, generator=gen).to(torch.bfloat16).to(DEVICE)
-    w, scale, dense = _weight_on_device(2 * n, k, wdtype, gen)
-    taken = gemv_form("halves")
-    if act:
-        y = gemv_gate_up(x[:1], w, act, scale, launch)
-        sums = x[:1].double() @ dense.T
-        ref = F.silu(sums[:, :n]) * sums[:, n:]
-    else:
-        y = gemv(x[:1], w, launch, scale=scale)
-        ref = x[:1].double() @ dense.T
-    error = ((y.double() - ref).abs().max() / ref.abs().max()).item()
-    assert error < 2 * TOLERANCE[torch.bfloat16], error
-    gemv(x, w, launch or default_launch(2 * n, k, 1, 2), scale=scale)
-    assert taken == ["halves", "floats"]
-
-
-@pytest.mark.parametrize("wdtype", EIGHT_BIT)
-def test_a_halves_sum_that_overflows_float16_is_taken_again_as_floats(wdtype, gemv_form):
-    """Where a lane's float16 sum overflows (x of 60,000 on the column a lane holds at every
-    K step, times the largest weights), the program's channels come out of the float32
-    path: bit for bit the "floats" form's, finite."""
-    from infer.kernels.gemv import Launch, gemv
-
-    n, k, launch = 32, 4096, Launch(16, 512, 8)
-    gen = torch.Generator().manual_seed(150)
-    x = torch.randn(1, k, generator=gen)
-    w, scale, _ = _weight_on_device(n, k, wdtype, gen)
-    columns = torch.arange(17, k, launch.block_k)
-    x[0, columns] = 60000.0
-    w[:4, columns.to(DEVICE)] = 127 if wdtype == torch.int8 else 448
-    x = x.to(torch.bfloat16).to(DEVICE)
-    gemv_form("halves")
-    halves = gemv(x, w, launch, scale=scale)
-    gemv_form("floats")
-    floats = gemv(x, w, launch, scale=scale)
-    assert torch.isfinite(floats).all()
-    assert torch.equal(halves, floats)
 
 
 def test_the_word_forms_are_taken_only_where_rows_are_whole_words(gemv_form):
@@ -395,9 +341,6 @@ def test_the_word_forms_are_taken_only_where_rows_are_whole_words(gemv_form):
         assert form_of(torch.zeros(1, 65, dtype=torch.bfloat16)[:, 1:], int8) == "floats"
         assert form_of(torch.zeros(1, 66, dtype=torch.bfloat16)[:, 2:], int8) == form
     assert len(taken) == 22
-    gemv_form("halves")  # one row of 8-bit weights
-    assert form_of(x[:1], int8) == form_of(x[:1].float(), fp8) == "halves"
-    assert form_of(x, int8) == form_of(x[:1], bf16) == "floats"
 
 
 @pytest.mark.parametrize("method", ["none", "int8", "fp8"])
@@ -642,8 +585,7 @@ def test_the_form_knob_sets_the_gemvs_form_and_keeps_greedy_tokens(gemv_form):
     prompts = ["The tiny model says", "Once upon", "A list: one, two,"]
     outs = {}
     taken = gemv_form("floats")
-    for quantization, form in itertools.product(("none", "int8"),
-                                                ("units", "words", "halves", "floats")):
+    for quantization, form in itertools.product(("none", "int8"), ("units", "words", "floats")):
         llm = LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
                   kernel_backend="triton", quantization=quantization, gemv_form=form,
                   dtype="bfloat16", cuda_graphs=False, async_scheduling=False)
@@ -654,12 +596,8 @@ def test_the_form_knob_sets_the_gemvs_form_and_keeps_greedy_tokens(gemv_form):
                                                          zip(out.token_ids, out.logprobs)])
                                         for o in llm.generate(prompts, params, use_tqdm=False)
                                         for out in o.outputs]
-            if form == "halves":  # one row of INT8 weights; none of 16-bit ones
-                assert ("halves" in taken) == (quantization == "int8"), taken
-                assert set(taken) <= {"halves", "floats"}, taken
-            else:
-                assert set(taken) == {form if quantization == "int8" or form == "floats"
-                                      else "words"}, (quantization, form)
+            assert set(taken) == {form if quantization == "int8" or form == "floats"
+                                  else "words"}, (quantization, form)
         del llm
     for (quantization, form), got in outs.items():
         for (tokens, logprobs), (want, want_logprobs) in zip(got, outs[quantization, "floats"]):

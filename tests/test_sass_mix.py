@@ -1,6 +1,6 @@
 """benchmarks/sass_mix.py reads a kernel's K loop out of a SASS listing: of the spans from a
 backward branch's target to the branch that hold no other, the longest (of those with an
-MMA, in a tensor-core kernel; else of those with a paired float16 multiply-add)."""
+MMA, in a tensor-core kernel)."""
 
 from __future__ import annotations
 
@@ -57,18 +57,3 @@ def test_of_a_tensor_core_kernels_loops_the_k_loop_is_the_one_with_the_mma():
 """
     assert _sass_mix().innermost_loop(sass) == [
         "LDGSTS.E.BYPASS.128", "HGMMA.64", "BRA"]  # the opcode as far as its shape
-
-
-def test_of_loops_without_an_mma_the_k_loop_is_one_with_paired_float16_multiply_adds():
-    sass = """
-        /*0000*/                   F2FP.F16.E4M3.UNPACK_B R4, R2 ;
-        /*0010*/                   HFMA2 R8, R4, R5, R8 ;
-        /*0020*/               @P0 BRA 0x0 ;
-        /*0030*/                   LDG.E R8, desc[UR4][R6.64] ;
-        /*0040*/                   HADD2.F32 R9, -RZ, R8.H0_H0 ;
-        /*0050*/                   FFMA R10, R10, R9, R10 ;
-        /*0060*/                   HFMA2.MMA R11, -RZ, RZ, 0, 0 ;
-        /*0070*/               @P1 BRA 0x30 ;
-        /*0080*/                   EXIT ;
-"""
-    assert _sass_mix().innermost_loop(sass) == ["F2FP.F16.E4M3.UNPACK_B", "HFMA2", "BRA"]

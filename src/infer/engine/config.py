@@ -24,7 +24,7 @@ MIXED_STEP_GRAPHS = ("full", "piecewise", "off")
 # the choices infer.quantization takes
 QUANTIZATIONS = ("auto", "none", "int8", "fp8", "int4", "gguf")
 SPECULATIVE_METHODS = ("none", "ngram", "self", "draft")
-GEMV_FORMS = ("floats", "words", "units", "halves")  # kernels/gemv.py form_of
+GEMV_FORMS = ("floats", "words", "units")  # kernels/gemv.py form_of
 
 
 def knob(default: Any, text: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -117,11 +117,7 @@ class EngineConfig:
         "sum taken away once at the end (INT8 3.5), its float32 sums rounding about 1e-4 "
         "of a row's sums (1e-7 otherwise); on an H100 the 8B INT8 batch-1 step 3.162 ms "
         "floats, 3.144 words, 3.236 units (docs/performance.md; not yet timed on an H200, "
-        "where the instruction counts matter more); halves, one row of 8-bit weights each "
-        "made float16 and multiplied by x / 256 in float16 pairs, a lane summing K / "
-        "BLOCK_K products in float16 (FP8 2.1 at (8, 1024, 4), 3.1 at the 8-bit rule's "
-        "(16, 512, 8) against 4.1; the program's sums taken again as floats where a "
-        "float16 sum overflowed); not yet timed (kernels/gemv.py form_of)", GEMV_FORMS)
+        "where the instruction counts matter more) (kernels/gemv.py form_of)", GEMV_FORMS)
     gemv_gate_up_activation: bool = knob(
         True, "with triton_gemv, a gated MLP's rows that go to the GEMV (one of 16-bit "
         "weights; those gemv_8bit_max_rows sends of INT8 / FP8 ones) get act(gate) * up "

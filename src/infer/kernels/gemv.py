@@ -19,9 +19,7 @@ With `scale` the weight is 8-bit (int8, or FP8 e4m3 on a GPU) standing for
 (`weight_cast.py`) and each channel's sum scaled once, at the end. `set_form`
 (`EngineConfig.gemv_form`) picks how x reaches the tile: through shared memory (Triton's
 choice), or bfloat16 x read as words straight into it (`_word_rows`), 16-bit weights as
-words too, int8 ones as units there if asked; or, for one row of 8-bit weights, each
-weight made float16 and multiplied in float16 pairs (`_half_row`: half the instructions
-of a float32 multiply-add a weight and its conversion).
+words too, int8 ones as units there if asked.
 
 Two rows (MAX_ROWS) go the same way, each weight made float32 once for both. On an H200 the
 second row adds 50-90 % to a one-row launch of 8-bit weights (its multiply-adds on the CUDA
@@ -42,7 +40,7 @@ import triton.language as tl
 
 from infer.kernels import dependent_launch, gpu_compiled, row_skip
 from infer.kernels.activation import gated
-from infer.kernels.weight_cast import to_float, to_half, to_unit
+from infer.kernels.weight_cast import to_float, to_unit
 
 MAX_ROWS = 2
 
@@ -138,9 +136,6 @@ def _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym
     if FORM == "floats":
         _float_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
                     BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX)
-    elif FORM == "halves":
-        _half_row(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, BLOCK_K, EVEN_K, GATE_UP,
-                  PTX)
     else:
         _word_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
                    BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX, FORM == "units")
@@ -167,34 +162,6 @@ def _float_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, str
     store_sums(acc, s_ptr, y_ptr, rn, wn, N, SCALED, GATE_UP)
     if ROWS == 2:
         store_sums(acc_2, s_ptr, y_ptr + stride_ym, rn, wn, N, SCALED, GATE_UP)
-
-
-@triton.jit
-def _half_row(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr, GATE_UP: tl.constexpr, PTX: tl.constexpr):
-    """`_rows` in the form "halves" (`form_of`; one row of 8-bit weights): each weight made
-    float16 (exactly) and multiplied by `x / 256` in float16 pairs, a lane of the tile
-    summing its K / BLOCK_K products in float16 before the float32 sum over the tile. Where
-    a float16 sum overflowed (|x| in the thousands), the program's channels are summed
-    again as floats."""
-    acc = to_half(w, PTX) * _x_over_256(x_ptr, rk, K, EVEN_K)[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        kk = k0 + rk
-        acc += to_half(_weights(w_rows, kk, K, EVEN_K), PTX) * _x_over_256(x_ptr, kk, K,
-                                                                         EVEN_K)[None, :]
-    sums = tl.sum(acc.to(tl.float32), axis=1) * 256.0
-    if tl.sum((tl.abs(sums) < float("inf")).to(tl.int32)) == sums.shape[0]:
-        store_sums(sums[:, None], s_ptr, y_ptr, rn, wn, N, True, GATE_UP)
-    else:
-        _float_rows(_weights(w_rows, rk, K, EVEN_K), w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn,
-                    N, K, 0, 0, BLOCK_K, 1, EVEN_K, GATE_UP, True, PTX)
-
-
-@triton.jit
-def _x_over_256(x_ptr, kk, K, EVEN_K: tl.constexpr):
-    """x's columns kk divided by 256, as float16: exact but where |x| < 2^-6 (float16's
-    subnormals, a step of 2^-16 in x)."""
-    return (_row(x_ptr, kk, K, EVEN_K).to(tl.float32) * (1.0 / 256)).to(tl.float16)
 
 
 @triton.jit
@@ -420,10 +387,7 @@ def form_of(x: torch.Tensor, weight: torch.Tensor) -> str:
     """The form `_rows` takes: "floats" (x through shared memory, each weight made float32:
     `weight_cast.to_float`), or with `set_form` "words" / "units" (`_word_rows`; units for
     int8 weights, words for others) where x is bfloat16 and x's rows and a 16-bit weight's
-    are whole 32-bit words (an even K and row stride, from a 4-byte boundary), or
-    "halves" for one row of 8-bit weights (`_half_row`)."""
-    if _form == "halves":
-        return "halves" if x.shape[0] == 1 and weight.element_size() == 1 else "floats"
+    are whole 32-bit words (an even K and row stride, from a 4-byte boundary)."""
     if _form == "floats" or x.dtype != torch.bfloat16 or not _whole_words(x):
         return "floats"
     if weight.element_size() == 2 and not _whole_words(weight):

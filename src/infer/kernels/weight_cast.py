@@ -64,28 +64,3 @@ def to_unit(w, PTX: tl.constexpr):
             constraints="=r,=r,=r,=r,r", args=[w], dtype=tl.float32, is_pure=True, pack=4)
     bits = ((w.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x80) << 8) | 0x3F800000
     return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def to_half(w, PTX: tl.constexpr):
-    """8-bit weights as float16, exactly: FP8 e4m3 by the hardware's convert; int8 q as
-    `(1024 + 128 + q) - 1152`, `q + 128` the low byte of 1024's bit pattern (0x6400). With
-    PTX four int8 weights a register: one xor adds 128 to all four (as bytes), one prmt
-    builds two weights' float16 pair, one paired subtraction takes 1152 from both."""
-    if w.dtype == tl.int8:
-        if PTX:
-            return tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 t, m, c;
-                xor.b32 t, $2, 0x80808080;
-                mov.b32 m, 0x64646464;
-                mov.b32 c, 0x64806480;
-                prmt.b32 $0, t, m, 0x4140;
-                prmt.b32 $1, t, m, 0x4342;
-                sub.f16x2 $0, $0, c;
-                sub.f16x2 $1, $1, c;
-                }""",
-                constraints="=r,=r,r", args=[w], dtype=tl.float16, is_pure=True, pack=4)
-        bits = (w.to(tl.uint8, bitcast=True).to(tl.int16) ^ 0x80) | 0x6400
-        return bits.to(tl.float16, bitcast=True) - 1152.0
-    return w.to(tl.float16)
