@@ -158,8 +158,8 @@ def test_the_norms_split_only_the_steps_an_int8_kernel_takes_so():
     from infer.quantization.int8 import Int8WeightOnlyLinearMethod
 
     attention = torch.nn.Module()  # per-head norms, as self_attention.py's with qk_norm
-    attention.q_norm, attention.k_norm = RMSNorm(16, 1e-6), RMSNorm(16, 1e-6)
-    attention.q_norm.feeds_projection = attention.k_norm.feeds_projection = False
+    attention.q_norm = RMSNorm(16, 1e-6, feeds_projection=False)
+    attention.k_norm = RMSNorm(16, 1e-6, feeds_projection=False)
     model = torch.nn.ModuleList([RMSNorm(64, 1e-6), ColumnParallelLinear(64, 64, bias=False),
                                  attention])
     set_x16_norms(model, True, 64)

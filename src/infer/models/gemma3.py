@@ -31,9 +31,7 @@ if TYPE_CHECKING:
 
 
 def _norm(cfg: ModelConfig, dim: int, feeds_projection: bool = True) -> RMSNorm:
-    norm = RMSNorm(dim, cfg.norm_eps, offset=1.0)
-    norm.feeds_projection = feeds_projection
-    return norm
+    return RMSNorm(dim, cfg.norm_eps, offset=1.0, feeds_projection=feeds_projection)
 
 
 class Gemma3DecoderLayer(nn.Module):

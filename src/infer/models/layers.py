@@ -41,7 +41,8 @@ class RMSNorm(nn.Module):
     kernel (`kernels/cpu_norm.cpp`).
     """
 
-    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+    def __init__(self, dim: int, eps: float, offset: float = 0.0,
+                 feeds_projection: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim) if offset == 0.0 else torch.zeros(dim))
         self.eps = eps
@@ -50,7 +51,7 @@ class RMSNorm(nn.Module):
         self.reduce_input: TensorParallelGroup | None = None
         self.int8_rows = False
         self.x16_rows = range(0)  # set_x16_norms
-        self.feeds_projection = True
+        self.feeds_projection = feeds_projection
         self.cpu_kernel = False
 
     def forward(

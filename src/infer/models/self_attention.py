@@ -29,9 +29,11 @@ class SelfAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, cfg.attention_out_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, offset=norm_offset)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, offset=norm_offset)
-            self.q_norm.feeds_projection = self.k_norm.feeds_projection = False  # RoPE
+            # Their rows are heads, going to RoPE, not into a projection.
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, offset=norm_offset,
+                                  feeds_projection=False)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, offset=norm_offset,
+                                  feeds_projection=False)
         self.qk_norm = cfg.qk_norm
         # The q/k norms and RoPE run where attention stores the keys (fused on Triton).
         prologue = None
