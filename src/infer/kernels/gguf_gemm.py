@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as QType
 
-from infer.kernels.gguf_gemv import multiprocessors
+from infer.kernels.gguf_gemv import _f16_hi, _f16_lo, _word, multiprocessors
 
 # Weights and words (Q6_K, Q8_0: 16-bit words) per unit of K.
 UNITS_OF: dict[QType, tuple[int, int]] = {
@@ -45,24 +45,9 @@ def _float(magic, bits, OFFSET: tl.constexpr):
 
 
 @triton.jit
-def _word(ptr):
-    return tl.load(ptr).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
 def _half(ptr):
     """The 16-bit word at `ptr`, as uint32."""
     return tl.load(ptr).to(tl.uint16, bitcast=True).to(tl.uint32)
-
-
-@triton.jit
-def _f16_lo(word):
-    return (word & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _f16_hi(word):
-    return (word >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
