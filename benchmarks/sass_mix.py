@@ -70,7 +70,8 @@ def _cases() -> list[Case]:
             ("bf16", "*bf16", 2, "floats"), ("bf16 words", "*bf16", 2, "words"),
             ("int8", "*i8", 1, "floats"),
             ("int8 words", "*i8", 1, "words"), ("int8 units", "*i8", 1, "units"),
-            ("fp8", "*fp8e4nv", 1, "floats"), ("fp8 words", "*fp8e4nv", 1, "words")):
+            ("fp8", "*fp8e4nv", 1, "floats"), ("fp8 words", "*fp8e4nv", 1, "words"),
+            ("fp8 bits", "*fp8e4nv", 1, "floats"), ("fp8 bits words", "*fp8e4nv", 1, "words")):
         for shape, (n, k) in (("8B gate_up", (28672, 4096)), ("1B qkv", (3072, 2048))):
             launch = default_launch(n, k, size)
             cases.append(Case(
@@ -78,7 +79,7 @@ def _cases() -> list[Case]:
                 {**gemv_args, "w_ptr": pointer},
                 dict(BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, ROWS=1, EVEN_K=True,
                      GATE_UP="", SCALED=size == 1, SKIPS=False, SKIPPED_WHOLE=False,
-                     PTX=True, PDL=False, FORM=form),
+                     PTX=True, PDL=False, FORM=form, FP8_BITS="bits" in weights),
                 ["x_ptr", "w_ptr", "s_ptr", "y_ptr", "N", "K", "stride_wn"],
                 launch.block_n * launch.block_k, size, num_warps=launch.num_warps,
                 note=f"one row, launch {tuple(launch)}"))

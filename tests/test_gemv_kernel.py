@@ -231,6 +231,34 @@ def test_gemv_of_8bit_weights_matches_float64(wdtype, dtype, case):
     assert error < TOLERANCE[dtype], error
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="FP8 weights need a GPU")
+@pytest.mark.parametrize("bits", [False, True])
+@pytest.mark.parametrize("form", ["floats", "words"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_every_fp8_value_reaches_the_sums_exactly(rows, form, bits, gemv_form, monkeypatch):
+    """Each of e4m3's 254 values (both zeros, the subnormals, +-448; not NaN) along a row
+    of weights, x 1/64 (and -1/64 in a second row): each channel's sum is its value
+    exactly, whether the GEMV makes FP8 weights floats by the hardware's convert or by
+    their bits (`fp8_weight_bits`, `weight_cast.to_float_times`: subnormals as float32
+    denormals, the sum taken back by 2^120), in either form."""
+    import infer.kernels.gemv as gemv_kernel
+
+    monkeypatch.setattr(gemv_kernel, "_fp8_bits", bits)
+    taken = gemv_form(form)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    values = codes.float()
+    keep = ~values.isnan()
+    assert ((values[keep] != 0) & (values[keep].abs() < 2 ** -6)).sum() == 14  # subnormals
+    k = 64
+    w = codes[keep][:, None].expand(-1, k).contiguous()
+    x = (torch.tensor([1.0, -1.0][:rows])[:, None].expand(rows, k) / k).to(torch.bfloat16)
+    scale = torch.ones(len(w), device=DEVICE)
+    y = gemv_kernel.gemv(x.to(DEVICE), w.to(DEVICE), scale=scale).float().cpu()
+    expected = torch.stack([values[keep], -values[keep]][:rows])  # bfloat16 holds each
+    assert set(taken) == {form}
+    assert torch.equal(y, expected), (y - expected).abs().max()
+
+
 def test_one_int8_row_on_a_4096_wide_layer_takes_its_own_launch(monkeypatch):
     """One INT8 row times a layer 4096 wide (the 8B's o) takes the launch swept for it (8
     channels, K in steps of 1024, a ragged last one here) and matches float64 on the same
@@ -569,6 +597,37 @@ def test_the_mma_gate_up_knob_keeps_a_models_tokens_and_logprobs(monkeypatch):
         assert len(calls) == len(mlps) * (1 if on else 3), (on, len(calls))
         del llm
     assert outs[True] == outs[False]
+
+
+def test_the_fp8_bits_knob_is_each_engines_and_keeps_greedy_tokens(monkeypatch):
+    """`fp8_weight_bits`: each engine sets it for the GEMV (one after another does not
+    inherit it); on a GPU an FP8 model's greedy tokens are the same either way, logprobs
+    within their rounding (the weights' floats are the same values)."""
+    from tiny_model import tiny_model_dir
+
+    import infer.kernels.gemv as gemv_kernel
+    from infer import LLM, SamplingParams
+
+    monkeypatch.setattr(gemv_kernel, "_fp8_bits", False)
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1, ignore_eos=True)
+    prompts = ["The tiny model says", "Once upon", "A list: one, two,"]
+    outs = {}
+    for bits in (True, False):
+        llm = LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
+                  kernel_backend="triton", quantization="fp8", dtype="bfloat16",
+                  cuda_graphs=False, async_scheduling=False,
+                  **({"fp8_weight_bits": True} if bits else {}))
+        assert gemv_kernel._fp8_bits == bits
+        if DEVICE == "cuda":
+            outs[bits] = [(out.token_ids, [lp[t].logprob for t, lp in
+                                           zip(out.token_ids, out.logprobs)])
+                          for o in llm.generate(prompts, params, use_tqdm=False)
+                          for out in o.outputs]
+        del llm
+    for (tokens, logprobs), (want, want_logprobs) in zip(outs.get(True, []),
+                                                         outs.get(False, [])):
+        assert tokens == want
+        assert logprobs == pytest.approx(want_logprobs, abs=0.05)
 
 
 def test_the_form_knob_sets_the_gemvs_form_and_keeps_greedy_tokens(gemv_form):

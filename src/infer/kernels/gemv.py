@@ -40,7 +40,7 @@ import triton.language as tl
 
 from infer.kernels import dependent_launch, gpu_compiled, row_skip
 from infer.kernels.activation import gated
-from infer.kernels.weight_cast import to_float, to_unit
+from infer.kernels.weight_cast import FP8_TIMES_UNDO, to_float_times, to_unit
 
 MAX_ROWS = 2
 
@@ -73,7 +73,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
     GATE_UP: tl.constexpr, SCALED: tl.constexpr, SKIPS: tl.constexpr,
     SKIPPED_WHOLE: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
-    FORM: tl.constexpr = "floats",
+    FORM: tl.constexpr = "floats", FP8_BITS: tl.constexpr = False,
 ):
     if SKIPPED_WHOLE:  # noqa: SIM102 (a constexpr branch: the runtime test is not compiled in)
         if tl.load(skip_ptr) != 0:  # one row, left out: the launch does nothing
@@ -102,13 +102,14 @@ def _gemv_kernel(
     if SKIPS:  # two rows, the first left out where the flag is set
         if skip != 0:
             _rows(w, w_rows, rk, x_ptr + stride_xm, s_ptr, y_ptr + stride_ym, rn, wn, N, K,
-                  stride_xm, stride_ym, BLOCK_K, 1, EVEN_K, GATE_UP, SCALED, PTX, FORM)
+                  stride_xm, stride_ym, BLOCK_K, 1, EVEN_K, GATE_UP, SCALED, PTX, FORM,
+                  FP8_BITS)
         else:
             _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
-                  BLOCK_K, 2, EVEN_K, GATE_UP, SCALED, PTX, FORM)
+                  BLOCK_K, 2, EVEN_K, GATE_UP, SCALED, PTX, FORM, FP8_BITS)
     else:
         _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
-              BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX, FORM)
+              BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX, FORM, FP8_BITS)
 
 
 @triton.jit
@@ -130,45 +131,48 @@ def channels(N, BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr):
 def _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
           BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
           GATE_UP: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr,
-          FORM: tl.constexpr):
+          FORM: tl.constexpr, FP8_BITS: tl.constexpr):
     """The program's channels of x's first ROWS rows, from the first weight tile `w`, in
-    the form FORM (`form_of`)."""
+    the form FORM (`form_of`); FP8 weights made floats by their bits with FP8_BITS (set
+    only for FP8 weights on a GPU: `set_fp8_bits`)."""
     if FORM == "floats":
         _float_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
-                    BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX)
+                    BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX, FP8_BITS)
     else:
         _word_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
-                   BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX, FORM == "units")
+                   BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX, FORM == "units", FP8_BITS)
 
 
 @triton.jit
 def _float_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
                 BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
-                GATE_UP: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr):
+                GATE_UP: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr,
+                FP8_BITS: tl.constexpr):
     """`_rows` in the form "floats": x through shared memory into the tile's layout (Triton's
     choice for a vector broadcast over the tile's rows), each weight made float32."""
     # A second row shares each weight made float32 (two accumulators of the one-row
     # layout: a third dimension for the rows made the kernel 2-3x slower on an H200).
-    w = to_float(w, PTX)
+    w = to_float_times(w, PTX, FP8_BITS)
     acc = w * _row(x_ptr, rk, K, EVEN_K).to(tl.float32)[None, :]
     if ROWS == 2:
         acc_2 = w * _row(x_ptr + stride_xm, rk, K, EVEN_K).to(tl.float32)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + rk
-        w = to_float(_weights(w_rows, kk, K, EVEN_K), PTX)
+        w = to_float_times(_weights(w_rows, kk, K, EVEN_K), PTX, FP8_BITS)
         acc += w * _row(x_ptr, kk, K, EVEN_K).to(tl.float32)[None, :]
         if ROWS == 2:
             acc_2 += w * _row(x_ptr + stride_xm, kk, K, EVEN_K).to(tl.float32)[None, :]
-    store_sums(acc, s_ptr, y_ptr, rn, wn, N, SCALED, GATE_UP)
+    store_sums(acc, s_ptr, y_ptr, rn, wn, N, SCALED, GATE_UP, FP8_BITS)
     if ROWS == 2:
-        store_sums(acc_2, s_ptr, y_ptr + stride_ym, rn, wn, N, SCALED, GATE_UP)
+        store_sums(acc_2, s_ptr, y_ptr + stride_ym, rn, wn, N, SCALED, GATE_UP,
+                   FP8_BITS)
 
 
 @triton.jit
 def _word_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
                BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
                GATE_UP: tl.constexpr, SCALED: tl.constexpr, PTX: tl.constexpr,
-               UNITS: tl.constexpr):
+               UNITS: tl.constexpr, FP8_BITS: tl.constexpr):
     """`_rows` in the forms "words" and "units" (`form_of`): x (bfloat16) read as 32-bit
     words straight into the tile's layout (no trip through shared memory), a word's two
     values apart by a shift and a mask, against the tile's even and odd columns (a
@@ -176,7 +180,7 @@ def _word_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stri
     `v = 1 + (q + 128) / 2^15` (`weight_cast.to_unit`: one byte permute, no subtraction),
     and `sum(x q) = 2^15 (sum(x v) - sum(x)) - 128 sum(x)`, sum(x) taken once at the end."""
     rw = tl.arange(0, BLOCK_K // 2)
-    w_even, w_odd = _columns_apart(w, PTX, UNITS)
+    w_even, w_odd = _columns_apart(w, PTX, UNITS, FP8_BITS)
     acc = _add_products(0.0, w_even, w_odd, x_ptr, rw, K, EVEN_K)
     if ROWS == 2:
         acc_2 = _add_products(0.0, w_even, w_odd, x_ptr + stride_xm, rw, K, EVEN_K)
@@ -186,28 +190,29 @@ def _word_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stri
             w = _weights(words_16, k0 // 2 + rw, K // 2, EVEN_K)
         else:
             w = _weights(w_rows, k0 + rk, K, EVEN_K)
-        w_even, w_odd = _columns_apart(w, PTX, UNITS)
+        w_even, w_odd = _columns_apart(w, PTX, UNITS, FP8_BITS)
         acc = _add_products(acc, w_even, w_odd, x_ptr + k0, rw, K - k0, EVEN_K)
         if ROWS == 2:
             acc_2 = _add_products(acc_2, w_even, w_odd, x_ptr + stride_xm + k0, rw, K - k0,
                                   EVEN_K)
     if UNITS:
         acc = _from_units(acc, x_ptr, rk, K, BLOCK_K, EVEN_K)
-    store_sums(acc, s_ptr, y_ptr, rn, wn, N, SCALED, GATE_UP)
+    store_sums(acc, s_ptr, y_ptr, rn, wn, N, SCALED, GATE_UP, FP8_BITS)
     if ROWS == 2:
         if UNITS:
             acc_2 = _from_units(acc_2, x_ptr + stride_xm, rk, K, BLOCK_K, EVEN_K)
-        store_sums(acc_2, s_ptr, y_ptr + stride_ym, rn, wn, N, SCALED, GATE_UP)
+        store_sums(acc_2, s_ptr, y_ptr + stride_ym, rn, wn, N, SCALED, GATE_UP,
+                   FP8_BITS)
 
 
 @triton.jit
-def _columns_apart(w, PTX: tl.constexpr, UNITS: tl.constexpr):
+def _columns_apart(w, PTX: tl.constexpr, UNITS: tl.constexpr, FP8_BITS: tl.constexpr):
     """The tile's weights as float32, even and odd columns: 8-bit ones (as units with
     UNITS), or bfloat16 ones read as words."""
     if w.dtype == tl.int32:
         even, odd = _word_halves(w)
     else:
-        w = to_unit(w, PTX) if UNITS else to_float(w, PTX)
+        w = to_unit(w, PTX) if UNITS else to_float_times(w, PTX, FP8_BITS)
         even, odd = tl.split(tl.reshape(w, (w.shape[0], w.shape[1] // 2, 2)))
     return even, odd
 
@@ -245,11 +250,16 @@ def _from_units(acc, x_ptr, rk, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def store_sums(acc, s_ptr, y_ptr, rn, wn, N, SCALED: tl.constexpr, GATE_UP: tl.constexpr):
+def store_sums(acc, s_ptr, y_ptr, rn, wn, N, SCALED: tl.constexpr, GATE_UP: tl.constexpr,
+               FP8_TIMES: tl.constexpr = False):
     """A row's sums of `acc [BLOCK_N, BLOCK_K]` (weight rows wn), scaled per channel where
-    SCALED, rounded to y's dtype; with GATE_UP, `act(gate) * up` of each channel's pair
-    (rounded as the activation kernel rounds what it reads and stores), stored at rn."""
+    SCALED (and by `FP8_TIMES_UNDO` first with FP8_TIMES: FP8 weights that
+    `to_float_times` made floats on a GPU), rounded to y's dtype; with GATE_UP,
+    `act(gate) * up` of each channel's pair (rounded as the activation kernel rounds what
+    it reads and stores), stored at rn."""
     y = tl.sum(acc, axis=1)
+    if FP8_TIMES:
+        y *= FP8_TIMES_UNDO
     if SCALED:
         y *= tl.load(s_ptr + wn).to(tl.float32)
     y = y.to(y_ptr.dtype.element_ty)
@@ -366,7 +376,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
         BLOCK_N=block_n, BLOCK_K=block_k, ROWS=m, EVEN_K=k % block_k == 0, GATE_UP=gate_up,
         SCALED=scale is not None, SKIPS=skip is not None,
         SKIPPED_WHOLE=skip_whole is not None, PTX=gpu_compiled(x.device),
-        FORM=form_of(x, weight),
+        FORM=form_of(x, weight), FP8_BITS=_fp8_bits and weight.dtype == torch.float8_e4m3fn
+        and gpu_compiled(x.device),
         num_warps=num_warps,
         **dependent_launch.launch_options(),
     )
@@ -374,6 +385,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
 
 
 _form = "floats"  # EngineConfig.gemv_form, set by the runner's set-up
+_fp8_bits = False  # EngineConfig.fp8_weight_bits, set by the runner's set-up
+
+
+def set_fp8_bits(on: bool) -> None:
+    """Whether FP8 weights on a GPU become floats by their bits from now on
+    (`weight_cast.to_float_times`) rather than by the hardware's convert."""
+    global _fp8_bits
+    _fp8_bits = on
 
 
 def set_form(form: str) -> None:
