@@ -103,6 +103,16 @@ async function send(text) {
   let chunks = 0; // about one token each; the usage event at the end has the exact count
   let usage = null;
   let note = "";
+  // The reply is drawn at most once a frame: drawn at every chunk, a long reply's markdown
+  // was parsed again per token and kept the page too busy to take a click on Stop.
+  let frame = 0;
+  const draw = () => {
+    frame = 0;
+    const atBottom = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
+    bubble.innerHTML = renderMarkdown(reply);
+    if (atBottom) box.scrollTop = box.scrollHeight;
+    showStats(chunks, start);
+  };
   controller = new AbortController();
   setBusy(true);
   try {
@@ -116,16 +126,17 @@ async function send(text) {
       usage = event.usage ?? usage;
       const delta = event.choices?.[0]?.delta?.content;
       if (!delta) continue;
-      const atBottom = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
       reply += delta;
       chunks += 1;
-      bubble.innerHTML = renderMarkdown(reply);
-      if (atBottom) box.scrollTop = box.scrollHeight;
-      showStats(chunks, start);
+      if (!frame) frame = requestAnimationFrame(draw);
     }
   } catch (error) {
     if (error.name === "AbortError") note = "(stopped)";
     else addMessage("error", error.message);
+  }
+  if (frame) { // the last chunks, drawn now
+    cancelAnimationFrame(frame);
+    draw();
   }
   controller = null;
   setBusy(false);
