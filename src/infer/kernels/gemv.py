@@ -370,14 +370,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
     flag = skip if skip_whole is None else skip_whole
     if flag is not None:
         assert flag.dtype == torch.int32 and flag.device == x.device, (flag.dtype, flag.device)
+    ptx = gpu_compiled(x.device)
     _gemv_kernel[(triton.cdiv(n, channels),)](
         x, weight, weight if scale is None else scale, x if flag is None else flag, y, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, ROWS=m, EVEN_K=k % block_k == 0, GATE_UP=gate_up,
         SCALED=scale is not None, SKIPS=skip is not None,
-        SKIPPED_WHOLE=skip_whole is not None, PTX=gpu_compiled(x.device),
-        FORM=form_of(x, weight), FP8_BITS=_fp8_bits and weight.dtype == torch.float8_e4m3fn
-        and gpu_compiled(x.device),
+        SKIPPED_WHOLE=skip_whole is not None, PTX=ptx, FORM=form_of(x, weight),
+        FP8_BITS=ptx and _fp8_bits and weight.dtype == torch.float8_e4m3fn,
         num_warps=num_warps,
         **dependent_launch.launch_options(),
     )
