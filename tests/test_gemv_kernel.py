@@ -608,7 +608,7 @@ def test_the_fp8_bits_knob_is_each_engines_and_keeps_greedy_tokens(monkeypatch):
     import infer.kernels.gemv as gemv_kernel
     from infer import LLM, SamplingParams
 
-    monkeypatch.setattr(gemv_kernel, "_fp8_bits", False)
+    monkeypatch.setattr(gemv_kernel, "_fp8_bits", None)
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1, ignore_eos=True)
     prompts = ["The tiny model says", "Once upon", "A list: one, two,"]
     outs = {}
@@ -616,7 +616,7 @@ def test_the_fp8_bits_knob_is_each_engines_and_keeps_greedy_tokens(monkeypatch):
         llm = LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
                   kernel_backend="triton", quantization="fp8", dtype="bfloat16",
                   cuda_graphs=False, async_scheduling=False,
-                  **({"fp8_weight_bits": True} if bits else {}))
+                  fp8_weight_bits=bits)
         assert gemv_kernel._fp8_bits == bits
         if DEVICE == "cuda":
             outs[bits] = [(out.token_ids, [lp[t].logprob for t, lp in

@@ -119,14 +119,13 @@ class EngineConfig:
         "floats, 3.144 words, 3.236 units (docs/performance.md; not yet timed on an H200, "
         "where the instruction counts matter more) (kernels/gemv.py form_of)", GEMV_FORMS)
     fp8_weight_bits: bool = knob(
-        False, "with triton_gemv, FP8 weights in the one-row GEMV become float32 by their "
+        True, "with triton_gemv, FP8 weights in the one-row GEMV become float32 by their "
         "bits (sign to bit 31, exponent and mantissa to bits 26..20: the value times "
         "2^-120, subnormals as denormals, the sum scaled back once) instead of the "
         "hardware's FP8 -> float16 -> float32 converts (kernels/weight_cast.py "
         "to_float_times): 5.6 instructions a weight against 4.1, but none on the convert "
-        "pipe; on an H100 a timing hook of it took the 8B FP8 batch-1 step to 3.19 ms from "
-        "3.23 (twice each, session 63). Off until this code's GPU tests have run "
-        "(docs/performance.md)")
+        "pipe; on an H100 the 8B FP8 batch-1 step 3.19 ms against 3.23 (twice each, "
+        "alternated on one machine, session 64; the words form 3.18) (docs/performance.md)")
     gemv_gate_up_activation: bool = knob(
         True, "with triton_gemv, a gated MLP's rows that go to the GEMV (one of 16-bit "
         "weights; those gemv_8bit_max_rows sends of INT8 / FP8 ones) get act(gate) * up "

@@ -385,7 +385,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
 
 
 _form = "floats"  # EngineConfig.gemv_form, set by the runner's set-up
-_fp8_bits = False  # EngineConfig.fp8_weight_bits, set by the runner's set-up
+_fp8_bits = True  # EngineConfig.fp8_weight_bits, set by the runner's set-up
 
 
 def set_fp8_bits(on: bool) -> None:
