@@ -9,7 +9,8 @@ enough to exceed the L2 cache three times over (the sweep's one weight does not)
 the weight as stored (scales included) plus the activations read and written; GB/s as a
 fraction of the copy bandwidth measured in the same run. `--sweep` also times the one-row
 GGUF kernel's launch configurations, `--gemm-sweep` those of the few-row GGUF kernel
-(gguf_gemm.py) at each of `--rows` beside bf16 and the dequantize-then-cuBLAS path
+(gguf_gemm.py) at each of `--rows` beside bf16 and the dequantize-then-cuBLAS path (and, for
+Q4_K on a Hopper GPU with Triton's Gluon, gguf_q4k_wgmma.py at the rule's K split and twice it)
 (`Q4_K-deq`: what the engine ran from two rows up before), weights cycled past L2 as in
 the table. `--gguf-only`: the table's bf16 and GGUF rows alone. `Q4_K-int8x`, `Q6_K-int8x`,
 `Q8_0-int8x` (one row): x rounded to int8 (gguf_q4k_int8x.py, gguf_q6k_int8x.py,
@@ -247,6 +248,18 @@ def gemm_sweep(rows_list: list[int], args: argparse.Namespace, payload: dict) ->
                     timed[label] = us
                     results.append(dict(shape=shape, rows=rows, qtype=name, **config, us=us,
                                         GBps=blocks[0].nbytes / us / 1e3, chosen=config is chosen))
+                if q == Q.Q4_K and kernel.wgmma_available(x.device):
+                    from infer.kernels.gguf_gemm import gemm_words
+                    from infer.kernels.gguf_q4k_wgmma import q4k_wgmma
+
+                    for split in sorted({chosen["split"], 2 * chosen["split"]}):
+                        us = graph_time_us(cycling([partial(q4k_wgmma, x, gemm_words(b, q, k),
+                                                            k, split=split) for b in blocks]),
+                                           replays=5)
+                        timed[f"wgmma split {split}"] = us
+                        results.append(dict(shape=shape, rows=rows, qtype=name,
+                                            kernel="gguf_q4k_wgmma", split=split, us=us,
+                                            GBps=blocks[0].nbytes / us / 1e3))
                 results.append(dict(shape=shape, rows=rows, qtype=name, kernel="deq",
                                     us=timed["deq"]))
                 bf16 = next(r["us"] for r in results if r["shape"] == shape

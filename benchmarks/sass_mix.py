@@ -53,6 +53,7 @@ class Case:
     # (an opcode, how many of it one iteration issues a thread) where ptxas may unroll the
     # loop: the loop's count of that opcode then says how many iterations it holds
     unrolled: tuple[str, int] | None = None
+    gluon: bool = False  # written in Gluon (triton.experimental.gluon)
 
 
 def _cases() -> list[Case]:
@@ -171,6 +172,23 @@ def _cases() -> list[Case]:
                  BLOCK_N=64, IEEE=False),
             ["x_ptr", "q_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_qn"], 64 * 256,
             144 / 256, num_warps=4, note="launch (64 rows of W, one super-block a step)"))
+    # the same through Hopper's async wgmma, the decoded weights its register operand
+    # (gguf_q4k_wgmma.py, Gluon; where this Triton has Gluon's Hopper calls)
+    try:
+        import infer.kernels.gguf_q4k_wgmma  # noqa: F401
+    except (ImportError, AttributeError):
+        pass
+    else:
+        for rows in (16, 32, 64):
+            cases.append(Case(
+                f"gguf_q4k_wgmma ({rows} rows, Gluon)", "gguf_q4k_wgmma:_q4k_wgmma_kernel",
+                dict(x_ptr="*bf16", q_ptr="*i32", y_ptr="*fp32", M=i32, N=i32, K=i32,
+                     stride_xm=i32, stride_qn=i32, stride_ys=i32, stride_ym=i32,
+                     units_per_split=i32, one=i32),
+                dict(BLOCK_M=rows, num_warps=4),
+                ["x_ptr", "q_ptr", "y_ptr", "N", "K", "stride_xm", "stride_qn"], 64 * 256,
+                144 / 256, num_warps=4, gluon=True,
+                note="64 rows of W, one super-block a step, wgmma async"))
     # one row of INT8 weights by dp4a on x's two int8 halves (int8_x16_gemv.py)
     from infer.kernels import int8_x16_gemv
 
@@ -239,6 +257,8 @@ def compile_case(case: Case) -> tuple[str, int | None]:
     if missing:
         raise SystemExit(f"{case.name}: no type for {sorted(missing)}")
     signature = {key: signature[key] for key in names}
+    if case.gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     source = ASTSource(
         fn=fn, signature=signature,
         constexprs={(names.index(k),): v for k, v in case.constexprs.items()},

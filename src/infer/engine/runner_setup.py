@@ -64,7 +64,8 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
     (`fp8_decode_activations`, `fp8_mma_rows`), either operand first there
     (`mma_weight_first`), the int8 tensor cores for INT8 ones (`int8_mma_rows`), dp4a for
     one row of INT8 ones (`int8_x16_gemv`) and for GGUF Q4_K, Q6_K and Q8_0 blocks
-    (`gguf_int8_activations`, x rounded where it is made with `gguf_fused_x_rounding`); on
+    (`gguf_int8_activations`, x rounded where it is made with `gguf_fused_x_rounding`), 2-64
+    rows of Q4_K ones through Hopper's async wgmma with `gguf_q4k_wgmma`; on
     a CPU, INT8 ones through infer's C++ kernel (`cpu_int8_kernel`)."""
     set_cpu_norms(model, config.cpu_norm_kernel)
     triton = kernel_backend == "triton"
@@ -73,11 +74,12 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
     set_gate_up_activation(model, config.gemv_gate_up_activation and config.triton_gemv
                            and triton)
     if triton:
-        from infer.kernels import gemv, rows_mma
+        from infer.kernels import gemv, gguf_matmul, rows_mma
 
         rows_mma.set_weight_first(config.mma_weight_first)
         gemv.set_form(config.gemv_form)
         gemv.set_fp8_bits(config.fp8_weight_bits)
+        gguf_matmul.set_q4k_wgmma(config.gguf_q4k_wgmma)
     fp8_mma = triton and _has_fp8_mma()
     fp8_x = config.fp8_decode_activations and fp8_mma
     if config.fp8_decode_activations and triton and not fp8_x:

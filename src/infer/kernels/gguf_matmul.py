@@ -29,6 +29,8 @@ gguf_gemm.py (the same decoding, then `tl.dot`). Larger M (prefill chunks) is co
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -217,11 +219,39 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: QType, cols: int) ->
         return _matmul(x, data, qtype, cols, **gemv_launch(qtype, data.shape[0], cols, x.device))
     if 1 < x.shape[0] <= GEMM_ROWS and gemm_words(data, qtype, cols) is not None:
         launch = gemm_launch(qtype, x.shape[0], data.shape[0], cols, x.device)
+        if (_q4k_wgmma and qtype == QType.Q4_K and x.dtype == torch.bfloat16
+                and x.stride(1) == 1 and wgmma_available(x.device)):
+            from infer.kernels.gguf_q4k_wgmma import q4k_wgmma
+
+            return q4k_wgmma(x, gemm_words(data, qtype, cols), cols, split=launch["split"])
         return _gemm(x, data, qtype, cols, **launch)
     # Measured on the H100 (4096 x 4096 and 4096 x 14336, bf16; CUDA graphs): 16 rows of W
     # a program, two units a step.
     return _matmul(x, data, qtype, cols, block_n=8 if x.shape[0] == 1 else 16, units=2,
                    split=1)
+
+
+_q4k_wgmma = False  # EngineConfig.gguf_q4k_wgmma, set by the runner's set-up
+
+
+def set_q4k_wgmma(on: bool) -> None:
+    """Whether 2..GEMM_ROWS rows of bfloat16 x by Q4_K blocks take gguf_q4k_wgmma.py (where
+    `wgmma_available`) from now on."""
+    global _q4k_wgmma
+    _q4k_wgmma = on
+
+
+@functools.cache
+def wgmma_available(device: torch.device) -> bool:
+    """Whether gguf_q4k_wgmma.py runs on `device`: a Hopper GPU (compute capability 9.x)
+    and a Triton with Gluon's Hopper calls."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return False
+    try:
+        import infer.kernels.gguf_q4k_wgmma  # noqa: F401
+    except (ImportError, AttributeError):
+        return False
+    return True
 
 
 def _matmul(x: torch.Tensor, data: torch.Tensor, qtype: QType, cols: int, *, block_n: int,

@@ -1,0 +1,186 @@
+"""GGUF Q4_K at 2..64 rows of bfloat16 `x` on Hopper's async wgmma, written in Gluon (Triton's
+dialect with explicit layouts): the decoded weights go to the wgmma as its register operand,
+never through shared memory, and a super-block's wgmma runs while the next one is read and
+decoded. Behind `EngineConfig.gguf_q4k_wgmma` (off until its GPU tests and timing run).
+
+Why (docs/performance.md, session 64): gguf_gemm.py's `tl.dot` stages the decoded tile through
+shared memory (store, barrier, `ldmatrix`) and waits on every wgmma, so each program's steps
+run in series; with 4 programs a multiprocessor (its shared memory) and 0.85 of a wave, the
+8B gate_up at 32 rows issues on 41 % of cycles and reads at 24 % of DRAM bandwidth.
+
+A program owns 64 rows of W (the wgmma's M, one warpgroup of 4 warps) and BLOCK_M rows of x
+(its N). The words of a super-block's nibbles, `[64 rows, 8 g, 4 t]` (word 4g + t), sit in
+a layout of their own (`words_layout`): lane 4 (row % 8) + t, registers row + 8 and g. A word's
+byte e holds weight `k = 64 (g // 2) + 32 h + 16 (g % 2) + 4 t + e` in its nibble h. Each
+word shifted once per byte puts byte e's low nibble at bit 15 and its high one at bit 19;
+or-ed into the bits of 1.0 and one multiply-add later it is `q sc - low` (`_nibble`, as in
+gguf_gemm.py's Q4_K). Joined over e and h and reordered, the thread's values are exactly
+the wgmma A operand's registers for the order `k' = 128 h + 16 g + 8 (e // 2) + 2 t + e % 2`
+(the conversion is asserted free at compile time); x's tile is gathered in that order
+(pairs of e contiguous: 4-byte `cp.async`, three buffers).
+
+Gluon is experimental: Triton 3.6 (the device's) and later versions name some calls
+differently (`_async_load`); importing this module fails on a Triton without Gluon's Hopper
+calls (gguf_matmul.wgmma_available asks).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+# Triton 3.6 names it async_copy_global_to_shared, later versions async_load
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+ONE = 0x3F800000  # 1.0 as float32 bits
+
+
+@gluon.jit
+def _nibble(ws, a, b, one, H: gl.constexpr):
+    """`a f + b` for `f = 1 + q 2^(4H - 8)`, q the nibble at bit 15 + 4H of `ws`."""
+    return ((ws & (0xF << (15 + 4 * H))) | one).to(gl.float32, bitcast=True) * a + b
+
+
+@gluon.jit
+def _scales(head, s0, s1, s2, c, H: gl.constexpr):
+    """The multiply-add's `a`, `b` of sub-block 2c + H for `[64]` header words and `c`
+    `[1, 8]`, as `[64, 8, 1]`: `q sc - low` = `a f + b` for _nibble's f."""
+    head = gl.expand_dims(head, 1)
+    s0 = gl.expand_dims(s0, 1)
+    s1 = gl.expand_dims(s1, 1)
+    s2 = gl.expand_dims(s2, 1)
+    sh = c % 2 * 16
+    sc = gl.where(c < 2, s0 >> sh, ((s2 >> sh) & 0x0F0F) | ((s0 >> (sh + 2)) & 0x3030))
+    mn = gl.where(c < 2, s1 >> sh, ((s2 >> (sh + 4)) & 0x0F0F) | ((s1 >> (sh + 2)) & 0x3030))
+    d = (head & 0xFFFF).to(gl.uint16).to(gl.float16, bitcast=True).to(gl.float32)
+    dmin = (head >> 16).to(gl.uint16).to(gl.float16, bitcast=True).to(gl.float32)
+    a = d * ((sc >> (H * 8)) & 0x3F).to(gl.float32) * (256.0 if H == 0 else 16.0)
+    b = -(a + dmin * ((mn >> (H * 8)) & 0x3F).to(gl.float32))
+    return gl.expand_dims(a, 2), gl.expand_dims(b, 2)
+
+
+@gluon.jit
+def _load_unit(row_ptr, word_off, u):
+    """Super-block u of each row: its header words (`[64]`) and nibble words (`[64, 8, 4]`)."""
+    unit = row_ptr + u * 36
+    head = gl.load(unit).to(gl.uint32, bitcast=True)
+    s0 = gl.load(unit + 1).to(gl.uint32, bitcast=True)
+    s1 = gl.load(unit + 2).to(gl.uint32, bitcast=True)
+    s2 = gl.load(unit + 3).to(gl.uint32, bitcast=True)
+    words = gl.expand_dims(gl.expand_dims(unit + 4, 1), 2) + word_off
+    return head, s0, s1, s2, gl.load(words).to(gl.uint32, bitcast=True)
+
+
+@gluon.jit
+def _q4k_wgmma_kernel(x_ptr, q_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_ys,
+                      stride_ym, units_per_split, one, BLOCK_M: gl.constexpr,
+                      num_warps: gl.constexpr):
+    """Program (n, m, s): rows `64 n..` of W, `BLOCK_M m..` of x, super-blocks
+    `s * units_per_split..` of K, its float32 sums at `y + s * stride_ys`. Rows of W past N
+    read the last row (not stored); rows of x past M load as 0."""
+    BLOCK_N: gl.constexpr = 64
+    words_layout: gl.constexpr = gl.DistributedLinearLayout(  # [row, g, t]
+        reg_bases=[[8, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 8, 4])
+    row_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                 k_width=2)
+    x_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[1, 32],
+                                              warps_per_cta=[4, 1], order=[1, 0])
+    x_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 256], gl.bfloat16)
+
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    pid_s = gl.program_id(2)
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, row_layout))
+    g = gl.arange(0, 8, layout=gl.SliceLayout(0, row_layout))
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_layout)))
+    row_ptr = q_ptr + gl.minimum(pid_n * BLOCK_N + rows, N - 1).to(gl.int64) * stride_qn
+    word_off = gl.expand_dims(gl.expand_dims(4 * g, 0), 2) \
+        + gl.expand_dims(gl.expand_dims(t, 0), 1)
+    c = gl.expand_dims(g // 2, 0)
+    # x's tile [BLOCK_M, 256] in the order k' of the weights' registers
+    kp = gl.arange(0, 256, layout=gl.SliceLayout(0, x_layout))
+    kx = 64 * (kp // 32 % 4) + 32 * (kp // 128) + 16 * (kp // 16 % 2) + 4 * (kp // 2 % 4) \
+        + 2 * (kp // 8 % 2) + kp % 2
+    rm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout))
+    x_rows = x_ptr + gl.expand_dims(rm.to(gl.int64) * stride_xm, 1)
+    x_ok = gl.expand_dims(rm < M, 1)
+    xs = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_M, 256], x_smem)
+
+    u0 = pid_s * units_per_split
+    u1 = gl.minimum(u0 + units_per_split, K // 256)
+    acc = warpgroup_mma_init(gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32,
+                                      layout=acc_layout))
+    a_prev = gl.zeros((BLOCK_N, 256), dtype=gl.bfloat16, layout=a_layout)
+    head, s0, s1, s2, w = _load_unit(row_ptr, word_off, u0)
+    _async_load(xs.index(0), x_rows + gl.expand_dims(u0 * 256 + kx, 0), mask=x_ok)
+    async_copy.commit_group()
+    for u in range(u0, u1):
+        # The next super-block's bytes are asked for now and used in the next iteration;
+        # its x goes to the buffer that the wgmma of two super-blocks back read (waited
+        # for in the last iteration).
+        un = gl.minimum(u + 1, u1 - 1)
+        n_head, n_s0, n_s1, n_s2, n_w = _load_unit(row_ptr, word_off, un)
+        _async_load(xs.index((u + 1) % 3), x_rows + gl.expand_dims(un * 256 + kx, 0),
+                    mask=x_ok)
+        async_copy.commit_group()
+        a0, b0 = _scales(head, s0, s1, s2, c, 0)
+        a1, b1 = _scales(head, s0, s1, s2, c, 1)
+        w0 = w << 15
+        w1 = w << 7
+        w2 = w >> 1
+        w3 = w >> 9
+        low = gl.join(gl.join(_nibble(w0, a0, b0, one, 0), _nibble(w1, a0, b0, one, 0)),
+                      gl.join(_nibble(w2, a0, b0, one, 0), _nibble(w3, a0, b0, one, 0)))
+        high = gl.join(gl.join(_nibble(w0, a1, b1, one, 1), _nibble(w1, a1, b1, one, 1)),
+                       gl.join(_nibble(w2, a1, b1, one, 1), _nibble(w3, a1, b1, one, 1)))
+        # [row, g, t, e % 2, e // 2, h] -> [row, h, g, e // 2, t, e % 2]: k' in order
+        tile = gl.permute(gl.join(low, high), (0, 5, 1, 4, 2, 3))
+        a = gl.convert_layout(gl.reshape(tile, (BLOCK_N, 256)).to(gl.bfloat16), a_layout,
+                              assert_trivial=True)
+        # The last super-block's wgmma ran while this one was read and decoded; its
+        # operands (a_prev, its x buffer) stay untouched until it is done.
+        done, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
+        async_copy.wait_group(1)  # this super-block's x is in
+        fence_async_shared()
+        acc = warpgroup_mma(a, xs.index(u % 3).permute((1, 0)), done, is_async=True)
+        a_prev = a
+        head, s0, s1, s2, w = n_head, n_s0, n_s1, n_s2, n_w
+    acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
+    out_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
+    out_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    y = y_ptr + pid_s * stride_ys + gl.expand_dims(out_m.to(gl.int64) * stride_ym, 0) \
+        + gl.expand_dims(out_n, 1)
+    gl.store(y, acc, mask=gl.expand_dims(out_m < M, 0) & gl.expand_dims(out_n < N, 1))
+
+
+def q4k_wgmma(x: torch.Tensor, words: torch.Tensor, cols: int, *, split: int = 1,
+              block_m: int | None = None) -> torch.Tensor:
+    """`x [M, cols]` (bfloat16, 2..64 rows) times the transpose of the Q4_K weight
+    `words [N, cols / 256 * 36]` (gguf_gemm.gemm_words), K split over `split` programs a
+    row block (their float32 sums added after): `[M, N]` bfloat16."""
+    assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and cols % 256 == 0, (
+        x.dtype, x.stride(), cols)
+    m, n = x.shape[0], words.shape[0]
+    units = cols // 256
+    per_split = triton.cdiv(units, max(1, min(split, units)))
+    split = triton.cdiv(units, per_split)
+    block_m = block_m or min(64, max(16, triton.next_power_of_2(m)))
+    y = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    if m and n:
+        grid = (triton.cdiv(n, 64), triton.cdiv(m, block_m), split)
+        _q4k_wgmma_kernel[grid](x, words, y, m, n, cols, x.stride(0), words.stride(0), m * n,
+                                n, per_split, ONE, BLOCK_M=block_m, num_warps=4)
+    return y.sum(0).to(x.dtype)

@@ -1,0 +1,140 @@
+"""gguf_q4k_wgmma.py: Q4_K at 2..64 rows through Hopper's async wgmma (Gluon).
+
+The kernel itself runs only on a Hopper GPU (`INFER_TEST_DEVICE=cuda` there); on the CPU
+the order it puts the weights in is checked by redoing its decode step by step in torch
+(the same shifts, masks, multiply-adds, joins and permutation, and x's gather index)
+against the `gguf` package's dequantization, and its compile for sm_90 is in
+test_kernels_compile_for_sm90.py (the conversion into the wgmma operand asserted free)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from infer.kernels import triton_available
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from test_gguf_matmul import quantized  # noqa: E402
+
+ONE = 0x3F800000
+
+
+def _float_bits(bits: torch.Tensor) -> torch.Tensor:
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def _decoded_in_register_order(words: np.ndarray, k: int) -> torch.Tensor:
+    """The kernel's decode of `words [N, k / 256 * 36]` (int32), redone in torch: `[N, k]`
+    float32, each super-block's 256 values in the kernel's order k'."""
+    w_all = torch.from_numpy(words.astype(np.int64) & 0xFFFFFFFF)
+    n = w_all.shape[0]
+    g = torch.arange(8)
+    c = (g // 2)[None, :]  # [1, 8]
+    out = []
+    for u in range(k // 256):
+        unit = w_all[:, u * 36:(u + 1) * 36]
+        head, s0, s1, s2 = (unit[:, i:i + 1] for i in range(4))  # [N, 1]
+        w = unit[:, 4:36].reshape(n, 8, 4)  # word 4g + t
+        sh = c % 2 * 16
+        sc = torch.where(c < 2, s0 >> sh, ((s2 >> sh) & 0x0F0F) | ((s0 >> (sh + 2)) & 0x3030))
+        mn = torch.where(c < 2, s1 >> sh,
+                         ((s2 >> (sh + 4)) & 0x0F0F) | ((s1 >> (sh + 2)) & 0x3030))
+        d = torch.from_numpy((head & 0xFFFF).numpy().astype(np.uint16).view(np.float16)).float()
+        dmin = torch.from_numpy((head >> 16).numpy().astype(np.uint16).view(np.float16)).float()
+        halves = []
+        for h in range(2):
+            a = d * ((sc >> (h * 8)) & 0x3F).float() * (256.0 if h == 0 else 16.0)
+            b = -(a + dmin * ((mn >> (h * 8)) & 0x3F).float())
+            a, b = a[:, :, None], b[:, :, None]
+            shifted = [(w << 15) & 0xFFFFFFFF, (w << 7) & 0xFFFFFFFF, w >> 1, w >> 9]
+            f = [_float_bits((s & (0xF << (15 + 4 * h))) | ONE).double() * a.double()
+                 + b.double() for s in shifted]
+            halves.append(torch.stack([torch.stack([f[0], f[1]], -1),
+                                       torch.stack([f[2], f[3]], -1)], -1))
+        tile = torch.stack(halves, -1).permute(0, 5, 1, 4, 2, 3)  # as the kernel's
+        out.append(tile.reshape(n, 256))
+    return torch.cat(out, 1)
+
+
+def _x_order(k: int) -> torch.Tensor:
+    """The kernel's gather of x: column k' of a super-block's tile is x's column kx[k']."""
+    kp = torch.arange(256)
+    kx = 64 * (kp // 32 % 4) + 32 * (kp // 128) + 16 * (kp // 16 % 2) + 4 * (kp // 2 % 4) \
+        + 2 * (kp // 8 % 2) + kp % 2
+    return torch.cat([u * 256 + kx for u in range(k // 256)])
+
+
+def test_the_register_order_is_a_permutation_of_k_that_decodes_like_gguf():
+    n, k = 24, 768
+    raw = quantized(Q.Q4_K, n, k, seed=7)
+    order = _x_order(k)
+    assert sorted(order.tolist()) == list(range(k))
+    want = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q4_K)).double()
+    got = _decoded_in_register_order(raw.view(np.int32), k)
+    # Each value a float32 multiply-add away from the exact one: its error is that
+    # rounding of a number about 128 steps large.
+    scale = want.abs().amax(1, keepdim=True)
+    assert ((got - want[:, order]).abs() / scale).max().item() < 1e-5
+    assert not torch.allclose(got, want, atol=1e-3)  # the order is not k's own
+
+
+def _available() -> bool:
+    if not (torch.cuda.is_available() and triton_available()):
+        return False
+    from infer.kernels.gguf_matmul import wgmma_available
+
+    return wgmma_available(torch.device("cuda"))
+
+
+@pytest.mark.skipif(not _available(), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize(("m", "n", "k", "split"),
+                         [(2, 37, 512, 1), (17, 130, 1024, 2), (32, 64, 768, 3),
+                          (64, 200, 4096, 4), (5, 64, 256, 1)])
+def test_the_kernel_matches_dequantized_matmul(m, n, k, split):
+    from infer.kernels.gguf_gemm import gemm_words
+    from infer.kernels.gguf_q4k_wgmma import q4k_wgmma
+
+    raw = torch.from_numpy(quantized(Q.Q4_K, n, k, seed=m + n + k)).cuda()
+    gen = torch.Generator().manual_seed(m * k)
+    x = (torch.randn(m, k + 64, generator=gen) * 3).to(torch.bfloat16)[:, :k].cuda()
+    ref = x.double() @ torch.from_numpy(
+        gguf.quants.dequantize(raw.cpu().numpy(), Q.Q4_K)).double().cuda().T
+    y = q4k_wgmma(x, gemm_words(raw, Q.Q4_K, k), k, split=split)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n) and torch.isfinite(y).all()
+    error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert error < 2e-2, error
+
+
+@pytest.mark.skipif(not _available(), reason="needs a Hopper GPU and Triton's Gluon")
+def test_gguf_matmul_takes_the_kernel_when_asked(monkeypatch):
+    from infer.kernels import gguf_matmul
+
+    raw = torch.from_numpy(quantized(Q.Q4_K, 64, 512, seed=3)).cuda()
+    x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setattr(gguf_matmul, "_q4k_wgmma", False)
+    off = gguf_matmul.gguf_matmul(x, raw, Q.Q4_K, 512)
+    monkeypatch.setattr(gguf_matmul, "_q4k_wgmma", True)
+    calls = []
+    import infer.kernels.gguf_q4k_wgmma as wgmma
+
+    real = wgmma.q4k_wgmma
+    monkeypatch.setattr(wgmma, "q4k_wgmma", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    on = gguf_matmul.gguf_matmul(x, raw, Q.Q4_K, 512)
+    assert calls == [1]
+    assert (on.float() - off.float()).abs().max() <= 2e-2 * off.float().abs().max()
+
+
+def test_the_knob_is_set_with_each_engines_kernels(monkeypatch):
+    """`gguf_q4k_wgmma`: the runner's set-up of each engine's kernels sets it for
+    gguf_matmul (one built after another does not inherit it)."""
+    import infer.kernels.gguf_matmul as gguf_matmul
+    from infer.engine.config import EngineConfig
+    from infer.engine.runner_setup import set_layer_kernels
+
+    monkeypatch.setattr(gguf_matmul, "_q4k_wgmma", None)
+    for on in (True, False):
+        set_layer_kernels(torch.nn.Linear(2, 2), EngineConfig(model="m", gguf_q4k_wgmma=on),
+                          "triton")
+        assert gguf_matmul._q4k_wgmma is on
