@@ -161,32 +161,30 @@ def _cases() -> list[Case]:
                 stored / unit_k, num_warps=4,
                 note=f"launch ({block_n} rows, {units} units of {unit_k}, 4 warps)"))
     # GGUF Q4_K at 16-64 rows of bf16 x (gguf_gemm.py, its launch's 64 rows of W a program,
-    # one super-block a step), the decoded pieces fed to tl.dot
+    # one super-block a step), the decoded pieces fed to tl.dot; and the same through
+    # Hopper's async wgmma, the decoded weights its register operand (gguf_q4k_wgmma.py,
+    # Gluon; where this Triton has Gluon's Hopper calls)
+    try:
+        import infer.kernels.gguf_q4k_wgmma  # noqa: F401
+        wgmma = True
+    except (ImportError, AttributeError):
+        wgmma = False
+    gemm_args = dict(x_ptr="*bf16", q_ptr="*i32", y_ptr="*fp32", M=i32, N=i32, K=i32,
+                     stride_xm=i32, stride_qn=i32, stride_ys=i32, stride_ym=i32,
+                     units_per_split=i32)
+    aligned = ["x_ptr", "q_ptr", "y_ptr", "N", "K", "stride_xm", "stride_qn"]
     for rows in (16, 32, 64):
         cases.append(Case(
             f"gguf_gemm q4_k ({rows} rows, tensor cores)", "gguf_gemm:_gguf_gemm_kernel",
-            dict(x_ptr="*bf16", q_ptr="*i32", y_ptr="*fp32", M=i32, N=i32, K=i32,
-                 stride_xm=i32, stride_qn=i32, stride_ys=i32, stride_ym=i32,
-                 units_per_split=i32, magic=i32),
+            dict(gemm_args, magic=i32),
             dict(QTYPE=int(QType.Q4_K), UNIT_K=256, UNIT_WORDS=36, UNITS=1, BLOCK_M=rows,
                  BLOCK_N=64, IEEE=False),
-            ["x_ptr", "q_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_qn"], 64 * 256,
-            144 / 256, num_warps=4, note="launch (64 rows of W, one super-block a step)"))
-    # the same through Hopper's async wgmma, the decoded weights its register operand
-    # (gguf_q4k_wgmma.py, Gluon; where this Triton has Gluon's Hopper calls)
-    try:
-        import infer.kernels.gguf_q4k_wgmma  # noqa: F401
-    except (ImportError, AttributeError):
-        pass
-    else:
-        for rows in (16, 32, 64):
+            ["M", *aligned], 64 * 256, 144 / 256, num_warps=4,
+            note="launch (64 rows of W, one super-block a step)"))
+        if wgmma:
             cases.append(Case(
                 f"gguf_q4k_wgmma ({rows} rows, Gluon)", "gguf_q4k_wgmma:_q4k_wgmma_kernel",
-                dict(x_ptr="*bf16", q_ptr="*i32", y_ptr="*fp32", M=i32, N=i32, K=i32,
-                     stride_xm=i32, stride_qn=i32, stride_ys=i32, stride_ym=i32,
-                     units_per_split=i32, one=i32),
-                dict(BLOCK_M=rows, num_warps=4),
-                ["x_ptr", "q_ptr", "y_ptr", "N", "K", "stride_xm", "stride_qn"], 64 * 256,
+                dict(gemm_args, one=i32), dict(BLOCK_M=rows, num_warps=4), aligned, 64 * 256,
                 144 / 256, num_warps=4, gluon=True,
                 note="64 rows of W, one super-block a step, wgmma async"))
     # one row of INT8 weights by dp4a on x's two int8 halves (int8_x16_gemv.py)
