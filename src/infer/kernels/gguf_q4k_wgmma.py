@@ -159,6 +159,7 @@ def _q4k_wgmma_kernel(x_ptr, q_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride
         a_prev = a
         head, s0, s1, s2, w = n_head, n_s0, n_s1, n_s2, n_w
     acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
+    async_copy.wait_group(0)  # the last iteration's copy (of the last super-block again)
     out_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
     out_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     y = y_ptr + pid_s * stride_ys + gl.expand_dims(out_m.to(gl.int64) * stride_ym, 0) \
