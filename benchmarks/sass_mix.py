@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import os
 import re
 import subprocess
@@ -57,6 +58,7 @@ class Case:
 
 
 def _cases() -> list[Case]:
+    import torch
     from gguf import GGMLQuantizationType as QType
 
     from infer.kernels.gemv import default_launch
@@ -187,6 +189,24 @@ def _cases() -> list[Case]:
                 dict(gemm_args, one=i32), dict(BLOCK_M=rows, num_warps=4), aligned, 64 * 256,
                 144 / 256, num_warps=4, gluon=True,
                 note="64 rows of W, one super-block a step, wgmma async"))
+    # 8-bit weights by 8-bit x through Hopper's async wgmma, TMA filling a ring of tiles
+    # (w8_wgmma.py, Gluon): FP8 by FP8, INT8 by x's two int8 halves
+    try:
+        importlib.import_module("infer.kernels.w8_wgmma")
+        w8 = True
+    except (ImportError, AttributeError):
+        w8 = False
+    for name, dtype, rows in (("FP8 x FP8", torch.float8_e4m3fn, 32),
+                              ("INT8 x halves", torch.int8, 32)) if w8 else ():
+        cases.append(Case(
+            f"w8_wgmma {name} ({rows} rows, Gluon)", "w8_wgmma:_w8_wgmma_kernel",
+            dict(w_desc=_tma_type(dtype, [64, 128]), x_desc=_tma_type(dtype, [rows, 128]),
+                 ws_ptr="*fp32", xs_ptr="*fp32", y_ptr="*bf16", part_ptr="*fp32",
+                 counts="*i32", M=i32, N=i32, stride_ym=i32, tiles_per_split=i32, tiles=i32,
+                 splits=i32),
+            dict(INT8=dtype == torch.int8, STAGES=4, num_warps=4),
+            ["ws_ptr", "xs_ptr", "y_ptr", "part_ptr", "N", "stride_ym"], 64 * 128, 1.0,
+            num_warps=4, gluon=True, note="64 channels by 128 of K a tile, 4 stages"))
     # one row of INT8 weights by dp4a on x's two int8 halves (int8_x16_gemv.py)
     from infer.kernels import int8_x16_gemv
 
@@ -239,10 +259,21 @@ def _triton_bin(tool: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
 
 
+def _tma_type(dtype: object, block: list[int]) -> str:
+    """The signature type of a Gluon TMA descriptor of `block` tiles of `dtype` (torch's)."""
+    import torch
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    gl_dtype = {torch.int8: gl.int8, torch.float8_e4m3fn: gl.float8e4nv}[dtype]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+    return mangle_type(TensorDescriptor.from_tensor(torch.zeros(256, 256, dtype=dtype),
+                                                    block, layout))
+
+
 def compile_case(case: Case) -> tuple[str, int | None]:
     """The case's SASS and registers per thread."""
-    import importlib
-
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 

@@ -205,6 +205,13 @@ class EngineConfig:
         "in its own launch. CUDA with kernel_backend triton; on an H200, 8B shape, decode at "
         "batch 8 / 32 / 64: 3.24 / 3.71 / 4.73 ms against 3.57 / 5.35 / 7.35; on an H100 "
         "batch 32 4.16 ms, 1.59x bf16 (docs/performance.md); 0: off")
+    w8_wgmma: bool = knob(
+        False, "on a Hopper GPU, the FP8 by FP8 steps of fp8_mma_rows and the INT8 ones of "
+        "int8_mma_rows go through kernels/w8_wgmma.py (Triton's Gluon dialect: TMA fills a "
+        "ring of tiles, each K tile's wgmma issued asynchronously and only the one before "
+        "waited for) instead of rows_mma.py / int8_x16.py, whose tl.dot waits for every "
+        "wgmma; FP8 sums carried across K tiles in the MMA's own accumulator. Needs a "
+        "Triton with Gluon; off until timed on the device (docs/performance.md)")
     int8_x16_gemv: bool = knob(
         True, "one-row weight-only INT8 steps (batch-1 decode) whose row the RMSNorm made "
         "multiply by dp4a: the norm's launch splits x into two int8 halves of 16-bit fixed "

@@ -171,7 +171,8 @@ def set_triton_gemv(model: nn.Module, on: bool, max_rows: int = 1,
 def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: bool,
                      fp8_mma_rows: int = 0, int8_mma_rows: int = 0,
                      gemv_rows: int = 0, gate_up_rows_apart: bool = False,
-                     cpu_int8_kernel: bool = False, int8_x16_gemv: bool = False) -> None:
+                     cpu_int8_kernel: bool = False, int8_x16_gemv: bool = False,
+                     w8_wgmma: bool = False) -> None:
     """How `model`'s 8-bit layers (projections, LM head) multiply decode-sized steps:
     weight-only INT8 / FP8 on tensor cores up to `tensor_core_rows` rows where they gain
     (`w8a16_matmul.py`'s rule; 0: never) or CUDA cores, up to `gemv_rows` rows scaled per
@@ -179,7 +180,8 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
     before the tensor cores; FP8 ones with x quantized too, FP8 by FP8 (`fp8_activations`),
     and FP8 by FP8 steps of up to `fp8_mma_rows` rows in
     `kernels/rows_mma.py` rather than `torch._scaled_mm`; INT8 ones of 2 to
-    `int8_mma_rows` rows on the int8 tensor cores (`kernels/int8_x16.py`; 0: never), past
+    `int8_mma_rows` rows on the int8 tensor cores (`kernels/int8_x16.py`; 0: never), those
+    two through `kernels/w8_wgmma.py` instead with `w8_wgmma` (a Hopper GPU), past
     `gemv_rows`, and one row made by an RMSNorm by dp4a with `int8_x16_gemv`
     (`kernels/int8_x16_gemv.py`), x split by the norms that make it (`set_x16_norms`); a
     gate_up projection's two rows whose first may be skipped as two one-row GEMV launches
@@ -192,6 +194,7 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
             m.fp8_mma_rows = fp8_mma_rows
             m.int8_mma_rows = int8_mma_rows
             m.int8_x16_gemv = int8_x16_gemv
+            m.w8_wgmma = w8_wgmma
             m.w8a16_gemv_rows = gemv_rows
             m.gate_up_rows_apart = gate_up_rows_apart
             m.cpu_int8_kernel = cpu_int8_kernel

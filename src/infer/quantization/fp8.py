@@ -95,7 +95,12 @@ class Fp8LinearMethod(LinearMethod):
             from infer.kernels.fp8_quant import fp8_quantize_rows
 
             xq, x_scale = fp8_quantize_rows(x2.contiguous())
-            if fp8_at_decode or 0 < len(x2) <= getattr(layer, "fp8_mma_rows", 0):
+            mma_rows = 0 < len(x2) <= getattr(layer, "fp8_mma_rows", 0)
+            if mma_rows and getattr(layer, "w8_wgmma", False) and x2.shape[1] % 16 == 0:
+                from infer.kernels.w8_wgmma import w8_wgmma
+
+                y = w8_wgmma(xq, x_scale, layer.weight, layer.weight_scale, out_dtype)
+            elif fp8_at_decode or mma_rows:
                 from infer.kernels.rows_mma import fp8_x_launch, rows_mma
 
                 y = rows_mma(xq, layer.weight, layer.weight_scale, x_scale=x_scale,
