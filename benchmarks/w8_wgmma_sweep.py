@@ -1,11 +1,14 @@
-"""The Gluon wgmma kernel for 8-bit weights times 8-bit x (`kernels/w8_wgmma.py`) on the
-Llama-3.1-8B projection shapes at decode-sized rows, beside what the engine runs there
-today: bf16 `F.linear` (cuBLAS), FP8 weights by FP8 x through `rows_mma` (`fp8_mma_rows`) and
+"""The Gluon wgmma kernels for 8-bit weights on the Llama-3.1-8B projection shapes at
+decode-sized rows: `kernels/w8_wgmma.py` (8-bit by 8-bit x) and, for FP8,
+`kernels/fp8_wgmma.py` (FP8 weights by bfloat16 x, weight-only; its K splits timed too),
+beside what the engine runs there today: bf16 `F.linear` (cuBLAS), at one or two rows the
+GEMV (`gemv.py`), FP8 weights by FP8 x through `rows_mma` (`fp8_mma_rows`) and
 `torch._scaled_mm`, INT8 weights by x's int8 halves through `int8_x16_matmul`. x is
-quantized once, outside the timed calls, for every 8-bit path alike (the engine quantizes
-once per layer input). The kernel's default launch and a grid of launches (channels a
-program, ring stages, K slices) are timed; each case against the reference path's output
-(largest difference over the output's scale).
+quantized once, outside the timed calls, for every 8-bit by 8-bit path alike (the engine
+quantizes once per layer input). w8_wgmma's default launch and a grid of launches (channels
+a program, ring stages, K slices) are timed; each case against the reference path's output
+(largest difference over the output's scale; fp8_wgmma's against float32 of the same
+weights and x).
 
 Timing as quantized_gemv.py: each case captured in a CUDA graph whose calls take copies of
 the weight in turn (past the L2 cache), the median replay per call; % copy = the weight's
@@ -48,6 +51,14 @@ def _fp8_rows_mma(rows_mma, xq, xs, scale, launch, w):
     return rows_mma(xq, w, scale, x_scale=xs, out_dtype=torch.bfloat16, **launch)
 
 
+def _gemv(w8a16_matmul, x, scale, w):
+    return w8a16_matmul(x, w, scale, gemv_rows=2)
+
+
+def _fp8_wgmma(fp8_wgmma, x, scale, splits, w):
+    return fp8_wgmma(x, w, scale, splits=splits)
+
+
 def _scaled_mm(xq, xs, scale, w):
     return torch._scaled_mm(xq, w.t(), scale_a=xs[:, None], scale_b=scale[None, :],
                             out_dtype=torch.bfloat16)
@@ -64,9 +75,12 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("w8_wgmma_sweep.py times CUDA kernels: no GPU here")
     from infer.kernels.fp8_quant import fp8_quantize_rows
+    from infer.kernels.fp8_wgmma import default_launch as fp8_launch
+    from infer.kernels.fp8_wgmma import fp8_wgmma
     from infer.kernels.int8_x16 import int8_x16_matmul, split_rows
     from infer.kernels.rows_mma import fp8_x_launch, rows_mma
     from infer.kernels.w8_wgmma import default_launch, w8_wgmma
+    from infer.kernels.w8a16_matmul import w8a16_matmul
 
     ceil = common.ceilings()
     copy_gbs = ceil["copy_GBps"]
@@ -106,6 +120,22 @@ def main() -> None:
                 row["engine_us"] = cycled(ref, weights)
                 row["engine"] = "rows_mma fp8 x fp8"
                 row["scaled_mm_us"] = cycled(scaled_mm, weights)
+            if rows <= 2:
+                row["gemv_us"] = cycled(partial(_gemv, w8a16_matmul, x, scale), weights)
+            if not int8:  # weight-only: x as it is
+                exact = (x.float() @ (weights[0].float() * scale[:, None]).T)
+                chosen_splits = fp8_launch(n, k, rows, x.device)["splits"]
+                for splits in sorted({chosen_splits, 1, 2, 4, 8}):
+                    fn = partial(_fp8_wgmma, fp8_wgmma, x, scale, splits)
+                    us = cycled(fn, weights)
+                    err = ((fn(weights[0]).float() - exact).abs().max()
+                           / exact.abs().max()).item()
+                    sweep.append(dict(shape=shape, rows=rows, dtype="fp8 by bf16",
+                                      splits=splits, us=us, frac_copy=frac(us), err=err))
+                    if splits == chosen_splits:
+                        row.update(w16_us=us, w16_frac=frac(us), w16_err=err)
+                    if us < row.get("w16_best_us", float("inf")):
+                        row.update(w16_best_us=us, w16_best_splits=splits)
             want = ref(weights[0]).float()
             chosen = default_launch(n, k, x.device)
             launches = [chosen] + ([] if args.no_grid else
@@ -140,7 +170,10 @@ def main() -> None:
                        [("shape", "shape", ""), ("rows", "rows", ""), ("dtype", "dtype", ""),
                         ("bf16 us", "bf16_us", ".1f"), ("engine", "engine", ""),
                         ("engine us", "engine_us", ".1f"), ("%copy", "engine_frac", ".0%"),
-                        ("_scaled_mm us", "scaled_mm_us", ".1f"),
+                        ("_scaled_mm us", "scaled_mm_us", ".1f"), ("gemv us", "gemv_us", ".1f"),
+                        ("fp8 x bf16 us", "w16_us", ".1f"), ("%copy", "w16_frac", ".0%"),
+                        ("err", "w16_err", ".1e"), ("best", "w16_best_us", ".1f"),
+                        ("splits", "w16_best_splits", ""),
                         ("wgmma us", "wgmma_us", ".1f"), ("%copy", "wgmma_frac", ".0%"),
                         ("err", "wgmma_err", ".1e"), ("best us", "best_us", ".1f"),
                         ("%copy", "best_frac", ".0%"), ("best", "best", "")])

@@ -205,6 +205,15 @@ class EngineConfig:
         "in its own launch. CUDA with kernel_backend triton; on an H200, 8B shape, decode at "
         "batch 8 / 32 / 64: 3.24 / 3.71 / 4.73 ms against 3.57 / 5.35 / 7.35; on an H100 "
         "batch 32 4.16 ms, 1.59x bf16 (docs/performance.md); 0: off")
+    fp8_wgmma_rows: int = knob(
+        0, "FP8 layers' steps of 1 to this many rows (at most 64) multiply the FP8 weights by "
+        "x as it is (bfloat16, not rounded to FP8) on Hopper's tensor cores through "
+        "kernels/fp8_wgmma.py (Triton's Gluon dialect: each weight made a bfloat16 in "
+        "registers by its bits, two instructions a weight, and fed to the async wgmma as its "
+        "register operand) instead of the GEMV (3.4 against 5.6 instructions a weight "
+        "compiled for sm_90), the W8A16 kernel or rows_mma's FP8 x FP8; a gated MLP's "
+        "activation then in its own launch. Needs a Hopper GPU and a Triton with Gluon; 0: "
+        "off until timed on the device (docs/performance.md)")
     w8_wgmma: bool = knob(
         False, "on a Hopper GPU, the FP8 by FP8 steps of fp8_mma_rows and the INT8 ones of "
         "int8_mma_rows go through kernels/w8_wgmma.py (Triton's Gluon dialect: TMA fills a "
@@ -425,6 +434,9 @@ class EngineConfig:
         if not 0 <= self.fp8_mma_rows <= 64:
             raise ValueError(f"fp8_mma_rows must be in [0, 64] (kernels/rows_mma.py "
                              f"MAX_ROWS), got {self.fp8_mma_rows}")
+        if not 0 <= self.fp8_wgmma_rows <= 64:
+            raise ValueError(f"fp8_wgmma_rows must be in [0, 64] (kernels/fp8_wgmma.py "
+                             f"MAX_ROWS), got {self.fp8_wgmma_rows}")
         if not 0 <= self.int8_mma_rows <= 64:
             raise ValueError(f"int8_mma_rows must be in [0, 64] (kernels/int8_x16.py "
                              f"MAX_ROWS), got {self.int8_mma_rows}")

@@ -63,7 +63,8 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
     (`w8a16_tensor_cores`, `w8a16_tensor_core_rows`), FP8 by FP8 in infer's kernel for FP8 ones
     (`fp8_decode_activations`, `fp8_mma_rows`), either operand first there
     (`mma_weight_first`), the int8 tensor cores for INT8 ones (`int8_mma_rows`), both
-    through the Gluon wgmma kernel on Hopper with `w8_wgmma`, dp4a for
+    through the Gluon wgmma kernel on Hopper with `w8_wgmma`, FP8 ones by bfloat16 x through
+    another up to `fp8_wgmma_rows` rows, dp4a for
     one row of INT8 ones (`int8_x16_gemv`) and for GGUF Q4_K, Q6_K and Q8_0 blocks
     (`gguf_int8_activations`, x rounded where it is made with `gguf_fused_x_rounding`), 2-64
     rows of Q4_K ones through Hopper's async wgmma with `gguf_q4k_wgmma`; on
@@ -88,14 +89,16 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
                     "capability 8.9+); left off")
     fp8_rows = config.fp8_mma_rows if fp8_mma else 0
     tensor_cores = config.w8a16_tensor_cores and triton
-    w8_wgmma = config.w8_wgmma and triton and _has_gluon_hopper()
-    if config.w8_wgmma and triton and not w8_wgmma:
-        log.warning("w8_wgmma needs a Hopper GPU and a Triton with Gluon; left off")
+    gluon = triton and (config.w8_wgmma or config.fp8_wgmma_rows > 0) and _has_gluon_hopper()
+    if triton and (config.w8_wgmma or config.fp8_wgmma_rows > 0) and not gluon:
+        log.warning("w8_wgmma and fp8_wgmma_rows need a Hopper GPU and a Triton with Gluon; "
+                    "left off")
     set_8bit_kernels(model, config.w8a16_tensor_core_rows if tensor_cores else 0, fp8_x,
                      fp8_rows, config.int8_mma_rows if triton else 0,
                      config.gemv_8bit_max_rows if config.triton_gemv and triton else 0,
                      config.gate_up_rows_apart, config.cpu_int8_kernel,
-                     config.int8_x16_gemv and triton, w8_wgmma)
+                     config.int8_x16_gemv and triton, config.w8_wgmma and gluon,
+                     config.fp8_wgmma_rows if gluon else 0)
     set_gguf_int8_activations(model, config.gguf_int8_activations and triton,
                               config.gguf_fused_x_rounding)
 
@@ -113,11 +116,12 @@ def set_decode_combine(at_once: bool) -> None:
 
 
 def _has_gluon_hopper() -> bool:
-    """A Hopper GPU and a Triton whose Gluon has the calls kernels/w8_wgmma.py makes."""
+    """A Hopper GPU and a Triton whose Gluon has the calls kernels/w8_wgmma.py and
+    kernels/fp8_wgmma.py make."""
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
         return False
     try:
-        import infer.kernels.w8_wgmma  # noqa: F401
+        import infer.kernels.fp8_wgmma  # noqa: F401 (imports w8_wgmma too)
     except (ImportError, AttributeError):
         return False
     return True

@@ -19,8 +19,7 @@ waits only for the one before it, whose ring slot then takes the tile STAGES - 1
 
 A program owns BLOCK_N channels (the wgmma's M: one warpgroup of 4 warps at 64, two
 repetitions at 128) and one of `splits` K slices; the last program of a channel block to
-finish adds the slices' float32 parts (`split_k.py`'s scheme, written out here: Gluon
-kernels cannot call Triton ones), scales and stores them.
+finish adds the slices' float32 parts, scales and stores them (`store_sums`).
 
 Gluon is experimental: importing this module fails on a Triton without Gluon's Hopper
 calls (`available` asks).
@@ -130,9 +129,23 @@ def _w8_wgmma_kernel(w_desc, x_desc, ws_ptr, xs_ptr, y_ptr, part_ptr, counts, M,
 
     rn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
+    xs = gl.load(xs_ptr + rm, mask=rm < M, other=0.0)
+    store_sums(total, gl.expand_dims(xs, 0), rn, rm, ws_ptr, y_ptr, part_ptr, counts, pid_n,
+               pid_s, splits, M, N, stride_ym)
+
+
+@gluon.jit
+def store_sums(total, row_scale, rn, rm, ws_ptr, y_ptr, part_ptr, counts, pid_n, pid_s,
+               splits, M, N, stride_ym):
+    """Store a program's float32 sums `total [channels rn, rows rm]` of one K slice of
+    `splits`: with one slice scaled (channel scales at ws_ptr, times `row_scale`) and
+    stored at `y [M, N]`; with more, stored as the slice's part of `[splits, M, N]` at
+    part_ptr, the program counting in last on its channel block's counter adding every
+    part, storing so, and setting the counter back to 0 (`split_k.py`'s scheme, written
+    out: Gluon kernels cannot call Triton ones)."""
     mask = gl.expand_dims(rm < M, 0) & gl.expand_dims(rn < N, 1)
     last = splits == 1
-    if splits > 1:  # this slice's part stored; the program counting in last adds them all
+    if splits > 1:
         parts = part_ptr + gl.expand_dims(rm * N, 0) + gl.expand_dims(rn, 1)
         gl.store(parts + pid_s * M * N, total, mask=mask)
         _barrier()  # every thread's part stored before the count releases them
@@ -145,8 +158,7 @@ def _w8_wgmma_kernel(w_desc, x_desc, ws_ptr, xs_ptr, y_ptr, part_ptr, counts, M,
             gl.atomic_xchg(counts + pid_n, 0, sem="relaxed")
     if last:
         ws = gl.load(ws_ptr + rn, mask=rn < N, other=0.0).to(gl.float32)
-        xs = gl.load(xs_ptr + rm, mask=rm < M, other=0.0)
-        total = total * gl.expand_dims(ws, 1) * gl.expand_dims(xs, 0)
+        total = total * gl.expand_dims(ws, 1) * row_scale
         y = y_ptr + gl.expand_dims(rm.to(gl.int64) * stride_ym, 0) + gl.expand_dims(rn, 1)
         gl.store(y, total.to(y_ptr.dtype.element_ty), mask=mask)
 

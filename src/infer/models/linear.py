@@ -172,7 +172,7 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
                      fp8_mma_rows: int = 0, int8_mma_rows: int = 0,
                      gemv_rows: int = 0, gate_up_rows_apart: bool = False,
                      cpu_int8_kernel: bool = False, int8_x16_gemv: bool = False,
-                     w8_wgmma: bool = False) -> None:
+                     w8_wgmma: bool = False, fp8_wgmma_rows: int = 0) -> None:
     """How `model`'s 8-bit layers (projections, LM head) multiply decode-sized steps:
     weight-only INT8 / FP8 on tensor cores up to `tensor_core_rows` rows where they gain
     (`w8a16_matmul.py`'s rule; 0: never) or CUDA cores, up to `gemv_rows` rows scaled per
@@ -181,7 +181,8 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
     and FP8 by FP8 steps of up to `fp8_mma_rows` rows in
     `kernels/rows_mma.py` rather than `torch._scaled_mm`; INT8 ones of 2 to
     `int8_mma_rows` rows on the int8 tensor cores (`kernels/int8_x16.py`; 0: never), those
-    two through `kernels/w8_wgmma.py` instead with `w8_wgmma` (a Hopper GPU), past
+    two through `kernels/w8_wgmma.py` instead with `w8_wgmma` (a Hopper GPU), FP8 ones of
+    up to `fp8_wgmma_rows` rows by x as it is through `kernels/fp8_wgmma.py`, past
     `gemv_rows`, and one row made by an RMSNorm by dp4a with `int8_x16_gemv`
     (`kernels/int8_x16_gemv.py`), x split by the norms that make it (`set_x16_norms`); a
     gate_up projection's two rows whose first may be skipped as two one-row GEMV launches
@@ -195,6 +196,7 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
             m.int8_mma_rows = int8_mma_rows
             m.int8_x16_gemv = int8_x16_gemv
             m.w8_wgmma = w8_wgmma
+            m.fp8_wgmma_rows = fp8_wgmma_rows
             m.w8a16_gemv_rows = gemv_rows
             m.gate_up_rows_apart = gate_up_rows_apart
             m.cpu_int8_kernel = cpu_int8_kernel

@@ -12,7 +12,10 @@ step). Larger steps, and the CPU, quantize the activations too, one scale per to
 and per-column weight scales, float32 in the product): Hopper's FP8 tensor cores run it at
 twice the bfloat16 rate. On CUDA, FP8 by FP8 steps of up to `EngineConfig.fp8_mma_rows`
 rows, and decode-sized ones with `fp8_decode_activations`, multiply in infer's FP8 x FP8
-tensor-core kernel (`kernels/rows_mma.py` with `x_scale`) instead.
+tensor-core kernel (`kernels/rows_mma.py` with `x_scale`) instead. With
+`EngineConfig.fp8_wgmma_rows` on a Hopper GPU, steps of up to that many bfloat16 rows multiply
+the FP8 weights by x as it is on the tensor cores (`kernels/fp8_wgmma.py`) instead of all
+these.
 """
 
 from __future__ import annotations
@@ -82,6 +85,12 @@ class Fp8LinearMethod(LinearMethod):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         out_dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
+        if _to_fp8_wgmma(layer, x2):
+            from infer.kernels.fp8_wgmma import fp8_wgmma
+
+            y = fp8_wgmma(x2, layer.weight, layer.weight_scale)
+            y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
+            return y if bias is None else y + bias
         tensor_core_rows = getattr(layer, "w8a16_tensor_core_rows", 0)
         weight_only = reads_weight_only(x2, tensor_core_rows)
         fp8_at_decode = weight_only and getattr(layer, "fp8_decode_activations", False)
@@ -116,6 +125,7 @@ class Fp8LinearMethod(LinearMethod):
                       bias: torch.Tensor | None) -> torch.Tensor | None:
         x2 = x.reshape(-1, x.shape[-1])
         if (bias is not None or getattr(layer, "fp8_decode_activations", False)
+                or _to_fp8_wgmma(layer, x2)
                 or not reads_weight_only(x2, getattr(layer, "w8a16_tensor_core_rows", 0))):
             return None
         from infer.kernels.w8a16_matmul import gate_up_gemv
@@ -124,6 +134,15 @@ class Fp8LinearMethod(LinearMethod):
                          getattr(layer, "w8a16_gemv_rows", 0),
                          getattr(layer, "gate_up_rows_apart", False))
         return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _to_fp8_wgmma(layer: nn.Module, x2: torch.Tensor) -> bool:
+    """Whether a step of rows `x2` goes to kernels/fp8_wgmma.py: bfloat16 rows on CUDA, up
+    to the layer's `fp8_wgmma_rows` (set where the GPU is a Hopper with Gluon), contiguous
+    and 4-byte aligned (the kernel reads them in pairs)."""
+    return (x2.is_cuda and 0 < len(x2) <= getattr(layer, "fp8_wgmma_rows", 0)
+            and x2.dtype == torch.bfloat16 and x2.shape[1] % 4 == 0
+            and x2.is_contiguous() and x2.data_ptr() % 4 == 0)
 
 
 def _scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, layer: nn.Module,
