@@ -205,8 +205,9 @@ def _cases() -> list[Case]:
                  counts="*i32", M=i32, N=i32, stride_ym=i32, tiles_per_split=i32, tiles=i32,
                  splits=i32),
             dict(INT8=dtype == torch.int8, STAGES=4, num_warps=4),
-            ["ws_ptr", "xs_ptr", "y_ptr", "part_ptr", "N", "stride_ym"], 64 * 128, 1.0,
-            num_warps=4, gluon=True, note="64 channels by 128 of K a tile, 4 stages"))
+            ["ws_ptr", "xs_ptr", "y_ptr", "part_ptr", "N", "stride_ym"],
+            64 * 128 * (1 if dtype == torch.int8 else 2), 1.0, num_warps=4, gluon=True,
+            note="64 channels by 128 of K a tile (FP8: two a loop), 4 stages"))
     # FP8 weights by bfloat16 x, each weight made a bfloat16 in registers by its bits and
     # fed to Hopper's async wgmma as its register operand (fp8_wgmma.py, Gluon)
     for rows in (8, 32) if w8 else ():

@@ -42,8 +42,8 @@ def test_fp8_by_fp8_matches_float64(m, n, k, splits):
     xq, x_scale = fp8_quantize_rows(x)
     want = (xq.double() * x_scale.double()[:, None]) @ (w.double() * scale.double()[:, None]).T
     got = w8_wgmma(xq, x_scale, w, scale, torch.float32, **_launch(splits))
-    # Hopper's FP8 MMA keeps ~14 bits of its running sum (the docstring): well under 1e-3
-    # of the sum of |products|.
+    # Hopper's FP8 MMA keeps ~14 bits of its running sum within a K tile (the docstring),
+    # the tiles added in float32: well under 1e-3 of the sum of |products|.
     bound = (xq.double().abs() * x_scale.double()[:, None]) @ \
         (w.double().abs() * scale.double()[:, None]).T
     assert ((got.double() - want).abs() <= 1e-3 * bound + 1e-6).all()

@@ -219,7 +219,7 @@ class EngineConfig:
         "int8_mma_rows go through kernels/w8_wgmma.py (Triton's Gluon dialect: TMA fills a "
         "ring of tiles, each K tile's wgmma issued asynchronously and only the one before "
         "waited for) instead of rows_mma.py / int8_x16.py, whose tl.dot waits for every "
-        "wgmma; FP8 sums carried across K tiles in the MMA's own accumulator. Needs a "
+        "wgmma; each FP8 tile's sums added in float32, two tiles in flight. Needs a "
         "Triton with Gluon; off until timed on the device (docs/performance.md)")
     int8_x16_gemv: bool = knob(
         True, "one-row weight-only INT8 steps (batch-1 decode) whose row the RMSNorm made "

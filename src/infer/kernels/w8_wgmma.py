@@ -3,10 +3,9 @@ dialect with explicit layouts and barriers): `y [M, N] = x [M, K] @ (w [N, K] *
 scale[:, None])^T` for M up to 64, with x given quantized as the Triton kernels take it:
 
 - FP8 by FP8: x in e4m3 with a scale a row (`fp8_quant.fp8_quantize_rows`), as `rows_mma`'s
-  FP8 x FP8 mode, but its sums carried across K tiles inside the MMA (Hopper's FP8 MMA keeps
-  fewer bits than float32 there, ~2^-14 of the running sum a step, far below x's rounding
-  to e4m3, 2^-4 of each value; `rows_mma` adds each tile's sums in float32, which makes
-  every wgmma wait);
+  FP8 x FP8 mode; each K tile's sums added in float32 (Hopper's FP8 MMA keeps ~14 bits of
+  its running sum, which over 4096 of K drifts by up to ~2 % where it is left to sum them
+  all), the tiles a pair at a time;
 - INT8 by x's two int8 halves (`int8_x16.split_rows`: `x ~ s (256 hi + lo)`), as
   `int8_x16_matmul`: two wgmmas a K tile, int32 sums, exact.
 
@@ -14,8 +13,10 @@ Why (docs/performance.md, sessions 24 and 64): the `tl.dot` kernels at 32 rows w
 wgmma group before the next (`WARPGROUP.DEPBAR` 0 twice a K step in `int8_x16_matmul`) with
 one or two programs a multiprocessor, so nothing else runs while it waits: the 8B o
 projection read at 44 % of DRAM bandwidth. Here TMA fills a ring of STAGES shared-memory
-tiles, each signalling an mbarrier; a tile's wgmma is issued asynchronously and the program
-waits only for the one before it, whose ring slot then takes the tile STAGES - 1 ahead.
+tiles, each signalling an mbarrier, and keeps STAGES - 1 tiles in flight whatever the
+wgmmas do; a tile's wgmma is issued asynchronously and waited for only once the next one is
+issued (INT8: the tile before's, each iteration; FP8: the pair's first, then its second),
+and a slot takes the tile STAGES - 1 ahead as soon as its wgmma is done.
 
 A program owns BLOCK_N channels (the wgmma's M: one warpgroup of 4 warps at 64, two
 repetitions at 128) and one of `splits` K slices; the last program of a channel block to
@@ -66,6 +67,29 @@ def _load_tile(w_desc, x_desc, w_slot, x_slot, lo_slot, bar, n0, k, M, pred,
 
 
 @gluon.jit
+def _tile_sums(w_ring, x_ring, bars, i, valid, acc, STAGES: gl.constexpr):
+    """Issue tile i's wgmma (async) into `acc`, its old sums not used, once the tile is in
+    (not waited for where not `valid`)."""
+    slot = i % STAGES
+    mbarrier.wait(bars.index(slot), (i // STAGES) & 1, pred=valid)
+    return warpgroup_mma(w_ring.index(slot), x_ring.index(slot).permute((1, 0)), acc,
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _refill(w_desc, x_desc, w_ring, x_ring, lo_ring, bars, n0, t0, i, count, M,
+            STAGES: gl.constexpr, INT8: gl.constexpr):
+    """Tile i - 1's wgmma done: ask for tile i + STAGES - 1 (if any) into the ring slot tile
+    i - 1 read."""
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    nxt = i + STAGES - 1
+    refill = nxt % STAGES
+    _load_tile(w_desc, x_desc, w_ring.index(refill), x_ring.index(refill),
+               lo_ring.index(refill if INT8 else 0), bars.index(refill), n0,
+               (t0 + nxt) * BLOCK_K, M, nxt < count, INT8)
+
+
+@gluon.jit
 def _w8_wgmma_kernel(w_desc, x_desc, ws_ptr, xs_ptr, y_ptr, part_ptr, counts, M, N,
                      stride_ym, tiles_per_split, tiles, splits, INT8: gl.constexpr,
                      STAGES: gl.constexpr, num_warps: gl.constexpr):
@@ -100,30 +124,41 @@ def _w8_wgmma_kernel(w_desc, x_desc, ws_ptr, xs_ptr, y_ptr, part_ptr, counts, M,
                    (t0 + i) * BLOCK_K, M, i < count, INT8)
 
     zeros = gl.zeros((BLOCK_N, BLOCK_M), dtype=acc_type, layout=acc_layout)
-    acc = zeros
-    acc_lo = zeros
-    for i in range(count):
-        slot = i % STAGES
-        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-        w_tile = w_ring.index(slot)
-        acc = warpgroup_mma(w_tile, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
-        if INT8:
+    if INT8:  # int32 sums, exact: one chain of wgmmas a half
+        acc = zeros
+        acc_lo = zeros
+        for i in range(count):
+            slot = i % STAGES
+            mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+            w_tile = w_ring.index(slot)
+            acc = warpgroup_mma(w_tile, x_ring.index(slot).permute((1, 0)), acc,
+                                is_async=True)
             acc_lo = warpgroup_mma(w_tile, lo_ring.index(slot).permute((1, 0)), acc_lo,
                                    is_async=True)
             # the tile before's wgmmas are done: its ring slot is free
             acc, acc_lo = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_lo))
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        nxt = i + STAGES - 1
-        refill = nxt % STAGES
-        _load_tile(w_desc, x_desc, w_ring.index(refill), x_ring.index(refill),
-                   lo_ring.index(refill if INT8 else 0), bars.index(refill), n0,
-                   (t0 + nxt) * BLOCK_K, M, nxt < count, INT8)
-    if INT8:
+            _refill(w_desc, x_desc, w_ring, x_ring, lo_ring, bars, n0, t0, i, count, M,
+                    STAGES, INT8)
         acc, acc_lo = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_lo))
         total = acc.to(gl.float32) * 256.0 + acc_lo.to(gl.float32)
     else:
-        total = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        # Each tile's sums in a fresh accumulator, added in float32 once done: a pair of
+        # tiles an iteration, the second's wgmma running while the first's sums are added;
+        # none runs across iterations (ptxas serializes every wgmma where a register of one
+        # in flight there is read or copied: advisory C7514). An odd count's last, missing
+        # tile is multiplied from a stale slot and not added.
+        total = zeros
+        for i in range(0, count, 2):
+            acc_a = _tile_sums(w_ring, x_ring, bars, i, True, zeros, STAGES)
+            _refill(w_desc, x_desc, w_ring, x_ring, lo_ring, bars, n0, t0, i, count, M,
+                    STAGES, INT8)
+            acc_b = _tile_sums(w_ring, x_ring, bars, i + 1, i + 1 < count, zeros, STAGES)
+            acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
+            total += acc_a
+            _refill(w_desc, x_desc, w_ring, x_ring, lo_ring, bars, n0, t0, i + 1, count, M,
+                    STAGES, INT8)
+            acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b,))
+            total += gl.where(i + 1 < count, acc_b, 0.0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
@@ -194,6 +229,7 @@ def w8_wgmma(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     assert k % 16 == 0, "TMA needs 16-byte rows"
     launch = launch or default_launch(n, k, xq.device)
     block_n, block_k, stages = launch["block_n"], launch["block_k"], launch["stages"]
+    assert stages >= 3, "an odd count's stale slot must not be one a load is filling"
     block_m = min(64, max(8, triton.next_power_of_2(m)))
     y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     tiles = triton.cdiv(k, block_k)
