@@ -124,7 +124,7 @@ def main() -> None:
                 row["gemv_us"] = cycled(partial(_gemv, w8a16_matmul, x, scale), weights)
             if not int8:  # weight-only: x as it is
                 exact = (x.float() @ (weights[0].float() * scale[:, None]).T)
-                chosen_splits = fp8_launch(n, k, rows, x.device)["splits"]
+                chosen_splits = fp8_launch(n, k, x.device)["splits"]
                 for splits in sorted({chosen_splits, 1, 2, 4, 8}):
                     fn = partial(_fp8_wgmma, fp8_wgmma, x, scale, splits)
                     us = cycled(fn, weights)

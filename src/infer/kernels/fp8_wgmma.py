@@ -12,7 +12,7 @@ wgmma as its register operand; the tensor cores do the multiply-adds.
 A program owns 64 channels (the wgmma's M, one warpgroup) and BLOCK_M rows of x (its N, at
 least 8: rows past M load as 0), and one of `splits` K slices, 128 of K a step. Each thread
 loads 32 contiguous bytes of each of its two rows a step (rows `g` and `g + 8` of its warp's
-16, `g` the lane's quarter; `t` = lane % 4 picks the 32 bytes); byte `j = 4 s + 2 h + e` of
+16, `g` = lane // 4; `t` = lane % 4 picks the 32 bytes); byte `j = 4 s + 2 h + e` of
 them, at `k = 32 t + j`, is the wgmma operand's element at `k' = 16 s + 8 h + 2 t + e`, so a
 reshape and permutation of the converted tile is the operand's layout (asserted free at
 compile time) and x is gathered into the order k' (pairs of e contiguous: 4-byte `cp.async`,
@@ -163,7 +163,7 @@ def _load_x(buffer, x_rows, kx, k0, K, x_ok, EVEN_K: gl.constexpr):
         _async_load(buffer, at, mask=x_ok & gl.expand_dims(k0 + kx < K, 0))
 
 
-def default_launch(n: int, k: int, m: int, device: torch.device) -> dict[str, int]:
+def default_launch(n: int, k: int, device: torch.device) -> dict[str, int]:
     """K split so that the launch has about two programs per multiprocessor (not yet
     swept: `benchmarks/w8_wgmma_sweep.py`)."""
     from infer.kernels import sm_count
@@ -184,7 +184,7 @@ def fp8_wgmma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
     assert k % 4 == 0 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0, "x in 4-byte pairs"
     assert weight.dtype == torch.float8_e4m3fn and weight.is_contiguous() \
         and weight.shape[1] == k and scale.shape == (n,), (weight.shape, scale.shape)
-    splits = splits or default_launch(n, k, m, x.device)["splits"]
+    splits = splits or default_launch(n, k, x.device)["splits"]
     steps = triton.cdiv(k, BLOCK_K)
     per_split = triton.cdiv(steps, min(splits, steps))
     splits = triton.cdiv(steps, per_split)
