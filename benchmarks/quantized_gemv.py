@@ -209,6 +209,7 @@ def gemm_sweep(rows_list: list[int], args: argparse.Namespace, payload: dict) ->
     from gguf import GGMLQuantizationType as Q
 
     from infer.kernels import gguf_matmul as kernel
+    from infer.kernels import gluon_hopper
     from infer.kernels.gguf_gemm import gemm_launch
 
     results = payload.setdefault("gemm_sweep", [])
@@ -248,7 +249,7 @@ def gemm_sweep(rows_list: list[int], args: argparse.Namespace, payload: dict) ->
                     timed[label] = us
                     results.append(dict(shape=shape, rows=rows, qtype=name, **config, us=us,
                                         GBps=blocks[0].nbytes / us / 1e3, chosen=config is chosen))
-                if q == Q.Q4_K and kernel.wgmma_available(x.device):
+                if q == Q.Q4_K and gluon_hopper(x.device, "gguf_q4k_wgmma"):
                     from infer.kernels.gguf_gemm import gemm_words
                     from infer.kernels.gguf_q4k_wgmma import q4k_wgmma
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
-from quantized_gemv import L2_BYTES, SHAPES, graph_time_us
+from quantized_gemv import L2_BYTES, SHAPES, cycling, graph_time_us
 
 
 def grid() -> list[dict]:
@@ -39,12 +39,8 @@ def grid() -> list[dict]:
 
 
 def cycled(fn, weights: list[torch.Tensor]) -> float:
-    state = {"i": 0}
-
-    def call():
-        state["i"] = (state["i"] + 1) % len(weights)
-        return fn(weights[state["i"]])
-    return graph_time_us(call, replays=10)
+    """Microseconds per `fn(weight)`, the weights taken in turn (past the L2 cache)."""
+    return graph_time_us(cycling([partial(fn, w) for w in weights]), replays=10)
 
 
 def _fp8_rows_mma(rows_mma, xq, xs, scale, launch, w):

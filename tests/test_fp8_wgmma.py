@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infer.kernels import triton_available
+from infer.kernels import gluon_hopper, triton_available
 
 
 def _bf16_bits_times_2_120(byte: torch.Tensor) -> torch.Tensor:
@@ -59,13 +59,8 @@ def test_each_weight_meets_its_own_x():
 
 
 def _hopper() -> bool:
-    if not (torch.cuda.is_available() and triton_available()):
-        return False
-    try:
-        import infer.kernels.fp8_wgmma  # noqa: F401
-    except (ImportError, AttributeError):
-        return False
-    return torch.cuda.get_device_capability()[0] == 9
+    return (torch.cuda.is_available() and triton_available()
+            and gluon_hopper(torch.device("cuda"), "fp8_wgmma"))
 
 
 hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU and Triton's Gluon")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from infer.kernels import triton_available
+from infer.kernels import gluon_hopper, triton_available
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -81,11 +81,8 @@ def test_the_register_order_is_a_permutation_of_k_that_decodes_like_gguf():
 
 
 def _available() -> bool:
-    if not (torch.cuda.is_available() and triton_available()):
-        return False
-    from infer.kernels.gguf_matmul import wgmma_available
-
-    return wgmma_available(torch.device("cuda"))
+    return (torch.cuda.is_available() and triton_available()
+            and gluon_hopper(torch.device("cuda"), "gguf_q4k_wgmma"))
 
 
 @pytest.mark.skipif(not _available(), reason="needs a Hopper GPU and Triton's Gluon")

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infer.kernels import triton_available
+from infer.kernels import gluon_hopper, triton_available
 
 
 def _hopper() -> bool:
     return (torch.cuda.is_available() and triton_available()
-            and torch.cuda.get_device_capability()[0] == 9)
+            and gluon_hopper(torch.device("cuda"), "w8_wgmma"))
 
 
 pytestmark = pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (wgmma, TMA)")

@@ -20,7 +20,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.memory import plan_kv_cache
 from infer.engine.model_runner import ModelRunner
 from infer.engine.setup import pick_backend
-from infer.kernels import cpu_attention
+from infer.kernels import cpu_attention, gluon_hopper
 from infer.models.layers import set_cpu_norms, set_gate_up_activation, set_kernel_backend
 from infer.models.linear import set_8bit_kernels, set_triton_gemv
 from infer.quantization.gguf_gpu import set_gguf_int8_activations
@@ -89,7 +89,9 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
                     "capability 8.9+); left off")
     fp8_rows = config.fp8_mma_rows if fp8_mma else 0
     tensor_cores = config.w8a16_tensor_cores and triton
-    gluon = triton and (config.w8_wgmma or config.fp8_wgmma_rows > 0) and _has_gluon_hopper()
+    # fp8_wgmma.py imports w8_wgmma.py: one check for both
+    gluon = (triton and (config.w8_wgmma or config.fp8_wgmma_rows > 0)
+             and torch.cuda.is_available() and gluon_hopper(torch.device("cuda"), "fp8_wgmma"))
     if triton and (config.w8_wgmma or config.fp8_wgmma_rows > 0) and not gluon:
         log.warning("w8_wgmma and fp8_wgmma_rows need a Hopper GPU and a Triton with Gluon; "
                     "left off")
@@ -113,18 +115,6 @@ def set_decode_combine(at_once: bool) -> None:
         from infer.kernels import paged_attention
 
         paged_attention.set_combine_at_once(at_once)
-
-
-def _has_gluon_hopper() -> bool:
-    """A Hopper GPU and a Triton whose Gluon has the calls kernels/w8_wgmma.py and
-    kernels/fp8_wgmma.py make."""
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
-        return False
-    try:
-        import infer.kernels.fp8_wgmma  # noqa: F401 (imports w8_wgmma too)
-    except (ImportError, AttributeError):
-        return False
-    return True
 
 
 def _has_fp8_mma() -> bool:

@@ -27,6 +27,20 @@ def gpu_compiled(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
+@functools.cache
+def gluon_hopper(device: torch.device, module: str) -> bool:
+    """Whether the Gluon kernel module `infer.kernels.<module>` runs on `device`: a Hopper GPU
+    (compute capability 9.x) and a Triton whose Gluon has the Hopper calls the module makes
+    (importing it succeeds; Gluon is experimental and renames them between versions)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return False
+    try:
+        importlib.import_module(f"infer.kernels.{module}")
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
 @functools.lru_cache(maxsize=8)
 def sm_count(device: torch.device) -> int:
     """The device's multiprocessors, which launch rules fill (4 stand-ins on a CPU)."""

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from infer.kernels import launch_counters
+from infer.kernels import launch_counters, sm_count
 from infer.kernels.w8_wgmma import MAX_BLOCKS, store_sums
 
 # Triton 3.6 names it async_copy_global_to_shared, later versions async_load
@@ -166,8 +166,6 @@ def _load_x(buffer, x_rows, kx, k0, K, x_ok, EVEN_K: gl.constexpr):
 def default_launch(n: int, k: int, device: torch.device) -> dict[str, int]:
     """K split so that the launch has about two programs per multiprocessor (not yet
     swept: `benchmarks/w8_wgmma_sweep.py`)."""
-    from infer.kernels import sm_count
-
     blocks = triton.cdiv(n, 64)
     steps = triton.cdiv(k, BLOCK_K)
     return dict(splits=max(1, min(8, steps // 4, (2 * sm_count(device)) // blocks)))

@@ -30,14 +30,13 @@ compute-bound: `gguf_dequantize` there, then cuBLAS.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as QType
 from gguf.constants import GGML_QUANT_SIZES
 
+from infer.kernels import gluon_hopper
 from infer.kernels.gguf_gemm import gemm_launch, gemm_words, gguf_gemm
 from infer.kernels.gguf_gemv import gemv_launch, gemv_words, gguf_gemv
 
@@ -221,7 +220,7 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: QType, cols: int) ->
     if 1 < x.shape[0] <= GEMM_ROWS and gemm_words(data, qtype, cols) is not None:
         launch = gemm_launch(qtype, x.shape[0], data.shape[0], cols, x.device)
         if (_q4k_wgmma and qtype == QType.Q4_K and x.dtype == torch.bfloat16
-                and x.stride(1) == 1 and wgmma_available(x.device)):
+                and x.stride(1) == 1 and gluon_hopper(x.device, "gguf_q4k_wgmma")):
             from infer.kernels.gguf_q4k_wgmma import q4k_wgmma
 
             return q4k_wgmma(x, gemm_words(data, qtype, cols), cols, split=launch["split"])
@@ -237,22 +236,9 @@ _q4k_wgmma = False  # EngineConfig.gguf_q4k_wgmma, set by the runner's set-up
 
 def set_q4k_wgmma(on: bool) -> None:
     """Whether 2..GEMM_ROWS rows of bfloat16 x by Q4_K blocks take gguf_q4k_wgmma.py (where
-    `wgmma_available`) from now on."""
+    `kernels.gluon_hopper`) from now on."""
     global _q4k_wgmma
     _q4k_wgmma = on
-
-
-@functools.cache
-def wgmma_available(device: torch.device) -> bool:
-    """Whether gguf_q4k_wgmma.py runs on `device`: a Hopper GPU (compute capability 9.x)
-    and a Triton with Gluon's Hopper calls."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
-        return False
-    try:
-        import infer.kernels.gguf_q4k_wgmma  # noqa: F401
-    except (ImportError, AttributeError):
-        return False
-    return True
 
 
 def _matmul(x: torch.Tensor, data: torch.Tensor, qtype: QType, cols: int, *, block_n: int,

@@ -21,7 +21,7 @@ the wgmma A operand's registers for the order `k' = 128 h + 16 g + 8 (e // 2) + 
 
 Gluon is experimental: Triton 3.6 (the device's) and later versions name some calls
 differently (`_async_load`); importing this module fails on a Triton without Gluon's Hopper
-calls (gguf_matmul.wgmma_available asks).
+calls (`kernels.gluon_hopper` asks).
 """
 
 from __future__ import annotations

@@ -23,12 +23,10 @@ repetitions at 128) and one of `splits` K slices; the last program of a channel 
 finish adds the slices' float32 parts, scales and stores them (`store_sums`).
 
 Gluon is experimental: importing this module fails on a Triton without Gluon's Hopper
-calls (`available` asks).
+calls (`kernels.gluon_hopper` asks).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -42,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from infer.kernels import launch_counters
+from infer.kernels import launch_counters, sm_count
 
 # Triton 3.6 (the device's) names them so, later versions async_load and barrier
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -198,16 +196,9 @@ def store_sums(total, row_scale, rn, rm, ws_ptr, y_ptr, part_ptr, counts, pid_n,
         gl.store(y, total.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.cache
-def available(device: torch.device) -> bool:
-    """Whether `device` is a Hopper GPU (this module imported: Gluon's Hopper calls exist)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-
-
 def default_launch(n: int, k: int, device: torch.device) -> dict[str, int]:
     """64 channels by 128 of K, 4 stages; K split so that the launch has about two programs
-    per multiprocessor (not yet swept: `benchmarks/quantized_gemv.py --w8-wgmma-sweep`)."""
-    from infer.kernels import sm_count
+    per multiprocessor (not yet swept: `benchmarks/w8_wgmma_sweep.py`)."""
     blocks = triton.cdiv(n, 64)
     tiles = triton.cdiv(k, 128)
     splits = max(1, min(8, tiles // 8, (2 * sm_count(device)) // blocks))

@@ -85,16 +85,14 @@ class Fp8LinearMethod(LinearMethod):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         out_dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
+        tensor_core_rows = getattr(layer, "w8a16_tensor_core_rows", 0)
+        weight_only = reads_weight_only(x2, tensor_core_rows)
+        fp8_at_decode = weight_only and getattr(layer, "fp8_decode_activations", False)
         if _to_fp8_wgmma(layer, x2):
             from infer.kernels.fp8_wgmma import fp8_wgmma
 
             y = fp8_wgmma(x2, layer.weight, layer.weight_scale)
-            y = y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
-            return y if bias is None else y + bias
-        tensor_core_rows = getattr(layer, "w8a16_tensor_core_rows", 0)
-        weight_only = reads_weight_only(x2, tensor_core_rows)
-        fp8_at_decode = weight_only and getattr(layer, "fp8_decode_activations", False)
-        if weight_only and not fp8_at_decode:
+        elif weight_only and not fp8_at_decode:
             from infer.kernels.w8a16_matmul import w8a16_matmul
 
             y = w8a16_matmul(x2.contiguous(), layer.weight, layer.weight_scale,

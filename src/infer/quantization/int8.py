@@ -170,14 +170,13 @@ def _cuda_matmul(layer: nn.Module, x: torch.Tensor, halves: Halves | None = None
         from infer.kernels.int8_x16_gemv import int8_x16_gemv
 
         return int8_x16_gemv(x.contiguous(), layer.weight, layer.weight_scale, halves=halves)
-    if _to_int8_mma(layer, len(x)) and getattr(layer, "w8_wgmma", False) \
-            and x.shape[1] % 16 == 0:
-        from infer.kernels.int8_x16 import split_rows
-        from infer.kernels.w8_wgmma import w8_wgmma
-
-        q, x_scale = halves or split_rows(x.contiguous())
-        return w8_wgmma(q, x_scale, layer.weight, layer.weight_scale, x.dtype)
     if _to_int8_mma(layer, len(x)):
+        if getattr(layer, "w8_wgmma", False) and x.shape[1] % 16 == 0:
+            from infer.kernels.int8_x16 import split_rows
+            from infer.kernels.w8_wgmma import w8_wgmma
+
+            q, x_scale = halves or split_rows(x.contiguous())
+            return w8_wgmma(q, x_scale, layer.weight, layer.weight_scale, x.dtype)
         from infer.kernels.int8_x16 import int8_x16_matmul
 
         return int8_x16_matmul(x.contiguous(), layer.weight, layer.weight_scale, halves)
