@@ -40,10 +40,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from infer.kernels import launch_counters, sm_count
+from infer.kernels.register_wgmma import (
+    async_load,
+    sums_layout,
+    weights_layout,
+    x_gather_layout,
+    x_shared_layout,
+)
 from infer.kernels.w8_wgmma import MAX_BLOCKS, store_sums
 
-# Triton 3.6 names it async_copy_global_to_shared, later versions async_load
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 MAX_ROWS = 64
 BLOCK_K = gl.constexpr(128)
 
@@ -84,14 +89,10 @@ def _fp8_wgmma_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, counts, M, N, K, st
         reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
         lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BLOCK_N, BLOCK_K // 4])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
-                                                 k_width=2)
-    x_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[1, 32],
-                                              warps_per_cta=[4, 1], order=[1, 0])
-    x_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K],
-                                                                 gl.bfloat16)
+    acc_layout: gl.constexpr = sums_layout(BLOCK_M)
+    a_layout: gl.constexpr = weights_layout(BLOCK_M)
+    x_layout: gl.constexpr = x_gather_layout()
+    x_smem: gl.constexpr = x_shared_layout(BLOCK_M, BLOCK_K)
 
     pid_n = gl.program_id(0)
     pid_s = gl.program_id(1)
@@ -158,9 +159,9 @@ def _load_x(buffer, x_rows, kx, k0, K, x_ok, EVEN_K: gl.constexpr):
     """x's rows at K columns `k0 + kx` into `buffer` (cp.async), zeros past M and K."""
     at = x_rows + gl.expand_dims(k0 + kx, 0)
     if EVEN_K:
-        _async_load(buffer, at, mask=x_ok)
+        async_load(buffer, at, mask=x_ok)
     else:
-        _async_load(buffer, at, mask=x_ok & gl.expand_dims(k0 + kx < K, 0))
+        async_load(buffer, at, mask=x_ok & gl.expand_dims(k0 + kx < K, 0))
 
 
 def default_launch(n: int, k: int, device: torch.device) -> dict[str, int]:

@@ -19,9 +19,8 @@ the wgmma A operand's registers for the order `k' = 128 h + 16 g + 8 (e // 2) + 
 (the conversion is asserted free at compile time); x's tile is gathered in that order
 (pairs of e contiguous: 4-byte `cp.async`, three buffers).
 
-Gluon is experimental: Triton 3.6 (the device's) and later versions name some calls
-differently (`_async_load`); importing this module fails on a Triton without Gluon's Hopper
-calls (`kernels.gluon_hopper` asks).
+Gluon is experimental: importing this module fails on a Triton without Gluon's Hopper calls
+(`kernels.gluon_hopper` asks).
 """
 
 from __future__ import annotations
@@ -38,8 +37,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-# Triton 3.6 names it async_copy_global_to_shared, later versions async_load
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+from infer.kernels.register_wgmma import (
+    async_load,
+    sums_layout,
+    weights_layout,
+    x_gather_layout,
+    x_shared_layout,
+)
+
 ONE = 0x3F800000  # 1.0 as float32 bits
 
 
@@ -92,13 +97,10 @@ def _q4k_wgmma_kernel(x_ptr, q_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride
         lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
         warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 8, 4])
     row_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
-                                                 k_width=2)
-    x_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[1, 32],
-                                              warps_per_cta=[4, 1], order=[1, 0])
-    x_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 256], gl.bfloat16)
+    acc_layout: gl.constexpr = sums_layout(BLOCK_M)
+    a_layout: gl.constexpr = weights_layout(BLOCK_M)
+    x_layout: gl.constexpr = x_gather_layout()
+    x_smem: gl.constexpr = x_shared_layout(BLOCK_M, 256)
 
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
@@ -125,7 +127,7 @@ def _q4k_wgmma_kernel(x_ptr, q_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride
                                       layout=acc_layout))
     a_prev = gl.zeros((BLOCK_N, 256), dtype=gl.bfloat16, layout=a_layout)
     head, s0, s1, s2, w = _load_unit(row_ptr, word_off, u0)
-    _async_load(xs.index(0), x_rows + gl.expand_dims(u0 * 256 + kx, 0), mask=x_ok)
+    async_load(xs.index(0), x_rows + gl.expand_dims(u0 * 256 + kx, 0), mask=x_ok)
     async_copy.commit_group()
     for u in range(u0, u1):
         # The next super-block's bytes are asked for now and used in the next iteration;
@@ -133,7 +135,7 @@ def _q4k_wgmma_kernel(x_ptr, q_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride
         # for in the last iteration).
         un = gl.minimum(u + 1, u1 - 1)
         n_head, n_s0, n_s1, n_s2, n_w = _load_unit(row_ptr, word_off, un)
-        _async_load(xs.index((u + 1) % 3), x_rows + gl.expand_dims(un * 256 + kx, 0),
+        async_load(xs.index((u + 1) % 3), x_rows + gl.expand_dims(un * 256 + kx, 0),
                     mask=x_ok)
         async_copy.commit_group()
         a0, b0 = _scales(head, s0, s1, s2, c, 0)
