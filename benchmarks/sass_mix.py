@@ -210,13 +210,14 @@ def _cases() -> list[Case]:
             note="64 channels by 128 of K a tile (FP8: two a loop), 4 stages"))
     # FP8 weights by bfloat16 x, each weight made a bfloat16 in registers by its bits and
     # fed to Hopper's async wgmma as its register operand (fp8_wgmma.py, Gluon)
-    for rows in (8, 32) if w8 else ():
+    for rows, gated in ((8, ""), (32, ""), (8, "silu")) if w8 else ():
         cases.append(Case(
-            f"fp8_wgmma ({rows} rows, Gluon)", "fp8_wgmma:_fp8_wgmma_kernel",
+            f"fp8_wgmma ({rows} rows{', ' + gated if gated else ''}, Gluon)",
+            "fp8_wgmma:_fp8_wgmma_kernel",
             dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", y_ptr="*bf16",
                  part_ptr="*fp32", counts="*i32", M=i32, N=i32, K=i32, stride_xm=i32,
                  stride_wn=i32, stride_ym=i32, steps_per_split=i32, steps=i32, splits=i32),
-            dict(BLOCK_M=rows, EVEN_K=True, num_warps=4),
+            dict(BLOCK_M=rows, EVEN_K=True, GATED=gated, num_warps=4),
             ["x_ptr", "w_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn"], 64 * 128, 1.0,
             num_warps=4, gluon=True, note="64 channels by 128 of K a step"))
     # one row of INT8 weights by dp4a on x's two int8 halves (int8_x16_gemv.py)

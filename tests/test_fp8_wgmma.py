@@ -98,3 +98,64 @@ def test_every_byte_exactly_through_one_hot_rows():
     got = fp8_wgmma(x.cuda(), w.cuda(), torch.ones(n, device="cuda")).float().cpu()
     want = w.float()[:, cols].T.to(torch.bfloat16).float()  # e4m3 values are exact in bf16
     assert torch.equal(got, want)
+
+
+def _gated64(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    """`act(gate) * up` in float64: silu, or gelu's tanh approximation."""
+    if act == "silu":
+        return gate * torch.sigmoid(gate) * up
+    z = (2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate ** 3)
+    return 0.5 * gate * (1 + torch.tanh(z)) * up
+
+
+@hopper
+@pytest.mark.parametrize(("m", "inter", "k", "splits", "act"),
+                         [(1, 200, 4096, 1, "silu"), (1, 4096, 2048, 3, "silu"),
+                          (7, 96, 640, 1, "gelu_tanh"), (40, 1000, 1024, 2, "gelu_tanh"),
+                          (64, 32, 272, 1, "silu")])
+def test_the_gated_launch_matches_float64(m, inter, k, splits, act):
+    """`[gate | up]` in one launch, its result `act(gate) * up`: the sums as the plain
+    launch's (float32), the activation in float32, one bfloat16 rounding."""
+    from infer.kernels.fp8_wgmma import fp8_wgmma
+
+    gen = torch.Generator().manual_seed(m + inter + k)
+    x = (torch.randn(m, k, generator=gen) * 2).to(torch.bfloat16).cuda()
+    w = (torch.randn(2 * inter, k, generator=gen) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(2 * inter, generator=gen) * 1e-3 + 1e-4
+    w64 = w.double() * scale.double()[:, None]
+    sums = x.double().cpu() @ w64.T
+    bound = x.double().abs().cpu() @ w64.abs().T
+    gate, up = sums[:, :inter], sums[:, inter:]
+    want = _gated64(gate, up, act)
+    got = fp8_wgmma(x, w.cuda(), scale.cuda(), act=act, splits=splits).double().cpu()
+    assert got.shape == (m, inter)
+    # each sum off by at most 1e-5 of its bound; act' is at most 1.13 for both
+    slack = 1e-5 * (1.2 * up.abs() * bound[:, :inter] + gate.abs() * bound[:, inter:])
+    assert ((got - want).abs() <= 2 ** -8 * want.abs() + slack + 1e-30).all()
+
+
+@hopper
+@pytest.mark.parametrize("rows", [1, 3])
+def test_an_fp8_gate_up_layer_takes_the_gated_launch(rows):
+    """With `fp8_wgmma_rows` set the FP8 method's gate_up stores `act(gate) * up` from
+    fp8_wgmma's own launch: the same numbers as the plain launch's sums through the
+    activation, up to the plain launch's bfloat16 rounding of the sums."""
+    from infer.kernels.activation import gated_rows
+    from infer.kernels.fp8_wgmma import fp8_wgmma
+    from infer.models.linear import MergedColumnParallelLinear
+    from infer.quantization.fp8 import Fp8LinearMethod
+
+    torch.manual_seed(rows)
+    layer = MergedColumnParallelLinear(512, [384, 384])
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(768, 512))
+    layer = layer.to("cuda", torch.bfloat16)
+    Fp8LinearMethod().quantize(layer)
+    layer.fp8_wgmma_rows = 64
+    x = torch.randn(rows, 512, device="cuda").to(torch.bfloat16)
+    got = layer.forward_gate_up(x, "silu")
+    assert got is not None and got.shape == (rows, 384)
+    fused = fp8_wgmma(x, layer.weight, layer.weight_scale, act="silu")
+    assert torch.equal(got, fused)
+    apart = gated_rows(fp8_wgmma(x, layer.weight, layer.weight_scale), "silu")
+    torch.testing.assert_close(got.float(), apart.float(), rtol=2 ** -6, atol=1e-2)

@@ -23,6 +23,11 @@ into two 16-bit lanes, sign-extended; a shift and a mask leave each lane `sign <
 (byte & 0x7F) << 4`, the bfloat16 of the value times 2^-120 (e4m3's subnormals bfloat16
 subnormals, exactly), and a packed multiply by 2^120 makes it the value. The channel scales
 and the K slices' parts are applied as `w8_wgmma.store_sums` does.
+
+A gated MLP's `[gate | up]` weight goes in one launch (`act`): a program's 64 rows are 32
+gate channels and their 32 up rows, and once its sums are whole (`w8_wgmma.sum_parts`) they
+pass through shared memory so that each thread holds a gate and its up, and `act(gate) * up`
+is stored, as the GEMV's gate_up form does at one row.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from infer.kernels.register_wgmma import (
     x_gather_layout,
     x_shared_layout,
 )
-from infer.kernels.w8_wgmma import MAX_BLOCKS, store_sums
+from infer.kernels.w8_wgmma import MAX_BLOCKS, barrier, store_sums, sum_parts
 
 MAX_ROWS = 64
 BLOCK_K = gl.constexpr(128)
@@ -79,9 +84,12 @@ def _fp8_to_bf16(words):
 @gluon.jit
 def _fp8_wgmma_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, counts, M, N, K, stride_xm,
                       stride_wn, stride_ym, steps_per_split, steps, splits,
-                      BLOCK_M: gl.constexpr, EVEN_K: gl.constexpr, num_warps: gl.constexpr):
+                      BLOCK_M: gl.constexpr, EVEN_K: gl.constexpr, GATED: gl.constexpr,
+                      num_warps: gl.constexpr):
     """Program (n, s): channels `64 n..`, K steps `s * steps_per_split..` (of `steps`).
-    Channels past N read the last one (not stored); rows of x past M load as 0."""
+    Channels past N read the last one (not stored); rows of x past M load as 0. With GATED
+    ("silu" / "gelu_tanh") W is a gated MLP's `[gate | up]`, `[2N, K]`: the program's rows
+    are gate channels `32 n..` and their up rows, and it stores `act(gate) * up`."""
     BLOCK_N: gl.constexpr = 64
     # [channel, word of 4 weights]: registers s (words 1..4) and channel 8, lanes t (words
     # 8, 16) and channel 1..4, warps channel 16, 32
@@ -98,7 +106,7 @@ def _fp8_wgmma_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, counts, M, N, K, st
     pid_s = gl.program_id(1)
     rn_w = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_layout))
     k_w = gl.arange(0, BLOCK_K // 4, layout=gl.SliceLayout(0, w_layout))
-    w_rows = (w_ptr + gl.expand_dims(gl.minimum(pid_n * BLOCK_N + rn_w, N - 1).to(gl.int64)
+    w_rows = (w_ptr + gl.expand_dims(_weight_rows(pid_n, rn_w, N, GATED).to(gl.int64)
                                      * stride_wn, 1)).to(gl.pointer_type(gl.int32), bitcast=True)
     kp = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))
     kx = 32 * (kp // 2 % 4) + 4 * (kp // 16) + 2 * (kp // 8 % 2) + kp % 2
@@ -138,10 +146,62 @@ def _fp8_wgmma_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, counts, M, N, K, st
     total, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
     async_copy.wait_group(0)
 
-    rn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     rm_out = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
-    store_sums(total, 1.0, rn, rm_out, ws_ptr, y_ptr, part_ptr, counts, pid_n, pid_s, splits,
-               M, N, stride_ym)
+    if GATED != "":
+        _store_gated(total, pid_n, rm_out, ws_ptr, y_ptr, part_ptr, counts, pid_s, splits,
+                     M, N, stride_ym, BLOCK_M, GATED)
+    else:
+        rn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+        store_sums(total, 1.0, rn, rm_out, ws_ptr, y_ptr, part_ptr, counts, pid_n, pid_s,
+                   splits, M, N, stride_ym)
+
+
+@gluon.jit
+def _weight_rows(pid_n, r, N, GATED: gl.constexpr):
+    """The rows of W that program pid_n's rows `r` (0..63) read: channels `64 pid_n + r`
+    (past N the last); with GATED gate rows `32 pid_n + r` for r < 32 and their up rows
+    `N + 32 pid_n + r - 32` (past N the last of each)."""
+    if GATED != "":
+        return r // 32 * N + gl.minimum(32 * pid_n + r % 32, N - 1)
+    return gl.minimum(64 * pid_n + r, N - 1)
+
+
+@gluon.jit
+def _store_gated(total, pid_n, rm, ws_ptr, y_ptr, part_ptr, counts, pid_s, splits, M, N,
+                 stride_ym, BLOCK_M: gl.constexpr, ACT: gl.constexpr):
+    """`act(gate) * up` of the sums `total [64, rows rm]` (32 gate rows, then their up
+    rows; `store_sums` for one channel set) at `y [M, N]`, columns `32 pid_n..`."""
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, total.type.layout))
+    c = 32 * pid_n + r % 32
+    # rows of channels past N are left out of the parts (their places belong to others)
+    rows = gl.where(c < N, r // 32 * N + c, 2 * N)
+    total, last = sum_parts(total, rows, rm, part_ptr, counts, pid_n, pid_s, splits, M,
+                            2 * N)
+    exchange = gl.allocate_shared_memory(gl.float32, [64, BLOCK_M], gl.SwizzledSharedLayout(
+        vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+    if last:
+        ws = gl.load(ws_ptr + rows, mask=rows < 2 * N, other=0.0).to(gl.float32)
+        exchange.store(total * gl.expand_dims(ws, 1))
+        barrier()  # each thread reads rows other threads stored
+        half: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[32, 1],
+                                              warps_per_cta=[1, 4], order=[0, 1])
+        gate = exchange.slice(0, 32).load(half)
+        up = exchange.slice(32, 32).load(half)
+        cy = 32 * pid_n + gl.arange(0, 32, layout=gl.SliceLayout(1, half))
+        my = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, half))
+        y = y_ptr + gl.expand_dims(my.to(gl.int64) * stride_ym, 0) + gl.expand_dims(cy, 1)
+        gl.store(y, _gated(gate, up, ACT).to(y_ptr.dtype.element_ty),
+                 mask=gl.expand_dims(my < M, 0) & gl.expand_dims(cy < N, 1))
+
+
+@gluon.jit
+def _gated(gate, up, ACT: gl.constexpr):
+    """`act(gate) * up` in float32 (`activation.gated`'s numbers: Gluon kernels cannot call
+    Triton ones): silu, or gelu's tanh form as `g sigmoid(2 z)`."""
+    if ACT == "silu":
+        return gate / (1.0 + gl.exp(-gate)) * up
+    z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+    return gate / (1.0 + gl.exp(-2.0 * z)) * up
 
 
 @gluon.jit
@@ -173,27 +233,31 @@ def default_launch(n: int, k: int, device: torch.device) -> dict[str, int]:
 
 
 def fp8_wgmma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
-              splits: int | None = None) -> torch.Tensor:
+              act: str | None = None, splits: int | None = None) -> torch.Tensor:
     """`x [M, K]` (bfloat16, M <= 64, unit column stride, 4-byte aligned rows) times the
     transpose of the FP8 `weight [N, K]` (contiguous) scaled per channel by `scale [N]`:
-    `[M, N]` bfloat16. `splits`: K slices (none: `default_launch`'s), for tuning."""
+    `[M, N]` bfloat16. With `act` ("silu" / "gelu_tanh") the weight is a gated MLP's
+    `[gate | up]` and the result `act(gate) * up`, `[M, N / 2]`, from the same launch.
+    `splits`: K slices (none: `default_launch`'s), for tuning."""
     m, k = x.shape
-    n = weight.shape[0]
+    rows = weight.shape[0]
     assert x.dtype == torch.bfloat16 and 1 <= m <= MAX_ROWS and x.stride(1) == 1, x.shape
     assert k % 4 == 0 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0, "x in 4-byte pairs"
     assert weight.dtype == torch.float8_e4m3fn and weight.is_contiguous() \
-        and weight.shape[1] == k and scale.shape == (n,), (weight.shape, scale.shape)
-    splits = splits or default_launch(n, k, x.device)["splits"]
+        and weight.shape[1] == k and scale.shape == (rows,), (weight.shape, scale.shape)
+    assert act in (None, "silu", "gelu_tanh") and (act is None or rows % 2 == 0), act
+    n = rows // 2 if act else rows
+    splits = splits or default_launch(rows, k, x.device)["splits"]
     steps = triton.cdiv(k, BLOCK_K)
     per_split = triton.cdiv(steps, min(splits, steps))
     splits = triton.cdiv(steps, per_split)
-    blocks = triton.cdiv(n, 64)
+    blocks = triton.cdiv(n, 32 if act else 64)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-    parts = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) \
+    parts = torch.empty((splits, m, rows), dtype=torch.float32, device=x.device) \
         if splits > 1 else y
     _fp8_wgmma_kernel[(blocks, splits)](
         x, weight, scale, y, parts, launch_counters("fp8_wgmma", x.device, MAX_BLOCKS, blocks),
         m, n, k, x.stride(0), weight.stride(0), y.stride(0), per_split, steps, splits,
         BLOCK_M=min(64, max(8, triton.next_power_of_2(m))), EVEN_K=k % BLOCK_K == 0,
-        num_warps=4)
+        GATED=act or "", num_warps=4)
     return y

@@ -44,7 +44,7 @@ from infer.kernels import launch_counters, sm_count
 
 # Triton 3.6 (the device's) names them so, later versions async_load and barrier
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed the same way
+barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed the same way
 
 MAX_ROWS = 64
 MAX_BLOCKS = 1 << 16  # channel blocks a launch may have: a counter each
@@ -168,20 +168,19 @@ def _w8_wgmma_kernel(w_desc, x_desc, ws_ptr, xs_ptr, y_ptr, part_ptr, counts, M,
 
 
 @gluon.jit
-def store_sums(total, row_scale, rn, rm, ws_ptr, y_ptr, part_ptr, counts, pid_n, pid_s,
-               splits, M, N, stride_ym):
-    """Store a program's float32 sums `total [channels rn, rows rm]` of one K slice of
-    `splits`: with one slice scaled (channel scales at ws_ptr, times `row_scale`) and
-    stored at `y [M, N]`; with more, stored as the slice's part of `[splits, M, N]` at
-    part_ptr, the program counting in last on its channel block's counter adding every
-    part, storing so, and setting the counter back to 0 (`split_k.py`'s scheme, written
-    out: Gluon kernels cannot call Triton ones)."""
+def sum_parts(total, rn, rm, part_ptr, counts, pid_n, pid_s, splits, M, N):
+    """`(sums, last)` of a program's float32 sums `total [channels rn, rows rm]` of one K
+    slice of `splits`: with one slice, `total` and true; with more, the slice stored as its
+    part of `[splits, M, N]` at part_ptr (channels rn < N), and the program counting in
+    last on its channel block's counter gets every part added and true (and sets the counter
+    back to 0), the others false (`split_k.py`'s scheme, written out: Gluon kernels cannot
+    call Triton ones)."""
     mask = gl.expand_dims(rm < M, 0) & gl.expand_dims(rn < N, 1)
     last = splits == 1
     if splits > 1:
         parts = part_ptr + gl.expand_dims(rm * N, 0) + gl.expand_dims(rn, 1)
         gl.store(parts + pid_s * M * N, total, mask=mask)
-        _barrier()  # every thread's part stored before the count releases them
+        barrier()  # every thread's part stored before the count releases them
         last = gl.atomic_add(counts + pid_n, 1, sem="acq_rel") == splits - 1
         if last:
             total = gl.load(parts, mask=mask, other=0.0, cache_modifier=".cg")
@@ -189,7 +188,18 @@ def store_sums(total, row_scale, rn, rm, ws_ptr, y_ptr, part_ptr, counts, pid_n,
                 total += gl.load(parts + s * M * N, mask=mask, other=0.0,
                                  cache_modifier=".cg")
             gl.atomic_xchg(counts + pid_n, 0, sem="relaxed")
+    return total, last
+
+
+@gluon.jit
+def store_sums(total, row_scale, rn, rm, ws_ptr, y_ptr, part_ptr, counts, pid_n, pid_s,
+               splits, M, N, stride_ym):
+    """Store a program's float32 sums `total [channels rn, rows rm]` of one K slice of
+    `splits` (`sum_parts`), once every slice's are in: scaled (channel scales at ws_ptr,
+    times `row_scale`) and stored at `y [M, N]`."""
+    total, last = sum_parts(total, rn, rm, part_ptr, counts, pid_n, pid_s, splits, M, N)
     if last:
+        mask = gl.expand_dims(rm < M, 0) & gl.expand_dims(rn < N, 1)
         ws = gl.load(ws_ptr + rn, mask=rn < N, other=0.0).to(gl.float32)
         total = total * gl.expand_dims(ws, 1) * row_scale
         y = y_ptr + gl.expand_dims(rm.to(gl.int64) * stride_ym, 0) + gl.expand_dims(rn, 1)

@@ -15,7 +15,7 @@ rows, and decode-sized ones with `fp8_decode_activations`, multiply in infer's F
 tensor-core kernel (`kernels/rows_mma.py` with `x_scale`) instead. With
 `EngineConfig.fp8_wgmma_rows` on a Hopper GPU, steps of up to that many bfloat16 rows multiply
 the FP8 weights by x as it is on the tensor cores (`kernels/fp8_wgmma.py`) instead of all
-these.
+these, a gated MLP's activation stored from the gate_up projection's own launch.
 """
 
 from __future__ import annotations
@@ -122,15 +122,20 @@ class Fp8LinearMethod(LinearMethod):
     def apply_gate_up(self, layer: nn.Module, x: torch.Tensor, act: str,
                       bias: torch.Tensor | None) -> torch.Tensor | None:
         x2 = x.reshape(-1, x.shape[-1])
-        if (bias is not None or getattr(layer, "fp8_decode_activations", False)
-                or _to_fp8_wgmma(layer, x2)
-                or not reads_weight_only(x2, getattr(layer, "w8a16_tensor_core_rows", 0))):
+        if bias is not None or getattr(layer, "fp8_decode_activations", False):
             return None
-        from infer.kernels.w8a16_matmul import gate_up_gemv
+        if _to_fp8_wgmma(layer, x2):
+            from infer.kernels.fp8_wgmma import fp8_wgmma
 
-        y = gate_up_gemv(x2.contiguous(), layer.weight, layer.weight_scale, act,
-                         getattr(layer, "w8a16_gemv_rows", 0),
-                         getattr(layer, "gate_up_rows_apart", False))
+            y = fp8_wgmma(x2, layer.weight, layer.weight_scale, act=act)
+        elif reads_weight_only(x2, getattr(layer, "w8a16_tensor_core_rows", 0)):
+            from infer.kernels.w8a16_matmul import gate_up_gemv
+
+            y = gate_up_gemv(x2.contiguous(), layer.weight, layer.weight_scale, act,
+                             getattr(layer, "w8a16_gemv_rows", 0),
+                             getattr(layer, "gate_up_rows_apart", False))
+        else:
+            return None
         return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
