@@ -1,6 +1,7 @@
 """The Gluon wgmma kernels for 8-bit weights on the Llama-3.1-8B projection shapes at
 decode-sized rows: `kernels/w8_wgmma.py` (8-bit by 8-bit x) and, for FP8,
-`kernels/fp8_wgmma.py` (FP8 weights by bfloat16 x, weight-only; its K splits timed too),
+`kernels/fp8_wgmma.py` (FP8 weights by bfloat16 x, weight-only; its K splits timed too,
+and on gate_up its gated launch against the plain one and the activation's launch),
 beside what the engine runs there today: bf16 `F.linear` (cuBLAS), at one or two rows the
 GEMV (`gemv.py`), FP8 weights by FP8 x through `rows_mma` (`fp8_mma_rows`) and
 `torch._scaled_mm`, INT8 weights by x's int8 halves through `int8_x16_matmul`. x is
@@ -53,6 +54,16 @@ def _gemv(w8a16_matmul, x, scale, w):
 
 def _fp8_wgmma(fp8_wgmma, x, scale, splits, w):
     return fp8_wgmma(x, w, scale, splits=splits)
+
+
+def _fp8_wgmma_gated(fp8_wgmma, x, scale, w):
+    return fp8_wgmma(x, w, scale, act="silu")
+
+
+def _fp8_wgmma_then_act(fp8_wgmma, x, scale, w):
+    from infer.kernels.activation import gated_rows
+
+    return gated_rows(fp8_wgmma(x, w, scale), "silu")
 
 
 def _scaled_mm(xq, xs, scale, w):
@@ -132,6 +143,11 @@ def main() -> None:
                         row.update(w16_us=us, w16_frac=frac(us), w16_err=err)
                     if us < row.get("w16_best_us", float("inf")):
                         row.update(w16_best_us=us, w16_best_splits=splits)
+                if shape == "gate_up":  # act(gate) * up from the launch, or a launch after
+                    row["w16_gated_us"] = cycled(partial(_fp8_wgmma_gated, fp8_wgmma, x,
+                                                         scale), weights)
+                    row["w16_then_act_us"] = cycled(
+                        partial(_fp8_wgmma_then_act, fp8_wgmma, x, scale), weights)
             want = ref(weights[0]).float()
             chosen = default_launch(n, k, x.device)
             launches = [chosen] + ([] if args.no_grid else
@@ -170,6 +186,8 @@ def main() -> None:
                         ("fp8 x bf16 us", "w16_us", ".1f"), ("%copy", "w16_frac", ".0%"),
                         ("err", "w16_err", ".1e"), ("best", "w16_best_us", ".1f"),
                         ("splits", "w16_best_splits", ""),
+                        ("gated us", "w16_gated_us", ".1f"),
+                        ("then act us", "w16_then_act_us", ".1f"),
                         ("wgmma us", "wgmma_us", ".1f"), ("%copy", "wgmma_frac", ".0%"),
                         ("err", "wgmma_err", ".1e"), ("best us", "best_us", ".1f"),
                         ("%copy", "best_frac", ".0%"), ("best", "best", "")])
