@@ -9,7 +9,10 @@ overstates it; the increments add up to the step. Printed for one layer in the m
 and summed by kernel name.
 
     PYTHONPATH=src python benchmarks/profile_decode.py [--shape llama-3.2-1b] [--batch 1]
-        [--kernels] [--chain] [--engine NAME=VALUE ...]
+        [--kernels] [--chain] [--gguf Q4_K_M] [--engine NAME=VALUE ...]
+
+--gguf serves the shape as a random GGUF file of that mix (gguf_checkpoint.py; add
+`--engine quantization=gguf` to keep its blocks).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
+import gguf_checkpoint
 
 
 def prefill(engine) -> None:
@@ -46,11 +50,14 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true",
                         help="also print the GPU kernels' share of the decode steps "
                              "(torch.profiler)")
+    parser.add_argument("--gguf", choices=gguf_checkpoint.MIXES, default=None,
+                        help="serve the shape as a random GGUF file of this mix")
     common.add_common_args(parser)
     args = parser.parse_args()
     from infer import SamplingParams
 
-    path = common.get_checkpoint(args.shape, args.tiny, args.ckpt_root)
+    path = common.get_checkpoint(args.shape, args.tiny, args.ckpt_root) if args.gguf is None \
+        else gguf_checkpoint.get_gguf(args.shape, args.gguf, args.tiny, args.ckpt_root)
     flags = {"max_model_len": args.prompt_len + args.steps + 64,
              "max_num_seqs": max(64, args.batch), **common.parse_engine_flags(args.engine)}
     llm, _ = common.build_llm(path, flags)
