@@ -125,10 +125,11 @@ def _fp8_wgmma_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, counts, M, N, K, st
     async_copy.commit_group()
     for c in range(c0, c1):
         # The next step's bytes are asked for now (the last step's again at the end); its
-        # x goes to the buffer the wgmma of two steps back read (waited for).
+        # x goes to the buffer the wgmma of two steps back read (waited for). Buffers are
+        # counted from the slice's first step, whose x went to buffer 0.
         cn = gl.minimum(c + 1, c1 - 1)
         w_next = _load_w(w_rows, k_w, cn * BLOCK_K, K, EVEN_K)
-        _load_x(xs.index((c + 1) % 3), x_rows, kx, cn * BLOCK_K, K, x_ok, EVEN_K)
+        _load_x(xs.index((c - c0 + 1) % 3), x_rows, kx, cn * BLOCK_K, K, x_ok, EVEN_K)
         async_copy.commit_group()
         b0, b1, b2, b3 = _fp8_to_bf16(w)
         # byte 2 h + e of each word: [channel, word, e, h] (join's new dimension is last)
@@ -140,11 +141,14 @@ def _fp8_wgmma_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, counts, M, N, K, st
         done, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
         async_copy.wait_group(1)  # this step's x is in
         fence_async_shared()
-        acc = warpgroup_mma(a, xs.index(c % 3).permute((1, 0)), done, is_async=True)
+        acc = warpgroup_mma(a, xs.index((c - c0) % 3).permute((1, 0)), done, is_async=True)
         a_prev = a
         w = w_next
     total, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
     async_copy.wait_group(0)
+    # every thread's last copy has landed before the gated store's buffer (which may
+    # share the x buffers' memory) is written
+    barrier()
 
     rm_out = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
     if GATED != "":
@@ -228,7 +232,7 @@ def default_launch(n: int, k: int, device: torch.device) -> dict[str, int]:
     """K split so that the launch has about two programs per multiprocessor (not yet
     swept: `benchmarks/w8_wgmma_sweep.py`)."""
     blocks = triton.cdiv(n, 64)
-    steps = triton.cdiv(k, BLOCK_K)
+    steps = triton.cdiv(k, BLOCK_K.value)
     return dict(splits=max(1, min(8, steps // 4, (2 * sm_count(device)) // blocks)))
 
 
@@ -248,7 +252,7 @@ def fp8_wgmma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
     assert act in (None, "silu", "gelu_tanh") and (act is None or rows % 2 == 0), act
     n = rows // 2 if act else rows
     splits = splits or default_launch(rows, k, x.device)["splits"]
-    steps = triton.cdiv(k, BLOCK_K)
+    steps = triton.cdiv(k, BLOCK_K.value)
     per_split = triton.cdiv(steps, min(splits, steps))
     splits = triton.cdiv(steps, per_split)
     blocks = triton.cdiv(n, 32 if act else 64)
@@ -258,6 +262,6 @@ def fp8_wgmma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
     _fp8_wgmma_kernel[(blocks, splits)](
         x, weight, scale, y, parts, launch_counters("fp8_wgmma", x.device, MAX_BLOCKS, blocks),
         m, n, k, x.stride(0), weight.stride(0), y.stride(0), per_split, steps, splits,
-        BLOCK_M=min(64, max(8, triton.next_power_of_2(m))), EVEN_K=k % BLOCK_K == 0,
+        BLOCK_M=min(64, max(8, triton.next_power_of_2(m))), EVEN_K=k % BLOCK_K.value == 0,
         GATED=act or "", num_warps=4)
     return y

@@ -132,10 +132,11 @@ def _q4k_wgmma_kernel(x_ptr, q_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride
     for u in range(u0, u1):
         # The next super-block's bytes are asked for now and used in the next iteration;
         # its x goes to the buffer that the wgmma of two super-blocks back read (waited
-        # for in the last iteration).
+        # for in the last iteration). Buffers are counted from the slice's first
+        # super-block, whose x went to buffer 0.
         un = gl.minimum(u + 1, u1 - 1)
         n_head, n_s0, n_s1, n_s2, n_w = _load_unit(row_ptr, word_off, un)
-        async_load(xs.index((u + 1) % 3), x_rows + gl.expand_dims(un * 256 + kx, 0),
+        async_load(xs.index((u - u0 + 1) % 3), x_rows + gl.expand_dims(un * 256 + kx, 0),
                     mask=x_ok)
         async_copy.commit_group()
         a0, b0 = _scales(head, s0, s1, s2, c, 0)
@@ -157,7 +158,7 @@ def _q4k_wgmma_kernel(x_ptr, q_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride
         done, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
         async_copy.wait_group(1)  # this super-block's x is in
         fence_async_shared()
-        acc = warpgroup_mma(a, xs.index(u % 3).permute((1, 0)), done, is_async=True)
+        acc = warpgroup_mma(a, xs.index((u - u0) % 3).permute((1, 0)), done, is_async=True)
         a_prev = a
         head, s0, s1, s2, w = n_head, n_s0, n_s1, n_s2, n_w
     acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
