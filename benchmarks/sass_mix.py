@@ -184,9 +184,11 @@ def _cases() -> list[Case]:
             ["M", *aligned], 64 * 256, 144 / 256, num_warps=4,
             note="launch (64 rows of W, one super-block a step)"))
         if wgmma:
+            pairs = {"pairs_xm" if a == "stride_xm" else a: t for a, t in gemm_args.items()}
             cases.append(Case(
                 f"gguf_q4k_wgmma ({rows} rows, Gluon)", "gguf_q4k_wgmma:_q4k_wgmma_kernel",
-                dict(gemm_args, one=i32), dict(BLOCK_M=rows, num_warps=4), aligned, 64 * 256,
+                dict(pairs, one=i32), dict(BLOCK_M=rows, num_warps=4),
+                [a.replace("stride_xm", "pairs_xm") for a in aligned], 64 * 256,
                 144 / 256, num_warps=4, gluon=True,
                 note="64 rows of W, one super-block a step, wgmma async"))
     # 8-bit weights by 8-bit x through Hopper's async wgmma, TMA filling a ring of tiles
@@ -215,10 +217,10 @@ def _cases() -> list[Case]:
             f"fp8_wgmma ({rows} rows{', ' + gated if gated else ''}, Gluon)",
             "fp8_wgmma:_fp8_wgmma_kernel",
             dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", y_ptr="*bf16",
-                 part_ptr="*fp32", counts="*i32", M=i32, N=i32, K=i32, stride_xm=i32,
+                 part_ptr="*fp32", counts="*i32", M=i32, N=i32, K=i32, pairs_xm=i32,
                  stride_wn=i32, stride_ym=i32, steps_per_split=i32, steps=i32, splits=i32),
             dict(BLOCK_M=rows, EVEN_K=True, GATED=gated, num_warps=4),
-            ["x_ptr", "w_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn"], 64 * 128, 1.0,
+            ["x_ptr", "w_ptr", "y_ptr", "N", "K", "pairs_xm", "stride_wn"], 64 * 128, 1.0,
             num_warps=4, gluon=True, note="64 channels by 128 of K a step"))
     # one row of INT8 weights by dp4a on x's two int8 halves (int8_x16_gemv.py)
     from infer.kernels import int8_x16_gemv

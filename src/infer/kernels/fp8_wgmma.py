@@ -82,7 +82,7 @@ def _fp8_to_bf16(words):
 
 
 @gluon.jit
-def _fp8_wgmma_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, counts, M, N, K, stride_xm,
+def _fp8_wgmma_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, counts, M, N, K, pairs_xm,
                       stride_wn, stride_ym, steps_per_split, steps, splits,
                       BLOCK_M: gl.constexpr, EVEN_K: gl.constexpr, GATED: gl.constexpr,
                       num_warps: gl.constexpr):
@@ -111,7 +111,8 @@ def _fp8_wgmma_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, counts, M, N, K, st
     kp = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))
     kx = 32 * (kp // 2 % 4) + 4 * (kp // 16) + 2 * (kp // 8 % 2) + kp % 2
     rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout))
-    x_rows = x_ptr + gl.expand_dims(rm.to(gl.int64) * stride_xm, 1)
+    # x's row stride in pairs of elements: every row 4-byte aligned, as cp.async needs
+    x_rows = x_ptr + gl.expand_dims(rm.to(gl.int64) * (2 * pairs_xm), 1)
     x_ok = gl.expand_dims(rm < M, 1)
     xs = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_M, BLOCK_K], x_smem)
 
@@ -261,7 +262,7 @@ def fp8_wgmma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
         if splits > 1 else y
     _fp8_wgmma_kernel[(blocks, splits)](
         x, weight, scale, y, parts, launch_counters("fp8_wgmma", x.device, MAX_BLOCKS, blocks),
-        m, n, k, x.stride(0), weight.stride(0), y.stride(0), per_split, steps, splits,
+        m, n, k, x.stride(0) // 2, weight.stride(0), y.stride(0), per_split, steps, splits,
         BLOCK_M=min(64, max(8, triton.next_power_of_2(m))), EVEN_K=k % BLOCK_K.value == 0,
         GATED=act or "", num_warps=4)
     return y

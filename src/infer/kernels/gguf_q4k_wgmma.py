@@ -85,7 +85,7 @@ def _load_unit(row_ptr, word_off, u):
 
 
 @gluon.jit
-def _q4k_wgmma_kernel(x_ptr, q_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_ys,
+def _q4k_wgmma_kernel(x_ptr, q_ptr, y_ptr, M, N, K, pairs_xm, stride_qn, stride_ys,
                       stride_ym, units_per_split, one, BLOCK_M: gl.constexpr,
                       num_warps: gl.constexpr):
     """Program (n, m, s): rows `64 n..` of W, `BLOCK_M m..` of x, super-blocks
@@ -117,7 +117,8 @@ def _q4k_wgmma_kernel(x_ptr, q_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride
     kx = 64 * (kp // 32 % 4) + 32 * (kp // 128) + 16 * (kp // 16 % 2) + 4 * (kp // 2 % 4) \
         + 2 * (kp // 8 % 2) + kp % 2
     rm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout))
-    x_rows = x_ptr + gl.expand_dims(rm.to(gl.int64) * stride_xm, 1)
+    # x's row stride in pairs of elements: every row 4-byte aligned, as cp.async needs
+    x_rows = x_ptr + gl.expand_dims(rm.to(gl.int64) * (2 * pairs_xm), 1)
     x_ok = gl.expand_dims(rm < M, 1)
     xs = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_M, 256], x_smem)
 
@@ -177,6 +178,7 @@ def q4k_wgmma(x: torch.Tensor, words: torch.Tensor, cols: int, *, split: int = 1
     row block (their float32 sums added after): `[M, N]` bfloat16."""
     assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and cols % 256 == 0, (
         x.dtype, x.stride(), cols)
+    assert x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0, "x in 4-byte pairs"
     m, n = x.shape[0], words.shape[0]
     units = cols // 256
     per_split = triton.cdiv(units, max(1, min(split, units)))
@@ -185,6 +187,6 @@ def q4k_wgmma(x: torch.Tensor, words: torch.Tensor, cols: int, *, split: int = 1
     y = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     if m and n:
         grid = (triton.cdiv(n, 64), triton.cdiv(m, block_m), split)
-        _q4k_wgmma_kernel[grid](x, words, y, m, n, cols, x.stride(0), words.stride(0), m * n,
+        _q4k_wgmma_kernel[grid](x, words, y, m, n, cols, x.stride(0) // 2, words.stride(0), m * n,
                                 n, per_split, ONE, BLOCK_M=block_m, num_warps=4)
     return y.sum(0).to(x.dtype)
