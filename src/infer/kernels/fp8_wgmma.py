@@ -247,7 +247,10 @@ def fp8_wgmma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
     m, k = x.shape
     rows = weight.shape[0]
     assert x.dtype == torch.bfloat16 and 1 <= m <= MAX_ROWS and x.stride(1) == 1, x.shape
-    assert k % 4 == 0 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0, "x in 4-byte pairs"
+    # one row's stride is any (is_contiguous ignores it) and never read: passed as 0
+    pairs = x.stride(0) // 2 if m > 1 else 0
+    assert k % 4 == 0 and (m == 1 or x.stride(0) % 2 == 0) and x.data_ptr() % 4 == 0, \
+        "x in 4-byte pairs"
     assert weight.dtype == torch.float8_e4m3fn and weight.is_contiguous() \
         and weight.shape[1] == k and scale.shape == (rows,), (weight.shape, scale.shape)
     assert act in (None, "silu", "gelu_tanh") and (act is None or rows % 2 == 0), act
@@ -262,7 +265,7 @@ def fp8_wgmma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
         if splits > 1 else y
     _fp8_wgmma_kernel[(blocks, splits)](
         x, weight, scale, y, parts, launch_counters("fp8_wgmma", x.device, MAX_BLOCKS, blocks),
-        m, n, k, x.stride(0) // 2, weight.stride(0), y.stride(0), per_split, steps, splits,
+        m, n, k, pairs, weight.stride(0), y.stride(0), per_split, steps, splits,
         BLOCK_M=min(64, max(8, triton.next_power_of_2(m))), EVEN_K=k % BLOCK_K.value == 0,
         GATED=act or "", num_warps=4)
     return y
