@@ -1,5 +1,5 @@
-"""FP8 (e4m3) weights scaled per channel times 1..64 rows of bfloat16 x on Hopper's async
-wgmma, written in Gluon: `y [M, N] = x [M, K] @ (w [N, K] * scale[:, None])^T`, x as it is
+"""FP8 (e4m3) weights scaled per channel times 1..64 rows of bfloat16 x on Hopper's wgmma,
+written in Gluon: `y [M, N] = x [M, K] @ (w [N, K] * scale[:, None])^T`, x as it is
 (no FP8 rounding of x: the numbers of the one-row GEMV, products exact and summed in float32).
 
 Why (docs/performance.md): the one-row GEMV (`gemv.py`) makes every FP8 weight a float32 and
@@ -16,7 +16,9 @@ loads 32 contiguous bytes of each of its two rows a step (rows `g` and `g + 8` o
 them, at `k = 32 t + j`, is the wgmma operand's element at `k' = 16 s + 8 h + 2 t + e`, so a
 reshape and permutation of the converted tile is the operand's layout (asserted free at
 compile time) and x is gathered into the order k' (pairs of e contiguous: 4-byte `cp.async`,
-three buffers). The next step's bytes are asked for before this step's wgmma is issued.
+three buffers). The next step's bytes are asked for before this step's wgmma is issued; each
+wgmma is waited for at once (ptxas reuses the registers of a register operand still in
+flight, triton-lang/triton#9433).
 
 FP8 -> bfloat16 without a convert (`_fp8_to_bf16`): a byte permute spreads two e4m3 bytes
 into two 16-bit lanes, sign-extended; a shift and a mask leave each lane `sign << 15 |
@@ -37,12 +39,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    warpgroup_mma,
-    warpgroup_mma_init,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from infer.kernels import launch_counters, sm_count
 from infer.kernels.register_wgmma import (
@@ -118,16 +115,14 @@ def _fp8_wgmma_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, counts, M, N, K, pa
 
     c0 = pid_s * steps_per_split
     c1 = gl.minimum(c0 + steps_per_split, steps)
-    acc = warpgroup_mma_init(gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32,
-                                      layout=acc_layout))
-    a_prev = gl.zeros((BLOCK_N, BLOCK_K), dtype=gl.bfloat16, layout=a_layout)
+    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=acc_layout)
     w = _load_w(w_rows, k_w, c0 * BLOCK_K, K, EVEN_K)
     _load_x(xs.index(0), x_rows, kx, c0 * BLOCK_K, K, x_ok, EVEN_K)
     async_copy.commit_group()
     for c in range(c0, c1):
         # The next step's bytes are asked for now (the last step's again at the end); its
-        # x goes to the buffer the wgmma of two steps back read (waited for). Buffers are
-        # counted from the slice's first step, whose x went to buffer 0.
+        # x goes to the buffer the wgmma of two steps back read. Buffers are counted from
+        # the slice's first step, whose x went to buffer 0.
         cn = gl.minimum(c + 1, c1 - 1)
         w_next = _load_w(w_rows, k_w, cn * BLOCK_K, K, EVEN_K)
         _load_x(xs.index((c - c0 + 1) % 3), x_rows, kx, cn * BLOCK_K, K, x_ok, EVEN_K)
@@ -139,13 +134,12 @@ def _fp8_wgmma_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, counts, M, N, K, pa
         tile = gl.permute(gl.reshape(wb, (BLOCK_N, 4, 8, 2, 2)), (0, 2, 4, 1, 3))
         a = gl.convert_layout(gl.reshape(tile, (BLOCK_N, BLOCK_K)), a_layout,
                               assert_trivial=True)
-        done, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
         async_copy.wait_group(1)  # this step's x is in
         fence_async_shared()
-        acc = warpgroup_mma(a, xs.index((c - c0) % 3).permute((1, 0)), done, is_async=True)
-        a_prev = a
+        # Waited for at once: ptxas reuses the registers of a wgmma's A operand while it
+        # is in flight (triton-lang/triton#9433: a warp's sums came out garbage at random)
+        acc = warpgroup_mma(a, xs.index((c - c0) % 3).permute((1, 0)), acc)
         w = w_next
-    total, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
     async_copy.wait_group(0)
     # every thread's last copy has landed before the gated store's buffer (which may
     # share the x buffers' memory) is written
@@ -153,11 +147,11 @@ def _fp8_wgmma_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, counts, M, N, K, pa
 
     rm_out = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
     if GATED != "":
-        _store_gated(total, pid_n, rm_out, ws_ptr, y_ptr, part_ptr, counts, pid_s, splits,
+        _store_gated(acc, pid_n, rm_out, ws_ptr, y_ptr, part_ptr, counts, pid_s, splits,
                      M, N, stride_ym, BLOCK_M, GATED)
     else:
         rn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-        store_sums(total, 1.0, rn, rm_out, ws_ptr, y_ptr, part_ptr, counts, pid_n, pid_s,
+        store_sums(acc, 1.0, rn, rm_out, ws_ptr, y_ptr, part_ptr, counts, pid_n, pid_s,
                    splits, M, N, stride_ym)
 
 

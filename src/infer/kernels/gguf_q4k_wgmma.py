@@ -1,7 +1,9 @@
-"""GGUF Q4_K at 2..64 rows of bfloat16 `x` on Hopper's async wgmma, written in Gluon (Triton's
+"""GGUF Q4_K at 2..64 rows of bfloat16 `x` on Hopper's wgmma, written in Gluon (Triton's
 dialect with explicit layouts): the decoded weights go to the wgmma as its register operand,
-never through shared memory, and a super-block's wgmma runs while the next one is read and
-decoded. Behind `EngineConfig.gguf_q4k_wgmma` (off until its GPU tests and timing run).
+never through shared memory, and the next super-block's bytes are on their way while one is
+decoded and multiplied (each wgmma waited for at once: ptxas reuses the registers of a
+register operand still in flight, triton-lang/triton#9433). Behind
+`EngineConfig.gguf_q4k_wgmma` (off until its GPU tests and timing run).
 
 Why (docs/performance.md, session 64): gguf_gemm.py's `tl.dot` stages the decoded tile through
 shared memory (store, barrier, `ldmatrix`) and waits on every wgmma, so each program's steps
@@ -30,12 +32,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    warpgroup_mma,
-    warpgroup_mma_init,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from infer.kernels.register_wgmma import (
     async_load,
@@ -124,17 +121,14 @@ def _q4k_wgmma_kernel(x_ptr, q_ptr, y_ptr, M, N, K, pairs_xm, stride_qn, stride_
 
     u0 = pid_s * units_per_split
     u1 = gl.minimum(u0 + units_per_split, K // 256)
-    acc = warpgroup_mma_init(gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32,
-                                      layout=acc_layout))
-    a_prev = gl.zeros((BLOCK_N, 256), dtype=gl.bfloat16, layout=a_layout)
+    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=acc_layout)
     head, s0, s1, s2, w = _load_unit(row_ptr, word_off, u0)
     async_load(xs.index(0), x_rows + gl.expand_dims(u0 * 256 + kx, 0), mask=x_ok)
     async_copy.commit_group()
     for u in range(u0, u1):
         # The next super-block's bytes are asked for now and used in the next iteration;
-        # its x goes to the buffer that the wgmma of two super-blocks back read (waited
-        # for in the last iteration). Buffers are counted from the slice's first
-        # super-block, whose x went to buffer 0.
+        # its x goes to the buffer that the wgmma of two super-blocks back read. Buffers
+        # are counted from the slice's first super-block, whose x went to buffer 0.
         un = gl.minimum(u + 1, u1 - 1)
         n_head, n_s0, n_s1, n_s2, n_w = _load_unit(row_ptr, word_off, un)
         async_load(xs.index((u - u0 + 1) % 3), x_rows + gl.expand_dims(un * 256 + kx, 0),
@@ -154,15 +148,12 @@ def _q4k_wgmma_kernel(x_ptr, q_ptr, y_ptr, M, N, K, pairs_xm, stride_qn, stride_
         tile = gl.permute(gl.join(low, high), (0, 5, 1, 4, 2, 3))
         a = gl.convert_layout(gl.reshape(tile, (BLOCK_N, 256)).to(gl.bfloat16), a_layout,
                               assert_trivial=True)
-        # The last super-block's wgmma ran while this one was read and decoded; its
-        # operands (a_prev, its x buffer) stay untouched until it is done.
-        done, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
         async_copy.wait_group(1)  # this super-block's x is in
         fence_async_shared()
-        acc = warpgroup_mma(a, xs.index((u - u0) % 3).permute((1, 0)), done, is_async=True)
-        a_prev = a
+        # Waited for at once: ptxas reuses the registers of a wgmma's A operand while it
+        # is in flight (triton-lang/triton#9433: a warp's sums came out garbage at random)
+        acc = warpgroup_mma(a, xs.index((u - u0) % 3).permute((1, 0)), acc)
         head, s0, s1, s2, w = n_head, n_s0, n_s1, n_s2, n_w
-    acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
     async_copy.wait_group(0)  # the last iteration's copy (of the last super-block again)
     out_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
     out_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
