@@ -190,7 +190,7 @@ def _cases() -> list[Case]:
                 dict(pairs, one=i32), dict(BLOCK_M=rows, num_warps=4),
                 [a.replace("stride_xm", "pairs_xm") for a in aligned], 64 * 256,
                 144 / 256, num_warps=4, gluon=True,
-                note="64 rows of W, one super-block a step, wgmma async"))
+                note="64 rows of W, one super-block a step"))
     # 8-bit weights by 8-bit x through Hopper's async wgmma, TMA filling a ring of tiles
     # (w8_wgmma.py, Gluon): FP8 by FP8, INT8 by x's two int8 halves
     try:

@@ -209,7 +209,7 @@ class EngineConfig:
         0, "FP8 layers' steps of 1 to this many rows (at most 64) multiply the FP8 weights by "
         "x as it is (bfloat16, not rounded to FP8) on Hopper's tensor cores through "
         "kernels/fp8_wgmma.py (Triton's Gluon dialect: each weight made a bfloat16 in "
-        "registers by its bits, two instructions a weight, and fed to the async wgmma as its "
+        "registers by its bits, two instructions a weight, and fed to the wgmma as its "
         "register operand) instead of the GEMV (3.4 against 5.6 instructions a weight "
         "compiled for sm_90), the W8A16 kernel or rows_mma's FP8 x FP8; a gated MLP's "
         "activation then in its own launch. Needs a Hopper GPU and a Triton with Gluon; 0: "
@@ -242,12 +242,11 @@ class EngineConfig:
         "the same either way (docs/performance.md)")
     gguf_q4k_wgmma: bool = knob(
         False, "matmuls of 2-64 rows of bfloat16 x by GGUF Q4_K blocks kept in them "
-        "(quantization=gguf) on a Hopper GPU go through Hopper's async wgmma with the "
-        "decoded weights as its register operand and the next super-block decoded while it "
-        "runs (kernels/gguf_q4k_wgmma.py, written in Triton's Gluon dialect; needs a Triton "
-        "with it) instead of gguf_gemm.py's tl.dot, which stages them through shared memory "
-        "and waits on each wgmma; off until its GPU tests and timing have run "
-        "(docs/performance.md)")
+        "(quantization=gguf) on a Hopper GPU go through Hopper's wgmma with the decoded "
+        "weights as its register operand and the next super-block's bytes loading while one "
+        "is decoded (kernels/gguf_q4k_wgmma.py, written in Triton's Gluon dialect; needs a "
+        "Triton with it) instead of gguf_gemm.py's tl.dot, which stages them through shared "
+        "memory; off until its GPU tests and timing have run (docs/performance.md)")
     gguf_fused_x_rounding: bool = knob(
         True, "with gguf_int8_activations, x rounded to int8 by the launch that makes x (the "
         "one-row RMSNorm before the q/k/v, gate/up and LM-head matmuls; the gated "

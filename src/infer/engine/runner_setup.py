@@ -67,7 +67,7 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
     another up to `fp8_wgmma_rows` rows, dp4a for
     one row of INT8 ones (`int8_x16_gemv`) and for GGUF Q4_K, Q6_K and Q8_0 blocks
     (`gguf_int8_activations`, x rounded where it is made with `gguf_fused_x_rounding`), 2-64
-    rows of Q4_K ones through Hopper's async wgmma with `gguf_q4k_wgmma`; on
+    rows of Q4_K ones through Hopper's wgmma with `gguf_q4k_wgmma`; on
     a CPU, INT8 ones through infer's C++ kernel (`cpu_int8_kernel`)."""
     set_cpu_norms(model, config.cpu_norm_kernel)
     triton = kernel_backend == "triton"

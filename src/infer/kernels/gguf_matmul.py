@@ -24,7 +24,7 @@ multiplied with it in registers and reduced once at the end, more rows go throug
 `tl.dot`. One row of Q4_K or Q6_K goes to gguf_gemv.py instead (32-bit loads, no
 int->float converts, scales once per group), 2..64 rows of Q4_K, Q6_K or Q8_0 to
 gguf_gemm.py (the same decoding, then `tl.dot`; Q4_K by bfloat16 x on a Hopper GPU, with
-`set_q4k_wgmma`, to gguf_q4k_wgmma.py's async wgmma). Larger M (prefill chunks) is
+`set_q4k_wgmma`, to gguf_q4k_wgmma.py's wgmma). Larger M (prefill chunks) is
 compute-bound: `gguf_dequantize` there, then cuBLAS.
 """
 
