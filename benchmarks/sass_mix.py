@@ -326,16 +326,22 @@ _INSTRUCTION = re.compile(
     r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
 
 
-def innermost_loop(sass: str) -> list[str]:
-    """The opcodes of the K loop: of the loops (a backward branch's target to the branch)
-    that hold no other loop, the longest (a kernel's rarely taken paths have shorter ones)
-    of those with a matrix multiply-add, if any has one (a tensor-core kernel's loop that
-    adds K slices' parts may be longer than its K loop)."""
-    instructions = []
+def _instructions(sass: str) -> list[tuple[int, str, str]]:
+    """(address, opcode, operands) of each instruction of a SASS listing."""
+    found = []
     for line in sass.splitlines():
         match = _INSTRUCTION.match(line)
         if match:
-            instructions.append((int(match.group(1), 16), match.group(2), match.group(3)))
+            found.append((int(match.group(1), 16), match.group(2), match.group(3)))
+    return found
+
+
+def _innermost_loop(sass: str) -> list[tuple[int, str, str]]:
+    """The K loop's instructions: of the loops (a backward branch's target to the branch)
+    that hold no other loop, the longest (a kernel's rarely taken paths have shorter ones)
+    of those with a matrix multiply-add, if any has one (a tensor-core kernel's loop that
+    adds K slices' parts may be longer than its K loop)."""
+    instructions = _instructions(sass)
     loops = []
     for address, opcode, operands in instructions:
         target = re.search(r"0x([0-9a-f]+)", operands) if opcode.startswith("BRA") else None
@@ -346,12 +352,49 @@ def innermost_loop(sass: str) -> list[str]:
     if not innermost:
         return []
 
-    def opcodes(span: tuple[int, int]) -> list[str]:
-        return [opcode for address, opcode, _ in instructions if span[0] <= address <= span[1]]
+    def body(span: tuple[int, int]) -> list[tuple[int, str, str]]:
+        return [ins for ins in instructions if span[0] <= ins[0] <= span[1]]
 
     with_mma = [span for span in innermost  # HMMA, QGMMA, ...: not HFMA2.MMA (a move)
-                if any(op.split(".")[0].endswith("MMA") for op in opcodes(span))]
-    return opcodes(max(with_mma or innermost, key=lambda span: span[1] - span[0]))
+                if any(op.split(".")[0].endswith("MMA") for _, op, _ in body(span))]
+    return body(max(with_mma or innermost, key=lambda span: span[1] - span[0]))
+
+
+def innermost_loop(sass: str) -> list[str]:
+    """The opcodes of the K loop (`_innermost_loop`)."""
+    return [opcode for _, opcode, _ in _innermost_loop(sass)]
+
+
+def _written(opcode: str, operands: str) -> set[int]:
+    """The general registers an instruction writes: its first operand where that is one
+    (two for a .64 / .WIDE result, four for .128); stores, branches and the like none."""
+    first = operands.split(",")[0].strip()
+    match = re.fullmatch(r"R(\d+)", first)
+    if not match or opcode.startswith(("ST", "RED", "BRA", "BAR", "HGMMA", "WARPGROUP")):
+        return set()
+    width = 4 if ".128" in opcode else 2 if (".64" in opcode or ".WIDE" in opcode) else 1
+    return set(range(int(match.group(1)), int(match.group(1)) + width))
+
+
+def register_operand_hazards(sass: str) -> list[str]:
+    """Instructions of the K loop that write a register a register-operand wgmma (`HGMMA
+    R acc, R a, gdesc...`) reads before the wait for it (`WARPGROUP.DEPBAR.LE gsb0, 0x0`),
+    the loop run twice so that a wgmma left in flight across the back edge counts. The
+    PTX calls such a write undefined; ptxas makes it where nothing keeps the registers
+    live (triton-lang/triton#9433), and the wgmma then multiplies whatever they hold."""
+    loop = _innermost_loop(sass)
+    in_flight: set[int] = set()
+    hazards = []
+    for address, opcode, operands in loop + loop:
+        if opcode.startswith("HGMMA"):
+            a = re.fullmatch(r"R(\d+)", operands.split(",")[1].strip())
+            if a:  # an m64nNk16 A fragment of 16-bit values: four registers a thread
+                in_flight |= set(range(int(a.group(1)), int(a.group(1)) + 4))
+        elif opcode.startswith("WARPGROUP.DEPBAR") and operands.rstrip().endswith("0x0"):
+            in_flight.clear()
+        elif in_flight & _written(opcode, operands):
+            hazards.append(f"{address:04x} {opcode} {operands.strip()}")
+    return sorted(set(hazards))
 
 
 def analyse(case: Case) -> dict:

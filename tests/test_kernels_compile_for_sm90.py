@@ -7,7 +7,9 @@ a lent GPU. Each case is compiled to a cubin by Triton's own CUDA backend (its `
 ships in the wheel): the projections' kernels as `benchmarks/sass_mix.py` analyses them,
 and the modes those cases leave out (dependent launch on; the constexpr branches of the
 split, norm and dp4a GEMV kernels). One child process compiles them all, with Triton's
-interpreter off (the tests run under it, and it replaces the kernels' functions)."""
+interpreter off (the tests run under it, and it replaces the kernels' functions). Each K
+loop is also read for writes to a register-operand wgmma's registers before its wait
+(session 68: ptxas made them, and a warp's sums came out garbage at random on the GPU)."""
 
 from __future__ import annotations
 
@@ -75,11 +77,15 @@ CASES = _cases()
 
 
 def _compile_all() -> None:
-    """In the child: each case's registers a thread, or the compiler's error."""
+    """In the child: each case's registers a thread and the writes to a register-operand
+    wgmma's registers while it runs (`sass_mix.register_operand_hazards`), or the
+    compiler's error."""
     results = {}
     for case in _cases():
         try:
-            results[case.name] = SASS_MIX.compile_case(case)[1]
+            sass, registers = SASS_MIX.compile_case(case)
+            results[case.name] = dict(registers=registers,
+                                      hazards=SASS_MIX.register_operand_hazards(sass))
         except Exception as exc:  # the compiler's refusal, reported by the test
             cause = exc
             while cause.__cause__ is not None:  # a refusal inside a called function
@@ -92,7 +98,8 @@ def _compile_all() -> None:
 def compiled() -> dict:
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "0",
-           "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "tests")])}
+           "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "tests"),
+                                          os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
         [sys.executable, "-c", "import test_kernels_compile_for_sm90 as t; t._compile_all()"],
         env=env, capture_output=True, text=True, timeout=600)
@@ -102,5 +109,8 @@ def compiled() -> dict:
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_compiles_for_sm90(case, compiled):
-    registers = compiled[case.name]
-    assert isinstance(registers, int) and 0 < registers <= 255, registers
+    result = compiled[case.name]
+    assert isinstance(result, dict), result  # else the compiler's refusal
+    assert isinstance(result["registers"], int) and 0 < result["registers"] <= 255, result
+    # no wgmma multiplies registers the loop has written since it was issued
+    assert result["hazards"] == [], result["hazards"][:8]

@@ -57,3 +57,36 @@ def test_of_a_tensor_core_kernels_loops_the_k_loop_is_the_one_with_the_mma():
 """
     assert _sass_mix().innermost_loop(sass) == [
         "LDGSTS.E.BYPASS.128", "HGMMA.64", "BRA"]  # the opcode as far as its shape
+
+
+def _loop_with(middle: str) -> str:
+    """A K loop (0x10 to its backward branch) whose wgmma reads R28..R31 as its A operand
+    and whose next iteration starts by writing R29, with `middle` between the wgmma and the
+    branch."""
+    lines = ["        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+             "        /*0010*/                   PRMT R29, R12, 0x9180, RZ ;",
+             "        /*0020*/                   WARPGROUP.ARRIVE ;",
+             "        /*0030*/                   HGMMA.64x8x16.F32.BF16 R24, R28, gdesc[UR4],"
+             " R24, gsb0 ;"]
+    address = 0x40
+    for instruction in filter(None, middle.split(";")):
+        lines.append(f"        /*{address:04x}*/                   {instruction.strip()} ;")
+        address += 0x10
+    lines.append(f"        /*{address:04x}*/               @P2 BRA 0x10 ;")
+    lines.append(f"        /*{address + 0x10:04x}*/                   EXIT ;")
+    return "\n".join(lines) + "\n"
+
+
+def test_a_wgmma_register_written_before_its_wait_is_found():
+    sass_mix = _sass_mix()
+    # left in flight across the back edge: the next iteration's PRMT writes R29
+    assert sass_mix.register_operand_hazards(_loop_with("IADD3 R40, R40, 0x1, RZ")) == [
+        "0010 PRMT R29, R12, 0x9180, RZ"]
+    # in the same iteration, a 64-bit result over R30..R31
+    assert sass_mix.register_operand_hazards(_loop_with(
+        "IMAD.WIDE R30, R4, 0x2, R6; WARPGROUP.DEPBAR.LE gsb0, 0x0")) == [
+        "0040 IMAD.WIDE R30, R4, 0x2, R6"]
+    # waited for before anything is written: none; nor are reads of them, or stores
+    assert sass_mix.register_operand_hazards(_loop_with(
+        "STS [R28], R29; FADD R40, R28, R31; WARPGROUP.DEPBAR.LE gsb0, 0x0; "
+        "MOV R28, R12")) == []
