@@ -410,7 +410,8 @@ def analyse(case: Case) -> dict:
         loop_instructions=len(loop), weights_per_thread=per_thread,
         per_weight=len(loop) / per_thread if loop else None,
         per_weight_byte=len(loop) / (per_thread * case.weight_bytes) if loop else None,
-        mix=dict(mix.most_common()), loads=dict(loads))
+        mix=dict(mix.most_common()), loads=dict(loads),
+        register_operand_hazards=register_operand_hazards(sass))
 
 
 def main() -> None:
@@ -451,6 +452,10 @@ def main() -> None:
               f"{per_weight:.2f} | {per_byte:.2f} | {row['issue_share']:.0%} | {top} |"
               if per_weight else
               f"| {row['kernel']} | {row['note']} | {row['registers']} | no loop | | | | | |")
+    for row in rows:
+        if row["register_operand_hazards"]:
+            print(f"\n[sass_mix] {row['kernel']}: a register-operand wgmma's registers "
+                  f"written before its wait: {row['register_operand_hazards'][:4]}")
     # Named for the target, whatever machine compiled it.
     args.tiny, args.suffix = False, "_sm90" + args.suffix
     out = common.write_results("sass_mix", args, dict(target="sm_90", triton=triton.__version__,
