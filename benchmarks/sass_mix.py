@@ -370,7 +370,7 @@ def _written(opcode: str, operands: str) -> set[int]:
     (two for a .64 / .WIDE result, four for .128); stores, branches and the like none."""
     first = operands.split(",")[0].strip()
     match = re.fullmatch(r"R(\d+)", first)
-    if not match or opcode.startswith(("ST", "RED", "BRA", "BAR", "HGMMA", "WARPGROUP")):
+    if not match or opcode.startswith(("ST", "RED", "BRA", "BAR")):
         return set()
     width = 4 if ".128" in opcode else 2 if (".64" in opcode or ".WIDE" in opcode) else 1
     return set(range(int(match.group(1)), int(match.group(1)) + width))
