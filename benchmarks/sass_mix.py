@@ -184,12 +184,14 @@ def _cases() -> list[Case]:
             ["M", *aligned], 64 * 256, 144 / 256, num_warps=4,
             note="launch (64 rows of W, one super-block a step)"))
         if wgmma:
-            pairs = {"pairs_xm" if a == "stride_xm" else a: t for a, t in gemm_args.items()}
             cases.append(Case(
                 f"gguf_q4k_wgmma ({rows} rows, Gluon)", "gguf_q4k_wgmma:_q4k_wgmma_kernel",
-                dict(pairs, one=i32), dict(BLOCK_M=rows, num_warps=4),
-                [a.replace("stride_xm", "pairs_xm") for a in aligned], 64 * 256,
-                144 / 256, num_warps=4, gluon=True,
+                dict(x_ptr="*bf16", q_ptr="*i32", y_ptr="*bf16", part_ptr="*fp32",
+                     counts="*i32", M=i32, N=i32, K=i32, pairs_xm=i32, stride_qn=i32,
+                     stride_ym=i32, units_per_split=i32, splits=i32, one=i32),
+                dict(BLOCK_M=rows, num_warps=4),
+                ["x_ptr", "q_ptr", "y_ptr", "part_ptr", "N", "K", "pairs_xm", "stride_qn",
+                 "stride_ym"], 64 * 256, 144 / 256, num_warps=4, gluon=True,
                 note="64 rows of W, one super-block a step"))
     # 8-bit weights by 8-bit x through Hopper's async wgmma, TMA filling a ring of tiles
     # (w8_wgmma.py, Gluon): FP8 by FP8, INT8 by x's two int8 halves

@@ -1,4 +1,4 @@
-"""gguf_q4k_wgmma.py: Q4_K at 2..64 rows through Hopper's async wgmma (Gluon).
+"""gguf_q4k_wgmma.py: Q4_K at 2..64 rows through Hopper's wgmma (Gluon).
 
 The kernel itself runs only on a Hopper GPU (`INFER_TEST_DEVICE=cuda` there); on the CPU
 the order it puts the weights in is checked by redoing its decode step by step in torch
@@ -103,6 +103,8 @@ def test_the_kernel_matches_dequantized_matmul(m, n, k, split):
     assert y.dtype == torch.bfloat16 and y.shape == (m, n) and torch.isfinite(y).all()
     error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
     assert error < 2e-2, error
+    # the slices' counters left as found: a second launch adds its parts alike
+    assert torch.equal(q4k_wgmma(x, gemm_words(raw, Q.Q4_K, k), k, split=split), y)
 
 
 @pytest.mark.skipif(not _available(), reason="needs a Hopper GPU and Triton's Gluon")

@@ -218,13 +218,15 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: QType, cols: int) ->
     if x.shape[0] == 1 and gemv_words(data, qtype) is not None:
         return _matmul(x, data, qtype, cols, **gemv_launch(qtype, data.shape[0], cols, x.device))
     if 1 < x.shape[0] <= GEMM_ROWS and gemm_words(data, qtype, cols) is not None:
-        launch = gemm_launch(qtype, x.shape[0], data.shape[0], cols, x.device)
         if (_q4k_wgmma and qtype == QType.Q4_K and x.dtype == torch.bfloat16
-                and x.stride(1) == 1 and gluon_hopper(x.device, "gguf_q4k_wgmma")):
-            from infer.kernels.gguf_q4k_wgmma import q4k_wgmma
+                and x.stride(1) == 1 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0
+                and gluon_hopper(x.device, "gguf_q4k_wgmma")):
+            from infer.kernels.gguf_q4k_wgmma import default_split, q4k_wgmma
 
-            return q4k_wgmma(x, gemm_words(data, qtype, cols), cols, split=launch["split"])
-        return _gemm(x, data, qtype, cols, **launch)
+            return q4k_wgmma(x, gemm_words(data, qtype, cols), cols,
+                             split=default_split(x.shape[0], data.shape[0], cols, x.device))
+        return _gemm(x, data, qtype, cols,
+                     **gemm_launch(qtype, x.shape[0], data.shape[0], cols, x.device))
     # Measured on the H100 (4096 x 4096 and 4096 x 14336, bf16; CUDA graphs): 16 rows of W
     # a program, two units a step.
     return _matmul(x, data, qtype, cols, block_n=8 if x.shape[0] == 1 else 16, units=2,

@@ -2,8 +2,9 @@
 dialect with explicit layouts): the decoded weights go to the wgmma as its register operand,
 never through shared memory, and the next super-block's bytes are on their way while one is
 decoded and multiplied (each wgmma waited for at once: ptxas reuses the registers of a
-register operand still in flight, triton-lang/triton#9433). Behind
-`EngineConfig.gguf_q4k_wgmma` (off until its GPU tests and timing run).
+register operand still in flight, triton-lang/triton#9433); the K slices' sums added by the
+launch's last program of each channel block. `EngineConfig.gguf_q4k_wgmma`, on by default
+(H100, 8B Q4_K_M step at batch 8 / 32: 5.21 / 6.65 ms against gguf_gemm's 6.65 / 7.67).
 
 Why (docs/performance.md, session 64): gguf_gemm.py's `tl.dot` stages the decoded tile through
 shared memory (store, barrier, `ldmatrix`) and waits on every wgmma, so each program's steps
@@ -34,6 +35,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
+from infer.kernels import launch_counters, sm_count
 from infer.kernels.register_wgmma import (
     async_load,
     sums_layout,
@@ -41,8 +43,10 @@ from infer.kernels.register_wgmma import (
     x_gather_layout,
     x_shared_layout,
 )
+from infer.kernels.w8_wgmma import MAX_BLOCKS, sum_parts
 
 ONE = 0x3F800000  # 1.0 as float32 bits
+MAX_ROWS = 64  # x's rows: one program's wgmma N
 
 
 @gluon.jit
@@ -82,12 +86,13 @@ def _load_unit(row_ptr, word_off, u):
 
 
 @gluon.jit
-def _q4k_wgmma_kernel(x_ptr, q_ptr, y_ptr, M, N, K, pairs_xm, stride_qn, stride_ys,
-                      stride_ym, units_per_split, one, BLOCK_M: gl.constexpr,
+def _q4k_wgmma_kernel(x_ptr, q_ptr, y_ptr, part_ptr, counts, M, N, K, pairs_xm, stride_qn,
+                      stride_ym, units_per_split, splits, one, BLOCK_M: gl.constexpr,
                       num_warps: gl.constexpr):
-    """Program (n, m, s): rows `64 n..` of W, `BLOCK_M m..` of x, super-blocks
-    `s * units_per_split..` of K, its float32 sums at `y + s * stride_ys`. Rows of W past N
-    read the last row (not stored); rows of x past M load as 0."""
+    """Program (n, s): rows `64 n..` of W, every row of x (M <= BLOCK_M), super-blocks
+    `s * units_per_split..` of K; the slices' float32 sums added by the last program of the
+    channel block (`w8_wgmma.sum_parts`) and stored at `y [M, N]` as bfloat16. Rows of W
+    past N read the last row (not stored); rows of x past M load as 0."""
     BLOCK_N: gl.constexpr = 64
     words_layout: gl.constexpr = gl.DistributedLinearLayout(  # [row, g, t]
         reg_bases=[[8, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
@@ -100,8 +105,7 @@ def _q4k_wgmma_kernel(x_ptr, q_ptr, y_ptr, M, N, K, pairs_xm, stride_qn, stride_
     x_smem: gl.constexpr = x_shared_layout(BLOCK_M, 256)
 
     pid_n = gl.program_id(0)
-    pid_m = gl.program_id(1)
-    pid_s = gl.program_id(2)
+    pid_s = gl.program_id(1)
     rows = gl.arange(0, 64, layout=gl.SliceLayout(1, row_layout))
     g = gl.arange(0, 8, layout=gl.SliceLayout(0, row_layout))
     t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_layout)))
@@ -113,7 +117,7 @@ def _q4k_wgmma_kernel(x_ptr, q_ptr, y_ptr, M, N, K, pairs_xm, stride_qn, stride_
     kp = gl.arange(0, 256, layout=gl.SliceLayout(0, x_layout))
     kx = 64 * (kp // 32 % 4) + 32 * (kp // 128) + 16 * (kp // 16 % 2) + 4 * (kp // 2 % 4) \
         + 2 * (kp // 8 % 2) + kp % 2
-    rm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout))
+    rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout))
     # x's row stride in pairs of elements: every row 4-byte aligned, as cp.async needs
     x_rows = x_ptr + gl.expand_dims(rm.to(gl.int64) * (2 * pairs_xm), 1)
     x_ok = gl.expand_dims(rm < M, 1)
@@ -155,29 +159,52 @@ def _q4k_wgmma_kernel(x_ptr, q_ptr, y_ptr, M, N, K, pairs_xm, stride_qn, stride_
         acc = warpgroup_mma(a, xs.index((u - u0) % 3).permute((1, 0)), acc)
         head, s0, s1, s2, w = n_head, n_s0, n_s1, n_s2, n_w
     async_copy.wait_group(0)  # the last iteration's copy (of the last super-block again)
-    out_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
+    out_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
     out_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-    y = y_ptr + pid_s * stride_ys + gl.expand_dims(out_m.to(gl.int64) * stride_ym, 0) \
-        + gl.expand_dims(out_n, 1)
-    gl.store(y, acc, mask=gl.expand_dims(out_m < M, 0) & gl.expand_dims(out_n < N, 1))
+    total, last = sum_parts(acc, out_n, out_m, part_ptr, counts, pid_n, pid_s, splits, M, N)
+    if last:
+        y = y_ptr + gl.expand_dims(out_m.to(gl.int64) * stride_ym, 0) + gl.expand_dims(out_n, 1)
+        gl.store(y, total.to(gl.bfloat16),
+                 mask=gl.expand_dims(out_m < M, 0) & gl.expand_dims(out_n < N, 1))
+
+
+def default_split(rows: int, n: int, cols: int, device: torch.device) -> int:
+    """K slices for `rows` rows of x and `n` of W. Swept on an H100 (8B shapes at 8 / 16 /
+    32 / 64 rows, weights cycled past L2; benchmarks/quantized_gemv.py --gemm-sweep times
+    the rule beside half and twice it): 4 slices where the programs stay few (q/k/v, o, down:
+    12-15 / 12-14 / 29-32 us at 8-32 rows against gguf_gemm's 22-25 / 18-19 / 42-43), fewer
+    as the programs a multiprocessor holds shrink with the rows (gate_up: 2 slices at 8-16
+    rows, 51-52 us, one at 32, 65 us, against 80-84)."""
+    blocks = triton.cdiv(n, 64)
+    limit = (8 if rows <= 16 else 4 if rows <= 32 else 2) * sm_count(device)
+    split = 1
+    while split < 4 and 2 * split <= cols // 256 and 2 * split * blocks <= limit:
+        split *= 2
+    return split
 
 
 def q4k_wgmma(x: torch.Tensor, words: torch.Tensor, cols: int, *, split: int = 1,
-              block_m: int | None = None) -> torch.Tensor:
-    """`x [M, cols]` (bfloat16, 2..64 rows) times the transpose of the Q4_K weight
+              maxnreg: int | None = None) -> torch.Tensor:
+    """`x [M, cols]` (bfloat16, up to 64 rows) times the transpose of the Q4_K weight
     `words [N, cols / 256 * 36]` (gguf_gemm.gemm_words), K split over `split` programs a
-    row block (their float32 sums added after): `[M, N]` bfloat16."""
+    channel block (their float32 sums added by the last, in the same launch): `[M, N]`
+    bfloat16. `maxnreg` caps the registers a thread (for tuning)."""
     assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and cols % 256 == 0, (
         x.dtype, x.stride(), cols)
     assert x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0, "x in 4-byte pairs"
     m, n = x.shape[0], words.shape[0]
+    assert m <= MAX_ROWS, m
     units = cols // 256
     per_split = triton.cdiv(units, max(1, min(split, units)))
     split = triton.cdiv(units, per_split)
-    block_m = block_m or min(64, max(16, triton.next_power_of_2(m)))
-    y = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    blocks = triton.cdiv(n, 64)
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    parts = torch.empty((split, m, n), dtype=torch.float32, device=x.device) \
+        if split > 1 else y
     if m and n:
-        grid = (triton.cdiv(n, 64), triton.cdiv(m, block_m), split)
-        _q4k_wgmma_kernel[grid](x, words, y, m, n, cols, x.stride(0) // 2, words.stride(0), m * n,
-                                n, per_split, ONE, BLOCK_M=block_m, num_warps=4)
-    return y.sum(0).to(x.dtype)
+        _q4k_wgmma_kernel[(blocks, split)](
+            x, words, y, parts, launch_counters("gguf_q4k_wgmma", x.device, MAX_BLOCKS, blocks),
+            m, n, cols, x.stride(0) // 2, words.stride(0), y.stride(0), per_split, split, ONE,
+            BLOCK_M=min(MAX_ROWS, max(16, triton.next_power_of_2(m))), num_warps=4,
+            **({} if maxnreg is None else {"maxnreg": maxnreg}))
+    return y
