@@ -248,6 +248,11 @@ class EngineConfig:
         "Triton with it, else gguf_gemm.py) instead of gguf_gemm.py's tl.dot, which stages "
         "them through shared memory; on an H100 the 8B Q4_K_M batch-32 step 6.86 ms against "
         "7.67 (docs/performance.md)")
+    gguf_q6k_wgmma: bool = knob(
+        True, "the same for GGUF Q6_K blocks (a Q4_K_M file's LM head and half its "
+        "ffn_down and attn_v), through kernels/gguf_q6k_wgmma.py, instead of gguf_gemm.py; "
+        "on an H100 the 8B Q4_K_M step at batch 8 / 32 4.88 / 6.14 ms against 5.21 / 6.64 "
+        "(docs/performance.md)")
     gguf_fused_x_rounding: bool = knob(
         True, "with gguf_int8_activations, x rounded to int8 by the launch that makes x (the "
         "one-row RMSNorm before the q/k/v, gate/up and LM-head matmuls; the gated "

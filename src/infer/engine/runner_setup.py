@@ -67,7 +67,8 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
     another up to `fp8_wgmma_rows` rows, dp4a for
     one row of INT8 ones (`int8_x16_gemv`) and for GGUF Q4_K, Q6_K and Q8_0 blocks
     (`gguf_int8_activations`, x rounded where it is made with `gguf_fused_x_rounding`), 2-64
-    rows of Q4_K ones through Hopper's wgmma with `gguf_q4k_wgmma`; on
+    rows of Q4_K ones through Hopper's wgmma with `gguf_q4k_wgmma` (Q6_K ones with
+    `gguf_q6k_wgmma`); on
     a CPU, INT8 ones through infer's C++ kernel (`cpu_int8_kernel`)."""
     set_cpu_norms(model, config.cpu_norm_kernel)
     triton = kernel_backend == "triton"
@@ -82,6 +83,7 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
         gemv.set_form(config.gemv_form)
         gemv.set_fp8_bits(config.fp8_weight_bits)
         gguf_matmul.set_q4k_wgmma(config.gguf_q4k_wgmma)
+        gguf_matmul.set_q6k_wgmma(config.gguf_q6k_wgmma)
     fp8_mma = triton and _has_fp8_mma()
     fp8_x = config.fp8_decode_activations and fp8_mma
     if config.fp8_decode_activations and triton and not fp8_x:

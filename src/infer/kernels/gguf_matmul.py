@@ -225,6 +225,14 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: QType, cols: int) ->
 
             return q4k_wgmma(x, gemm_words(data, qtype, cols), cols,
                              split=default_split(x.shape[0], data.shape[0], cols, x.device))
+        if (_q6k_wgmma and qtype == QType.Q6_K and x.dtype == torch.bfloat16
+                and x.stride(1) == 1 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0
+                and gluon_hopper(x.device, "gguf_q6k_wgmma")):
+            from infer.kernels.gguf_q4k_wgmma import default_split
+            from infer.kernels.gguf_q6k_wgmma import q6k_wgmma
+
+            return q6k_wgmma(x, gemm_words(data, qtype, cols), cols,
+                             split=default_split(x.shape[0], data.shape[0], cols, x.device))
         return _gemm(x, data, qtype, cols,
                      **gemm_launch(qtype, x.shape[0], data.shape[0], cols, x.device))
     # Measured on the H100 (4096 x 4096 and 4096 x 14336, bf16; CUDA graphs): 16 rows of W
@@ -234,6 +242,7 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: QType, cols: int) ->
 
 
 _q4k_wgmma = False  # EngineConfig.gguf_q4k_wgmma, set by the runner's set-up
+_q6k_wgmma = False  # EngineConfig.gguf_q6k_wgmma, likewise
 
 
 def set_q4k_wgmma(on: bool) -> None:
@@ -241,6 +250,13 @@ def set_q4k_wgmma(on: bool) -> None:
     `kernels.gluon_hopper`) from now on."""
     global _q4k_wgmma
     _q4k_wgmma = on
+
+
+def set_q6k_wgmma(on: bool) -> None:
+    """Whether 2..GEMM_ROWS rows of bfloat16 x by Q6_K blocks take gguf_q6k_wgmma.py (where
+    `kernels.gluon_hopper`) from now on."""
+    global _q6k_wgmma
+    _q6k_wgmma = on
 
 
 def _matmul(x: torch.Tensor, data: torch.Tensor, qtype: QType, cols: int, *, block_n: int,

@@ -94,11 +94,8 @@ def _q4k_wgmma_kernel(x_ptr, q_ptr, y_ptr, part_ptr, counts, M, N, K, pairs_xm, 
     channel block (`w8_wgmma.sum_parts`) and stored at `y [M, N]` as bfloat16. Rows of W
     past N read the last row (not stored); rows of x past M load as 0."""
     BLOCK_N: gl.constexpr = 64
-    words_layout: gl.constexpr = gl.DistributedLinearLayout(  # [row, g, t]
-        reg_bases=[[8, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-        lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 8, 4])
-    row_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
+    layout: gl.constexpr = words_layout()
+    row_layout: gl.constexpr = gl.SliceLayout(2, layout)
     acc_layout: gl.constexpr = sums_layout(BLOCK_M)
     a_layout: gl.constexpr = weights_layout(BLOCK_M)
     x_layout: gl.constexpr = x_gather_layout()
@@ -108,7 +105,7 @@ def _q4k_wgmma_kernel(x_ptr, q_ptr, y_ptr, part_ptr, counts, M, N, K, pairs_xm, 
     pid_s = gl.program_id(1)
     rows = gl.arange(0, 64, layout=gl.SliceLayout(1, row_layout))
     g = gl.arange(0, 8, layout=gl.SliceLayout(0, row_layout))
-    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_layout)))
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
     row_ptr = q_ptr + gl.minimum(pid_n * BLOCK_N + rows, N - 1).to(gl.int64) * stride_qn
     word_off = gl.expand_dims(gl.expand_dims(4 * g, 0), 2) \
         + gl.expand_dims(gl.expand_dims(t, 0), 1)
@@ -159,8 +156,29 @@ def _q4k_wgmma_kernel(x_ptr, q_ptr, y_ptr, part_ptr, counts, M, N, K, pairs_xm, 
         acc = warpgroup_mma(a, xs.index((u - u0) % 3).permute((1, 0)), acc)
         head, s0, s1, s2, w = n_head, n_s0, n_s1, n_s2, n_w
     async_copy.wait_group(0)  # the last iteration's copy (of the last super-block again)
-    out_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
-    out_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    store_bf16(acc, pid_n, pid_s, y_ptr, part_ptr, counts, M, N, stride_ym, splits, BLOCK_M)
+
+
+@gluon.constexpr_function
+def words_layout():
+    """A super-block's 32 words of 4-bit fields a row, `[64 rows, 8 g, 4 t]` (word 4g + t):
+    lane 4 (row % 8) + t, registers row + 8 and g, so that each thread's values are the
+    wgmma A operand's for the order k' (module docstring)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[8, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 8, 4])
+
+
+@gluon.jit
+def store_bf16(acc, pid_n, pid_s, y_ptr, part_ptr, counts, M, N, stride_ym, splits,
+               BLOCK_M: gl.constexpr):
+    """Store a program's float32 sums `acc [64 channels 64 pid_n.., BLOCK_M rows]` of K slice
+    `pid_s` of `splits` at `y [M, N]` as bfloat16, once the channel block's slices are added
+    (`w8_wgmma.sum_parts`)."""
+    layout: gl.constexpr = sums_layout(BLOCK_M)
+    out_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
+    out_n = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
     total, last = sum_parts(acc, out_n, out_m, part_ptr, counts, pid_n, pid_s, splits, M, N)
     if last:
         y = y_ptr + gl.expand_dims(out_m.to(gl.int64) * stride_ym, 0) + gl.expand_dims(out_n, 1)
