@@ -10,8 +10,8 @@ the weight as stored (scales included) plus the activations read and written; GB
 fraction of the copy bandwidth measured in the same run. `--sweep` also times the one-row
 GGUF kernel's launch configurations, `--gemm-sweep` those of the few-row GGUF kernel
 (gguf_gemm.py) at each of `--rows` beside bf16 and the dequantize-then-cuBLAS path (and, for
-Q4_K on a Hopper GPU with Triton's Gluon, gguf_q4k_wgmma.py at its rule's K split, half and
-twice it)
+Q4_K and Q6_K on a Hopper GPU with Triton's Gluon, gguf_wgmma.py at its rule's K split, half
+and twice it)
 (`Q4_K-deq`: what the engine ran from two rows up before), weights cycled past L2 as in
 the table. `--gguf-only`: the table's bf16 and GGUF rows alone. `Q4_K-int8x`, `Q6_K-int8x`,
 `Q8_0-int8x` (one row): x rounded to int8 (gguf_q4k_int8x.py, gguf_q6k_int8x.py,
@@ -250,18 +250,18 @@ def gemm_sweep(rows_list: list[int], args: argparse.Namespace, payload: dict) ->
                     timed[label] = us
                     results.append(dict(shape=shape, rows=rows, qtype=name, **config, us=us,
                                         GBps=blocks[0].nbytes / us / 1e3, chosen=config is chosen))
-                if q == Q.Q4_K and gluon_hopper(x.device, "gguf_q4k_wgmma"):
+                if q in (Q.Q4_K, Q.Q6_K) and gluon_hopper(x.device, "gguf_wgmma"):
                     from infer.kernels.gguf_gemm import gemm_words
-                    from infer.kernels.gguf_q4k_wgmma import default_split, q4k_wgmma
+                    from infer.kernels.gguf_wgmma import default_split, gguf_wgmma
 
                     rule = default_split(rows, n, k, x.device)
                     for split in sorted({max(1, rule // 2), rule, 2 * rule}):
-                        us = graph_time_us(cycling([partial(q4k_wgmma, x, gemm_words(b, q, k),
-                                                            k, split=split) for b in blocks]),
+                        us = graph_time_us(cycling([partial(gguf_wgmma, x, gemm_words(b, q, k),
+                                                            q, k, split=split) for b in blocks]),
                                            replays=5)
                         timed[f"wgmma split {split}"] = us
                         results.append(dict(shape=shape, rows=rows, qtype=name,
-                                            kernel="gguf_q4k_wgmma", split=split, us=us,
+                                            kernel="gguf_wgmma", split=split, us=us,
                                             GBps=blocks[0].nbytes / us / 1e3))
                 results.append(dict(shape=shape, rows=rows, qtype=name, kernel="deq",
                                     us=timed["deq"]))

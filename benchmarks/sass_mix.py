@@ -164,11 +164,10 @@ def _cases() -> list[Case]:
                 note=f"launch ({block_n} rows, {units} units of {unit_k}, 4 warps)"))
     # GGUF Q4_K at 16-64 rows of bf16 x (gguf_gemm.py, its launch's 64 rows of W a program,
     # one super-block a step), the decoded pieces fed to tl.dot; and the same through
-    # Hopper's wgmma, the decoded weights its register operand (gguf_q4k_wgmma.py, and
-    # gguf_q6k_wgmma.py for Q6_K; Gluon, where this Triton has Gluon's Hopper calls)
+    # Hopper's wgmma, the decoded weights its register operand (gguf_wgmma.py, Q4_K and
+    # Q6_K; Gluon, where this Triton has Gluon's Hopper calls)
     try:
-        import infer.kernels.gguf_q4k_wgmma
-        import infer.kernels.gguf_q6k_wgmma  # noqa: F401
+        import infer.kernels.gguf_wgmma  # noqa: F401
         wgmma = True
     except (ImportError, AttributeError):
         wgmma = False
@@ -184,24 +183,18 @@ def _cases() -> list[Case]:
                  BLOCK_N=64, IEEE=False),
             ["M", *aligned], 64 * 256, 144 / 256, num_warps=4,
             note="launch (64 rows of W, one super-block a step)"))
-        if wgmma:
+        for qtype, words, weight_bytes in ((QType.Q4_K, "*i32", 144), (QType.Q6_K, "*i16", 210)):
+            if not wgmma:
+                break
             cases.append(Case(
-                f"gguf_q4k_wgmma ({rows} rows, Gluon)", "gguf_q4k_wgmma:_q4k_wgmma_kernel",
-                dict(x_ptr="*bf16", q_ptr="*i32", y_ptr="*bf16", part_ptr="*fp32",
+                f"gguf_wgmma {qtype.name.lower()} ({rows} rows, Gluon)",
+                "gguf_wgmma:_gguf_wgmma_kernel",
+                dict(x_ptr="*bf16", q_ptr=words, y_ptr="*bf16", part_ptr="*fp32",
                      counts="*i32", M=i32, N=i32, K=i32, pairs_xm=i32, stride_qn=i32,
                      stride_ym=i32, units_per_split=i32, splits=i32, one=i32),
-                dict(BLOCK_M=rows, num_warps=4),
+                dict(QTYPE=int(qtype), BLOCK_M=rows, num_warps=4),
                 ["x_ptr", "q_ptr", "y_ptr", "part_ptr", "N", "K", "pairs_xm", "stride_qn",
-                 "stride_ym"], 64 * 256, 144 / 256, num_warps=4, gluon=True,
-                note="64 rows of W, one super-block a step"))
-            cases.append(Case(
-                f"gguf_q6k_wgmma ({rows} rows, Gluon)", "gguf_q6k_wgmma:_q6k_wgmma_kernel",
-                dict(x_ptr="*bf16", q_ptr="*i16", y_ptr="*bf16", part_ptr="*fp32",
-                     counts="*i32", M=i32, N=i32, K=i32, pairs_xm=i32, stride_qn=i32,
-                     stride_ym=i32, units_per_split=i32, splits=i32, one=i32),
-                dict(BLOCK_M=rows, num_warps=4),
-                ["x_ptr", "y_ptr", "part_ptr", "N", "K", "pairs_xm", "stride_ym"], 64 * 256,
-                210 / 256, num_warps=4, gluon=True,
+                 "stride_ym"], 64 * 256, weight_bytes / 256, num_warps=4, gluon=True,
                 note="64 rows of W, one super-block a step"))
     # 8-bit weights by 8-bit x through Hopper's async wgmma, TMA filling a ring of tiles
     # (w8_wgmma.py, Gluon): FP8 by FP8, INT8 by x's two int8 halves

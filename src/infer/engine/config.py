@@ -244,15 +244,15 @@ class EngineConfig:
         True, "matmuls of 2-64 rows of bfloat16 x by GGUF Q4_K blocks kept in them "
         "(quantization=gguf) on a Hopper GPU go through Hopper's wgmma with the decoded "
         "weights as its register operand and the next super-block's bytes loading while one "
-        "is decoded (kernels/gguf_q4k_wgmma.py, written in Triton's Gluon dialect; needs a "
+        "is decoded (kernels/gguf_wgmma.py, written in Triton's Gluon dialect; needs a "
         "Triton with it, else gguf_gemm.py) instead of gguf_gemm.py's tl.dot, which stages "
-        "them through shared memory; on an H100 the 8B Q4_K_M batch-32 step 6.86 ms against "
-        "7.67 (docs/performance.md)")
+        "them through shared memory; on an H100 the 8B Q4_K_M step at batch 8 / 32 / 64 5.21 "
+        "/ 6.65 / 9.18 ms against 6.65 / 7.67 / 9.56 (docs/performance.md)")
     gguf_q6k_wgmma: bool = knob(
         True, "the same for GGUF Q6_K blocks (a Q4_K_M file's LM head and half its "
-        "ffn_down and attn_v), through kernels/gguf_q6k_wgmma.py, instead of gguf_gemm.py; "
-        "on an H100 the 8B Q4_K_M step at batch 8 / 32 4.88 / 6.14 ms against 5.21 / 6.64 "
-        "(docs/performance.md)")
+        "ffn_down and attn_v), through the same kernel (its Q6_K decode in "
+        "kernels/gguf_q6k_wgmma.py), instead of gguf_gemm.py; on an H100 the 8B Q4_K_M "
+        "step at batch 8 / 32 4.88 / 6.14 ms against 5.21 / 6.64 (docs/performance.md)")
     gguf_fused_x_rounding: bool = knob(
         True, "with gguf_int8_activations, x rounded to int8 by the launch that makes x (the "
         "one-row RMSNorm before the q/k/v, gate/up and LM-head matmuls; the gated "

@@ -23,8 +23,8 @@ registers, so only the quantized bytes cross memory. A unit is decoded as an `[S
 multiplied with it in registers and reduced once at the end, more rows go through
 `tl.dot`. One row of Q4_K or Q6_K goes to gguf_gemv.py instead (32-bit loads, no
 int->float converts, scales once per group), 2..64 rows of Q4_K, Q6_K or Q8_0 to
-gguf_gemm.py (the same decoding, then `tl.dot`; Q4_K by bfloat16 x on a Hopper GPU, with
-`set_q4k_wgmma`, to gguf_q4k_wgmma.py's wgmma). Larger M (prefill chunks) is
+gguf_gemm.py (the same decoding, then `tl.dot`; Q4_K and Q6_K by bfloat16 x on a Hopper
+GPU, with `set_q4k_wgmma` / `set_q6k_wgmma`, to gguf_wgmma.py's wgmma). Larger M (prefill chunks) is
 compute-bound: `gguf_dequantize` there, then cuBLAS.
 """
 
@@ -218,21 +218,13 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: QType, cols: int) ->
     if x.shape[0] == 1 and gemv_words(data, qtype) is not None:
         return _matmul(x, data, qtype, cols, **gemv_launch(qtype, data.shape[0], cols, x.device))
     if 1 < x.shape[0] <= GEMM_ROWS and gemm_words(data, qtype, cols) is not None:
-        if (_q4k_wgmma and qtype == QType.Q4_K and x.dtype == torch.bfloat16
-                and x.stride(1) == 1 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0
-                and gluon_hopper(x.device, "gguf_q4k_wgmma")):
-            from infer.kernels.gguf_q4k_wgmma import default_split, q4k_wgmma
+        wgmma = _q4k_wgmma if qtype == QType.Q4_K else _q6k_wgmma if qtype == QType.Q6_K \
+            else False
+        if (wgmma and x.dtype == torch.bfloat16 and x.stride(1) == 1 and x.stride(0) % 2 == 0
+                and x.data_ptr() % 4 == 0 and gluon_hopper(x.device, "gguf_wgmma")):
+            from infer.kernels.gguf_wgmma import gguf_wgmma
 
-            return q4k_wgmma(x, gemm_words(data, qtype, cols), cols,
-                             split=default_split(x.shape[0], data.shape[0], cols, x.device))
-        if (_q6k_wgmma and qtype == QType.Q6_K and x.dtype == torch.bfloat16
-                and x.stride(1) == 1 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0
-                and gluon_hopper(x.device, "gguf_q6k_wgmma")):
-            from infer.kernels.gguf_q4k_wgmma import default_split
-            from infer.kernels.gguf_q6k_wgmma import q6k_wgmma
-
-            return q6k_wgmma(x, gemm_words(data, qtype, cols), cols,
-                             split=default_split(x.shape[0], data.shape[0], cols, x.device))
+            return gguf_wgmma(x, gemm_words(data, qtype, cols), qtype, cols)
         return _gemm(x, data, qtype, cols,
                      **gemm_launch(qtype, x.shape[0], data.shape[0], cols, x.device))
     # Measured on the H100 (4096 x 4096 and 4096 x 14336, bf16; CUDA graphs): 16 rows of W
@@ -246,14 +238,14 @@ _q6k_wgmma = False  # EngineConfig.gguf_q6k_wgmma, likewise
 
 
 def set_q4k_wgmma(on: bool) -> None:
-    """Whether 2..GEMM_ROWS rows of bfloat16 x by Q4_K blocks take gguf_q4k_wgmma.py (where
+    """Whether 2..GEMM_ROWS rows of bfloat16 x by Q4_K blocks take gguf_wgmma.py (where
     `kernels.gluon_hopper`) from now on."""
     global _q4k_wgmma
     _q4k_wgmma = on
 
 
 def set_q6k_wgmma(on: bool) -> None:
-    """Whether 2..GEMM_ROWS rows of bfloat16 x by Q6_K blocks take gguf_q6k_wgmma.py (where
+    """Whether 2..GEMM_ROWS rows of bfloat16 x by Q6_K blocks take gguf_wgmma.py (where
     `kernels.gluon_hopper`) from now on."""
     global _q6k_wgmma
     _q6k_wgmma = on

@@ -1,5 +1,5 @@
 """What the Gluon kernels whose weights are decoded into the wgmma's register operand
-(`fp8_wgmma.py`, `gguf_q4k_wgmma.py`) share: 64 rows of W a program (the wgmma's M, one
+(`fp8_wgmma.py`, `gguf_wgmma.py`) share: 64 rows of W a program (the wgmma's M, one
 warpgroup of 4 warps) as operand A in registers, BLOCK_M rows of x (its N) gathered into
 shared memory by 4-byte `cp.async` as operand B, float32 sums.
 
