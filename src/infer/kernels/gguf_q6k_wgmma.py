@@ -45,14 +45,13 @@ def load_unit(row_ptr, ql_off, qh_off, sc_off, u):
 
 
 @gluon.jit
-def _scales(d, sc, odd):
+def _scales(d256, sc, odd):
     """`a`, `b` with `a f + b = d sc (q - 32)` for `f = 1 + q 2^-8`: `[64, 8, 1]`, from
-    `d` (`[64]` fp16 bits) and the scales' 16-bit words `sc [64, 8]`, byte `odd`."""
-    df = d.to(gl.float16, bitcast=True).to(gl.float32)
+    `256 d` (`[64]`) and the scales' 16-bit words `sc [64, 8]`, byte `odd`."""
     word = sc.to(gl.uint16, bitcast=True).to(gl.int32)
     s = ((word << (24 - 8 * odd)) >> 24).to(gl.float32)  # the byte, sign-extended
-    ds = gl.expand_dims(df, 1) * s
-    return gl.expand_dims(256.0 * ds, 2), gl.expand_dims(-288.0 * ds, 2)
+    a = gl.expand_dims(d256, 1) * s
+    return gl.expand_dims(a, 2), gl.expand_dims(-1.125 * a, 2)
 
 
 @gluon.jit
@@ -89,8 +88,9 @@ def decode(d, sc0, sc1, ql, qh, g, one):
     """A super-block's values, `[row, g, t, e % 2, e // 2, h]` float32 (g `[1, 8]`)."""
     odd = g % 2
     shift = gl.expand_dims(2 * (g // 2 % 2), 2)  # the highs' bit in byte e, h = 0
-    a0, b0 = _scales(d, sc0, odd)
-    a1, b1 = _scales(d, sc1, odd)
+    d256 = 256.0 * d.to(gl.float16, bitcast=True).to(gl.float32)
+    a0, b0 = _scales(d256, sc0, odd)
+    a1, b1 = _scales(d256, sc1, odd)
     v0 = (ql & 0x0F0F0F0F) | ((qh << (4 - shift)) & 0x30303030)
     v1 = ((ql >> 4) & 0x0F0F0F0F) | ((qh >> shift) & 0x30303030)
     return gl.join(_values(v0, a0, b0, one), _values(v1, a1, b1, one))
