@@ -55,6 +55,9 @@ class Case:
     # loop: the loop's count of that opcode then says how many iterations it holds
     unrolled: tuple[str, int] | None = None
     gluon: bool = False  # written in Gluon (triton.experimental.gluon)
+    # an opcode the K loop holds where the kernel has longer innermost loops that are not it
+    # (a rarely taken redo path's)
+    loop_holds: str | None = None
 
 
 def _cases() -> list[Case]:
@@ -74,7 +77,8 @@ def _cases() -> list[Case]:
             ("int8", "*i8", 1, "floats"),
             ("int8 words", "*i8", 1, "words"), ("int8 units", "*i8", 1, "units"),
             ("fp8", "*fp8e4nv", 1, "floats"), ("fp8 words", "*fp8e4nv", 1, "words"),
-            ("fp8 bits", "*fp8e4nv", 1, "floats"), ("fp8 bits words", "*fp8e4nv", 1, "words")):
+            ("fp8 bits", "*fp8e4nv", 1, "floats"), ("fp8 bits words", "*fp8e4nv", 1, "words"),
+            ("fp8 halves", "*fp8e4nv", 1, "halves")):
         for shape, (n, k) in (("8B gate_up", (28672, 4096)), ("1B qkv", (3072, 2048))):
             launch = default_launch(n, k, size)
             cases.append(Case(
@@ -85,7 +89,8 @@ def _cases() -> list[Case]:
                      PTX=True, PDL=False, FORM=form, FP8_BITS="bits" in weights),
                 ["x_ptr", "w_ptr", "s_ptr", "y_ptr", "N", "K", "stride_wn"],
                 launch.block_n * launch.block_k, size, num_warps=launch.num_warps,
-                note=f"one row, launch {tuple(launch)}"))
+                note=f"one row, launch {tuple(launch)}",
+                loop_holds="HFMA2" if form == "halves" else None))
     w8_args = dict(x_ptr="*bf16", w_ptr="", s_ptr="*fp32", y_ptr="*bf16", M=i32, N=i32, K=i32,
                    stride_xm=i32, stride_wn=i32, stride_ys=i32, stride_ym=i32, stride_sn=i32,
                    steps_per_split=i32)
@@ -341,11 +346,12 @@ def _instructions(sass: str) -> list[tuple[int, str, str]]:
     return found
 
 
-def _innermost_loop(sass: str) -> list[tuple[int, str, str]]:
+def _innermost_loop(sass: str, holds: str | None = None) -> list[tuple[int, str, str]]:
     """The K loop's instructions: of the loops (a backward branch's target to the branch)
     that hold no other loop, the longest (a kernel's rarely taken paths have shorter ones)
     of those with a matrix multiply-add, if any has one (a tensor-core kernel's loop that
-    adds K slices' parts may be longer than its K loop)."""
+    adds K slices' parts may be longer than its K loop), or of those holding the opcode
+    `holds`."""
     instructions = _instructions(sass)
     loops = []
     for address, opcode, operands in instructions:
@@ -362,12 +368,15 @@ def _innermost_loop(sass: str) -> list[tuple[int, str, str]]:
 
     with_mma = [span for span in innermost  # HMMA, QGMMA, ...: not HFMA2.MMA (a move)
                 if any(op.split(".")[0].endswith("MMA") for _, op, _ in body(span))]
+    if holds:
+        with_mma = [span for span in innermost
+                    if any(op.split(".")[0] == holds for _, op, _ in body(span))]
     return body(max(with_mma or innermost, key=lambda span: span[1] - span[0]))
 
 
-def innermost_loop(sass: str) -> list[str]:
+def innermost_loop(sass: str, holds: str | None = None) -> list[str]:
     """The opcodes of the K loop (`_innermost_loop`)."""
-    return [opcode for _, opcode, _ in _innermost_loop(sass)]
+    return [opcode for _, opcode, _ in _innermost_loop(sass, holds)]
 
 
 def _written(opcode: str, operands: str) -> set[int]:
@@ -404,7 +413,7 @@ def register_operand_hazards(sass: str) -> list[str]:
 
 def analyse(case: Case) -> dict:
     sass, registers = compile_case(case)
-    loop = innermost_loop(sass)
+    loop = innermost_loop(sass, case.loop_holds)
     threads = 32 * case.num_warps
     mix = collections.Counter(opcode.split(".")[0] for opcode in loop)
     iterations = mix[case.unrolled[0]] / case.unrolled[1] if case.unrolled and loop else 1

@@ -662,3 +662,90 @@ def test_the_form_knob_sets_the_gemvs_form_and_keeps_greedy_tokens(gemv_form):
         for (tokens, logprobs), (want, want_logprobs) in zip(got, outs[quantization, "floats"]):
             assert tokens == want, (quantization, form)
             assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 0.05, form
+
+
+@pytest.fixture
+def halves(monkeypatch):
+    """The GEMV with `fp8_gemv_halves` on, and the forms its launches took."""
+    import infer.kernels.gemv as gemv_kernel
+
+    monkeypatch.setattr(gemv_kernel, "_fp8_halves", True)
+    taken = []
+    real = gemv_kernel._gemv_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                taken.append(kwargs["FORM"])
+                return real[grid](*args, **kwargs)
+            return launch
+    monkeypatch.setattr(gemv_kernel, "_gemv_kernel", Spy())
+    return taken
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="FP8 weights and the form 'halves' are a GPU's")
+@pytest.mark.parametrize("case", launches())
+@pytest.mark.parametrize(("x_size", "act"), [(1.0, ""), (30.0, ""), (1.0, "silu")])
+def test_the_halves_form_matches_float64_within_its_rounding(case, x_size, act, halves):
+    """One row of FP8 weights with `fp8_gemv_halves`: float16 products and runs of float16
+    sums, each channel within 2^-8 of its sum of |products| of the float64 result (and
+    the output's rounding); the float32 form is within ~1e-6 of it."""
+    from infer.kernels.gemv import gemv, gemv_gate_up
+
+    n, k, launch = case
+    gen = torch.Generator().manual_seed(n * k)
+    n = n + n % 2 if act else n
+    w = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, generator=gen) / 100 + 1e-3
+    x = (torch.randn(1, k, generator=gen) * x_size).to(torch.bfloat16)
+    dense = w.double() * scale.double()[:, None]
+    sums = x.double() @ dense.T
+    bound = (x.double().abs() @ dense.abs().T) * 2 ** -8
+    args = (x.to(DEVICE), w.to(DEVICE))
+    if act:
+        y = gemv_gate_up(*args, act, scale=scale.to(DEVICE), launch=launch).double().cpu()
+        gate, up = sums[:, : n // 2], sums[:, n // 2:]
+        want = torch.nn.functional.silu(gate) * up
+        # the gate's error moves act(gate) by at most its slope (< 1.1) times it
+        bound = (bound[:, n // 2:] * (gate.abs() * 1.1 + 1) + bound[:, : n // 2] * 1.1
+                 * up.abs())
+    else:
+        y = gemv(*args, launch=launch, scale=scale.to(DEVICE)).double().cpu()
+        want = sums
+    assert halves and set(halves) == {"halves"}
+    error = (y - want).abs() - want.abs() * 2 ** -8  # less bfloat16's rounding of y
+    assert (error <= bound).all(), (error - bound).max()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="FP8 weights and the form 'halves' are a GPU's")
+def test_a_halves_run_that_overflows_float16_is_redone_in_float32(halves):
+    """x of 6,000 against weights of 448: one product is 10,500 in the form's float16
+    (times 2^-8), a run of 8 passes 65,504, and the program redoes its sums in float32."""
+    from infer.kernels.gemv import Launch, gemv
+
+    n, k = 24, 1024
+    w = torch.full((n, k), 448.0).to(torch.float8_e4m3fn)
+    w[::2] = -w[::2]
+    x = torch.full((1, k), 6000.0, dtype=torch.bfloat16)
+    x[0, 1::3] = 1.5
+    scale = torch.full((n,), 1e-4)
+    y = gemv(x.to(DEVICE), w.to(DEVICE), launch=Launch(8, 64, 4),
+             scale=scale.to(DEVICE)).double().cpu()
+    want = x.double() @ (w.double() * scale.double()[:, None]).T
+    assert halves == ["halves"]
+    assert torch.isfinite(y).all()
+    assert ((y - want).abs() <= want.abs() * 2 ** -8).all()
+
+
+def test_the_halves_knob_is_each_engines(monkeypatch):
+    """`fp8_gemv_halves`: each engine's set-up sets it for the GEMV (one built after another
+    does not inherit it)."""
+    import infer.kernels.gemv as gemv_kernel
+    from infer.engine.config import EngineConfig
+    from infer.engine.runner_setup import set_layer_kernels
+
+    monkeypatch.setattr(gemv_kernel, "_fp8_halves", None)
+    for on in (True, False):
+        set_layer_kernels(torch.nn.Linear(2, 2), EngineConfig(model="m", fp8_gemv_halves=on),
+                          "triton")
+        assert gemv_kernel._fp8_halves is on

@@ -126,6 +126,14 @@ class EngineConfig:
         "to_float_times): 5.6 instructions a weight against 4.1, but none on the convert "
         "pipe; on an H100 the 8B FP8 batch-1 step 3.19 ms against 3.23 (twice each, "
         "alternated on one machine, session 64; the words form 3.18) (docs/performance.md)")
+    fp8_gemv_halves: bool = knob(
+        False, "with triton_gemv on a GPU, one row of FP8 weights through the GEMV's form "
+        "'halves' instead (kernels/gemv.py _half_rows): each weight made float16 by the "
+        "hardware's convert, multiplied by x times 2^-8 in float16 by packed multiply-adds "
+        "into runs of 8 steps' float16 sums, each run added into float32 (3.1 instructions "
+        "a weight compiled for sm_90 against 5.6), a program redone in float32 where a run "
+        "overflowed (|x| past ~4,600); its sums within ~2^-9 of the sum of |products| "
+        "instead of float32's rounding. Off until timed on the device (docs/performance.md)")
     gemv_gate_up_activation: bool = knob(
         True, "with triton_gemv, a gated MLP's rows that go to the GEMV (one of 16-bit "
         "weights; those gemv_8bit_max_rows sends of INT8 / FP8 ones) get act(gate) * up "

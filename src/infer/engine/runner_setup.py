@@ -58,7 +58,8 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
     projection's with `gemv_gate_up_activation`, past one row with
     `mma_gate_up_activation`) and for up to `gemv_8bit_max_rows` rows
     of per-channel 8-bit ones (`triton_gemv`), in the form `gemv_form` says (FP8 ones
-    made floats by their bits with `fp8_weight_bits`),
+    made floats by their bits with `fp8_weight_bits`, or float16 products with
+    `fp8_gemv_halves`),
     tensor cores for 8-bit ones past those
     (`w8a16_tensor_cores`, `w8a16_tensor_core_rows`), FP8 by FP8 in infer's kernel for FP8 ones
     (`fp8_decode_activations`, `fp8_mma_rows`), either operand first there
@@ -82,6 +83,7 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
         rows_mma.set_weight_first(config.mma_weight_first)
         gemv.set_form(config.gemv_form)
         gemv.set_fp8_bits(config.fp8_weight_bits)
+        gemv.set_fp8_halves(config.fp8_gemv_halves)
         gguf_matmul.set_q4k_wgmma(config.gguf_q4k_wgmma)
         gguf_matmul.set_q6k_wgmma(config.gguf_q6k_wgmma)
     fp8_mma = triton and _has_fp8_mma()

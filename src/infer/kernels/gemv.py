@@ -43,6 +43,10 @@ from infer.kernels.activation import gated
 from infer.kernels.weight_cast import FP8_TIMES_UNDO, to_float_times, to_unit
 
 MAX_ROWS = 2
+# the form "halves": x's factor, the float16 sums' factor back, and the steps a run
+HALVES_X = tl.constexpr(2.0 ** -8)
+HALVES_UNDO = tl.constexpr(2.0 ** 8)
+HALVES_RUN = tl.constexpr(8)
 
 
 class Launch(NamedTuple):
@@ -138,6 +142,9 @@ def _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym
     if FORM == "floats":
         _float_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
                     BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX, FP8_BITS)
+    elif FORM == "halves":
+        _half_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, BLOCK_K, EVEN_K,
+                   GATE_UP)
     else:
         _word_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
                    BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX, FORM == "units", FP8_BITS)
@@ -166,6 +173,49 @@ def _float_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, str
     if ROWS == 2:
         store_sums(acc_2, s_ptr, y_ptr + stride_ym, rn, wn, N, SCALED, GATE_UP,
                    FP8_BITS)
+
+
+@triton.jit
+def _half_x(x_ptr, kk, K, EVEN_K: tl.constexpr):
+    """x's columns kk times 2^-8, as float16."""
+    return (_row(x_ptr, kk, K, EVEN_K).to(tl.float32) * HALVES_X).to(tl.float16)
+
+
+@triton.jit
+def _half_run(part, w_rows, x_ptr, rk, k_begin, k_end, K, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr):
+    """`part` plus the float16 products of columns `[k_begin, k_end)`, BLOCK_K a step."""
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        kk = k0 + rk
+        part += _weights(w_rows, kk, K, EVEN_K).to(tl.float16) \
+            * _half_x(x_ptr, kk, K, EVEN_K)[None, :]
+    return part
+
+
+@triton.jit
+def _half_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, BLOCK_K: tl.constexpr,
+               EVEN_K: tl.constexpr, GATE_UP: tl.constexpr):
+    """`_rows` in the form "halves" (FP8 weights, one row, a GPU): each weight made float16
+    by the hardware's convert (two weights an instruction) and multiplied by x times 2^-8
+    in float16 (two multiply-adds an instruction) into float16 sums, which every
+    HALVES_RUN steps are added into float32 ones times 2^8. A product is at most 448 |x|
+    2^-8, so a run's sum overflows float16 only where |x| passes ~4,600; where a sum came
+    out infinite or NaN the program redoes its channels in float32 (`_float_rows`'s sums)."""
+    run = HALVES_RUN * BLOCK_K
+    part = _half_run(w.to(tl.float16) * _half_x(x_ptr, rk, K, EVEN_K)[None, :], w_rows,
+                     x_ptr, rk, BLOCK_K, tl.minimum(run, K), K, BLOCK_K, EVEN_K)
+    acc = part.to(tl.float32) * HALVES_UNDO
+    for r0 in range(run, K, run):
+        part = _half_run(tl.zeros(w.shape, tl.float16), w_rows, x_ptr, rk, r0,
+                         tl.minimum(r0 + run, K), K, BLOCK_K, EVEN_K)
+        acc += part.to(tl.float32) * HALVES_UNDO
+    if tl.max(((acc != acc) | (tl.abs(acc) == float("inf"))).to(tl.int32)) != 0:
+        acc = tl.zeros(w.shape, tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            acc += _weights(w_rows, kk, K, EVEN_K).to(tl.float32) \
+                * _row(x_ptr, kk, K, EVEN_K).to(tl.float32)[None, :]
+    store_sums(acc, s_ptr, y_ptr, rn, wn, N, True, GATE_UP)
 
 
 @triton.jit
@@ -376,7 +426,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
         x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, ROWS=m, EVEN_K=k % block_k == 0, GATE_UP=gate_up,
         SCALED=scale is not None, SKIPS=skip is not None,
-        SKIPPED_WHOLE=skip_whole is not None, PTX=ptx, FORM=form_of(x, weight),
+        SKIPPED_WHOLE=skip_whole is not None, PTX=ptx,
+        FORM="halves" if ptx and m == 1 and _fp8_halves and weight.dtype == torch.float8_e4m3fn
+        else form_of(x, weight),
         FP8_BITS=ptx and _fp8_bits and weight.dtype == torch.float8_e4m3fn,
         num_warps=num_warps,
         **dependent_launch.launch_options(),
@@ -386,6 +438,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, launch: Launch | None,
 
 _form = "floats"  # EngineConfig.gemv_form, set by the runner's set-up
 _fp8_bits = True  # EngineConfig.fp8_weight_bits, set by the runner's set-up
+_fp8_halves = False  # EngineConfig.fp8_gemv_halves, likewise
+
+
+def set_fp8_halves(on: bool) -> None:
+    """Whether one row of FP8 weights on a GPU takes the form "halves" from now on (float16
+    products and runs of sums, `_half_rows`)."""
+    global _fp8_halves
+    _fp8_halves = on
 
 
 def set_fp8_bits(on: bool) -> None:
