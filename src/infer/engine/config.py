@@ -132,7 +132,7 @@ class EngineConfig:
         "hardware's convert, multiplied by x times 2^-8 in float16 by packed multiply-adds "
         "into runs of 8 steps' float16 sums, each run added into float32 (3.1 instructions "
         "a weight compiled for sm_90 against 5.6), a program redone in float32 where a run "
-        "overflowed (|x| past ~4,600); its sums within ~2^-9 of the sum of |products| "
+        "overflowed (|x| past ~4,600); its sums within 2^-8 of the sum of |products| "
         "instead of float32's rounding. Off until timed on the device (docs/performance.md)")
     gemv_gate_up_activation: bool = knob(
         True, "with triton_gemv, a gated MLP's rows that go to the GEMV (one of 16-bit "
