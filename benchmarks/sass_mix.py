@@ -188,9 +188,8 @@ def _cases() -> list[Case]:
                  BLOCK_N=64, IEEE=False),
             ["M", *aligned], 64 * 256, 144 / 256, num_warps=4,
             note="launch (64 rows of W, one super-block a step)"))
-        for qtype, words, weight_bytes in ((QType.Q4_K, "*i32", 144), (QType.Q6_K, "*i16", 210)):
-            if not wgmma:
-                break
+        for qtype, words, weight_bytes in ((QType.Q4_K, "*i32", 144),
+                                           (QType.Q6_K, "*i16", 210)) if wgmma else ():
             cases.append(Case(
                 f"gguf_wgmma {qtype.name.lower()} ({rows} rows, Gluon)",
                 "gguf_wgmma:_gguf_wgmma_kernel",
@@ -366,12 +365,12 @@ def _innermost_loop(sass: str, holds: str | None = None) -> list[tuple[int, str,
     def body(span: tuple[int, int]) -> list[tuple[int, str, str]]:
         return [ins for ins in instructions if span[0] <= ins[0] <= span[1]]
 
-    with_mma = [span for span in innermost  # HMMA, QGMMA, ...: not HFMA2.MMA (a move)
-                if any(op.split(".")[0].endswith("MMA") for _, op, _ in body(span))]
-    if holds:
-        with_mma = [span for span in innermost
-                    if any(op.split(".")[0] == holds for _, op, _ in body(span))]
-    return body(max(with_mma or innermost, key=lambda span: span[1] - span[0]))
+    def marked(op: str) -> bool:  # HMMA, QGMMA, ...: not HFMA2.MMA (a move)
+        return op == holds if holds else op.endswith("MMA")
+
+    preferred = [span for span in innermost
+                 if any(marked(op.split(".")[0]) for _, op, _ in body(span))]
+    return body(max(preferred or innermost, key=lambda span: span[1] - span[0]))
 
 
 def innermost_loop(sass: str, holds: str | None = None) -> list[str]:

@@ -162,15 +162,15 @@ def test_the_kernel_matches_dequantized_matmul(qtype, m, n, k, split):
 
 
 @pytest.mark.skipif(not _available(), reason="needs a Hopper GPU and Triton's Gluon")
-@pytest.mark.parametrize(("qtype", "flag"), [(Q.Q4_K, "_q4k_wgmma"), (Q.Q6_K, "_q6k_wgmma")])
-def test_gguf_matmul_takes_the_kernel_when_asked(monkeypatch, qtype, flag):
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+def test_gguf_matmul_takes_the_kernel_when_asked(monkeypatch, qtype):
     from infer.kernels import gguf_matmul
 
     raw = torch.from_numpy(quantized(qtype, 64, 512, seed=3)).cuda()
     x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
-    monkeypatch.setattr(gguf_matmul, flag, False)
+    monkeypatch.setitem(gguf_matmul._wgmma, qtype, False)
     off = gguf_matmul.gguf_matmul(x, raw, qtype, 512)
-    monkeypatch.setattr(gguf_matmul, flag, True)
+    monkeypatch.setitem(gguf_matmul._wgmma, qtype, True)
     calls = []
     import infer.kernels.gguf_wgmma as wgmma
 
@@ -181,17 +181,17 @@ def test_gguf_matmul_takes_the_kernel_when_asked(monkeypatch, qtype, flag):
     assert (on.float() - off.float()).abs().max() <= 2e-2 * off.float().abs().max()
 
 
-@pytest.mark.parametrize(("knob", "flag"), [("gguf_q4k_wgmma", "_q4k_wgmma"),
-                                            ("gguf_q6k_wgmma", "_q6k_wgmma")])
-def test_the_knobs_are_set_with_each_engines_kernels(monkeypatch, knob, flag):
+@pytest.mark.parametrize(("knob", "qtype"), [("gguf_q4k_wgmma", Q.Q4_K),
+                                             ("gguf_q6k_wgmma", Q.Q6_K)])
+def test_the_knobs_are_set_with_each_engines_kernels(monkeypatch, knob, qtype):
     """The runner's set-up of each engine's kernels sets them for gguf_matmul (one built
     after another does not inherit them)."""
     import infer.kernels.gguf_matmul as gguf_matmul
     from infer.engine.config import EngineConfig
     from infer.engine.runner_setup import set_layer_kernels
 
-    monkeypatch.setattr(gguf_matmul, flag, None)
+    monkeypatch.setitem(gguf_matmul._wgmma, qtype, None)
     for on in (True, False):
         set_layer_kernels(torch.nn.Linear(2, 2), EngineConfig(model="m", **{knob: on}),
                           "triton")
-        assert getattr(gguf_matmul, flag) is on
+        assert gguf_matmul._wgmma[qtype] is on

@@ -78,14 +78,16 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
     set_gate_up_activation(model, config.gemv_gate_up_activation and config.triton_gemv
                            and triton)
     if triton:
+        from gguf import GGMLQuantizationType as QType
+
         from infer.kernels import gemv, gguf_matmul, rows_mma
 
         rows_mma.set_weight_first(config.mma_weight_first)
         gemv.set_form(config.gemv_form)
         gemv.set_fp8_bits(config.fp8_weight_bits)
         gemv.set_fp8_halves(config.fp8_gemv_halves)
-        gguf_matmul.set_q4k_wgmma(config.gguf_q4k_wgmma)
-        gguf_matmul.set_q6k_wgmma(config.gguf_q6k_wgmma)
+        gguf_matmul.set_wgmma(QType.Q4_K, config.gguf_q4k_wgmma)
+        gguf_matmul.set_wgmma(QType.Q6_K, config.gguf_q6k_wgmma)
     fp8_mma = triton and _has_fp8_mma()
     fp8_x = config.fp8_decode_activations and fp8_mma
     if config.fp8_decode_activations and triton and not fp8_x:

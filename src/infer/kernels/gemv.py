@@ -200,7 +200,7 @@ def _half_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, BLOCK_K: tl.con
     in float16 (two multiply-adds an instruction) into float16 sums, which every
     HALVES_RUN steps are added into float32 ones times 2^8. A product is at most 448 |x|
     2^-8, so a run's sum overflows float16 only where |x| passes ~4,600; where a sum came
-    out infinite or NaN the program redoes its channels in float32 (`_float_rows`'s sums)."""
+    out infinite or NaN the program redoes its channels in the form "floats"."""
     run = HALVES_RUN * BLOCK_K
     part = _half_run(w.to(tl.float16) * _half_x(x_ptr, rk, K, EVEN_K)[None, :], w_rows,
                      x_ptr, rk, BLOCK_K, tl.minimum(run, K), K, BLOCK_K, EVEN_K)
@@ -210,12 +210,11 @@ def _half_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, BLOCK_K: tl.con
                          tl.minimum(r0 + run, K), K, BLOCK_K, EVEN_K)
         acc += part.to(tl.float32) * HALVES_UNDO
     if tl.max(((acc != acc) | (tl.abs(acc) == float("inf"))).to(tl.int32)) != 0:
-        acc = tl.zeros(w.shape, tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            acc += _weights(w_rows, kk, K, EVEN_K).to(tl.float32) \
-                * _row(x_ptr, kk, K, EVEN_K).to(tl.float32)[None, :]
-    store_sums(acc, s_ptr, y_ptr, rn, wn, N, True, GATE_UP)
+        # a run overflowed: the form "floats" (one row, the hardware's exact convert)
+        _float_rows(_weights(w_rows, rk, K, EVEN_K), w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn,
+                    N, K, 0, 0, BLOCK_K, 1, EVEN_K, GATE_UP, True, True, False)
+    else:
+        store_sums(acc, s_ptr, y_ptr, rn, wn, N, True, GATE_UP)
 
 
 @triton.jit

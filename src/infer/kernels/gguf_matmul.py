@@ -24,7 +24,7 @@ multiplied with it in registers and reduced once at the end, more rows go throug
 `tl.dot`. One row of Q4_K or Q6_K goes to gguf_gemv.py instead (32-bit loads, no
 int->float converts, scales once per group), 2..64 rows of Q4_K, Q6_K or Q8_0 to
 gguf_gemm.py (the same decoding, then `tl.dot`; Q4_K and Q6_K by bfloat16 x on a Hopper
-GPU, with `set_q4k_wgmma` / `set_q6k_wgmma`, to gguf_wgmma.py's wgmma). Larger M (prefill chunks) is
+GPU, with `set_wgmma`, to gguf_wgmma.py's wgmma). Larger M (prefill chunks) is
 compute-bound: `gguf_dequantize` there, then cuBLAS.
 """
 
@@ -218,10 +218,9 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: QType, cols: int) ->
     if x.shape[0] == 1 and gemv_words(data, qtype) is not None:
         return _matmul(x, data, qtype, cols, **gemv_launch(qtype, data.shape[0], cols, x.device))
     if 1 < x.shape[0] <= GEMM_ROWS and gemm_words(data, qtype, cols) is not None:
-        wgmma = _q4k_wgmma if qtype == QType.Q4_K else _q6k_wgmma if qtype == QType.Q6_K \
-            else False
-        if (wgmma and x.dtype == torch.bfloat16 and x.stride(1) == 1 and x.stride(0) % 2 == 0
-                and x.data_ptr() % 4 == 0 and gluon_hopper(x.device, "gguf_wgmma")):
+        if (_wgmma.get(qtype) and x.dtype == torch.bfloat16 and x.stride(1) == 1
+                and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0
+                and gluon_hopper(x.device, "gguf_wgmma")):
             from infer.kernels.gguf_wgmma import gguf_wgmma
 
             return gguf_wgmma(x, gemm_words(data, qtype, cols), qtype, cols)
@@ -233,22 +232,15 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: QType, cols: int) ->
                    split=1)
 
 
-_q4k_wgmma = False  # EngineConfig.gguf_q4k_wgmma, set by the runner's set-up
-_q6k_wgmma = False  # EngineConfig.gguf_q6k_wgmma, likewise
+# EngineConfig.gguf_q4k_wgmma / gguf_q6k_wgmma, set by the runner's set-up
+_wgmma = {QType.Q4_K: False, QType.Q6_K: False}
 
 
-def set_q4k_wgmma(on: bool) -> None:
-    """Whether 2..GEMM_ROWS rows of bfloat16 x by Q4_K blocks take gguf_wgmma.py (where
-    `kernels.gluon_hopper`) from now on."""
-    global _q4k_wgmma
-    _q4k_wgmma = on
-
-
-def set_q6k_wgmma(on: bool) -> None:
-    """Whether 2..GEMM_ROWS rows of bfloat16 x by Q6_K blocks take gguf_wgmma.py (where
-    `kernels.gluon_hopper`) from now on."""
-    global _q6k_wgmma
-    _q6k_wgmma = on
+def set_wgmma(qtype: QType, on: bool) -> None:
+    """Whether 2..GEMM_ROWS rows of bfloat16 x by `qtype` blocks (Q4_K or Q6_K) take
+    gguf_wgmma.py (where `kernels.gluon_hopper`) from now on."""
+    assert qtype in _wgmma, qtype
+    _wgmma[qtype] = on
 
 
 def _matmul(x: torch.Tensor, data: torch.Tensor, qtype: QType, cols: int, *, block_n: int,

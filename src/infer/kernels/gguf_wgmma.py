@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from infer.kernels import gguf_q4k_wgmma as q4k
 from infer.kernels import gguf_q6k_wgmma as q6k
 from infer.kernels import launch_counters, sm_count
+from infer.kernels.gguf_gemm import UNITS_OF
 from infer.kernels.register_wgmma import (
     async_load,
     sums_layout,
@@ -50,8 +51,6 @@ from infer.kernels.w8_wgmma import MAX_BLOCKS, sum_parts
 ONE = 0x3F800000  # 1.0 as float32 bits
 MAX_ROWS = 64  # x's rows: one program's wgmma N
 Q4_K = gl.constexpr(int(QType.Q4_K))
-# the words a row's super-block takes: Q4_K's 144 bytes as 32-bit, Q6_K's 210 as 16-bit
-UNIT_WORDS = {QType.Q4_K: 36, QType.Q6_K: 105}
 
 
 @gluon.constexpr_function
@@ -166,15 +165,16 @@ def default_split(rows: int, n: int, cols: int, device: torch.device) -> int:
 def gguf_wgmma(x: torch.Tensor, words: torch.Tensor, qtype: QType, cols: int, *,
                split: int | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """`x [M, cols]` (bfloat16, up to 64 rows, 4-byte aligned rows) times the transpose of
-    the Q4_K or Q6_K weight `words [N, cols / 256 * UNIT_WORDS]` (gguf_gemm.gemm_words:
-    Q4_K 32-bit, Q6_K 16-bit), K split over `split` programs a channel block (none:
-    `default_split`'s): `[M, N]` bfloat16. `maxnreg` caps the registers a thread (for
-    tuning)."""
+    the Q4_K or Q6_K weight `words [N, cols / 256 * UNITS_OF[qtype][1]]`
+    (gguf_gemm.gemm_words: Q4_K 32-bit, Q6_K 16-bit), K split over `split` programs a
+    channel block (none: `default_split`'s): `[M, N]` bfloat16. `maxnreg` caps the
+    registers a thread (for tuning)."""
     assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and cols % 256 == 0, (
         x.dtype, x.stride(), cols)
     assert x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0, "x in 4-byte pairs"
     qtype = QType(qtype)
-    assert words.shape[1] == cols // 256 * UNIT_WORDS[qtype], (qtype.name, words.shape)
+    assert qtype in (QType.Q4_K, QType.Q6_K), qtype.name
+    assert words.shape[1] == cols // 256 * UNITS_OF[qtype][1], (qtype.name, words.shape)
     assert words.dtype == (torch.int32 if qtype == QType.Q4_K else torch.int16), words.dtype
     m, n = x.shape[0], words.shape[0]
     assert m <= MAX_ROWS, m
