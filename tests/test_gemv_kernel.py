@@ -724,8 +724,9 @@ def test_a_halves_run_that_overflows_float16_is_redone_in_float32(halves):
     from infer.kernels.gemv import Launch, gemv
 
     n, k = 24, 1024
-    w = torch.full((n, k), 448.0).to(torch.float8_e4m3fn)
-    w[::2] = -w[::2]
+    w = torch.full((n, k), 448.0)
+    w[::2] = -448.0
+    w = w.to(torch.float8_e4m3fn)
     x = torch.full((1, k), 6000.0, dtype=torch.bfloat16)
     x[0, 1::3] = 1.5
     scale = torch.full((n,), 1e-4)
