@@ -122,7 +122,8 @@ def _cases() -> list[Case]:
              "xs_ptr": "*fp32" if x == "*i8" else "*bf16"},
             {**dict(BLOCK_M=block_rows(rows), BLOCK_N=128, BLOCK_K=128, SCALE=size == 1,
                     SCALE_ROWS=1, SCALE_COLS=0, EVEN_K=True, ONE_ROW=rows == 1, PTX=True,
-                    FP8_X=False, W_FIRST=False, GATE_UP="", PDL=False), **constexprs},
+                    FP8_X=False, W_FIRST=False, GATE_UP="", BF16_W=False, PDL=False),
+                 **constexprs},
             mma_multiples, 128 * 128, size, num_warps=4, num_stages=3,
             note="launch (128, 128, 4 warps)")
 
@@ -130,6 +131,10 @@ def _cases() -> list[Case]:
                                    ("fp8", "*fp8e4nv", 1)):
         cases += [mma_case(weights, rows, pointer, size)
                   for rows in ((1, 5) if size == 2 else (1, 5, 32, 64))]
+    # 8-bit weights made bfloat16 by their bits, bfloat16 x (EngineConfig.mma_8bit_bf16)
+    cases += [mma_case(f"{weights} as bf16", rows, pointer, 1, BF16_W=True)
+              for weights, pointer in (("int8", "*i8"), ("fp8", "*fp8e4nv"))
+              for rows in (1, 32, 64)]
     # FP8 x FP8: x quantized per row before the kernel (its bytes)
     cases += [mma_case("fp8 x fp8", rows, "*fp8e4nv", 1, "*fp32", x="*i8", FP8_X=True,
                        ONE_ROW=False, W_FIRST=True)

@@ -19,7 +19,7 @@ MMA's first operand in the engine's tiles (`mma_weight_first`; swept with
 
     python benchmarks/w8a16_sweep.py [--rows 1 32] [--shapes 8b 1b] [--one-row-kernel-only]
                                      [--tensor-cores [--fp8-x | --int8-x16 |
-                                                      --weight-first]]
+                                                      --weight-first] [--bf16-8bit]]
                                      [--quick | --defaults-only]
 """
 
@@ -88,12 +88,17 @@ def main() -> None:
     parser.add_argument("--weight-first", action="store_true",
                         help="with --tensor-cores, sweep rows_mma with the weight as the "
                         "MMA's first operand (mma_weight_first)")
+    parser.add_argument("--bf16-8bit", action="store_true",
+                        help="with --tensor-cores, rows_mma's 8-bit weights made bfloat16 by "
+                        "their bits, x as it is (mma_8bit_bf16)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("w8a16_sweep.py times CUDA kernels: no GPU here")
     from infer.kernels.fp8_quant import fp8_quantize_rows
     from infer.kernels.int8_x16 import int8_x16_matmul
-    from infer.kernels.rows_mma import MAX_ROWS, fp8_x_launch, rows_mma
+    from infer.kernels.rows_mma import MAX_ROWS, fp8_x_launch, rows_mma, set_bf16_8bit
+
+    set_bf16_8bit(args.bf16_8bit)
     from infer.kernels.w8a16_matmul import _matmul, w8a16_matmul
 
     def fp8_by_fp8(x, weight, scale, **cfg):  # without cfg: the engine's launch

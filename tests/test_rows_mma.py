@@ -482,3 +482,87 @@ def test_a_bfloat16_engines_few_row_steps_match_cublas(monkeypatch):
             assert lp[token].logprob == pytest.approx(ref_lp[token].logprob, abs=3e-2)
             compared += 1
     assert compared >= 8
+
+
+@pytest.fixture
+def bf16_8bit():
+    """rows_mma's BF16_W form on for the test (`EngineConfig.mma_8bit_bf16`)."""
+    from infer.kernels import rows_mma
+
+    rows_mma.set_bf16_8bit(True)
+    yield
+    rows_mma.set_bf16_8bit(False)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the BF16_W form's bit conversions are PTX")
+@pytest.mark.parametrize("weight_first", [False, True])
+@pytest.mark.parametrize(("m", "n", "k", "splits", "block"), [
+    (1, 200, 300, 1, None), (3, 40, 256, 2, None), (17, 130, 384, 2, None),
+    (32, 64, 256, 1, None), (64, 140, 384, 3, None), (24, 300, 640, 2, (128, 128))])
+def test_int8_weights_as_bfloat16_match_float64(m, n, k, splits, block, weight_first,
+                                                bf16_8bit):
+    """The BF16_W form: int8 weights made bfloat16 by their bits, bfloat16 x as it is."""
+    x, w, scale = _case(m, n, k, torch.bfloat16, seed=m + n + k)
+    if block is not None:
+        gen = torch.Generator().manual_seed(5)
+        scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=gen) * 0.02 + 1e-3
+        dense = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+        ref = x.double() @ (w.double() * dense.double()).T
+    else:
+        ref = _reference(x, w, scale)
+    y = _run(x, w, scale, block, splits=splits, weight_first=weight_first)
+    error = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert error < TOLERANCE[torch.bfloat16], error
+
+
+def _every_weight_value(dtype: torch.dtype) -> torch.Tensor:
+    """Each value an 8-bit weight can hold (FP8: but NaN), one a row, 256 columns."""
+    codes = torch.arange(-128, 128, dtype=torch.int8)
+    if dtype == torch.float8_e4m3fn:
+        codes = codes[~torch.isnan(codes.view(torch.float8_e4m3fn).float())]
+        return codes.view(torch.float8_e4m3fn)[:, None].expand(-1, 256).contiguous()
+    return codes[:, None].expand(-1, 256).contiguous()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the BF16_W form's bit conversions are PTX")
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("rows", [1, 5, 32, 64])
+def test_every_8bit_value_as_bfloat16_is_exact(dtype, rows, bf16_8bit):
+    """Every int8 and e4m3 value (FP8 subnormals too) times an x of one nonzero column
+    (1, -2.5, 2^-20, 2^70: past X_UP's range, the float32 path) comes out exactly."""
+    w = _every_weight_value(dtype)
+    x = torch.zeros(rows, 256, dtype=torch.bfloat16)
+    values = [1.0, -2.5, 2.0 ** -20, 2.0 ** 70]
+    for r in range(rows):
+        x[r, (7 * r) % 256] = values[r % len(values)]
+    scale = torch.ones(len(w), dtype=torch.bfloat16)
+    y = _run(x, w, scale, splits=1)
+    want = x.double() @ w.double().T
+    assert torch.equal(y.double(), want), (y.double() - want).abs().max()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="FP8 weights need a GPU (the interpreter has none)")
+@pytest.mark.parametrize("weight_first", [False, True])
+@pytest.mark.parametrize("block", [None, (128, 128)])
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_fp8_weights_as_bfloat16_match_float64(block, rows, weight_first, bf16_8bit):
+    test_fp8_weights_match_float64(block, rows, weight_first)
+
+
+def test_the_bf16_8bit_knob_is_each_engines():
+    """`mma_8bit_bf16` sets the form for the engine made with it, and the next engine's
+    default sets it back."""
+    from tiny_model import tiny_model_dir
+
+    from infer import LLM
+    from infer.kernels import rows_mma
+
+    try:
+        LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
+            kernel_backend="triton", cuda_graphs=False, mma_8bit_bf16=True)
+        assert rows_mma._bf16_8bit
+        LLM(str(tiny_model_dir()), device=DEVICE, num_blocks=64, max_model_len=128,
+            kernel_backend="triton", cuda_graphs=False)
+        assert not rows_mma._bf16_8bit
+    finally:
+        rows_mma.set_bf16_8bit(False)

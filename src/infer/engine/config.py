@@ -186,6 +186,13 @@ class EngineConfig:
         "kernels/w8a16_matmul.py up to 64 rows, then cuBLAS over a dequantized copy, FP8 x "
         "quantized per token for torch._scaled_mm; 16: on an H200 (8B shape) 64 lost at batch "
         "32 and 64 (INT8 9.35 vs 7.31 ms at 64, docs/performance.md)")
+    mma_8bit_bf16: bool = knob(
+        False, "w8a16_tensor_cores' 8-bit weights by bfloat16 x made bfloat16 by their bits "
+        "(int8 exactly; FP8 times 2^-120, x times 2^64), x multiplied as it is "
+        "(kernels/rows_mma.py BF16_W), instead of both made float16 by the GPU's convert "
+        "instructions (16 a cycle per SM on an H100); compiled for sm_90 at 32 rows FP8 4.15 "
+        "instructions a weight, none of them converts, against 4.80 with 128 converts per "
+        "128 weights. Off until timed on the device (docs/performance.md)")
     fp8_decode_activations: bool = knob(
         False, "FP8 layers (quantization=fp8, per-channel FP8 checkpoints) quantize x per "
         "token at decode-sized steps too (those that read the weight as stored: up to 16 "

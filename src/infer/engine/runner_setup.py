@@ -61,7 +61,8 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
     made floats by their bits with `fp8_weight_bits`, or float16 products with
     `fp8_gemv_halves`),
     tensor cores for 8-bit ones past those
-    (`w8a16_tensor_cores`, `w8a16_tensor_core_rows`), FP8 by FP8 in infer's kernel for FP8 ones
+    (`w8a16_tensor_cores`, `w8a16_tensor_core_rows`; made bfloat16 by their bits with
+    `mma_8bit_bf16`), FP8 by FP8 in infer's kernel for FP8 ones
     (`fp8_decode_activations`, `fp8_mma_rows`), either operand first there
     (`mma_weight_first`), the int8 tensor cores for INT8 ones (`int8_mma_rows`), both
     through the Gluon wgmma kernel on Hopper with `w8_wgmma`, FP8 ones by bfloat16 x through
@@ -83,6 +84,7 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
         from infer.kernels import gemv, gguf_matmul, rows_mma
 
         rows_mma.set_weight_first(config.mma_weight_first)
+        rows_mma.set_bf16_8bit(config.mma_8bit_bf16)
         gemv.set_form(config.gemv_form)
         gemv.set_fp8_bits(config.fp8_weight_bits)
         gemv.set_fp8_halves(config.fp8_gemv_halves)

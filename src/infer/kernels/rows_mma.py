@@ -44,11 +44,15 @@ from infer.kernels import dependent_launch, gpu_compiled, launch_counters, sm_co
 from infer.kernels.activation import gated
 from infer.kernels.gemv import _row, _weights
 from infer.kernels.split_k import k_slice, sum_of_parts
-from infer.kernels.weight_cast import to_float
+from infer.kernels.weight_cast import BF16_FP8_UNDO, to_bf16_times, to_float
 
 MAX_ROWS = 64
 BLOCK_N, BLOCK_K = 128, 128  # the default launch
 F16_MAX = tl.constexpr(65504.0)  # float16's largest finite value
+# With BF16_W, FP8 weights' x times X_UP (bfloat16, exact): products of weights times
+# 2^-120 (`to_bf16_times`) stay float32 normals; |x| from 2^64 on overflows (the float32
+# path then).
+X_UP = tl.constexpr(2.0 ** 64)
 
 
 @triton.jit
@@ -75,6 +79,27 @@ def _int8_to_f16_ptx(w):
         sub.f16x2 $1, $1, m;
         }""",
         constraints="=r,=r,r", args=[w], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _times_x_up(x):
+    """bfloat16 x times X_UP (2^64), two values an instruction."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 up, nzero;
+        mov.b32 up, 0x5F805F80;
+        mov.b32 nzero, 0x80008000;
+        fma.rn.bf16x2 $0, $1, up, nzero;
+        }""",
+        constraints="=r,r", args=[x], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _x_for_bf16(x, w):
+    """bfloat16 x as BF16_W multiplies it by 8-bit weights `w`: FP8 ones' times X_UP."""
+    if w.dtype == tl.float8e4nv:
+        return _times_x_up(x)
+    return x
 
 
 @triton.jit
@@ -147,14 +172,17 @@ def _rows_mma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
     EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr, PTX: tl.constexpr,
-    FP8_X: tl.constexpr, W_FIRST: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr,
+    FP8_X: tl.constexpr, W_FIRST: tl.constexpr, GATE_UP: tl.constexpr, BF16_W: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """SCALE: the weight is 8-bit, scaled per channel (SCALE_COLS 0) or per tile; else it
     is 16-bit, x's dtype, unscaled. FP8_X (FP8 weights scaled per channel): x is FP8 (its
     bytes, as int8), scaled per row by `xs_ptr`'s, and multiplied FP8 by FP8. W_FIRST (always
     with FP8_X): the weight tile is the MMA's first operand, the sums come out transposed.
     GATE_UP ("silu" / "gelu_tanh"; never with tile scales): the weight is a gated MLP's
-    `[gate | up]`, 2N rows, and y gets `act(gate) * up`, N channels."""
+    `[gate | up]`, 2N rows, and y gets `act(gate) * up`, N channels. BF16_W (8-bit weights,
+    bfloat16 x): the weights made bfloat16 by their bits and x left bfloat16 (FP8's times
+    X_UP), no convert instruction."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     r = tl.arange(0, BLOCK_N)
@@ -197,19 +225,25 @@ def _rows_mma_kernel(
             x = x.to(tl.float8e4nv, bitcast=True)
         elif ONE_ROW:  # one vector, broadcast: loaded and converted once, not per padded row
             x1 = _row(x_ptr, kk, K, EVEN_K)
-            if SCALE:
+            if BF16_W:
+                x1 = _x_for_bf16(x1, w)
+            elif SCALE:
                 x_max = tl.maximum(x_max, tl.abs(x1.to(tl.float32)))
                 x1 = x1.to(tl.float16)
             x = tl.where(rm[:, None] == 0, x1[None, :], 0.0).to(x1.dtype)
         else:
             x = _x_rows(x_ptr, stride_xm, M, kk, K, EVEN_K, BLOCK_M)
-            if SCALE:
+            if BF16_W:
+                x = _x_for_bf16(x, w)
+            elif SCALE:
                 x_max = tl.maximum(x_max, tl.abs(x.to(tl.float32)))
                 x = x.to(tl.float16)
         if FP8_X:  # Hopper's FP8 MMA sums in less than float32: promoted each K step
             acc_t = tl.dot(w, tl.trans(x), acc_t, max_num_imprecise_acc=BLOCK_K)
         else:
-            if SCALE:
+            if BF16_W:
+                w = to_bf16_times(w, PTX)
+            elif SCALE:
                 w = _to_f16(w, PTX)
             if SCALE_COLS > 0:
                 tile_scale = tl.load(s_row + k0 // SCALE_COLS)
@@ -223,7 +257,14 @@ def _rows_mma_kernel(
                 acc = tl.dot(x, tl.trans(w), acc)
     if W_FIRST:
         acc = tl.trans(acc_t)
-    if SCALE and not FP8_X:  # noqa: SIM102 (constexpr; the test below runs)
+    if BF16_W:
+        if w_ptr.dtype.element_ty == tl.float8e4nv:
+            acc *= BF16_FP8_UNDO / X_UP
+        if tl.max(tl.abs(acc)) == float("inf") or tl.max((acc != acc).to(tl.int32)) != 0:
+            # an x overflowed (times X_UP) or was not finite: this part in float32
+            acc = _cuda_core_rows(x_ptr, w_rows, s_row, stride_xm, M, k_begin, k_end, K,
+                                  BLOCK_M, BLOCK_N, 32, SCALE_COLS, PTX)
+    elif SCALE and not FP8_X:  # noqa: SIM102 (constexpr; the test below runs)
         if tl.max(x_max) > F16_MAX:  # an |x| overflowed float16: this part again, in float32
             acc = _cuda_core_rows(x_ptr, w_rows, s_row, stride_xm, M, k_begin, k_end, K,
                                   BLOCK_M, BLOCK_N, 32, SCALE_COLS, PTX)
@@ -297,6 +338,16 @@ def weight_first_launch(n: int, k: int, device: torch.device) -> dict:
     than ~0.7 per SM (down 31.0 -> 30.6 µs), 64 by 128 for wide layers (gate_up 57.5 ->
     56.2, LM head 237.0 -> 233.3)."""
     return dict(launch_by_width(n, k, device, (64, 128), most_splits=2), weight_first=True)
+
+
+_bf16_8bit = False  # EngineConfig.mma_8bit_bf16, set by the runner's set-up
+
+
+def set_bf16_8bit(on: bool) -> None:
+    """Whether 8-bit weights by bfloat16 x take the kernel's BF16_W form from now on (the
+    weights made bfloat16 by their bits, x as it is) instead of both made float16."""
+    global _bf16_8bit
+    _bf16_8bit = on
 
 
 def engine_launch(n: int, k: int, device: torch.device) -> dict:
@@ -374,6 +425,7 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
     per_split = triton.cdiv(steps, min(splits, steps))
     splits = triton.cdiv(steps, per_split)
     blocks = triton.cdiv(n, block_n)
+    ptx = gpu_compiled(x.device)
     parts = (torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
              if splits > 1 else y)
     _rows_mma_kernel[(blocks, splits)](
@@ -384,8 +436,10 @@ def rows_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None =
         BLOCK_M=block_rows(m), BLOCK_N=block_n, BLOCK_K=block_k,
         SCALE=scale is not None, SCALE_ROWS=scale_rows or 1, SCALE_COLS=scale_cols,
         EVEN_K=k % block_k == 0, ONE_ROW=m == 1 and not fp8_x,
-        PTX=gpu_compiled(x.device), FP8_X=fp8_x,
+        PTX=ptx, FP8_X=fp8_x,
         W_FIRST=weight_first or fp8_x, GATE_UP=gate_up,
+        BF16_W=_bf16_8bit and ptx and scale is not None and not fp8_x
+        and x.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=num_stages, **dependent_launch.launch_options(),
     )
     return y

@@ -2,7 +2,8 @@
 CUDA-core matmuls that multiply them in float32 (`gemv.py`, `w8a16_matmul.py`,
 `rows_mma.py`'s overflow path): exactly (`to_float`), FP8 ones times a power of two for a
 sum scaled once at the end (`to_float_times`, the GEMV's), or int8 ones as units offset
-from 1 (`to_unit`, for the GEMV's "units" form, which takes the offset away once)."""
+from 1 (`to_unit`, for the GEMV's "units" form, which takes the offset away once); and
+bfloat16 for a tensor-core product with bfloat16 x (`to_bf16_times`, `rows_mma.py`'s)."""
 
 from __future__ import annotations
 
@@ -108,3 +109,64 @@ def to_unit(w, PTX: tl.constexpr):
             constraints="=r,=r,=r,=r,r", args=[w], dtype=tl.float32, is_pure=True, pack=4)
     bits = ((w.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x80) << 8) | 0x3F800000
     return bits.to(tl.float32, bitcast=True)
+
+
+# `to_bf16_times` makes FP8 weights their values times 1 / BF16_FP8_UNDO.
+BF16_FP8_UNDO = tl.constexpr(2.0 ** 120)
+
+
+@triton.jit
+def to_bf16_times(w, PTX: tl.constexpr):
+    """8-bit weights as bfloat16 without a convert instruction (the H100 converts 16 values
+    a cycle per SM; inline PTX, a GPU's kernel only): int8 exactly; FP8 as their values
+    times 2^-120 (1 / BF16_FP8_UNDO), exactly, each byte's sign to bit 15 and its exponent
+    and mantissa to bits 10..4 (exponent 120 below bfloat16's bias; subnormal bytes become
+    bfloat16 subnormals)."""
+    tl.static_assert(PTX, "8-bit weights as bfloat16 by their bits: a GPU's kernel")
+    if w.dtype == tl.int8:
+        return _int8_to_bf16_ptx(w)
+    return _fp8_to_bf16_ptx(w.to(tl.int8, bitcast=True))
+
+
+@triton.jit
+def _fp8_to_bf16_ptx(w):
+    """Four e4m3 bytes of a register (as int8) -> two bfloat16 pairs, in order: a prmt per
+    pair puts the bytes' low 7 bits in the low bytes of its halves, a shift moves them to
+    bits 10..4; another prmt puts the signs (masked once) at bit 15 of each half."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 s, m0, m1, s0, s1, c;
+        and.b32 s, $2, 0x80808080;
+        mov.b32 c, 0x08000800;
+        prmt.b32 m0, $2, 0, 0x4140;
+        prmt.b32 m1, $2, 0, 0x4342;
+        prmt.b32 s0, s, 0, 0x1404;
+        prmt.b32 s1, s, 0, 0x3424;
+        shl.b32 m0, m0, 4;
+        shl.b32 m1, m1, 4;
+        lop3.b32 $0, m0, s0, c, 0xDC;
+        lop3.b32 $1, m1, s1, c, 0xDC;
+        }""",
+        constraints="=r,=r,r", args=[w], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _int8_to_bf16_ptx(w):
+    """Four int8 weights q of a register as two bfloat16 pairs, in order: a prmt per pair
+    puts `q & 127` under the bits of 128.0 (0x43nn: 128 + (q & 127)), another 128.0 or,
+    for a negative q (its sign bit as the low byte's top bit), 256.0; one paired
+    multiply-add (minus that, plus the first), exact, leaves q."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 m, s, v0, v1, t0, t1, minus;
+        and.b32 m, $2, 0x7F7F7F7F;
+        and.b32 s, $2, 0x80808080;
+        mov.b32 minus, 0xBF80BF80;
+        prmt.b32 v0, m, 0x43434343, 0x5140;
+        prmt.b32 v1, m, 0x43434343, 0x7342;
+        prmt.b32 t0, s, 0x43434343, 0x5140;
+        prmt.b32 t1, s, 0x43434343, 0x7342;
+        fma.rn.bf16x2 $0, t0, minus, v0;
+        fma.rn.bf16x2 $1, t1, minus, v1;
+        }""",
+        constraints="=r,=r,r", args=[w], dtype=tl.bfloat16, is_pure=True, pack=4)
