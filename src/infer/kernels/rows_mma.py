@@ -12,7 +12,11 @@ copy rate. Here an MMA multiplies a [16, BLOCK_K] tile of x (32 or 64 rows for m
 converted once) by the weight tile: a 16-bit weight as it is (~0.5 instructions a byte),
 an 8-bit one made float16 two at a time (INT8: a byte under the bits of 1024 and 1024 + 128
 taken off, both exact in float16; FP8: the hardware's pairwise convert), with x made
-float16 too (~3.1 and ~2.3 a byte).
+float16 too (~3.1 and ~2.3 a byte). With BF16_W (`set_bf16_8bit`; two or more rows of
+bfloat16 x on a GPU) the weights are made bfloat16 by their bits instead and x stays as it
+is (FP8 times 2^64, their products times 2^-120 undone once): no convert instruction, which an
+H100 issues at 16 values a cycle per SM, where x's in the MMA's operand layout (each warp
+converting all of x's tile) were half of them.
 
 8-bit exactness: products of float16 weights (integers up to 128, or FP8 values) and x are
 exact in the MMA's float32 accumulator; x is exact in float16 for |x| between 2^-14 and
