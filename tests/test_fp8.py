@@ -108,3 +108,80 @@ def test_row_quantization_kernel_equals_the_eager_one(m, k):
     want_q, want_scale = quantize_fp8(x)
     assert torch.equal(scale, want_scale)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="FP8 rows: a GPU's (the interpreter has no FP8)")
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize(("rows", "k"), [(1, 4096), (17, 4096), (32, 1000), (5, 64)])
+def test_the_norms_fp8_rows_are_fp8_quantize_rows_of_its_output(residual, rows, k):
+    """`rmsnorm(..., fp8_rows=True)` (and the fused residual add's): its FP8 rows and scales
+    are `fp8_quantize_rows` of the output it returns, bit for bit (a zero row: scale 1)."""
+    from infer.kernels.fp8_quant import fp8_quantize_rows
+    from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+
+    gen = torch.Generator().manual_seed(rows + k)
+    x = (torch.randn(rows, k, generator=gen) * 3).to("cuda", torch.bfloat16)
+    x[-1] = 0 if rows > 1 else x[-1]
+    w = (torch.rand(k, generator=gen) + 0.5).to("cuda", torch.bfloat16)
+    if residual:
+        r = torch.randn(rows, k, generator=gen).to("cuda", torch.bfloat16)
+        r[-1] = -x[-1] if rows > 1 else r[-1]
+        out, _, (q, scale) = fused_add_rmsnorm(x, r, w, 1e-6, fp8_rows=True)
+    else:
+        out, (q, scale) = rmsnorm(x, w, 1e-6, fp8_rows=True)
+    want_q, want_scale = fp8_quantize_rows(out)
+    assert torch.equal(q.view(torch.int8), want_q.view(torch.int8))
+    assert torch.equal(scale, want_scale)
+    plain = (fused_add_rmsnorm(x, r.clone(), w, 1e-6)[0] if residual else rmsnorm(x, w, 1e-6))
+    assert torch.equal(out, plain)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="FP8 rows: a GPU's (the interpreter has no FP8)")
+def test_an_fp8_models_steps_with_the_norms_fp8_rows_match_without(monkeypatch):
+    """`fp8_norm_rows`: a tiny FP8 model's batch of 20 greedy sequences (steps of 17-32 rows,
+    FP8 x FP8) gives the tokens it gives without; each q/k/v and gate_up projection of
+    such a step takes the norm's rows (no quantizing launch of its own)."""
+    from tiny_model import tiny_model_dir
+
+    from infer import LLM, SamplingParams
+    from infer.kernels import fp8_quant
+
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(5 + i % 4)] for i in range(20)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for on in (False, True):
+        llm = LLM(str(tiny_model_dir()), device="cuda", num_blocks=64, max_model_len=128,
+                  quantization="fp8", fp8_norm_rows=on, cuda_graphs=False)
+        launches = []
+        real = fp8_quant.fp8_quantize_rows
+        monkeypatch.setattr(fp8_quant, "fp8_quantize_rows",
+                            lambda x, real=real, seen=launches: seen.append(len(x)) or real(x))
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        monkeypatch.setattr(fp8_quant, "fp8_quantize_rows", real)
+        runs[on] = ([o.outputs[0].token_ids for o in outs], launches)
+    assert runs[True][0] == runs[False][0]
+    decode_rows = [n for n in runs[False][1] if n == 20]
+    assert decode_rows and len([n for n in runs[True][1] if n == 20]) == len(decode_rows) // 2
+
+
+def test_the_fp8_norm_rows_are_the_steps_fp8_by_fp8_takes():
+    """`_fp8_x_rows`, hand-computed: past the weight-only rows (16, or the tensor-core
+    rows if more; from 1 with fp8_decode_activations) and fp8_wgmma's, up to fp8_mma_rows;
+    `set_fp8_norms` gives them to the norms before a projection of an FP8 model only."""
+    from infer.models.layers import RMSNorm
+    from infer.models.linear import ColumnParallelLinear, _fp8_x_rows, set_fp8_norms
+
+    assert _fp8_x_rows(16, False, 32, 0) == range(17, 33)
+    assert _fp8_x_rows(24, False, 32, 0) == range(25, 33)
+    assert _fp8_x_rows(16, True, 32, 0) == range(1, 33)
+    assert _fp8_x_rows(16, True, 32, 8) == range(9, 33)
+    assert _fp8_x_rows(16, False, 0, 0) == range(17, 1)  # empty: FP8 x FP8 off
+    attention = torch.nn.Module()
+    attention.q_norm = RMSNorm(16, 1e-6, feeds_projection=False)
+    model = torch.nn.ModuleList([RMSNorm(64, 1e-6), ColumnParallelLinear(64, 64, bias=False),
+                                 attention])
+    set_fp8_norms(model, range(17, 33))
+    assert model[0].fp8_rows == range(0)  # no FP8 layer
+    Fp8LinearMethod().quantize(model[1])
+    set_fp8_norms(model, range(17, 33))
+    assert model[0].fp8_rows == range(17, 33) and attention.q_norm.fp8_rows == range(0)

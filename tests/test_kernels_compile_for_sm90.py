@@ -44,12 +44,15 @@ def _modes() -> list:
                      xq_ptr="*i8", side_ptr="*fp32", stride_x=I32, stride_res=I32,
                      stride_out=I32, n_cols=I32, eps="fp32", lo_offset=I32)
     for residual in (False, True):
-        for rows in ("", "INT8_ROWS", "X16_ROWS"):
+        for rows in ("", "INT8_ROWS", "X16_ROWS", "FP8_ROWS"):
+            buffers = (dict(xq_ptr="*bf16", side_ptr="*bf16") if not rows else
+                       dict(xq_ptr="*fp8e4nv") if rows == "FP8_ROWS" else {})
             cases.append(Case(
                 f"rmsnorm (residual {residual}, {rows or 'plain'})", "rmsnorm:_rmsnorm_kernel",
-                {**norm_args, **({} if rows else dict(xq_ptr="*bf16", side_ptr="*bf16"))},
+                {**norm_args, **buffers},
                 dict(OFFSET=0.0, HAS_RESIDUAL=residual, BLOCK=4096,
-                     INT8_ROWS=rows == "INT8_ROWS", PDL=True, X16_ROWS=rows == "X16_ROWS"),
+                     INT8_ROWS=rows == "INT8_ROWS", PDL=True, X16_ROWS=rows == "X16_ROWS",
+                     FP8_ROWS=rows == "FP8_ROWS"),
                 [], 1, 1, num_warps=8))
     for act in ("", "silu"):
         cases.append(Case(

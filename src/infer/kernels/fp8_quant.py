@@ -67,3 +67,16 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _fp8_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK=block,
                                ONE_PASS=k <= block, num_warps=8 if block <= 4096 else 16)
     return q, scale
+
+
+def attach_fp8_rows(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`x`, carrying its rows in FP8 with their scales (`fp8_quantize_rows`'s values, made
+    by the kernel that made x: the RMSNorm's) for the FP8 x FP8 products it goes into; the
+    same invariant as `int8_rows.attach`'s (x never changed in place)."""
+    x.fp8_rows = rows
+    return x
+
+
+def attached_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The FP8 rows and scales `x` carries (`attach_fp8_rows`), if any."""
+    return getattr(x, "fp8_rows", None)

@@ -10,7 +10,8 @@ With `int8_rows` a one-row norm also hands out its output rounded to int8 per 32
 next projection take, without a launch of its own. With `x16_rows`, each row of the output
 split into two int8 halves of 16-bit fixed point instead (`int8_x16.split_rows`'s), for the
 INT8 kernels that take x so (`int8_x16_gemv.py` at one row, `int8_x16.py`'s int8 tensor
-cores at a few).
+cores at a few). With `fp8_rows`, each row of the output in FP8 with its scale
+(`fp8_quant.fp8_quantize_rows`'s values, bit for bit), for the FP8 x FP8 products.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels import dependent_launch
+from infer.kernels.fp8_quant import fp8_scales, to_fp8
 from infer.kernels.int8_rows import store_rounded
 from infer.kernels.int8_x16 import row_scale, store_halves
 
@@ -31,6 +33,7 @@ def _rmsnorm_kernel(
     n_cols, eps, lo_offset,
     OFFSET: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
     INT8_ROWS: tl.constexpr, PDL: tl.constexpr, X16_ROWS: tl.constexpr = False,
+    FP8_ROWS: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -57,6 +60,10 @@ def _rmsnorm_kernel(
         scale, inv = row_scale(tl.max(tl.abs(y.to(tl.float32)), axis=0))
         store_halves(xq_ptr + row * n_cols + cols, lo_offset, y.to(tl.float32), inv, mask)
         tl.store(side_ptr + row, scale)
+    if FP8_ROWS:  # each row in FP8 at xq_ptr + row * n_cols, its scale at side_ptr + row
+        scale, inv = fp8_scales(tl.max(tl.abs(y.to(tl.float32)), axis=0))
+        tl.store(xq_ptr + row * n_cols + cols, to_fp8(y, inv), mask=mask)
+        tl.store(side_ptr + row, scale)
 
 
 @triton.jit
@@ -72,9 +79,9 @@ def normalised(x, w, n_cols, eps, OFFSET: tl.constexpr, dtype: tl.constexpr):
 def _launch(x2d: torch.Tensor, res2d: torch.Tensor | None, weight: torch.Tensor,
             out2d: torch.Tensor, eps: float, offset: float,
             rounded: tuple[torch.Tensor, torch.Tensor] | None = None,
-            halves: bool = False) -> None:
-    """`rounded`: buffers for the output's rounding to int8 (`_int8_buffers`), or with
-    `halves` for its two int8 halves (`_x16_buffers`)."""
+            form: str = "") -> None:
+    """`rounded`: buffers for the output's rounding (`_rounding`), in the `form`
+    they were made for: "int8_rows", "x16_rows" or "fp8_rows"."""
     rows, n = x2d.shape
     block = triton.next_power_of_2(n)
     num_warps = min(max(block // 256, 1), 16)
@@ -84,7 +91,8 @@ def _launch(x2d: torch.Tensor, res2d: torch.Tensor | None, weight: torch.Tensor,
         x2d.stride(0), res2d.stride(0) if res2d is not None else 0, out2d.stride(0),
         n, eps, rows * n,
         OFFSET=offset, HAS_RESIDUAL=res2d is not None, BLOCK=block,
-        INT8_ROWS=rounded is not None and not halves, X16_ROWS=halves, num_warps=num_warps,
+        INT8_ROWS=form == "int8_rows", X16_ROWS=form == "x16_rows",
+        FP8_ROWS=form == "fp8_rows", num_warps=num_warps,
         **dependent_launch.launch_options(),
     )
 
@@ -109,12 +117,25 @@ def _x16_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             torch.empty((rows,), dtype=torch.float32, device=x.device))
 
 
-def _rounding_buffers(x: torch.Tensor, int8_rows: bool, x16_rows: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    assert not (int8_rows and x16_rows)
+def _fp8_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    k = x.shape[-1]
+    rows = x.numel() // k
+    return (torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device),
+            torch.empty((rows,), dtype=torch.float32, device=x.device))
+
+
+def _rounding(x: torch.Tensor, int8_rows: bool, x16_rows: bool, fp8_rows: bool
+              ) -> tuple[str, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The form of rounding asked for (at most one) and its buffers."""
+    assert int8_rows + x16_rows + fp8_rows <= 1, (int8_rows, x16_rows, fp8_rows)
     if int8_rows:
-        return _int8_buffers(x)
-    return _x16_buffers(x) if x16_rows else None
+        return "int8_rows", _int8_buffers(x)
+    if x16_rows:
+        return "x16_rows", _x16_buffers(x)
+    if fp8_rows:
+        assert x.is_cuda, "FP8 rows: a GPU's (Triton's interpreter has no FP8)"
+        return "fp8_rows", _fp8_buffers(x)
+    return "", None
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, offset: float) -> None:
@@ -125,12 +146,15 @@ def _check(x: torch.Tensor, weight: torch.Tensor, offset: float) -> None:
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-            offset: float = 0.0, int8_rows: bool = False, x16_rows: bool = False
+            offset: float = 0.0, int8_rows: bool = False, x16_rows: bool = False,
+            fp8_rows: bool = False
             ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """RMSNorm over the last dim of `x` (any leading shape, e.g. `[T, H, D]` for q/k norms).
     Returns a new contiguous tensor in x's dtype; with `int8_rows` (`takes_int8_rows(x)`)
     also that tensor rounded to int8 (`int8_rows.py`), with `x16_rows` its rows' two int8
-    halves `[2, rows, K]` and their scales `[rows]` (`int8_x16.split_rows`'s)."""
+    halves `[2, rows, K]` and their scales `[rows]` (`int8_x16.split_rows`'s), with
+    `fp8_rows` (a GPU) its rows in FP8 `[rows, K]` and their scales `[rows]`
+    (`fp8_quant.fp8_quantize_rows`'s)."""
     _check(x, weight, offset)
     n = x.shape[-1]
     # reshape copies only if the leading dims cannot be flattened as a view.
@@ -138,18 +162,19 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rounded = _rounding_buffers(x, int8_rows, x16_rows)
+    form, rounded = _rounding(x, int8_rows, x16_rows, fp8_rows)
     if x2d.shape[0]:
-        _launch(x2d, None, weight, out.view(-1, n), eps, offset, rounded, x16_rows)
+        _launch(x2d, None, weight, out.view(-1, n), eps, offset, rounded, form)
     return out if rounded is None else (out, rounded)
 
 
 def fused_add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
     offset: float = 0.0, int8_rows: bool = False, x16_rows: bool = False,
+    fp8_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, tuple]:
     """`residual += x` (in place) and returns `(rmsnorm(residual), residual)`; with
-    `int8_rows` / `x16_rows`, the norm's rounding third (as `rmsnorm`)."""
+    `int8_rows` / `x16_rows` / `fp8_rows`, the norm's rounding third (as `rmsnorm`)."""
     _check(x, weight, offset)
     assert residual.shape == x.shape and residual.device == x.device, (residual.shape, x.shape)
     # Updated in place, so it must be addressable as rows of unit stride.
@@ -159,8 +184,8 @@ def fused_add_rmsnorm(
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rounded = _rounding_buffers(x, int8_rows, x16_rows)
+    form, rounded = _rounding(x, int8_rows, x16_rows, fp8_rows)
     if x2d.shape[0]:
         _launch(x2d, residual.view(-1, n), weight, out.view(-1, n), eps, offset, rounded,
-                x16_rows)
+                form)
     return (out, residual) if rounded is None else (out, residual, rounded)

@@ -35,7 +35,9 @@ class RMSNorm(nn.Module):
     kernels, `set_gguf_int8_activations`) a one-row output carries its rounding to int8
     for the projections it goes into (`kernels/int8_rows.py`); an output of as many rows
     as `x16_rows` holds (set for INT8 models, `set_x16_norms`), its rows' two int8 halves
-    (`kernels/int8_x16.py`). Both only where `feeds_projection` (the model's say: not the
+    (`kernels/int8_x16.py`); as many as `fp8_rows` holds (set for FP8 models,
+    `set_fp8_norms`), its rows in FP8 with their scales (`kernels/fp8_quant.py`'s). All
+    only where `feeds_projection` (the model's say: not the
     per-head q / k norms, whose rows go to RoPE, nor Gemma 3's norms before the residual
     adds). With `cpu_kernel` (set by `set_cpu_norms`) float32 rows on a CPU take infer's C++
     kernel (`kernels/cpu_norm.cpp`).
@@ -51,6 +53,7 @@ class RMSNorm(nn.Module):
         self.reduce_input: TensorParallelGroup | None = None
         self.int8_rows = False
         self.x16_rows = range(0)  # set_x16_norms
+        self.fp8_rows = range(0)  # set_fp8_norms
         self.feeds_projection = feeds_projection
         self.cpu_kernel = False
 
@@ -69,6 +72,8 @@ class RMSNorm(nn.Module):
                 return self._with_rounding(x, residual, int8_rows=True)
             if x.is_cuda and x.numel() // x.shape[-1] in self.x16_rows:
                 return self._with_rounding(x, residual, x16_rows=True)
+            if x.is_cuda and x.numel() // x.shape[-1] in self.fp8_rows:
+                return self._with_rounding(x, residual, fp8_rows=True)
             if residual is None:
                 return rmsnorm(x, self.weight, self.eps, self.offset)
             return fused_add_rmsnorm(x, residual, self.weight, self.eps, self.offset)
@@ -94,13 +99,15 @@ class RMSNorm(nn.Module):
 
     def _with_rounding(self, x: torch.Tensor, residual: torch.Tensor | None,
                        **rounding: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The norm of one row carrying its rounding (`rounding`: `int8_rows=True` or
-        `x16_rows=True`, as the kernels take them)."""
+        """The norm carrying its rounding (`rounding`: `int8_rows=True`, `x16_rows=True` or
+        `fp8_rows=True`, as the kernels take them)."""
+        from infer.kernels.fp8_quant import attach_fp8_rows
         from infer.kernels.int8_rows import attach
         from infer.kernels.int8_x16 import attach_halves
         from infer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 
-        attached = attach_halves if rounding.get("x16_rows") else attach
+        attached = (attach_halves if rounding.get("x16_rows") else
+                    attach_fp8_rows if rounding.get("fp8_rows") else attach)
         if residual is None:
             out, rounded = rmsnorm(x, self.weight, self.eps, self.offset, **rounding)
             return attached(out, rounded)

@@ -172,7 +172,8 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
                      fp8_mma_rows: int = 0, int8_mma_rows: int = 0,
                      gemv_rows: int = 0, gate_up_rows_apart: bool = False,
                      cpu_int8_kernel: bool = False, int8_x16_gemv: bool = False,
-                     w8_wgmma: bool = False, fp8_wgmma_rows: int = 0) -> None:
+                     w8_wgmma: bool = False, fp8_wgmma_rows: int = 0,
+                     fp8_norm_rows: bool = False) -> None:
     """How `model`'s 8-bit layers (projections, LM head) multiply decode-sized steps:
     weight-only INT8 / FP8 on tensor cores up to `tensor_core_rows` rows where they gain
     (`w8a16_matmul.py`'s rule; 0: never) or CUDA cores, up to `gemv_rows` rows scaled per
@@ -187,7 +188,9 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
     (`kernels/int8_x16_gemv.py`), x split by the norms that make it (`set_x16_norms`); a
     gate_up projection's two rows whose first may be skipped as two one-row GEMV launches
     with `gate_up_rows_apart` (`w8a16_matmul.gate_up_gemv`); INT8 ones on a CPU through
-    infer's kernel with `cpu_int8_kernel` (`kernels/cpu_int8_linear.cpp`)."""
+    infer's kernel with `cpu_int8_kernel` (`kernels/cpu_int8_linear.cpp`); FP8 ones' x
+    quantized by the norms that make it at the FP8 x FP8 steps with `fp8_norm_rows`
+    (`set_fp8_norms`)."""
     for m in model.modules():
         if isinstance(m, (LinearBase, ParallelLMHead)):
             m.w8a16_tensor_core_rows = tensor_core_rows
@@ -201,6 +204,34 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
             m.gate_up_rows_apart = gate_up_rows_apart
             m.cpu_int8_kernel = cpu_int8_kernel
     set_x16_norms(model, int8_x16_gemv, int8_mma_rows)
+    set_fp8_norms(model, _fp8_x_rows(tensor_core_rows, fp8_activations, fp8_mma_rows,
+                                     fp8_wgmma_rows) if fp8_norm_rows else range(0))
+
+
+def _fp8_x_rows(tensor_core_rows: int, fp8_activations: bool, fp8_mma_rows: int,
+                fp8_wgmma_rows: int) -> range:
+    """The decode steps whose rows an FP8 layer quantizes for infer's FP8 x FP8 kernel:
+    past the weight-only ones (all, with `fp8_activations`) and `fp8_wgmma_rows`, up to
+    `fp8_mma_rows` (`Fp8LinearMethod.apply`)."""
+    from infer.quantization.fp8 import WEIGHT_ONLY_ROWS
+
+    first = 1 if fp8_activations else max(WEIGHT_ONLY_ROWS, tensor_core_rows) + 1
+    return range(max(first, fp8_wgmma_rows + 1), fp8_mma_rows + 1)
+
+
+def set_fp8_norms(model: nn.Module, rows: range) -> None:
+    """Which steps' RMSNorms hand out their output's rows in FP8 with their scales
+    (`RMSNorm.fp8_rows`: `rows`), so that the FP8 layers they feed need no launch of
+    their own to quantize x: where the model has FP8 layers, and the norm's output goes
+    into a projection (`RMSNorm.feeds_projection`)."""
+    from infer.models.layers import RMSNorm
+    from infer.quantization.fp8 import Fp8LinearMethod
+
+    found = any(isinstance(getattr(m, "quant_method", None), Fp8LinearMethod)
+                for m in model.modules())
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.fp8_rows = rows if found and m.feeds_projection else range(0)
 
 
 def set_x16_norms(model: nn.Module, one_row: bool, mma_rows: int) -> None:

@@ -99,9 +99,10 @@ class Fp8LinearMethod(LinearMethod):
                              tensor_core_rows=tensor_core_rows,
                              gemv_rows=getattr(layer, "w8a16_gemv_rows", 0))
         elif x2.is_cuda:
-            from infer.kernels.fp8_quant import fp8_quantize_rows
+            from infer.kernels.fp8_quant import attached_fp8_rows, fp8_quantize_rows
 
-            xq, x_scale = fp8_quantize_rows(x2.contiguous())
+            # the rows the RMSNorm that made x quantized (`set_fp8_norms`), if it did
+            xq, x_scale = attached_fp8_rows(x) or fp8_quantize_rows(x2.contiguous())
             mma_rows = 0 < len(x2) <= getattr(layer, "fp8_mma_rows", 0)
             if mma_rows and getattr(layer, "w8_wgmma", False) and x2.shape[1] % 16 == 0:
                 from infer.kernels.w8_wgmma import w8_wgmma
