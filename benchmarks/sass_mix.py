@@ -275,7 +275,7 @@ def _cases() -> list[Case]:
             dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", y_ptr="*bf16",
                  M=i32, N=i32, K=i32, groups=i32, stride_xm=i32, stride_wb=i32,
                  stride_sb=i32, stride_ym=i32),
-            dict(BLOCK_M=max(16, rows), BLOCK_N=64, B=8, STRIPES=2, SW=16, PDL=False),
+            dict(BLOCK_M=max(16, rows), BLOCK_N=64, B=8, STRIPES=2, SW=16, PTX=True, PDL=False),
             ["x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "groups", "stride_xm",
              "stride_wb", "stride_sb", "stride_ym"],
             64 * 256, 0.5, num_warps=4, note="launch (64 channels, 256 of K, 4 warps)"))

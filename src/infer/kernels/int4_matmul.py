@@ -20,23 +20,43 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels import dependent_launch
+from infer.kernels import dependent_launch, gpu_compiled
 from infer.kernels.int4_gemv import WORD, check_layout
 
 MAX_ROWS = 64
 
 
 @triton.jit
-def _plane(words, scale, zero, i: tl.constexpr):
-    """Nibble position i of `words` as the weights `q * scale + zero`."""
-    return ((words >> (4 * i)) & 0xF).to(tl.float32) * scale + zero
+def _plane(words, scale16, zero16, i: tl.constexpr, PTX: tl.constexpr):
+    """Nibble position i of `words` as the weights `q * scale + zero`, from `scale16 = 16
+    scale` and `zero16 = zero - 16 scale`: the nibble or-ed under the bits of 1.0 is
+    `f = 1 + q / 16` (no convert instruction: an H100 converts 16 values a cycle per SM),
+    and `f scale16 + zero16` the weight."""
+    shifted = words << (19 - 4 * i) if 4 * i <= 19 else words >> (4 * i - 19)
+    return _under_one(shifted, PTX).to(tl.float32, bitcast=True) * scale16 + zero16
+
+
+@triton.jit
+def _under_one(shifted, PTX: tl.constexpr):
+    """Bits 19..22 of `shifted` or-ed into 1.0's (0x3F800000): on a GPU one `lop3`
+    (Triton's and-then-or takes two)."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 m, one;
+            mov.b32 m, 0x00780000;
+            mov.b32 one, 0x3F800000;
+            lop3.b32 $0, $1, m, one, 0xEA;
+            }""",
+            constraints="=r,r", args=[shifted], dtype=tl.int32, is_pure=True, pack=1)
+    return (shifted & (0xF << 19)) | 0x3F800000
 
 
 @triton.jit
 def _int4_matmul_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, groups, stride_xm, stride_wb, stride_sb,
     stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, B: tl.constexpr,
-    STRIPES: tl.constexpr, SW: tl.constexpr, PDL: tl.constexpr,
+    STRIPES: tl.constexpr, SW: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
 ):
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -56,14 +76,14 @@ def _int4_matmul_kernel(
         words = tl.load(w_ptr + (g0 * SW + rw)[:, None] * B + w_cols[None, :], mask=inside,
                         other=0, eviction_policy="evict_first")
         at = gg[:, None] * B + s_cols[None, :]
-        scale = tl.load(s_ptr + at, mask=inside, other=0.0).to(tl.float32)
-        zero = tl.load(z_ptr + at, mask=inside, other=0.0).to(tl.float32)
+        scale16 = tl.load(s_ptr + at, mask=inside, other=0.0).to(tl.float32) * 16.0
+        zero16 = tl.load(z_ptr + at, mask=inside, other=0.0).to(tl.float32) - scale16
         # x's columns of plane i: g G + i G / 8 + j, G = 8 SW
         cols = gg * (8 * SW) + rw % SW
         for i in tl.static_range(8):
             x = tl.load(rows + (cols + i * SW)[None, :], mask=(cols + i * SW < K)[None, :],
                         other=0.0).to(tl.float32)
-            acc = tl.dot(x, _plane(words, scale, zero, i), acc, input_precision="tf32")
+            acc = tl.dot(x, _plane(words, scale16, zero16, i, PTX), acc, input_precision="tf32")
     tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -91,5 +111,6 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     _int4_matmul_kernel[grid](
         x, packed, scale, zero, y, m, n, k, groups, x.stride(0), packed.stride(0),
         scale.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, B=block,
-        STRIPES=stripes, SW=sw, num_warps=num_warps, **dependent_launch.launch_options())
+        STRIPES=stripes, SW=sw, PTX=gpu_compiled(x.device), num_warps=num_warps,
+        **dependent_launch.launch_options())
     return y
