@@ -130,10 +130,12 @@ class EngineConfig:
         False, "with triton_gemv on a GPU, one row of FP8 weights through the GEMV's form "
         "'halves' instead (kernels/gemv.py _half_rows): each weight made float16 by the "
         "hardware's convert, multiplied by x times 2^-8 in float16 by packed multiply-adds "
-        "into runs of 8 steps' float16 sums, each run added into float32 (3.1 instructions "
-        "a weight compiled for sm_90 against 5.6), a program redone in float32 where a run "
-        "overflowed (|x| past ~4,600); its sums within 2^-8 of the sum of |products| "
-        "instead of float32's rounding. Off until timed on the device (docs/performance.md)")
+        "into runs of 8 steps' float16 sums, each run added into float32, a program redone "
+        "in float32 where a run overflowed (|x| past ~4,600); its sums within 2^-8 of the "
+        "sum of |products| instead of float32's rounding. Off: fewer instructions (3.1 a "
+        "weight against 5.6) but 24 of its 100 loop instructions are converts, which an "
+        "H100 issues at 16 values a cycle per SM; the 8B batch-1 step 3.97 ms against 3.13 "
+        "(docs/performance.md)")
     gemv_gate_up_activation: bool = knob(
         True, "with triton_gemv, a gated MLP's rows that go to the GEMV (one of 16-bit "
         "weights; those gemv_8bit_max_rows sends of INT8 / FP8 ones) get act(gate) * up "
