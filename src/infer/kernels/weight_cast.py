@@ -131,8 +131,9 @@ def to_bf16_times(w, PTX: tl.constexpr):
 @triton.jit
 def _fp8_to_bf16_ptx(w):
     """Four e4m3 bytes of a register (as int8) -> two bfloat16 pairs, in order: a prmt per
-    pair puts the bytes' low 7 bits in the low bytes of its halves, a shift moves them to
-    bits 10..4; another prmt puts the signs (masked once) at bit 15 of each half."""
+    pair puts the bytes in the low bytes of its halves and a shift moves their low 7 bits
+    to bits 10..4; another prmt puts the signs (masked once) at bit 15 of each half, and a
+    lop3 takes the shifted signs (bits 11 and 27) out and the signs in."""
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 s, m0, m1, s0, s1, c;
