@@ -224,14 +224,9 @@ def set_fp8_norms(model: nn.Module, rows: range) -> None:
     (`RMSNorm.fp8_rows`: `rows`), so that the FP8 layers they feed need no launch of
     their own to quantize x: where the model has FP8 layers, and the norm's output goes
     into a projection (`RMSNorm.feeds_projection`)."""
-    from infer.models.layers import RMSNorm
     from infer.quantization.fp8 import Fp8LinearMethod
 
-    found = any(isinstance(getattr(m, "quant_method", None), Fp8LinearMethod)
-                for m in model.modules())
-    for m in model.modules():
-        if isinstance(m, RMSNorm):
-            m.fp8_rows = rows if found and m.feeds_projection else range(0)
+    _set_norm_rows(model, Fp8LinearMethod, "fp8_rows", rows)
 
 
 def set_x16_norms(model: nn.Module, one_row: bool, mma_rows: int) -> None:
@@ -240,15 +235,21 @@ def set_x16_norms(model: nn.Module, one_row: bool, mma_rows: int) -> None:
     row, `one_row`; the int8 tensor cores at 2 to `mma_rows`) need no split launch of
     their own: where the model has INT8 layers, and the norm's output goes into a
     projection (`RMSNorm.feeds_projection`)."""
-    from infer.models.layers import RMSNorm
     from infer.quantization.int8 import Int8WeightOnlyLinearMethod
 
-    found = any(isinstance(getattr(m, "quant_method", None), Int8WeightOnlyLinearMethod)
-                for m in model.modules())
-    rows = range(1 if one_row else 2, max(mma_rows, one_row) + 1) if found else range(0)
+    _set_norm_rows(model, Int8WeightOnlyLinearMethod, "x16_rows",
+                   range(1 if one_row else 2, max(mma_rows, one_row) + 1))
+
+
+def _set_norm_rows(model: nn.Module, method: type, attribute: str, rows: range) -> None:
+    """`rows` as the `attribute` of `model`'s RMSNorms whose output goes into a projection,
+    where the model has layers of the linear method `method`; none elsewhere."""
+    from infer.models.layers import RMSNorm
+
+    found = any(isinstance(getattr(m, "quant_method", None), method) for m in model.modules())
     for m in model.modules():
         if isinstance(m, RMSNorm):
-            m.x16_rows = rows if m.feeds_projection else range(0)
+            setattr(m, attribute, rows if found and m.feeds_projection else range(0))
 
 
 # What a linear layer built without a `quant_method` gets (`linear_method_default`).
