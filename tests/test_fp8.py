@@ -126,7 +126,7 @@ def test_the_norms_fp8_rows_are_fp8_quantize_rows_of_its_output(residual, rows, 
     if residual:
         r = torch.randn(rows, k, generator=gen).to("cuda", torch.bfloat16)
         r[-1] = -x[-1] if rows > 1 else r[-1]
-        out, _, (q, scale) = fused_add_rmsnorm(x, r, w, 1e-6, fp8_rows=True)
+        out, _, (q, scale) = fused_add_rmsnorm(x, r.clone(), w, 1e-6, fp8_rows=True)
     else:
         out, (q, scale) = rmsnorm(x, w, 1e-6, fp8_rows=True)
     want_q, want_scale = fp8_quantize_rows(out)
@@ -185,3 +185,25 @@ def test_the_fp8_norm_rows_are_the_steps_fp8_by_fp8_takes():
     Fp8LinearMethod().quantize(model[1])
     set_fp8_norms(model, range(17, 33))
     assert model[0].fp8_rows == range(17, 33) and attention.q_norm.fp8_rows == range(0)
+
+
+def test_an_fp8_models_norms_round_for_the_layers_they_feed():
+    """In a Llama model made FP8 (`quantize_model`: its LM head INT8), every norm before a
+    q/k/v or gate_up projection hands out FP8 rows and no int8 halves, and the final norm
+    the int8 halves its INT8 LM head takes and no FP8 rows (`set_8bit_kernels`)."""
+    from infer.models import config_from_hf, model_class
+    from infer.models.layers import RMSNorm
+    from infer.models.linear import set_8bit_kernels
+    from infer.quantization import quantize_model
+
+    cfg = config_from_hf(dict(model_type="llama", vocab_size=32, hidden_size=64,
+                              intermediate_size=96, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2))
+    model = model_class(cfg)(cfg)
+    assert quantize_model(model, "fp8") == "fp8"
+    set_8bit_kernels(model, 16, False, 32, int8_mma_rows=64, int8_x16_gemv=True,
+                     fp8_norm_rows=True)
+    norms = {name: (m.fp8_rows, m.x16_rows) for name, m in model.named_modules()
+             if isinstance(m, RMSNorm)}
+    assert norms.pop("model.norm") == (range(0), range(1, 65))
+    assert len(norms) == 4 and set(norms.values()) == {(range(17, 33), range(0))}

@@ -174,14 +174,15 @@ def test_the_norms_split_only_the_steps_an_int8_kernel_takes_so():
 
 def test_only_the_norms_before_a_projection_split_their_rows():
     """In a Gemma 3 model with INT8 layers: the norms before the q/k/v and gate/up
-    projections and the final one (before the LM head) split their rows; the per-head q / k
-    norms (into RoPE) and the sandwich norms after attention and after the MLP (into the
-    residual adds) do not; for GGUF's int8-x kernels the same norms round their rows."""
+    projections and the final one (before the LM head, once that is INT8) split their rows;
+    the per-head q / k norms (into RoPE) and the sandwich norms after attention and after
+    the MLP (into the residual adds) do not; for GGUF's int8-x kernels the same norms round
+    their rows."""
     from infer.models import config_from_hf, model_class
     from infer.models.layers import RMSNorm
     from infer.models.linear import set_x16_norms
     from infer.quantization.gguf_gpu import GGUFBlocksLinearMethod, set_gguf_int8_activations
-    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
+    from infer.quantization.int8 import Int8WeightOnlyLinearMethod, quantize_table
 
     cfg = config_from_hf(dict(model_type="gemma3_text", vocab_size=32, hidden_size=64,
                               intermediate_size=96, num_hidden_layers=2,
@@ -189,6 +190,9 @@ def test_only_the_norms_before_a_projection_split_their_rows():
     model = model_class(cfg)(cfg)
     layer = model.model.layers[0]
     Int8WeightOnlyLinearMethod().quantize(layer.self_attn.qkv_proj)
+    set_x16_norms(model, True, 8)
+    assert model.model.norm.x16_rows == range(0)  # its LM head is not INT8
+    quantize_table(model.lm_head, model)
     set_x16_norms(model, True, 8)
     splitting = {name for name, m in model.named_modules()
                  if isinstance(m, RMSNorm) and m.x16_rows == range(1, 9)}

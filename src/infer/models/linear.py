@@ -222,8 +222,8 @@ def _fp8_x_rows(tensor_core_rows: int, fp8_activations: bool, fp8_mma_rows: int,
 def set_fp8_norms(model: nn.Module, rows: range) -> None:
     """Which steps' RMSNorms hand out their output's rows in FP8 with their scales
     (`RMSNorm.fp8_rows`: `rows`), so that the FP8 layers they feed need no launch of
-    their own to quantize x: where the model has FP8 layers, and the norm's output goes
-    into a projection (`RMSNorm.feeds_projection`)."""
+    their own to quantize x: where the norm's output goes into an FP8 projection
+    (`RMSNorm.feeds_projection`, `_set_norm_rows`)."""
     from infer.quantization.fp8 import Fp8LinearMethod
 
     _set_norm_rows(model, Fp8LinearMethod, "fp8_rows", rows)
@@ -233,8 +233,8 @@ def set_x16_norms(model: nn.Module, one_row: bool, mma_rows: int) -> None:
     """Which steps' RMSNorms hand out their output with its rows split into int8 halves
     (`RMSNorm.x16_rows`), so that the INT8 kernels taking x so (`int8_x16_gemv` at one
     row, `one_row`; the int8 tensor cores at 2 to `mma_rows`) need no split launch of
-    their own: where the model has INT8 layers, and the norm's output goes into a
-    projection (`RMSNorm.feeds_projection`)."""
+    their own: where the norm's output goes into an INT8 projection
+    (`RMSNorm.feeds_projection`, `_set_norm_rows`)."""
     from infer.quantization.int8 import Int8WeightOnlyLinearMethod
 
     _set_norm_rows(model, Int8WeightOnlyLinearMethod, "x16_rows",
@@ -242,13 +242,20 @@ def set_x16_norms(model: nn.Module, one_row: bool, mma_rows: int) -> None:
 
 
 def _set_norm_rows(model: nn.Module, method: type, attribute: str, rows: range) -> None:
-    """`rows` as the `attribute` of `model`'s RMSNorms whose output goes into a projection,
-    where the model has layers of the linear method `method`; none elsewhere."""
+    """`rows` as the `attribute` of `model`'s RMSNorms whose output goes into a projection
+    of the linear method `method`, none elsewhere: the final norm by the LM head's method
+    (an FP8 model's is INT8), every other one by the decoder layers' projections."""
     from infer.models.layers import RMSNorm
 
-    found = any(isinstance(getattr(m, "quant_method", None), method) for m in model.modules())
+    def takes(m: nn.Module | None) -> bool:
+        return isinstance(getattr(m, "quant_method", None), method)
+
+    head = next((m for m in model.modules() if isinstance(m, ParallelLMHead)), None)
+    final = getattr(getattr(model, "model", model), "norm", None)
+    in_layers = any(takes(m) for m in model.modules() if isinstance(m, LinearBase))
     for m in model.modules():
         if isinstance(m, RMSNorm):
+            found = takes(head) if m is final else in_layers
             setattr(m, attribute, rows if found and m.feeds_projection else range(0))
 
 
