@@ -137,10 +137,32 @@ def test_the_norms_fp8_rows_are_fp8_quantize_rows_of_its_output(residual, rows, 
 
 
 @pytest.mark.skipif(not ON_GPU, reason="FP8 rows: a GPU's (the interpreter has no FP8)")
-def test_an_fp8_models_steps_with_the_norms_fp8_rows_match_without(monkeypatch):
-    """`fp8_norm_rows`: a tiny FP8 model's batch of 20 greedy sequences (steps of 17-32 rows,
-    FP8 x FP8) gives the tokens it gives without; each q/k/v and gate_up projection of
-    such a step takes the norm's rows (no quantizing launch of its own)."""
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize(("rows", "inter"), [(1, 14336), (20, 14336), (32, 1000), (3, 64)])
+def test_the_activations_fp8_rows_are_fp8_quantize_rows_of_its_output(act, rows, inter):
+    """`gated_rows(..., fp8_rows=True)`: its FP8 rows and scales are `fp8_quantize_rows` of
+    the output it returns, bit for bit, and that output is the plain launch's (a zero
+    row: scale 1)."""
+    from infer.kernels.activation import gated_rows
+    from infer.kernels.fp8_quant import fp8_quantize_rows
+
+    gen = torch.Generator().manual_seed(rows + inter)
+    gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 4).to("cuda", torch.bfloat16)
+    gate_up[-1, :inter] = 0
+    out, (q, scale) = gated_rows(gate_up, act, fp8_rows=True)
+    want_q, want_scale = fp8_quantize_rows(out)
+    assert torch.equal(q.view(torch.int8), want_q.view(torch.int8))
+    assert torch.equal(scale, want_scale) and scale[-1] == 1
+    assert torch.equal(out, gated_rows(gate_up, act))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="FP8 rows: a GPU's (the interpreter has no FP8)")
+def test_an_fp8_models_steps_with_x_quantized_where_made_match_without(monkeypatch):
+    """`fp8_norm_rows` / `fp8_act_rows`: a tiny FP8 model's batch of 20 greedy sequences
+    (steps of 17-32 rows, FP8 x FP8) gives the tokens it gives without; each q/k/v and
+    gate_up projection of such a step takes the norm's rows, each down projection the
+    activation's (no quantizing launch of their own): of a layer's four launches, the
+    o projection's alone is left with both."""
     from tiny_model import tiny_model_dir
 
     from infer import LLM, SamplingParams
@@ -149,19 +171,23 @@ def test_an_fp8_models_steps_with_the_norms_fp8_rows_match_without(monkeypatch):
     prompts = [[(7 * i + j) % 200 + 3 for j in range(5 + i % 4)] for i in range(20)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     runs = {}
-    for on in (False, True):
+    for norm, act in [(False, False), (True, False), (False, True), (True, True)]:
         llm = LLM(str(tiny_model_dir()), device="cuda", num_blocks=64, max_model_len=128,
-                  quantization="fp8", fp8_norm_rows=on, cuda_graphs=False)
+                  quantization="fp8", fp8_norm_rows=norm, fp8_act_rows=act,
+                  cuda_graphs=False)
         launches = []
         real = fp8_quant.fp8_quantize_rows
         monkeypatch.setattr(fp8_quant, "fp8_quantize_rows",
                             lambda x, real=real, seen=launches: seen.append(len(x)) or real(x))
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         monkeypatch.setattr(fp8_quant, "fp8_quantize_rows", real)
-        runs[on] = ([o.outputs[0].token_ids for o in outs], launches)
-    assert runs[True][0] == runs[False][0]
-    decode_rows = [n for n in runs[False][1] if n == 20]
-    assert decode_rows and len([n for n in runs[True][1] if n == 20]) == len(decode_rows) // 2
+        runs[norm, act] = ([o.outputs[0].token_ids for o in outs],
+                           len([n for n in launches if n == 20]))
+    tokens, launches = runs[False, False]
+    assert launches > 0 and launches % 4 == 0
+    assert runs[True, False] == (tokens, launches // 2)
+    assert runs[False, True] == (tokens, launches * 3 // 4)
+    assert runs[True, True] == (tokens, launches // 4)
 
 
 def test_the_fp8_norm_rows_are_the_steps_fp8_by_fp8_takes():
@@ -187,23 +213,30 @@ def test_the_fp8_norm_rows_are_the_steps_fp8_by_fp8_takes():
     assert model[0].fp8_rows == range(17, 33) and attention.q_norm.fp8_rows == range(0)
 
 
-def test_an_fp8_models_norms_round_for_the_layers_they_feed():
+def test_an_fp8_models_norms_and_activations_round_for_the_layers_they_feed():
     """In a Llama model made FP8 (`quantize_model`: its LM head INT8), every norm before a
-    q/k/v or gate_up projection hands out FP8 rows and no int8 halves, and the final norm
-    the int8 halves its INT8 LM head takes and no FP8 rows (`set_8bit_kernels`)."""
+    q/k/v or gate_up projection hands out FP8 rows and no int8 halves, the final norm the
+    int8 halves its INT8 LM head takes and no FP8 rows, every gated activation FP8 rows
+    for its down projection (`set_8bit_kernels`); none in a bfloat16 model."""
     from infer.models import config_from_hf, model_class
-    from infer.models.layers import RMSNorm
+    from infer.models.layers import GatedMLP, RMSNorm
     from infer.models.linear import set_8bit_kernels
     from infer.quantization import quantize_model
 
     cfg = config_from_hf(dict(model_type="llama", vocab_size=32, hidden_size=64,
                               intermediate_size=96, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2))
+    plain = model_class(cfg)(cfg)
     model = model_class(cfg)(cfg)
     assert quantize_model(model, "fp8") == "fp8"
-    set_8bit_kernels(model, 16, False, 32, int8_mma_rows=64, int8_x16_gemv=True,
-                     fp8_norm_rows=True)
+    for m in (plain, model):
+        set_8bit_kernels(m, 16, False, 32, int8_mma_rows=64, int8_x16_gemv=True,
+                         fp8_norm_rows=True, fp8_act_rows=True)
     norms = {name: (m.fp8_rows, m.x16_rows) for name, m in model.named_modules()
              if isinstance(m, RMSNorm)}
     assert norms.pop("model.norm") == (range(0), range(1, 65))
     assert len(norms) == 4 and set(norms.values()) == {(range(17, 33), range(0))}
+    mlps = [m.fp8_rows for m in model.modules() if isinstance(m, GatedMLP)]
+    assert mlps == [range(17, 33)] * 2
+    assert {(m.fp8_rows, getattr(m, "x16_rows", None)) for m in plain.modules()
+            if isinstance(m, (RMSNorm, GatedMLP))} <= {(range(0), range(0)), (range(0), None)}

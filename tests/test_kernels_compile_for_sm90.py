@@ -6,7 +6,7 @@ variable first set in a constexpr branch that returns), and the refusal then sho
 a lent GPU. Each case is compiled to a cubin by Triton's own CUDA backend (its `ptxas`
 ships in the wheel): the projections' kernels as `benchmarks/sass_mix.py` analyses them,
 and the modes those cases leave out (dependent launch on; the constexpr branches of the
-split, norm and dp4a GEMV kernels). One child process compiles them all, with Triton's
+split, norm, activation and dp4a GEMV kernels). One child process compiles them all, with Triton's
 interpreter off (the tests run under it, and it replaces the kernels' functions). Each K
 loop is also read for writes to a register-operand wgmma's registers before its wait
 (session 68: ptxas made them, and a warp's sums came out garbage at random on the GPU)."""
@@ -54,6 +54,14 @@ def _modes() -> list:
                      INT8_ROWS=rows == "INT8_ROWS", PDL=True, X16_ROWS=rows == "X16_ROWS",
                      FP8_ROWS=rows == "FP8_ROWS"),
                 [], 1, 1, num_warps=8))
+    for fp8_rows in (False, True):
+        cases.append(Case(
+            f"gated activation (silu, FP8 rows {fp8_rows})", "activation:_gated_act_kernel",
+            dict(gu_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv" if fp8_rows else "*bf16",
+                 s_ptr="*fp32" if fp8_rows else "*bf16", stride_gu=I32, stride_out=I32,
+                 inter=I32),
+            dict(ACT="silu", BLOCK=16384 if fp8_rows else 1024, PDL=True, FP8_ROWS=fp8_rows),
+            [], 1, 1, num_warps=16 if fp8_rows else 4))
     for act in ("", "silu"):
         cases.append(Case(
             f"int8_x16_gemv (gate_up {act or 'none'}, uneven K, PDL)",

@@ -220,6 +220,13 @@ class EngineConfig:
         "q/k/v and gate_up projections need no quantizing launch of their own (on an H100 "
         "the 8B batch-32 step spends 128 x 2.2 us in them, half before those two). Off "
         "until timed on the device (docs/performance.md)")
+    fp8_act_rows: bool = knob(
+        False, "the FP8 x FP8 steps of fp8_mma_rows rows: a gated activation (SiLU / GELU "
+        "times up) before an FP8 down projection also stores its output's rows in FP8 with "
+        "their scales, one launch a row (kernels/activation.py; kernels/fp8_quant.py's "
+        "values, bit for bit), so the down projection needs no quantizing launch of its "
+        "own (a quarter of the quantizing launches fp8_norm_rows counts). Off until timed "
+        "on the device (docs/performance.md)")
     int8_mma_rows: int = knob(
         64, "weight-only INT8 layers' steps of 2 to this many rows (at most 64) multiply on "
         "the int8 tensor cores, each row of x carried as 16-bit fixed point in two int8 "

@@ -64,7 +64,7 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
     (`w8a16_tensor_cores`, `w8a16_tensor_core_rows`; made bfloat16 by their bits with
     `mma_8bit_bf16`), FP8 by FP8 in infer's kernel for FP8 ones
     (`fp8_decode_activations`, `fp8_mma_rows`; x quantized by the norm before with
-    `fp8_norm_rows`), either operand first there
+    `fp8_norm_rows`, by the gated activation with `fp8_act_rows`), either operand first there
     (`mma_weight_first`), the int8 tensor cores for INT8 ones (`int8_mma_rows`), both
     through the Gluon wgmma kernel on Hopper with `w8_wgmma`, FP8 ones by bfloat16 x through
     another up to `fp8_wgmma_rows` rows, dp4a for
@@ -110,7 +110,7 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
                      config.gate_up_rows_apart, config.cpu_int8_kernel,
                      config.int8_x16_gemv and triton, config.w8_wgmma and gluon,
                      config.fp8_wgmma_rows if gluon else 0,
-                     config.fp8_norm_rows and fp8_mma)
+                     config.fp8_norm_rows and fp8_mma, config.fp8_act_rows and fp8_mma)
     set_gguf_int8_activations(model, config.gguf_int8_activations and triton,
                               config.gguf_fused_x_rounding)
 

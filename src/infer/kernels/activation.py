@@ -1,4 +1,9 @@
-"""Gated activations on the fused gate_up projection: `[T, 2*I]` (gate | up) -> `[T, I]`."""
+"""Gated activations on the fused gate_up projection: `[T, 2*I]` (gate | up) -> `[T, I]`.
+
+With `fp8_rows`, each row of the output also in FP8 with its scale
+(`fp8_quant.fp8_quantize_rows`'s values, bit for bit) for the FP8 x FP8 down projection,
+one program a row.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,10 @@ import triton
 import triton.language as tl
 
 from infer.kernels import dependent_launch
+from infer.kernels.fp8_quant import fp8_scales, to_fp8
+
+# The widest row whose FP8 rounding one program makes (the whole row in its registers).
+FP8_ROWS_MAX = 16384
 
 
 @triton.jit
@@ -31,8 +40,8 @@ def gated(gate, up, ACT: tl.constexpr):
 
 @triton.jit
 def _gated_act_kernel(
-    gu_ptr, out_ptr, stride_gu, stride_out, inter,
-    ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    gu_ptr, out_ptr, q_ptr, s_ptr, stride_gu, stride_out, inter,
+    ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, FP8_ROWS: tl.constexpr = False,
 ):
     dependent_launch.wait(PDL)
     dependent_launch.release(PDL)
@@ -41,26 +50,42 @@ def _gated_act_kernel(
     mask = cols < inter
     gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
     up = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_out + cols, gated(gate, up, ACT).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    y = gated(gate, up, ACT).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
+    if FP8_ROWS:  # the whole row in this program: in FP8 at q_ptr + row * inter, its scale
+        # at s_ptr + row (masked columns are 0, no larger than any |y|)
+        scale, inv = fp8_scales(tl.max(tl.abs(y.to(tl.float32)), axis=0))
+        tl.store(q_ptr + row * inter + cols, to_fp8(y, inv), mask=mask)
+        tl.store(s_ptr + row, scale)
 
 
-def gated_rows(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+def gated_rows(gate_up: torch.Tensor, act: str, fp8_rows: bool = False
+               ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """`act(gate) * up` of each row `[gate | up]` of `gate_up [T, 2*I]`, computed in
-    float32; `act`: the kernels' name ("silu" or "gelu_tanh"), as `gated` takes it."""
+    float32; `act`: the kernels' name ("silu" or "gelu_tanh"), as `gated` takes it. With
+    `fp8_rows` (a GPU, `I` at most FP8_ROWS_MAX) also that output's rows in FP8 `[T, I]` and
+    their scales `[T]`."""
     assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, gate_up.shape
     # Rows are addressed as base + row * stride(0) + col: columns must be unit-stride.
     assert gate_up.stride(1) == 1, "gate_up must have unit stride in its last dim"
     assert gate_up.dtype in (torch.float16, torch.bfloat16, torch.float32), gate_up.dtype
     tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
+    q = scale = out
+    if fp8_rows:
+        assert gate_up.is_cuda, "FP8 rows: a GPU's (Triton's interpreter has no FP8)"
+        assert inter <= FP8_ROWS_MAX, (inter, FP8_ROWS_MAX)
+        q = torch.empty(tokens, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
+        scale = torch.empty(tokens, dtype=torch.float32, device=gate_up.device)
     if tokens:
-        block = min(triton.next_power_of_2(inter), 1024)
+        block = triton.next_power_of_2(inter) if fp8_rows else min(
+            triton.next_power_of_2(inter), 1024)
         grid = (tokens, triton.cdiv(inter, block))
-        _gated_act_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter,
-                                ACT=act, BLOCK=block, num_warps=4,
+        _gated_act_kernel[grid](gate_up, out, q, scale, gate_up.stride(0), out.stride(0),
+                                inter, ACT=act, BLOCK=block, FP8_ROWS=fp8_rows,
+                                num_warps=16 if block > 4096 else 4 if block <= 1024 else 8,
                                 **dependent_launch.launch_options())
-    return out
+    return (out, (q, scale)) if fp8_rows else out
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

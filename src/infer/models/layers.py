@@ -242,7 +242,10 @@ def activation(name: str):
 
 
 class GatedMLP(nn.Module):
-    """`down(act(gate(x)) * up(x))` with gate and up fused into one matmul (shards 0, 1)."""
+    """`down(act(gate(x)) * up(x))` with gate and up fused into one matmul (shards 0, 1).
+    A step of as many rows as `fp8_rows` holds (set for FP8 down projections,
+    `set_fp8_activations`) whose activation has its own launch hands the down projection
+    its rows in FP8 with their scales, made by that launch (`kernels/activation.py`)."""
 
     def __init__(self, hidden: int, inter: int, act: str, bias: bool = False) -> None:
         super().__init__()
@@ -252,6 +255,7 @@ class GatedMLP(nn.Module):
         self.act_name = act
         self.use_triton = False
         self.act_in_gate_up = False  # set_gate_up_activation
+        self.fp8_rows = range(0)  # set_fp8_activations
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton and self.act_in_gate_up and self.act_name in _TRITON_ACT:
@@ -266,8 +270,14 @@ class GatedMLP(nn.Module):
                 return y
             from infer.kernels import activation as kernels
 
-            return self.down_proj(kernels.gated_rows(gate_up.reshape(-1, gate_up.shape[-1]),
-                                                     act))
+            rows = gate_up.reshape(-1, gate_up.shape[-1])
+            if (rows.is_cuda and len(rows) in self.fp8_rows
+                    and rows.shape[1] // 2 <= kernels.FP8_ROWS_MAX):
+                from infer.kernels.fp8_quant import attach_fp8_rows
+
+                out, fp8_rows = kernels.gated_rows(rows, act, fp8_rows=True)
+                return self.down_proj(attach_fp8_rows(out, fp8_rows))
+            return self.down_proj(kernels.gated_rows(rows, act))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

@@ -173,7 +173,7 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
                      gemv_rows: int = 0, gate_up_rows_apart: bool = False,
                      cpu_int8_kernel: bool = False, int8_x16_gemv: bool = False,
                      w8_wgmma: bool = False, fp8_wgmma_rows: int = 0,
-                     fp8_norm_rows: bool = False) -> None:
+                     fp8_norm_rows: bool = False, fp8_act_rows: bool = False) -> None:
     """How `model`'s 8-bit layers (projections, LM head) multiply decode-sized steps:
     weight-only INT8 / FP8 on tensor cores up to `tensor_core_rows` rows where they gain
     (`w8a16_matmul.py`'s rule; 0: never) or CUDA cores, up to `gemv_rows` rows scaled per
@@ -190,7 +190,8 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
     with `gate_up_rows_apart` (`w8a16_matmul.gate_up_gemv`); INT8 ones on a CPU through
     infer's kernel with `cpu_int8_kernel` (`kernels/cpu_int8_linear.cpp`); FP8 ones' x
     quantized by the norms that make it at the FP8 x FP8 steps with `fp8_norm_rows`
-    (`set_fp8_norms`)."""
+    (`set_fp8_norms`), by the gated activations that make it with `fp8_act_rows`
+    (`set_fp8_activations`)."""
     for m in model.modules():
         if isinstance(m, (LinearBase, ParallelLMHead)):
             m.w8a16_tensor_core_rows = tensor_core_rows
@@ -204,8 +205,9 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
             m.gate_up_rows_apart = gate_up_rows_apart
             m.cpu_int8_kernel = cpu_int8_kernel
     set_x16_norms(model, int8_x16_gemv, int8_mma_rows)
-    set_fp8_norms(model, _fp8_x_rows(tensor_core_rows, fp8_activations, fp8_mma_rows,
-                                     fp8_wgmma_rows) if fp8_norm_rows else range(0))
+    fp8_x_rows = _fp8_x_rows(tensor_core_rows, fp8_activations, fp8_mma_rows, fp8_wgmma_rows)
+    set_fp8_norms(model, fp8_x_rows if fp8_norm_rows else range(0))
+    set_fp8_activations(model, fp8_x_rows if fp8_act_rows else range(0))
 
 
 def _fp8_x_rows(tensor_core_rows: int, fp8_activations: bool, fp8_mma_rows: int,
@@ -227,6 +229,19 @@ def set_fp8_norms(model: nn.Module, rows: range) -> None:
     from infer.quantization.fp8 import Fp8LinearMethod
 
     _set_norm_rows(model, Fp8LinearMethod, "fp8_rows", rows)
+
+
+def set_fp8_activations(model: nn.Module, rows: range) -> None:
+    """Which steps' gated activations hand out their output's rows in FP8 with their scales
+    (`GatedMLP.fp8_rows`: `rows`), so that an FP8 down projection needs no launch of its
+    own to quantize x: the MLPs whose down projection is FP8."""
+    from infer.models.layers import GatedMLP
+    from infer.quantization.fp8 import Fp8LinearMethod
+
+    for m in model.modules():
+        if isinstance(m, GatedMLP):
+            fp8 = isinstance(m.down_proj.quant_method, Fp8LinearMethod)
+            m.fp8_rows = rows if fp8 else range(0)
 
 
 def set_x16_norms(model: nn.Module, one_row: bool, mma_rows: int) -> None:
