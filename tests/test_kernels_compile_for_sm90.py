@@ -6,9 +6,9 @@ variable first set in a constexpr branch that returns), and the refusal then sho
 a lent GPU. Each case is compiled to a cubin by Triton's own CUDA backend (its `ptxas`
 ships in the wheel): the projections' kernels as `benchmarks/sass_mix.py` analyses them,
 and the modes those cases leave out (dependent launch on; the constexpr branches of the
-split, norm, activation and dp4a GEMV kernels). One child process compiles them all, with Triton's
-interpreter off (the tests run under it, and it replaces the kernels' functions). Each K
-loop is also read for writes to a register-operand wgmma's registers before its wait
+split, norm, activation and dp4a GEMV kernels). One child process compiles them all, with
+Triton's interpreter off (the tests run under it, and it replaces the kernels' functions).
+Each K loop is also read for writes to a register-operand wgmma's registers before its wait
 (session 68: ptxas made them, and a warp's sums came out garbage at random on the GPU)."""
 
 from __future__ import annotations
