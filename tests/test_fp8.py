@@ -218,10 +218,12 @@ def test_an_fp8_models_norms_and_activations_round_for_the_layers_they_feed():
     """In a Llama model made FP8 (`quantize_model`: its LM head INT8), every norm before a
     q/k/v or gate_up projection hands out FP8 rows and no int8 halves, the final norm the
     int8 halves its INT8 LM head takes and no FP8 rows, every gated activation FP8 rows
-    for its down projection (`set_8bit_kernels`); none in a bfloat16 model."""
+    for its down projection (`set_8bit_kernels`); none in a bfloat16 model, nor in an MLP
+    wider than one program's row."""
+    from infer.kernels.fp8_quant import ROW_IN_REGISTERS
     from infer.models import config_from_hf, model_class
     from infer.models.layers import GatedMLP, RMSNorm
-    from infer.models.linear import set_8bit_kernels
+    from infer.models.linear import set_8bit_kernels, set_fp8_activations
     from infer.quantization import quantize_model
 
     cfg = config_from_hf(dict(model_type="llama", vocab_size=32, hidden_size=64,
@@ -239,5 +241,9 @@ def test_an_fp8_models_norms_and_activations_round_for_the_layers_they_feed():
     assert len(norms) == 4 and set(norms.values()) == {(range(17, 33), range(0))}
     mlps = [m.fp8_rows for m in model.modules() if isinstance(m, GatedMLP)]
     assert mlps == [range(17, 33)] * 2
+    wide = GatedMLP(64, ROW_IN_REGISTERS + 16, "silu")  # rows wider than one program holds
+    Fp8LinearMethod().quantize(wide.down_proj)
+    set_fp8_activations(wide, range(17, 33))
+    assert wide.fp8_rows == range(0)
     assert {(m.fp8_rows, getattr(m, "x16_rows", None)) for m in plain.modules()
             if isinstance(m, (RMSNorm, GatedMLP))} <= {(range(0), range(0)), (range(0), None)}

@@ -12,10 +12,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels import dependent_launch
-from infer.kernels.fp8_quant import fp8_scales, to_fp8
-
-# The widest row whose FP8 rounding one program makes (the whole row in its registers).
-FP8_ROWS_MAX = 16384
+from infer.kernels.fp8_quant import ROW_IN_REGISTERS, fp8_scales, to_fp8
 
 
 @triton.jit
@@ -63,8 +60,8 @@ def gated_rows(gate_up: torch.Tensor, act: str, fp8_rows: bool = False
                ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """`act(gate) * up` of each row `[gate | up]` of `gate_up [T, 2*I]`, computed in
     float32; `act`: the kernels' name ("silu" or "gelu_tanh"), as `gated` takes it. With
-    `fp8_rows` (a GPU, `I` at most FP8_ROWS_MAX) also that output's rows in FP8 `[T, I]` and
-    their scales `[T]`."""
+    `fp8_rows` (a GPU, `I` at most `fp8_quant.ROW_IN_REGISTERS`) also that output's rows
+    in FP8 `[T, I]` and their scales `[T]`."""
     assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, gate_up.shape
     # Rows are addressed as base + row * stride(0) + col: columns must be unit-stride.
     assert gate_up.stride(1) == 1, "gate_up must have unit stride in its last dim"
@@ -74,7 +71,7 @@ def gated_rows(gate_up: torch.Tensor, act: str, fp8_rows: bool = False
     q = scale = out
     if fp8_rows:
         assert gate_up.is_cuda, "FP8 rows: a GPU's (Triton's interpreter has no FP8)"
-        assert inter <= FP8_ROWS_MAX, (inter, FP8_ROWS_MAX)
+        assert inter <= ROW_IN_REGISTERS, (inter, ROW_IN_REGISTERS)
         q = torch.empty(tokens, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
         scale = torch.empty(tokens, dtype=torch.float32, device=gate_up.device)
     if tokens:

@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+# The widest row one program holds in its registers (read from memory once).
+ROW_IN_REGISTERS = 16384
+
 
 @triton.jit
 def fp8_scales(amax):
@@ -62,8 +65,8 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m:
-        # Rows up to 16384 wide (every model here) are read from memory once.
-        block = min(16384, triton.next_power_of_2(k))
+        # Rows up to ROW_IN_REGISTERS wide (every model here) are read from memory once.
+        block = min(ROW_IN_REGISTERS, triton.next_power_of_2(k))
         _fp8_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK=block,
                                ONE_PASS=k <= block, num_warps=8 if block <= 4096 else 16)
     return q, scale
@@ -71,7 +74,8 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def attach_fp8_rows(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """`x`, carrying its rows in FP8 with their scales (`fp8_quantize_rows`'s values, made
-    by the kernel that made x: the RMSNorm's) for the FP8 x FP8 products it goes into; the
+    by the kernel that made x: an RMSNorm's or a gated activation's) for the FP8 x FP8
+    products it goes into; the
     same invariant as `int8_rows.attach`'s (x never changed in place)."""
     x.fp8_rows = rows
     return x

@@ -271,8 +271,7 @@ class GatedMLP(nn.Module):
             from infer.kernels import activation as kernels
 
             rows = gate_up.reshape(-1, gate_up.shape[-1])
-            if (rows.is_cuda and len(rows) in self.fp8_rows
-                    and rows.shape[1] // 2 <= kernels.FP8_ROWS_MAX):
+            if rows.is_cuda and len(rows) in self.fp8_rows:
                 from infer.kernels.fp8_quant import attach_fp8_rows
 
                 out, fp8_rows = kernels.gated_rows(rows, act, fp8_rows=True)

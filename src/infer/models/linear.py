@@ -234,14 +234,19 @@ def set_fp8_norms(model: nn.Module, rows: range) -> None:
 def set_fp8_activations(model: nn.Module, rows: range) -> None:
     """Which steps' gated activations hand out their output's rows in FP8 with their scales
     (`GatedMLP.fp8_rows`: `rows`), so that an FP8 down projection needs no launch of its
-    own to quantize x: the MLPs whose down projection is FP8."""
+    own to quantize x: the MLPs whose down projection is FP8, with rows (this rank's) no
+    wider than one program holds (`fp8_quant.ROW_IN_REGISTERS`)."""
     from infer.models.layers import GatedMLP
     from infer.quantization.fp8 import Fp8LinearMethod
 
+    widest = 0
+    if rows:  # asked for only where Triton is (a GPU with FP8 tensor cores)
+        from infer.kernels.fp8_quant import ROW_IN_REGISTERS as widest
     for m in model.modules():
         if isinstance(m, GatedMLP):
-            fp8 = isinstance(m.down_proj.quant_method, Fp8LinearMethod)
-            m.fp8_rows = rows if fp8 else range(0)
+            takes = (isinstance(m.down_proj.quant_method, Fp8LinearMethod)
+                     and m.down_proj.input_size <= widest)
+            m.fp8_rows = rows if takes else range(0)
 
 
 def set_x16_norms(model: nn.Module, one_row: bool, mma_rows: int) -> None:

@@ -101,7 +101,8 @@ class Fp8LinearMethod(LinearMethod):
         elif x2.is_cuda:
             from infer.kernels.fp8_quant import attached_fp8_rows, fp8_quantize_rows
 
-            # the rows the RMSNorm that made x quantized (`set_fp8_norms`), if it did
+            # the rows the launch that made x quantized, if it did (an RMSNorm's,
+            # `set_fp8_norms`, or a gated activation's, `set_fp8_activations`)
             xq, x_scale = attached_fp8_rows(x) or fp8_quantize_rows(x2.contiguous())
             mma_rows = 0 < len(x2) <= getattr(layer, "fp8_mma_rows", 0)
             if mma_rows and getattr(layer, "w8_wgmma", False) and x2.shape[1] % 16 == 0:
