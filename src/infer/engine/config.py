@@ -214,19 +214,19 @@ class EngineConfig:
         "triton; on an H200, 8B shape, batch 32 decode 4.89 vs 5.08 ms, batch 64 6.46 vs "
         "5.36 with 64 (docs/performance.md)")
     fp8_norm_rows: bool = knob(
-        False, "the FP8 x FP8 steps of fp8_mma_rows rows: an RMSNorm whose output goes into "
+        True, "the FP8 x FP8 steps of fp8_mma_rows rows: an RMSNorm whose output goes into "
         "a projection also stores that output's rows in FP8 with their scales "
         "(kernels/rmsnorm.py FP8_ROWS; kernels/fp8_quant.py's values, bit for bit), so the "
         "q/k/v and gate_up projections need no quantizing launch of their own (on an H100 "
-        "the 8B batch-32 step spends 128 x 2.2 us in them, half before those two). Off "
-        "until timed on the device (docs/performance.md)")
+        "the 8B batch-32 step spends 128 x 2.2 us in them, half before those two): with "
+        "fp8_act_rows, that step 4.21-4.22 vs 4.36-4.37 ms (docs/performance.md)")
     fp8_act_rows: bool = knob(
-        False, "the FP8 x FP8 steps of fp8_mma_rows rows: a gated activation (SiLU / GELU "
+        True, "the FP8 x FP8 steps of fp8_mma_rows rows: a gated activation (SiLU / GELU "
         "times up) before an FP8 down projection also stores its output's rows in FP8 with "
         "their scales, one launch a row (kernels/activation.py; kernels/fp8_quant.py's "
         "values, bit for bit), so the down projection needs no quantizing launch of its "
-        "own (a quarter of the quantizing launches fp8_norm_rows counts). Off until timed "
-        "on the device (docs/performance.md)")
+        "own (a quarter of the quantizing launches fp8_norm_rows counts; the two together "
+        "timed in fp8_norm_rows' text)")
     int8_mma_rows: int = knob(
         64, "weight-only INT8 layers' steps of 2 to this many rows (at most 64) multiply on "
         "the int8 tensor cores, each row of x carried as 16-bit fixed point in two int8 "
