@@ -236,21 +236,6 @@ def _cases() -> list[Case]:
             dict(BLOCK_M=rows, EVEN_K=True, GATED=gated, num_warps=4),
             ["x_ptr", "w_ptr", "y_ptr", "N", "K", "pairs_xm", "stride_wn"], 64 * 128, 1.0,
             num_warps=4, gluon=True, note="64 channels by 128 of K a step"))
-    # FP8 weights by FP8 x on the synchronous MMA, the weights loaded straight into its
-    # register operand (fp8_sync_mma.py, Gluon)
-    for rows in (1, 16, 32) if w8 else ():
-        from infer.kernels import fp8_sync_mma
-
-        block_k = fp8_sync_mma.default_launch(4096, 4096, torch.device("cpu"))["block_k"]
-        cases.append(Case(
-            f"fp8_sync_mma ({rows} rows, Gluon)", "fp8_sync_mma:_fp8_sync_mma_kernel",
-            dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32",
-                 y_ptr="*bf16", part_ptr="*fp32", counts="*i32", M=i32, N=i32, K=i32,
-                 stride_xm=i32, stride_wn=i32, stride_ym=i32, steps_per_split=i32, steps=i32,
-                 splits=i32),
-            dict(BLOCK_M=max(8, rows), BLOCK_K=block_k, EVEN_K=True, num_warps=4),
-            ["x_ptr", "w_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn"], 64 * block_k,
-            1.0, num_warps=4, gluon=True, note=f"64 channels by {block_k} of K a step"))
     # one row of INT8 weights by dp4a on x's two int8 halves (int8_x16_gemv.py)
     from infer.kernels import int8_x16_gemv
 

@@ -245,15 +245,6 @@ class EngineConfig:
         "compiled for sm_90), the W8A16 kernel or rows_mma's FP8 x FP8; a gated MLP's "
         "activation then in its own launch. Needs a Hopper GPU and a Triton with Gluon; 0: "
         "off until timed on the device (docs/performance.md)")
-    fp8_sync_mma_rows: int = knob(
-        0, "FP8 layers' steps of 1 to this many rows (at most 32) multiply FP8 by FP8 through "
-        "kernels/fp8_sync_mma.py (Triton's Gluon dialect: the weights loaded 16 bytes a "
-        "thread straight into the registers of the tensor cores' mma.sync, about one "
-        "instruction a weight byte against the GEMV's 5.6), x quantized by the norm or "
-        "activation that makes it (fp8_norm_rows, fp8_act_rows) or by a launch of its own "
-        "(the o projection); before the GEMV, the W8A16 tensor cores and rows_mma. Needs a "
-        "Hopper GPU and a Triton with Gluon; 0: off until timed on the device "
-        "(docs/performance.md)")
     w8_wgmma: bool = knob(
         False, "on a Hopper GPU, the FP8 by FP8 steps of fp8_mma_rows and the INT8 ones of "
         "int8_mma_rows go through kernels/w8_wgmma.py (Triton's Gluon dialect: TMA fills a "
@@ -482,9 +473,6 @@ class EngineConfig:
         if not 0 <= self.fp8_wgmma_rows <= 64:
             raise ValueError(f"fp8_wgmma_rows must be in [0, 64] (kernels/fp8_wgmma.py "
                              f"MAX_ROWS), got {self.fp8_wgmma_rows}")
-        if not 0 <= self.fp8_sync_mma_rows <= 32:
-            raise ValueError(f"fp8_sync_mma_rows must be in [0, 32] (kernels/fp8_sync_mma.py "
-                             f"MAX_ROWS), got {self.fp8_sync_mma_rows}")
         if not 0 <= self.int8_mma_rows <= 64:
             raise ValueError(f"int8_mma_rows must be in [0, 64] (kernels/int8_x16.py "
                              f"MAX_ROWS), got {self.int8_mma_rows}")

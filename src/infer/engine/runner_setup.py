@@ -67,8 +67,7 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
     `fp8_norm_rows`, by the gated activation with `fp8_act_rows`), either operand first there
     (`mma_weight_first`), the int8 tensor cores for INT8 ones (`int8_mma_rows`), both
     through the Gluon wgmma kernel on Hopper with `w8_wgmma`, FP8 ones by bfloat16 x through
-    another up to `fp8_wgmma_rows` rows, FP8 ones by FP8 x through the synchronous MMA up
-    to `fp8_sync_mma_rows` rows, dp4a for
+    another up to `fp8_wgmma_rows` rows, dp4a for
     one row of INT8 ones (`int8_x16_gemv`) and for GGUF Q4_K, Q6_K and Q8_0 blocks
     (`gguf_int8_activations`, x rounded where it is made with `gguf_fused_x_rounding`), 2-64
     rows of Q4_K ones through Hopper's wgmma with `gguf_q4k_wgmma` (Q6_K ones with
@@ -99,22 +98,19 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
                     "capability 8.9+); left off")
     fp8_rows = config.fp8_mma_rows if fp8_mma else 0
     tensor_cores = config.w8a16_tensor_cores and triton
-    # fp8_wgmma.py and fp8_sync_mma.py import w8_wgmma.py: one check for the three
-    asked = config.w8_wgmma or config.fp8_wgmma_rows > 0 or config.fp8_sync_mma_rows > 0
-    gluon = (triton and asked and torch.cuda.is_available()
-             and gluon_hopper(torch.device("cuda"), "fp8_wgmma")
-             and gluon_hopper(torch.device("cuda"), "fp8_sync_mma"))
-    if triton and asked and not gluon:
-        log.warning("w8_wgmma, fp8_wgmma_rows and fp8_sync_mma_rows need a Hopper GPU and a "
-                    "Triton with Gluon; left off")
+    # fp8_wgmma.py imports w8_wgmma.py: one check for both
+    gluon = (triton and (config.w8_wgmma or config.fp8_wgmma_rows > 0)
+             and torch.cuda.is_available() and gluon_hopper(torch.device("cuda"), "fp8_wgmma"))
+    if triton and (config.w8_wgmma or config.fp8_wgmma_rows > 0) and not gluon:
+        log.warning("w8_wgmma and fp8_wgmma_rows need a Hopper GPU and a Triton with Gluon; "
+                    "left off")
     set_8bit_kernels(model, config.w8a16_tensor_core_rows if tensor_cores else 0, fp8_x,
                      fp8_rows, config.int8_mma_rows if triton else 0,
                      config.gemv_8bit_max_rows if config.triton_gemv and triton else 0,
                      config.gate_up_rows_apart, config.cpu_int8_kernel,
                      config.int8_x16_gemv and triton, config.w8_wgmma and gluon,
                      config.fp8_wgmma_rows if gluon else 0,
-                     config.fp8_norm_rows and fp8_mma, config.fp8_act_rows and fp8_mma,
-                     config.fp8_sync_mma_rows if gluon else 0)
+                     config.fp8_norm_rows and fp8_mma, config.fp8_act_rows and fp8_mma)
     set_gguf_int8_activations(model, config.gguf_int8_activations and triton,
                               config.gguf_fused_x_rounding)
 

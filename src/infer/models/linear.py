@@ -18,7 +18,7 @@ same length. The group is the one in effect when the layer is built
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import NamedTuple
@@ -173,8 +173,7 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
                      gemv_rows: int = 0, gate_up_rows_apart: bool = False,
                      cpu_int8_kernel: bool = False, int8_x16_gemv: bool = False,
                      w8_wgmma: bool = False, fp8_wgmma_rows: int = 0,
-                     fp8_norm_rows: bool = False, fp8_act_rows: bool = False,
-                     fp8_sync_mma_rows: int = 0) -> None:
+                     fp8_norm_rows: bool = False, fp8_act_rows: bool = False) -> None:
     """How `model`'s 8-bit layers (projections, LM head) multiply decode-sized steps:
     weight-only INT8 / FP8 on tensor cores up to `tensor_core_rows` rows where they gain
     (`w8a16_matmul.py`'s rule; 0: never) or CUDA cores, up to `gemv_rows` rows scaled per
@@ -185,15 +184,14 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
     `int8_mma_rows` rows on the int8 tensor cores (`kernels/int8_x16.py`; 0: never), those
     two through `kernels/w8_wgmma.py` instead with `w8_wgmma` (a Hopper GPU), FP8 ones of
     up to `fp8_wgmma_rows` rows by x as it is through `kernels/fp8_wgmma.py`, past
-    `gemv_rows`, FP8 ones of up to `fp8_sync_mma_rows` rows FP8 by FP8 through
-    `kernels/fp8_sync_mma.py` before all of those, and one row made by an RMSNorm by
-    dp4a with `int8_x16_gemv` (`kernels/int8_x16_gemv.py`), x split by the norms that
-    make it (`set_x16_norms`); a gate_up projection's two rows whose first may be skipped
-    as two one-row GEMV launches with `gate_up_rows_apart` (`w8a16_matmul.gate_up_gemv`);
-    INT8 ones on a CPU through infer's kernel with `cpu_int8_kernel`
-    (`kernels/cpu_int8_linear.cpp`); FP8 ones' x quantized by the norms that make it at the
-    FP8 x FP8 steps with `fp8_norm_rows` (`set_fp8_norms`), by the gated activations that
-    make it with `fp8_act_rows` (`set_fp8_activations`)."""
+    `gemv_rows`, and one row made by an RMSNorm by dp4a with `int8_x16_gemv`
+    (`kernels/int8_x16_gemv.py`), x split by the norms that make it (`set_x16_norms`); a
+    gate_up projection's two rows whose first may be skipped as two one-row GEMV launches
+    with `gate_up_rows_apart` (`w8a16_matmul.gate_up_gemv`); INT8 ones on a CPU through
+    infer's kernel with `cpu_int8_kernel` (`kernels/cpu_int8_linear.cpp`); FP8 ones' x
+    quantized by the norms that make it at the FP8 x FP8 steps with `fp8_norm_rows`
+    (`set_fp8_norms`), by the gated activations that make it with `fp8_act_rows`
+    (`set_fp8_activations`)."""
     for m in model.modules():
         if isinstance(m, (LinearBase, ParallelLMHead)):
             m.w8a16_tensor_core_rows = tensor_core_rows
@@ -203,29 +201,27 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
             m.int8_x16_gemv = int8_x16_gemv
             m.w8_wgmma = w8_wgmma
             m.fp8_wgmma_rows = fp8_wgmma_rows
-            m.fp8_sync_mma_rows = fp8_sync_mma_rows
             m.w8a16_gemv_rows = gemv_rows
             m.gate_up_rows_apart = gate_up_rows_apart
             m.cpu_int8_kernel = cpu_int8_kernel
     set_x16_norms(model, int8_x16_gemv, int8_mma_rows)
-    fp8_x_rows = (_fp8_x_rows(tensor_core_rows, fp8_activations, fp8_mma_rows, fp8_wgmma_rows)
-                  | frozenset(range(1, fp8_sync_mma_rows + 1)))
+    fp8_x_rows = _fp8_x_rows(tensor_core_rows, fp8_activations, fp8_mma_rows, fp8_wgmma_rows)
     set_fp8_norms(model, fp8_x_rows if fp8_norm_rows else range(0))
     set_fp8_activations(model, fp8_x_rows if fp8_act_rows else range(0))
 
 
 def _fp8_x_rows(tensor_core_rows: int, fp8_activations: bool, fp8_mma_rows: int,
-                fp8_wgmma_rows: int) -> frozenset[int]:
+                fp8_wgmma_rows: int) -> range:
     """The decode steps whose rows an FP8 layer quantizes for infer's FP8 x FP8 kernel:
     past the weight-only ones (all, with `fp8_activations`) and `fp8_wgmma_rows`, up to
     `fp8_mma_rows` (`Fp8LinearMethod.apply`)."""
     from infer.quantization.fp8 import WEIGHT_ONLY_ROWS
 
     first = 1 if fp8_activations else max(WEIGHT_ONLY_ROWS, tensor_core_rows) + 1
-    return frozenset(range(max(first, fp8_wgmma_rows + 1), fp8_mma_rows + 1))
+    return range(max(first, fp8_wgmma_rows + 1), fp8_mma_rows + 1)
 
 
-def set_fp8_norms(model: nn.Module, rows: Collection[int]) -> None:
+def set_fp8_norms(model: nn.Module, rows: range) -> None:
     """Which steps' RMSNorms hand out their output's rows in FP8 with their scales
     (`RMSNorm.fp8_rows`: `rows`), so that the FP8 layers they feed need no launch of
     their own to quantize x: where the norm's output goes into an FP8 projection
@@ -235,7 +231,7 @@ def set_fp8_norms(model: nn.Module, rows: Collection[int]) -> None:
     _set_norm_rows(model, Fp8LinearMethod, "fp8_rows", rows)
 
 
-def set_fp8_activations(model: nn.Module, rows: Collection[int]) -> None:
+def set_fp8_activations(model: nn.Module, rows: range) -> None:
     """Which steps' gated activations hand out their output's rows in FP8 with their scales
     (`GatedMLP.fp8_rows`: `rows`), so that an FP8 down projection needs no launch of its
     own to quantize x: the MLPs whose down projection is FP8, with rows (this rank's) no
@@ -265,8 +261,7 @@ def set_x16_norms(model: nn.Module, one_row: bool, mma_rows: int) -> None:
                    range(1 if one_row else 2, max(mma_rows, one_row) + 1))
 
 
-def _set_norm_rows(model: nn.Module, method: type, attribute: str, rows: Collection[int]
-                   ) -> None:
+def _set_norm_rows(model: nn.Module, method: type, attribute: str, rows: range) -> None:
     """`rows` as the `attribute` of `model`'s RMSNorms whose output goes into a projection
     of the linear method `method`, none elsewhere: the final norm by the LM head's method
     (an FP8 model's is INT8), every other one by the decoder layers' projections."""

@@ -88,13 +88,7 @@ class Fp8LinearMethod(LinearMethod):
         tensor_core_rows = getattr(layer, "w8a16_tensor_core_rows", 0)
         weight_only = reads_weight_only(x2, tensor_core_rows)
         fp8_at_decode = weight_only and getattr(layer, "fp8_decode_activations", False)
-        if _to_fp8_sync_mma(layer, x2):
-            from infer.kernels.fp8_quant import attached_fp8_rows, fp8_quantize_rows
-            from infer.kernels.fp8_sync_mma import fp8_sync_mma
-
-            xq, x_scale = attached_fp8_rows(x) or fp8_quantize_rows(x2.contiguous())
-            y = fp8_sync_mma(xq, x_scale, layer.weight, layer.weight_scale, out_dtype)
-        elif _to_fp8_wgmma(layer, x2):
+        if _to_fp8_wgmma(layer, x2):
             from infer.kernels.fp8_wgmma import fp8_wgmma
 
             y = fp8_wgmma(x2, layer.weight, layer.weight_scale)
@@ -130,9 +124,8 @@ class Fp8LinearMethod(LinearMethod):
     def apply_gate_up(self, layer: nn.Module, x: torch.Tensor, act: str,
                       bias: torch.Tensor | None) -> torch.Tensor | None:
         x2 = x.reshape(-1, x.shape[-1])
-        if (bias is not None or getattr(layer, "fp8_decode_activations", False)
-                or _to_fp8_sync_mma(layer, x2)):
-            return None  # the activation apart (with fp8_act_rows, quantizing for down)
+        if bias is not None or getattr(layer, "fp8_decode_activations", False):
+            return None
         if _to_fp8_wgmma(layer, x2):
             from infer.kernels.fp8_wgmma import fp8_wgmma
 
@@ -146,12 +139,6 @@ class Fp8LinearMethod(LinearMethod):
         else:
             return None
         return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-def _to_fp8_sync_mma(layer: nn.Module, x2: torch.Tensor) -> bool:
-    """Whether a step of rows `x2` goes to kernels/fp8_sync_mma.py: on CUDA, up to the
-    layer's `fp8_sync_mma_rows` (set where the GPU is a Hopper with Gluon)."""
-    return x2.is_cuda and 0 < len(x2) <= getattr(layer, "fp8_sync_mma_rows", 0)
 
 
 def _to_fp8_wgmma(layer: nn.Module, x2: torch.Tensor) -> bool:
