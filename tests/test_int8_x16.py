@@ -13,10 +13,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from infer.kernels import int8_x16
+from infer.kernels import int8_halves, int8_x16
 
 DEVICE = torch.device(os.environ.get("INFER_TEST_DEVICE", "cpu"))
-QMAX = int8_x16.QMAX.value
+QMAX = int8_halves.QMAX.value
 
 
 def _rows(m: int, k: int) -> torch.Tensor:
@@ -233,3 +233,70 @@ def test_a_norms_halves_reach_the_int8_tensor_cores_without_a_split(monkeypatch)
     norm.x16_rows = range(1, 65)
     monkeypatch.setattr(int8_x16, "split_rows", lambda *a: pytest.fail("split"))
     assert torch.equal(layer(norm(x)), want)
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 64), (5, 1000), (17, 4096)])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_the_activations_halves_are_split_rows_of_its_output(rows, inter, act):
+    """`gated_rows(..., x16_rows=True)`: the output as without, and its rows' halves and
+    scales those `split_rows` makes of that output, bit for bit (a zero row among them)."""
+    from infer.kernels.activation import gated_rows
+
+    gate_up = (torch.randn(rows, 2 * inter, dtype=torch.float64) * 3).to(torch.bfloat16)
+    gate_up[rows // 2] = 0.0
+    gate_up = gate_up.to(DEVICE)
+    out, (q, scale) = gated_rows(gate_up, act, x16_rows=True)
+    assert torch.equal(out, gated_rows(gate_up, act))
+    want_q, want_scale = int8_x16.split_rows(out)
+    assert q.shape == (2, rows, inter) and q.dtype == torch.int8
+    assert torch.equal(q, want_q) and torch.equal(scale, want_scale)
+    assert torch.equal(scale[rows // 2].cpu(), torch.ones(()))
+
+
+def test_the_activations_split_for_int8_down_projections_only():
+    """`set_8bit_kernels(int8_act_rows=True)`: the gated MLPs whose down projection is INT8
+    split their output at the steps the INT8 kernels take split (`x16_rows`); none without
+    the knob, in a bfloat16 MLP or in an MLP wider than one program's row."""
+    from infer.kernels.fp8_quant import ROW_IN_REGISTERS
+    from infer.models.layers import GatedMLP
+    from infer.models.linear import set_8bit_kernels, set_x16_activations
+    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
+
+    mlps = torch.nn.ModuleList([GatedMLP(64, 96, "silu"), GatedMLP(64, 96, "silu")])
+    Int8WeightOnlyLinearMethod().quantize(mlps[0].down_proj)
+    for one_row, mma_rows, int8_act_rows, want in [(True, 64, True, range(1, 65)),
+                                                   (False, 32, True, range(2, 33)),
+                                                   (True, 64, False, range(0))]:
+        set_8bit_kernels(mlps, 16, False, 32, int8_mma_rows=mma_rows,
+                         int8_x16_gemv=one_row, int8_act_rows=int8_act_rows)
+        assert mlps[0].x16_rows == want and mlps[1].x16_rows == range(0)
+        assert mlps[0].fp8_rows == mlps[1].fp8_rows == range(0)
+    wide = GatedMLP(64, ROW_IN_REGISTERS + 16, "silu")
+    Int8WeightOnlyLinearMethod().quantize(wide.down_proj)
+    set_x16_activations(wide, range(2, 65))
+    assert wide.x16_rows == range(0)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the activations hand out halves on CUDA")
+def test_an_activations_halves_reach_the_down_projection_without_a_split(monkeypatch):
+    """At 32 rows an INT8 MLP whose activation splits its rows (`GatedMLP.x16_rows`) gives
+    the output it gives with the down projection's own split launch, with none."""
+    from infer.models.layers import GatedMLP
+    from infer.models.linear import set_8bit_kernels
+    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
+
+    torch.manual_seed(29)
+    mlp = GatedMLP(512, 768, "silu").to(DEVICE, torch.bfloat16)
+    for proj in (mlp.gate_up_proj, mlp.down_proj):
+        Int8WeightOnlyLinearMethod().quantize(proj)
+    mlp.use_triton = True
+    set_8bit_kernels(mlp, 16, False, 32, int8_mma_rows=64)
+    x = torch.randn(32, 512).to(DEVICE, torch.bfloat16)
+    want = mlp(x)
+    calls = []
+    real = int8_x16.split_rows
+    monkeypatch.setattr(int8_x16, "split_rows", lambda *a: calls.append(a) or real(*a))
+    assert len(calls) == 0 and torch.equal(mlp(x), want) and len(calls) == 2
+    calls.clear()
+    set_8bit_kernels(mlp, 16, False, 32, int8_mma_rows=64, int8_act_rows=True)
+    assert torch.equal(mlp(x), want) and len(calls) == 1  # gate_up's alone

@@ -5,9 +5,10 @@ On tensor cores a W8A16 matmul has made each int8 weight a float16 first (`rows_
 ~3 instructions a weight byte: past what the SMs issue at the copy rate from ~16 rows
 up, so INT8 decode at 32 rows ran no faster than bfloat16). The int8 MMA takes the weight
 as it is stored, at twice the bfloat16 rate. So each row of x is scaled to 16-bit fixed
-point, `q = round(x / s)` with `s = max |x| / QMAX`, and split into two int8 rows
-`q = 256 hi + lo` (hi in [-127, 127], lo in [-128, 127]); two int8 MMAs per K step share
-the weight tile, and `y = s * scale_w * (256 (w . hi) + w . lo)`, the int32 sums exact.
+point, `q = round(x / s)` with `s = max |x| / QMAX` (`int8_halves.py`), and split into
+two int8 rows `q = 256 hi + lo` (hi in [-127, 127], lo in [-128, 127]); two int8 MMAs per
+K step share the weight tile, and `y = s * scale_w * (256 (w . hi) + w . lo)`, the int32
+sums exact.
 x's rounding is the only error: each value moves by at most s / 2, a 16-bit step of its
 row's range (bfloat16 keeps 8 significant bits of each value: finer than this below 2^-7
 of the row's largest, coarser above).
@@ -26,10 +27,10 @@ import triton
 import triton.language as tl
 
 from infer.kernels import dependent_launch, launch_counters
+from infer.kernels.int8_halves import row_scale, store_halves
 from infer.kernels.rows_mma import block_rows, launch_by_width
 from infer.kernels.split_k import k_slice, sum_of_parts
 
-QMAX = tl.constexpr(32639)  # |q| <= QMAX keeps hi = floor((q + 128) / 256) in [-127, 127]
 MAX_ROWS = 64
 MAX_BLOCKS = 1 << 16  # row blocks a launch may have: a counter each
 
@@ -58,26 +59,6 @@ def _split_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, BLOCK: tl.constexpr,
             part = tl.load(x_ptr + row * stride_x + k0 + cols, mask=mask, other=0.0)
             store_halves(q_ptr + row * K + k0 + cols, M * K, part.to(tl.float32), inv, mask)
     tl.store(s_ptr + row, scale)
-
-
-@triton.jit
-def row_scale(amax):
-    """(the scale of a row whose largest magnitude is `amax`, its inverse)."""
-    scale = amax * (1.0 / QMAX)
-    scale = tl.where(scale > 0, scale, 1.0)
-    return scale, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
-
-
-@triton.jit
-def store_halves(hi_at, lo_offset, x, inv, mask):
-    """`x` (float32) as 16-bit fixed point of step `1 / inv`: its high halves at `hi_at`,
-    its low ones `lo_offset` after."""
-    q = tl.floor(x * inv + 0.5)
-    q = tl.minimum(tl.maximum(q, -QMAX), QMAX).to(tl.int32)
-    hi = (q + 128) >> 8  # arithmetic shift: floor((q + 128) / 256)
-    lo = q - hi * 256
-    tl.store(hi_at, hi.to(tl.int8), mask=mask)
-    tl.store(hi_at + lo_offset, lo.to(tl.int8), mask=mask)
 
 
 Halves = tuple[torch.Tensor, torch.Tensor]

@@ -22,8 +22,8 @@ import triton.language as tl
 
 from infer.kernels import dependent_launch
 from infer.kernels.fp8_quant import fp8_scales, to_fp8
+from infer.kernels.int8_halves import row_scale, store_halves
 from infer.kernels.int8_rows import store_rounded
-from infer.kernels.int8_x16 import row_scale, store_halves
 
 
 @triton.jit
