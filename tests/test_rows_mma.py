@@ -103,8 +103,11 @@ def test_a_gated_mlps_activation_is_the_product_then_the_activation_kernel(
         act, m, inter, k, splits, weight_first, eight_bit):
     """`gate_up`: `act(gate) * up` stored by the programs that multiplied each channel's
     gate and up rows, bit for bit rows_mma's `[gate | up]` at the same launch then
-    `gated_rows` (ragged channels, K slices, 8-bit weights scaled per channel), and the
-    float64 activation of the float64 product within the output's rounding."""
+    `gated_rows` (ragged channels, K slices, 8-bit weights scaled per channel; in Triton's
+    interpreter within one float16 step, on a few values at most: numpy's float32 `exp`
+    on an AVX2 CPU can differ by a unit in the last place between the two kernels'
+    layouts), and the float64 activation of the float64 product within the output's
+    rounding."""
     from infer.kernels.activation import gated_rows
     from infer.kernels.rows_mma import rows_mma
 
@@ -122,7 +125,11 @@ def test_a_gated_mlps_activation_is_the_product_then_the_activation_kernel(
     fused = rows_mma(*args, gate_up=act, **launch).cpu()
     apart = gated_rows(rows_mma(*args, **launch), act).cpu()
     assert fused.shape == (m, inter) and fused.dtype == torch.float16
-    assert torch.equal(fused, apart)
+    if INTERPRETED:
+        torch.testing.assert_close(fused, apart, rtol=2 ** -10, atol=2 ** -24)
+        assert (fused != apart).sum() <= max(1, fused.numel() // 200)
+    else:
+        assert torch.equal(fused, apart)
     gate, up = (x.double() @ dense.T).chunk(2, dim=1)
     ref = (torch.nn.functional.silu(gate) if act == "silu"
            else torch.nn.functional.gelu(gate, approximate="tanh")) * up
