@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from infer.kernels import dependent_launch
-from infer.kernels.fp8_quant import ROW_IN_REGISTERS, fp8_scales, to_fp8
-from infer.kernels.int8_halves import row_scale, store_halves
+from infer.kernels.fp8_quant import ROW_IN_REGISTERS, store_fp8_row
+from infer.kernels.int8_halves import store_halves_row
 
 
 @triton.jit
@@ -53,16 +53,12 @@ def _gated_act_kernel(
     up = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=mask, other=0.0)
     y = gated(gate, up, ACT).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
-    if FP8_ROWS:  # the whole row in this program: in FP8 at q_ptr + row * inter, its scale
-        # at s_ptr + row (masked columns are 0, no larger than any |y|)
-        scale, inv = fp8_scales(tl.max(tl.abs(y.to(tl.float32)), axis=0))
-        tl.store(q_ptr + row * inter + cols, to_fp8(y, inv), mask=mask)
-        tl.store(s_ptr + row, scale)
-    if X16_ROWS:  # the whole row in this program: its halves in `[2, rows, inter]` at q_ptr
-        # (the low ones lo_offset after), its scale at s_ptr + row
-        scale, inv = row_scale(tl.max(tl.abs(y.to(tl.float32)), axis=0))
-        store_halves(q_ptr + row * inter + cols, lo_offset, y.to(tl.float32), inv, mask)
-        tl.store(s_ptr + row, scale)
+    # the whole row in this program: in FP8 `[rows, inter]`, or its halves in
+    # `[2, rows, inter]`, at q_ptr, its scale at s_ptr + row
+    if FP8_ROWS:
+        store_fp8_row(y, q_ptr + row * inter + cols, s_ptr + row, mask)
+    if X16_ROWS:
+        store_halves_row(y, q_ptr + row * inter + cols, lo_offset, s_ptr + row, mask)
 
 
 def gated_rows(gate_up: torch.Tensor, act: str, fp8_rows: bool = False,

@@ -35,6 +35,15 @@ def to_fp8(x, inv):
 
 
 @triton.jit
+def store_fp8_row(y, q_at, s_at, mask):
+    """A whole row `y` held by one program (masked columns 0, no larger than any |y|) in
+    FP8 at `q_at`, its scale at `s_at`: `fp8_quantize_rows`' values, bit for bit."""
+    scale, inv = fp8_scales(tl.max(tl.abs(y.to(tl.float32)), axis=0))
+    tl.store(q_at, to_fp8(y, inv), mask=mask)
+    tl.store(s_at, scale)
+
+
+@triton.jit
 def _fp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr,
                      ONE_PASS: tl.constexpr):
     # float32 arithmetic throughout
@@ -75,8 +84,8 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def attach_fp8_rows(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """`x`, carrying its rows in FP8 with their scales (`fp8_quantize_rows`'s values, made
     by the kernel that made x: an RMSNorm's or a gated activation's) for the FP8 x FP8
-    products it goes into; the
-    same invariant as `int8_rows.attach`'s (x never changed in place)."""
+    products it goes into; the same invariant as `int8_rows.attach`'s (x never changed in
+    place)."""
     x.fp8_rows = rows
     return x
 

@@ -31,3 +31,12 @@ def store_halves(hi_at, lo_offset, x, inv, mask):
     lo = q - hi * 256
     tl.store(hi_at, hi.to(tl.int8), mask=mask)
     tl.store(hi_at + lo_offset, lo.to(tl.int8), mask=mask)
+
+
+@triton.jit
+def store_halves_row(y, hi_at, lo_offset, s_at, mask):
+    """A whole row `y` held by one program (masked columns 0) as its halves at `hi_at` (the
+    low ones `lo_offset` after), its scale at `s_at`: `int8_x16.split_rows`' values."""
+    scale, inv = row_scale(tl.max(tl.abs(y.to(tl.float32)), axis=0))
+    store_halves(hi_at, lo_offset, y.to(tl.float32), inv, mask)
+    tl.store(s_at, scale)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels import dependent_launch, launch_counters
-from infer.kernels.int8_halves import row_scale, store_halves
+from infer.kernels.int8_halves import row_scale, store_halves, store_halves_row
 from infer.kernels.rows_mma import block_rows, launch_by_width
 from infer.kernels.split_k import k_slice, sum_of_parts
 
@@ -45,9 +45,8 @@ def _split_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, BLOCK: tl.constexpr,
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     if ONE_PASS:
-        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
-        scale, inv = row_scale(tl.max(tl.abs(x), axis=0))
-        store_halves(q_ptr + row * K + cols, M * K, x, inv, cols < K)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0)
+        store_halves_row(x, q_ptr + row * K + cols, M * K, s_ptr + row, cols < K)
     else:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
@@ -58,7 +57,7 @@ def _split_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, BLOCK: tl.constexpr,
             mask = k0 + cols < K
             part = tl.load(x_ptr + row * stride_x + k0 + cols, mask=mask, other=0.0)
             store_halves(q_ptr + row * K + k0 + cols, M * K, part.to(tl.float32), inv, mask)
-    tl.store(s_ptr + row, scale)
+        tl.store(s_ptr + row, scale)
 
 
 Halves = tuple[torch.Tensor, torch.Tensor]

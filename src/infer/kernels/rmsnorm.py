@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from infer.kernels import dependent_launch
-from infer.kernels.fp8_quant import fp8_scales, to_fp8
-from infer.kernels.int8_halves import row_scale, store_halves
+from infer.kernels.fp8_quant import store_fp8_row
+from infer.kernels.int8_halves import store_halves_row
 from infer.kernels.int8_rows import store_rounded
 
 
@@ -57,13 +57,9 @@ def _rmsnorm_kernel(
                       b * 32 < n_cols)
     if X16_ROWS:  # each row's halves in `[2, rows, n_cols]` at xq_ptr (the low ones
         # lo_offset after), its scale at side_ptr + row
-        scale, inv = row_scale(tl.max(tl.abs(y.to(tl.float32)), axis=0))
-        store_halves(xq_ptr + row * n_cols + cols, lo_offset, y.to(tl.float32), inv, mask)
-        tl.store(side_ptr + row, scale)
+        store_halves_row(y, xq_ptr + row * n_cols + cols, lo_offset, side_ptr + row, mask)
     if FP8_ROWS:  # each row in FP8 at xq_ptr + row * n_cols, its scale at side_ptr + row
-        scale, inv = fp8_scales(tl.max(tl.abs(y.to(tl.float32)), axis=0))
-        tl.store(xq_ptr + row * n_cols + cols, to_fp8(y, inv), mask=mask)
-        tl.store(side_ptr + row, scale)
+        store_fp8_row(y, xq_ptr + row * n_cols + cols, side_ptr + row, mask)
 
 
 @triton.jit
