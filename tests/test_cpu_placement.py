@@ -4,27 +4,18 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
+import benchmark_script
 import pytest
 
 from infer.engine.cpu_threads import core_siblings, cpu_list, cpus_off_core, thread_cpu
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
-
-
-def _module():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_placement.py"
-    spec = importlib.util.spec_from_file_location("cpu_placement", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_kernel_cpu_lists_are_read_as_the_kernel_writes_them():
@@ -34,7 +25,7 @@ def test_kernel_cpu_lists_are_read_as_the_kernel_writes_them():
 
 
 def test_the_loop_gets_a_core_and_everything_else_stays_off_it():
-    placement = _module()
+    placement = benchmark_script.load("cpu_placement")
     cpus = sorted(os.sched_getaffinity(0))
     worker = subprocess.Popen([sys.executable, "-c", (
         "import threading, time\n"

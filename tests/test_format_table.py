@@ -3,21 +3,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
+import benchmark_script
 import pytest
 
 
 def _format_table():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "format_table.py"
-    spec = importlib.util.spec_from_file_location("format_table", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script.load("format_table")
 
 
 def _row(batch: int, step_ms: float, **extra) -> dict:

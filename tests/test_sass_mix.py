@@ -4,9 +4,7 @@ MMA, in a tensor-core kernel)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+import benchmark_script
 
 SASS = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -24,12 +22,7 @@ SASS = """
 
 
 def _sass_mix():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sass_mix.py"
-    spec = importlib.util.spec_from_file_location("sass_mix", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script.load("sass_mix")
 
 
 def test_the_k_loop_is_the_longest_loop_holding_no_other():
