@@ -27,7 +27,7 @@ def launches():
     # step, one row block, the default launch.
     return [(40, 300, Launch(8, 64, 4)), (37, 256, Launch(8, 64, 2)),
             (70, 1000, Launch(16, 128, 4)), (64, 512, Launch(4, 512, 4)),
-            (9, 96, Launch(16, 32, 1)), (130, 2048, None)]
+            (9, 96, Launch(16, 32, 1)), (38, 2048, None)]
 
 
 @pytest.fixture
