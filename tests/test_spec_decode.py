@@ -309,12 +309,12 @@ def gemma() -> LLM:
     return LLM(str(gemma3_gguf()), **SMALL)
 
 
-@pytest.mark.parametrize("method", ["ngram", "self", "draft"])
+@pytest.mark.parametrize("method", ["self", "draft"])
 def test_gemma3_greedy_tokens_are_those_without_drafts(gemma, method):
-    """Gemma 3 (sliding-window and global layers, soft-capped logits) through each
-    method; `self` drafts from half its 18 layers, `draft` is Gemma 3 itself."""
-    flags = {"ngram": dict(speculative_method="ngram"),
-             "self": dict(speculative_method="self"),
+    """Gemma 3 (sliding-window and global layers, soft-capped logits) verifying drafts,
+    which `self` makes from half its 18 layers and `draft` with Gemma 3 itself as the draft
+    model (n-gram drafts go through the same verify step: each case costs 30 s of CI)."""
+    flags = {"self": dict(speculative_method="self"),
              "draft": dict(speculative_method="draft", draft_model=str(gemma3_gguf()))}
     prompts = PROMPTS[:1]  # the one that drafts most; Gemma's 262k-token head is slow
     params = SamplingParams(max_tokens=20, temperature=0)
