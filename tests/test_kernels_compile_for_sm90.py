@@ -54,16 +54,14 @@ def _modes() -> list:
                      INT8_ROWS=rows == "INT8_ROWS", PDL=True, X16_ROWS=rows == "X16_ROWS",
                      FP8_ROWS=rows == "FP8_ROWS"),
                 [], 1, 1, num_warps=8))
-    for rows in ("", "FP8_ROWS", "X16_ROWS"):
+    for fp8_rows in (False, True):
         cases.append(Case(
-            f"gated activation (silu, {rows or 'plain'})", "activation:_gated_act_kernel",
-            dict(gu_ptr="*bf16", out_ptr="*bf16",
-                 q_ptr={"": "*bf16", "FP8_ROWS": "*fp8e4nv", "X16_ROWS": "*i8"}[rows],
-                 s_ptr="*fp32" if rows else "*bf16", stride_gu=I32, stride_out=I32,
-                 inter=I32, lo_offset=I32),
-            dict(ACT="silu", BLOCK=16384 if rows else 1024, PDL=True,
-                 FP8_ROWS=rows == "FP8_ROWS", X16_ROWS=rows == "X16_ROWS"),
-            [], 1, 1, num_warps=16 if rows else 4))
+            f"gated activation (silu, FP8 rows {fp8_rows})", "activation:_gated_act_kernel",
+            dict(gu_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv" if fp8_rows else "*bf16",
+                 s_ptr="*fp32" if fp8_rows else "*bf16", stride_gu=I32, stride_out=I32,
+                 inter=I32),
+            dict(ACT="silu", BLOCK=16384 if fp8_rows else 1024, PDL=True, FP8_ROWS=fp8_rows),
+            [], 1, 1, num_warps=16 if fp8_rows else 4))
     for act in ("", "silu"):
         cases.append(Case(
             f"int8_x16_gemv (gate_up {act or 'none'}, uneven K, PDL)",

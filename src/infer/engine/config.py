@@ -236,14 +236,6 @@ class EngineConfig:
         "in its own launch. CUDA with kernel_backend triton; on an H200, 8B shape, decode at "
         "batch 8 / 32 / 64: 3.24 / 3.71 / 4.73 ms against 3.57 / 5.35 / 7.35; on an H100 "
         "batch 32 4.16 ms, 1.59x bf16 (docs/performance.md); 0: off")
-    int8_act_rows: bool = knob(
-        False, "the steps whose rows the INT8 kernels take split into int8 halves "
-        "(int8_mma_rows; one row with int8_x16_gemv): a gated activation (SiLU / GELU times "
-        "up) before an INT8 down projection also stores its output's rows so split with "
-        "their scales, one launch a row (kernels/activation.py; kernels/int8_x16.py's "
-        "split_rows' values, bit for bit), so the down projection needs no split launch of "
-        "its own, as the RMSNorm does for q/k/v and gate_up. Off until timed on the device "
-        "(docs/performance.md)")
     fp8_wgmma_rows: int = knob(
         0, "FP8 layers' steps of 1 to this many rows (at most 64) multiply the FP8 weights by "
         "x as it is (bfloat16, not rounded to FP8) on Hopper's tensor cores through "

@@ -65,8 +65,7 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
     `mma_8bit_bf16`), FP8 by FP8 in infer's kernel for FP8 ones
     (`fp8_decode_activations`, `fp8_mma_rows`; x quantized by the norm before with
     `fp8_norm_rows`, by the gated activation with `fp8_act_rows`), either operand first there
-    (`mma_weight_first`), the int8 tensor cores for INT8 ones (`int8_mma_rows`; the down
-    projection's x split by the gated activation with `int8_act_rows`), both
+    (`mma_weight_first`), the int8 tensor cores for INT8 ones (`int8_mma_rows`), both
     through the Gluon wgmma kernel on Hopper with `w8_wgmma`, FP8 ones by bfloat16 x through
     another up to `fp8_wgmma_rows` rows, dp4a for
     one row of INT8 ones (`int8_x16_gemv`) and for GGUF Q4_K, Q6_K and Q8_0 blocks
@@ -111,8 +110,7 @@ def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: st
                      config.gate_up_rows_apart, config.cpu_int8_kernel,
                      config.int8_x16_gemv and triton, config.w8_wgmma and gluon,
                      config.fp8_wgmma_rows if gluon else 0,
-                     config.fp8_norm_rows and fp8_mma, config.fp8_act_rows and fp8_mma,
-                     config.int8_act_rows and triton)
+                     config.fp8_norm_rows and fp8_mma, config.fp8_act_rows and fp8_mma)
     set_gguf_int8_activations(model, config.gguf_int8_activations and triton,
                               config.gguf_fused_x_rounding)
 

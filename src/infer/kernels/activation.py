@@ -1,10 +1,9 @@
 """Gated activations on the fused gate_up projection: `[T, 2*I]` (gate | up) -> `[T, I]`.
 
 With `fp8_rows`, each row of the output also in FP8 with its scale
-(`fp8_quant.fp8_quantize_rows`'s values, bit for bit) for the FP8 x FP8 down projection;
-with `x16_rows`, split into two int8 halves with its scale instead (`int8_x16.split_rows`'s
-values, bit for bit) for the INT8 down projection on the int8 tensor cores; one program a
-row for either.
+(`fp8_quant.fp8_quantize_rows`'s values, bit for bit) for the FP8 x FP8 down projection,
+one program a row. (The same for INT8's int8 halves, `int8_act_rows`, lost in the 8B step
+on an H100 and was removed: docs/performance.md, session 73.)
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import triton.language as tl
 
 from infer.kernels import dependent_launch
 from infer.kernels.fp8_quant import ROW_IN_REGISTERS, store_fp8_row
-from infer.kernels.int8_halves import store_halves_row
 
 
 @triton.jit
@@ -40,9 +38,8 @@ def gated(gate, up, ACT: tl.constexpr):
 
 @triton.jit
 def _gated_act_kernel(
-    gu_ptr, out_ptr, q_ptr, s_ptr, stride_gu, stride_out, inter, lo_offset,
+    gu_ptr, out_ptr, q_ptr, s_ptr, stride_gu, stride_out, inter,
     ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, FP8_ROWS: tl.constexpr = False,
-    X16_ROWS: tl.constexpr = False,
 ):
     dependent_launch.wait(PDL)
     dependent_launch.release(PDL)
@@ -53,22 +50,17 @@ def _gated_act_kernel(
     up = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=mask, other=0.0)
     y = gated(gate, up, ACT).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
-    # the whole row in this program: in FP8 `[rows, inter]`, or its halves in
-    # `[2, rows, inter]`, at q_ptr, its scale at s_ptr + row
-    if FP8_ROWS:
+    if FP8_ROWS:  # the whole row in this program: in FP8 `[rows, inter]` at q_ptr, its
+        # scale at s_ptr + row
         store_fp8_row(y, q_ptr + row * inter + cols, s_ptr + row, mask)
-    if X16_ROWS:
-        store_halves_row(y, q_ptr + row * inter + cols, lo_offset, s_ptr + row, mask)
 
 
-def gated_rows(gate_up: torch.Tensor, act: str, fp8_rows: bool = False,
-               x16_rows: bool = False
+def gated_rows(gate_up: torch.Tensor, act: str, fp8_rows: bool = False
                ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """`act(gate) * up` of each row `[gate | up]` of `gate_up [T, 2*I]`, computed in
     float32; `act`: the kernels' name ("silu" or "gelu_tanh"), as `gated` takes it. With
-    `fp8_rows` (a GPU) also that output's rows in FP8 `[T, I]` and their scales `[T]`; with
-    `x16_rows` its rows' int8 halves `[2, T, I]` and their scales `[T]`; either with `I`
-    at most `fp8_quant.ROW_IN_REGISTERS`."""
+    `fp8_rows` (a GPU, `I` at most `fp8_quant.ROW_IN_REGISTERS`) also that output's rows
+    in FP8 `[T, I]` and their scales `[T]`."""
     assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, gate_up.shape
     # Rows are addressed as base + row * stride(0) + col: columns must be unit-stride.
     assert gate_up.stride(1) == 1, "gate_up must have unit stride in its last dim"
@@ -76,25 +68,20 @@ def gated_rows(gate_up: torch.Tensor, act: str, fp8_rows: bool = False,
     tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
     q = scale = out
-    rows = fp8_rows or x16_rows
-    assert not (fp8_rows and x16_rows), "one form of rows at a time"
-    assert not fp8_rows or gate_up.is_cuda, "FP8 rows: a GPU's (Triton's interpreter has none)"
-    assert not rows or inter <= ROW_IN_REGISTERS, (inter, ROW_IN_REGISTERS)
-    if rows:
-        q = torch.empty((2, tokens, inter) if x16_rows else (tokens, inter),
-                        dtype=torch.int8 if x16_rows else torch.float8_e4m3fn,
-                        device=gate_up.device)
+    if fp8_rows:
+        assert gate_up.is_cuda, "FP8 rows: a GPU's (Triton's interpreter has no FP8)"
+        assert inter <= ROW_IN_REGISTERS, (inter, ROW_IN_REGISTERS)
+        q = torch.empty(tokens, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
         scale = torch.empty(tokens, dtype=torch.float32, device=gate_up.device)
     if tokens:
-        block = triton.next_power_of_2(inter) if rows else min(
+        block = triton.next_power_of_2(inter) if fp8_rows else min(
             triton.next_power_of_2(inter), 1024)
         grid = (tokens, triton.cdiv(inter, block))
         _gated_act_kernel[grid](gate_up, out, q, scale, gate_up.stride(0), out.stride(0),
-                                inter, tokens * inter, ACT=act, BLOCK=block,
-                                FP8_ROWS=fp8_rows, X16_ROWS=x16_rows,
+                                inter, ACT=act, BLOCK=block, FP8_ROWS=fp8_rows,
                                 num_warps=16 if block > 4096 else 4 if block <= 1024 else 8,
                                 **dependent_launch.launch_options())
-    return (out, (q, scale)) if rows else out
+    return (out, (q, scale)) if fp8_rows else out
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

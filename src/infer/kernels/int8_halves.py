@@ -1,8 +1,7 @@
 """A row of x as 16-bit fixed point split into two int8 halves, as the INT8 kernels take it
 (`int8_x16.py`): `q = round(x / s)` with `s = max |x| / QMAX`, `q = 256 hi + lo`. The
-launches that make such rows (`int8_x16.split_rows`, and the RMSNorm and gated activation
-that hand out their output so) share these helpers, so that their halves are the same bit
-for bit.
+launches that make such rows (`int8_x16.split_rows`, and the RMSNorm that hands out its
+output so) share these helpers, so that their halves are the same bit for bit.
 """
 
 from __future__ import annotations

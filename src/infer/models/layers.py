@@ -245,9 +245,7 @@ class GatedMLP(nn.Module):
     """`down(act(gate(x)) * up(x))` with gate and up fused into one matmul (shards 0, 1).
     A step of as many rows as `fp8_rows` holds (set for FP8 down projections,
     `set_fp8_activations`) whose activation has its own launch hands the down projection
-    its rows in FP8 with their scales, made by that launch (`kernels/activation.py`); one
-    of as many as `x16_rows` holds (INT8 ones, `set_x16_activations`) its rows' int8
-    halves."""
+    its rows in FP8 with their scales, made by that launch (`kernels/activation.py`)."""
 
     def __init__(self, hidden: int, inter: int, act: str, bias: bool = False) -> None:
         super().__init__()
@@ -258,7 +256,6 @@ class GatedMLP(nn.Module):
         self.use_triton = False
         self.act_in_gate_up = False  # set_gate_up_activation
         self.fp8_rows = range(0)  # set_fp8_activations
-        self.x16_rows = range(0)  # set_x16_activations
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton and self.act_in_gate_up and self.act_name in _TRITON_ACT:
@@ -279,11 +276,6 @@ class GatedMLP(nn.Module):
 
                 out, fp8_rows = kernels.gated_rows(rows, act, fp8_rows=True)
                 return self.down_proj(attach_fp8_rows(out, fp8_rows))
-            if rows.is_cuda and len(rows) in self.x16_rows:
-                from infer.kernels.int8_x16 import attach_halves
-
-                out, halves = kernels.gated_rows(rows, act, x16_rows=True)
-                return self.down_proj(attach_halves(out, halves))
             return self.down_proj(kernels.gated_rows(rows, act))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)

@@ -173,8 +173,7 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
                      gemv_rows: int = 0, gate_up_rows_apart: bool = False,
                      cpu_int8_kernel: bool = False, int8_x16_gemv: bool = False,
                      w8_wgmma: bool = False, fp8_wgmma_rows: int = 0,
-                     fp8_norm_rows: bool = False, fp8_act_rows: bool = False,
-                     int8_act_rows: bool = False) -> None:
+                     fp8_norm_rows: bool = False, fp8_act_rows: bool = False) -> None:
     """How `model`'s 8-bit layers (projections, LM head) multiply decode-sized steps:
     weight-only INT8 / FP8 on tensor cores up to `tensor_core_rows` rows where they gain
     (`w8a16_matmul.py`'s rule; 0: never) or CUDA cores, up to `gemv_rows` rows scaled per
@@ -192,8 +191,7 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
     infer's kernel with `cpu_int8_kernel` (`kernels/cpu_int8_linear.cpp`); FP8 ones' x
     quantized by the norms that make it at the FP8 x FP8 steps with `fp8_norm_rows`
     (`set_fp8_norms`), by the gated activations that make it with `fp8_act_rows`
-    (`set_fp8_activations`); INT8 down projections' x split by the gated activations
-    that make it with `int8_act_rows` (`set_x16_activations`)."""
+    (`set_fp8_activations`)."""
     for m in model.modules():
         if isinstance(m, (LinearBase, ParallelLMHead)):
             m.w8a16_tensor_core_rows = tensor_core_rows
@@ -207,8 +205,6 @@ def set_8bit_kernels(model: nn.Module, tensor_core_rows: int, fp8_activations: b
             m.gate_up_rows_apart = gate_up_rows_apart
             m.cpu_int8_kernel = cpu_int8_kernel
     set_x16_norms(model, int8_x16_gemv, int8_mma_rows)
-    set_x16_activations(model, x16_rows(int8_x16_gemv, int8_mma_rows) if int8_act_rows
-                        else range(0))
     fp8_x_rows = _fp8_x_rows(tensor_core_rows, fp8_activations, fp8_mma_rows, fp8_wgmma_rows)
     set_fp8_norms(model, fp8_x_rows if fp8_norm_rows else range(0))
     set_fp8_activations(model, fp8_x_rows if fp8_act_rows else range(0))
@@ -238,36 +234,19 @@ def set_fp8_norms(model: nn.Module, rows: range) -> None:
 def set_fp8_activations(model: nn.Module, rows: range) -> None:
     """Which steps' gated activations hand out their output's rows in FP8 with their scales
     (`GatedMLP.fp8_rows`: `rows`), so that an FP8 down projection needs no launch of its
-    own to quantize x (`_set_activation_rows`)."""
+    own to quantize x: the MLPs whose down projection is FP8, with rows (this rank's) no
+    wider than one program holds (`fp8_quant.ROW_IN_REGISTERS`)."""
+    from infer.models.layers import GatedMLP
     from infer.quantization.fp8 import Fp8LinearMethod
 
-    _set_activation_rows(model, Fp8LinearMethod, "fp8_rows", rows)
-
-
-def set_x16_activations(model: nn.Module, rows: range) -> None:
-    """Which steps' gated activations hand out their output with its rows split into int8
-    halves (`GatedMLP.x16_rows`: `rows`), so that an INT8 down projection taking x so needs
-    no split launch of its own (`_set_activation_rows`)."""
-    from infer.quantization.int8 import Int8WeightOnlyLinearMethod
-
-    _set_activation_rows(model, Int8WeightOnlyLinearMethod, "x16_rows", rows)
-
-
-def _set_activation_rows(model: nn.Module, method: type, attribute: str, rows: range
-                         ) -> None:
-    """`rows` as the `attribute` of `model`'s gated MLPs whose down projection is of the
-    linear method `method`, with rows (this rank's) no wider than one program of the
-    activation holds (`fp8_quant.ROW_IN_REGISTERS`); none elsewhere."""
-    from infer.models.layers import GatedMLP
-
     widest = 0
-    if rows:  # asked for only where Triton is
+    if rows:  # asked for only where Triton is (a GPU with FP8 tensor cores)
         from infer.kernels.fp8_quant import ROW_IN_REGISTERS as widest
     for m in model.modules():
         if isinstance(m, GatedMLP):
-            takes = (isinstance(m.down_proj.quant_method, method)
+            takes = (isinstance(m.down_proj.quant_method, Fp8LinearMethod)
                      and m.down_proj.input_size <= widest)
-            setattr(m, attribute, rows if takes else range(0))
+            m.fp8_rows = rows if takes else range(0)
 
 
 def set_x16_norms(model: nn.Module, one_row: bool, mma_rows: int) -> None:
@@ -278,13 +257,8 @@ def set_x16_norms(model: nn.Module, one_row: bool, mma_rows: int) -> None:
     (`RMSNorm.feeds_projection`, `_set_norm_rows`)."""
     from infer.quantization.int8 import Int8WeightOnlyLinearMethod
 
-    _set_norm_rows(model, Int8WeightOnlyLinearMethod, "x16_rows", x16_rows(one_row, mma_rows))
-
-
-def x16_rows(one_row: bool, mma_rows: int) -> range:
-    """The steps whose rows the INT8 kernels take split into int8 halves: one row by
-    `int8_x16_gemv` (`one_row`), 2 to `mma_rows` on the int8 tensor cores."""
-    return range(1 if one_row else 2, max(mma_rows, one_row) + 1)
+    _set_norm_rows(model, Int8WeightOnlyLinearMethod, "x16_rows",
+                   range(1 if one_row else 2, max(mma_rows, one_row) + 1))
 
 
 def _set_norm_rows(model: nn.Module, method: type, attribute: str, rows: range) -> None:
