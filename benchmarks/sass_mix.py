@@ -78,7 +78,8 @@ def _cases() -> list[Case]:
             ("int8 words", "*i8", 1, "words"), ("int8 units", "*i8", 1, "units"),
             ("fp8", "*fp8e4nv", 1, "floats"), ("fp8 words", "*fp8e4nv", 1, "words"),
             ("fp8 bits", "*fp8e4nv", 1, "floats"), ("fp8 bits words", "*fp8e4nv", 1, "words"),
-            ("fp8 halves", "*fp8e4nv", 1, "halves")):
+            ("fp8 halves", "*fp8e4nv", 1, "halves"),
+            ("fp8 bits halves", "*fp8e4nv", 1, "halves")):
         for shape, (n, k) in (("8B gate_up", (28672, 4096)), ("1B qkv", (3072, 2048))):
             launch = default_launch(n, k, size)
             cases.append(Case(

@@ -40,7 +40,13 @@ import triton.language as tl
 
 from infer.kernels import dependent_launch, gpu_compiled, row_skip
 from infer.kernels.activation import gated
-from infer.kernels.weight_cast import FP8_TIMES_UNDO, to_float_times, to_unit
+from infer.kernels.weight_cast import (
+    F16_FP8_UNDO,
+    FP8_TIMES_UNDO,
+    to_f16_times,
+    to_float_times,
+    to_unit,
+)
 
 MAX_ROWS = 2
 # the form "halves": x's factor, the float16 sums' factor back, and the steps a run
@@ -144,7 +150,7 @@ def _rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym
                     BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX, FP8_BITS)
     elif FORM == "halves":
         _half_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, BLOCK_K, EVEN_K,
-                   GATE_UP)
+                   GATE_UP, FP8_BITS)
     else:
         _word_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, stride_ym,
                    BLOCK_K, ROWS, EVEN_K, GATE_UP, SCALED, PTX, FORM == "units", FP8_BITS)
@@ -176,40 +182,58 @@ def _float_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, stride_xm, str
 
 
 @triton.jit
-def _half_x(x_ptr, kk, K, EVEN_K: tl.constexpr):
-    """x's columns kk times 2^-8, as float16."""
+def _half_x(x_ptr, kk, K, EVEN_K: tl.constexpr, FP8_BITS: tl.constexpr):
+    """x's columns kk as float16: times 2^-8, or with FP8_BITS as they are (the weights
+    carry the 2^-8: `_half_weights`)."""
+    if FP8_BITS:
+        return _row(x_ptr, kk, K, EVEN_K).to(tl.float32).to(tl.float16)
     return (_row(x_ptr, kk, K, EVEN_K).to(tl.float32) * HALVES_X).to(tl.float16)
 
 
 @triton.jit
+def _half_weights(w, FP8_BITS: tl.constexpr):
+    """FP8 weights as float16: by the hardware's convert, or with FP8_BITS times 2^-8 by
+    their bits (`weight_cast.to_f16_times`, no convert)."""
+    tl.static_assert(not FP8_BITS or HALVES_UNDO == F16_FP8_UNDO)
+    if FP8_BITS:
+        return to_f16_times(w)
+    return w.to(tl.float16)
+
+
+@triton.jit
 def _half_run(part, w_rows, x_ptr, rk, k_begin, k_end, K, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr):
+              EVEN_K: tl.constexpr, FP8_BITS: tl.constexpr):
     """`part` plus the float16 products of columns `[k_begin, k_end)`, BLOCK_K a step."""
     for k0 in range(k_begin, k_end, BLOCK_K):
         kk = k0 + rk
-        part += _weights(w_rows, kk, K, EVEN_K).to(tl.float16) \
-            * _half_x(x_ptr, kk, K, EVEN_K)[None, :]
+        part += _half_weights(_weights(w_rows, kk, K, EVEN_K), FP8_BITS) \
+            * _half_x(x_ptr, kk, K, EVEN_K, FP8_BITS)[None, :]
     return part
 
 
 @triton.jit
 def _half_rows(w, w_rows, rk, x_ptr, s_ptr, y_ptr, rn, wn, N, K, BLOCK_K: tl.constexpr,
-               EVEN_K: tl.constexpr, GATE_UP: tl.constexpr):
+               EVEN_K: tl.constexpr, GATE_UP: tl.constexpr, FP8_BITS: tl.constexpr):
     """`_rows` in the form "halves" (FP8 weights, one row, a GPU): each weight made float16
     by the hardware's convert (two weights an instruction) and multiplied by x times 2^-8
     in float16 (two multiply-adds an instruction) into float16 sums, which every
-    HALVES_RUN steps are added into float32 ones times 2^8. A product is at most 448 |x|
-    2^-8, so a run's sum overflows float16 only where |x| passes ~4,600; where a sum came
-    out infinite or NaN the program redoes its channels in the form "floats". Slower than
-    "floats" on an H100 (the 8B batch-1 step 3.97 ms against 3.13): its converts, a quarter
-    of its loop, issue at 16 values a cycle per SM."""
+    HALVES_RUN steps are added into float32 ones times 2^8. With FP8_BITS the weights are
+    made float16 times 2^-8 by their bits instead (`weight_cast.to_f16_times`, three
+    instructions a register of four, none on the convert pipe) and x is taken as it is:
+    the same products. A product is at most 448 |x| 2^-8, so a run's sum overflows
+    float16 only where |x| passes ~4,600; where a sum came out infinite or NaN the program
+    redoes its channels in the form "floats". With the convert, slower than "floats" on an
+    H100 (the 8B batch-1 step 3.97 ms against 3.13): its converts, a quarter of its loop,
+    issue at 16 values a cycle per SM."""
     run = HALVES_RUN * BLOCK_K
-    part = _half_run(w.to(tl.float16) * _half_x(x_ptr, rk, K, EVEN_K)[None, :], w_rows,
-                     x_ptr, rk, BLOCK_K, tl.minimum(run, K), K, BLOCK_K, EVEN_K)
+    part = _half_run(_half_weights(w, FP8_BITS) * _half_x(x_ptr, rk, K, EVEN_K,
+                                                          FP8_BITS)[None, :],
+                     w_rows, x_ptr, rk, BLOCK_K, tl.minimum(run, K), K, BLOCK_K, EVEN_K,
+                     FP8_BITS)
     acc = part.to(tl.float32) * HALVES_UNDO
     for r0 in range(run, K, run):
         part = _half_run(tl.zeros(w.shape, tl.float16), w_rows, x_ptr, rk, r0,
-                         tl.minimum(r0 + run, K), K, BLOCK_K, EVEN_K)
+                         tl.minimum(r0 + run, K), K, BLOCK_K, EVEN_K, FP8_BITS)
         acc += part.to(tl.float32) * HALVES_UNDO
     if tl.max(((acc != acc) | (tl.abs(acc) == float("inf"))).to(tl.int32)) != 0:
         # a run overflowed: the form "floats" (one row, the hardware's exact convert)

@@ -2,8 +2,9 @@
 CUDA-core matmuls that multiply them in float32 (`gemv.py`, `w8a16_matmul.py`,
 `rows_mma.py`'s overflow path): exactly (`to_float`), FP8 ones times a power of two for a
 sum scaled once at the end (`to_float_times`, the GEMV's), or int8 ones as units offset
-from 1 (`to_unit`, for the GEMV's "units" form, which takes the offset away once); and
-bfloat16 for a tensor-core product with bfloat16 x (`to_bf16_times`, `rows_mma.py`'s)."""
+from 1 (`to_unit`, for the GEMV's "units" form, which takes the offset away once); FP8
+ones as float16 times 2^-8 (`to_f16_times`, the GEMV's form "halves"); and bfloat16 for a
+tensor-core product with bfloat16 x (`to_bf16_times`, `rows_mma.py`'s)."""
 
 from __future__ import annotations
 
@@ -109,6 +110,32 @@ def to_unit(w, PTX: tl.constexpr):
             constraints="=r,=r,=r,=r,r", args=[w], dtype=tl.float32, is_pure=True, pack=4)
     bits = ((w.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x80) << 8) | 0x3F800000
     return bits.to(tl.float32, bitcast=True)
+
+
+# `to_f16_times` makes FP8 weights their values times 1 / F16_FP8_UNDO.
+F16_FP8_UNDO = tl.constexpr(2.0 ** 8)
+
+
+@triton.jit
+def to_f16_times(w):
+    """FP8 (e4m3) weights as float16 times 2^-8 (1 / F16_FP8_UNDO), exactly, without a
+    convert instruction (inline PTX, a GPU's kernel only): a prmt sign-extends each of a
+    register's byte pairs into two 16-bit halves, a shift by 7 puts each byte's exponent
+    and mantissa at bits 13..7 (exponent 8 below float16's bias; subnormal bytes become
+    float16 subnormals) and a sign copy at bit 15, and an and clears the rest: 1.5
+    instructions a weight, none on the convert pipe."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1;
+        prmt.b32 t0, $2, 0, 0x9180;
+        prmt.b32 t1, $2, 0, 0xB3A2;
+        shl.b32 t0, t0, 7;
+        shl.b32 t1, t1, 7;
+        and.b32 $0, t0, 0xBF80BF80;
+        and.b32 $1, t1, 0xBF80BF80;
+        }""",
+        constraints="=r,=r,r", args=[w.to(tl.int8, bitcast=True)], dtype=tl.float16,
+        is_pure=True, pack=4)
 
 
 # `to_bf16_times` makes FP8 weights their values times 1 / BF16_FP8_UNDO.
