@@ -6,8 +6,9 @@ variable first set in a constexpr branch that returns), and the refusal then sho
 a lent GPU. Each case is compiled to a cubin by Triton's own CUDA backend (its `ptxas`
 ships in the wheel): the projections' kernels as `benchmarks/sass_mix.py` analyses them,
 and the modes those cases leave out (dependent launch on; the constexpr branches of the
-split, norm, activation and dp4a GEMV kernels). One child process compiles them all, with
-Triton's interpreter off (the tests run under it, and it replaces the kernels' functions).
+split, FP8 quantize, norm, activation and dp4a GEMV kernels). One child process compiles
+them all, with Triton's interpreter off (the tests run under it, and it replaces the
+kernels' functions).
 Each K loop is also read for writes to a register-operand wgmma's registers before its wait
 (session 68: ptxas made them, and a warp's sums came out garbage at random on the GPU)."""
 
@@ -40,6 +41,13 @@ def _modes() -> list:
             dict(x_ptr="*bf16", q_ptr="*i8", s_ptr="*fp32", M=I32, K=I32, stride_x=I32),
             dict(BLOCK=4096 if one_pass else 16384, ONE_PASS=one_pass, PDL=True), [], 1, 1,
             num_warps=8))
+    for one_pass in (True, False):
+        cases.append(Case(
+            f"fp8_quantize_rows (one pass {one_pass})", "fp8_quant:_fp8_rows_kernel",
+            dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", K=I32, stride_x=I32,
+                 stride_q=I32),
+            dict(BLOCK=4096 if one_pass else 16384, ONE_PASS=one_pass), [], 1, 1,
+            num_warps=8 if one_pass else 16))
     norm_args = dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16",
                      xq_ptr="*i8", side_ptr="*fp32", stride_x=I32, stride_res=I32,
                      stride_out=I32, n_cols=I32, eps="fp32", lo_offset=I32)

@@ -49,22 +49,19 @@ def _fp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.const
     # float32 arithmetic throughout
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    if ONE_PASS:  # the row is one block: kept in registers between the two passes
-        x_row = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0)
-        amax = tl.abs(x_row.to(tl.float32))
+    if ONE_PASS:  # the row is one block, read once
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0)
+        store_fp8_row(x, q_ptr + row * stride_q + cols, s_ptr + row, cols < K)
     else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
             x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale, inv = fp8_scales(tl.max(amax, axis=0))
-    for k0 in range(0, K, BLOCK):
-        if ONE_PASS:
-            x = x_row
-        else:
+        scale, inv = fp8_scales(tl.max(amax, axis=0))
+        for k0 in range(0, K, BLOCK):
             x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
-        tl.store(q_ptr + row * stride_q + k0 + cols, to_fp8(x, inv), mask=k0 + cols < K)
-    tl.store(s_ptr + row, scale)
+            tl.store(q_ptr + row * stride_q + k0 + cols, to_fp8(x, inv), mask=k0 + cols < K)
+        tl.store(s_ptr + row, scale)
 
 
 def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
