@@ -129,9 +129,10 @@ class EngineConfig:
     fp8_gemv_halves: bool = knob(
         False, "with triton_gemv on a GPU, one row of FP8 weights through the GEMV's form "
         "'halves' instead (kernels/gemv.py _half_rows): each weight made float16 by the "
-        "hardware's convert (with fp8_weight_bits, times 2^-8 by its bits: "
-        "weight_cast.to_f16_times, 3.9 instructions a weight and 8 converts in 124 compiled "
-        "for sm_90; not yet timed), multiplied by x times 2^-8 in float16 by packed multiply-adds "
+        "hardware's convert, multiplied by x times 2^-8 in float16 by packed multiply-adds "
+        "(with fp8_weight_bits the weight made float16 times 2^-8 by its bits, "
+        "weight_cast.to_f16_times, and x taken as it is: the same products, 3.9 "
+        "instructions a weight and 8 converts in 124 compiled for sm_90; not yet timed) "
         "into runs of 8 steps' float16 sums, each run added into float32, a program redone "
         "in float32 where a run overflowed (|x| past ~4,600); its sums within 2^-8 of the "
         "sum of |products| instead of float32's rounding. Off: fewer instructions (3.1 a "
