@@ -22,9 +22,11 @@ def run_paged(
     block_size: int = 4,
     chunk: int | None = None,
     seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
     """Logits `[len(seq), vocab]` per sequence: tokens `[:prefill_len]` are prefilled (in
-    chunks of `chunk`), the rest are fed one decode step at a time."""
+    chunks of `chunk`), the rest are fed one decode step at a time; the cache of
+    `kv_dtype` (default: the model's)."""
     device = next(model.parameters()).device
     blocks_needed = [(len(s) + block_size - 1) // block_size for s in sequences]
     ids = list(range(sum(blocks_needed) + 3))
@@ -33,7 +35,7 @@ def run_paged(
     for n in blocks_needed:
         tables.append(ids[at:at + n])
         at += n
-    allocate_kv_cache(model, len(ids), block_size, activation_dtype(model))
+    allocate_kv_cache(model, len(ids), block_size, kv_dtype or activation_dtype(model))
     done = [0] * len(sequences)
     logits: list[list[torch.Tensor]] = [[] for _ in sequences]
     while any(d < len(s) for d, s in zip(done, sequences)):

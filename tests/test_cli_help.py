@@ -16,6 +16,7 @@ from infer.engine.config import (
     BATCHING_MODES,
     DTYPES,
     GEMV_FORMS,
+    KV_CACHE_DTYPES,
     KV_CACHES,
     MIXED_STEP_GRAPHS,
     QUANTIZATIONS,
@@ -24,6 +25,7 @@ from infer.engine.config import (
 )
 
 CHOICES = {"dtype": DTYPES, "batching_mode": BATCHING_MODES, "kv_cache": KV_CACHES,
+           "kv_cache_dtype": KV_CACHE_DTYPES,
            "attention_backend": BACKENDS, "kernel_backend": BACKENDS,
            "mixed_step_graphs": MIXED_STEP_GRAPHS, "quantization": QUANTIZATIONS,
            "draft_quantization": QUANTIZATIONS,

@@ -85,6 +85,48 @@ def _modes() -> list:
              steps_per_split=I32, splits=I32),
         dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, EVEN_K=False, PDL=True),
         ["q_ptr", "w_ptr", "K"], 1, 1, num_warps=4, num_stages=3))
+    cases += _kv_cache_modes()
+    return cases
+
+
+def _kv_cache_modes() -> list:
+    """The KV store (plain, and fused with RoPE and the q/k norms) and the decode attention
+    (8B heads: 128 keys a tile, the last split combining) on a bfloat16 and an FP8 cache
+    (`kv_cache_dtype`)."""
+    cases = []
+    for cache in ("*bf16", "*fp8e4nv"):
+        cases.append(Case(
+            f"kv_store ({cache[1:]} cache)", "kv_store:_kv_store_kernel",
+            dict(k_ptr="*bf16", v_ptr="*bf16", kc_ptr=cache, vc_ptr=cache, slot_ptr="*i64",
+                 stride_kt=I32, stride_kh=I32, stride_vt=I32, stride_vh=I32, n_heads=I32,
+                 head_dim=I32),
+            dict(BLOCK_H=8, BLOCK_D=128), [], 1, 1, num_warps=4))
+        cases.append(Case(
+            f"rope_kv_store (q/k norm, {cache[1:]} cache, PDL)",
+            "rope_kv_store:_rope_kv_store_kernel",
+            dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", kc_ptr=cache, vc_ptr=cache,
+                 cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64",
+                 qw_ptr="*bf16", kw_ptr="*bf16", stride_qt=I32, stride_qh=I32, stride_kt=I32,
+                 stride_kh=I32, stride_vt=I32, stride_vh=I32, stride_cs=I32, n_q_heads=I32,
+                 n_kv_heads=I32, half=I32, eps="fp32"),
+            dict(NORM=True, OFFSET=0.0, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_D=64, PDL=True),
+            [], 1, 1, num_warps=4))
+        cases.append(Case(
+            f"paged decode attention ({cache[1:]} cache, split, last combines, PDL)",
+            "paged_attention:_decode_kernel",
+            dict(q_ptr="*bf16", kc_ptr=cache, vc_ptr=cache, bt_ptr="*i32",
+                 seq_lens_ptr="*i32", out_ptr="*bf16", part_o_ptr="*fp32",
+                 part_lse_ptr="*fp32", counter_ptr="*i32",
+                 **{name: I32 for name in (
+                     "stride_qt", "stride_qh", "stride_kb", "stride_kt", "stride_kh",
+                     "stride_vb", "stride_vt", "stride_vh", "stride_bt", "stride_ot",
+                     "stride_oh", "num_heads", "num_kv_heads", "num_splits",
+                     "min_split_keys", "window", "head_dim", "group")},
+                 scale="fp32", softcap="fp32"),
+            dict(QLEN=1, BLOCK_G=16, BLOCK_R=16, BLOCK_N=128, BLOCK_D=128, CAUSAL=False,
+                 ROW_WINDOW=False, BLOCK_SIZE=16, SPLIT=True, LAST_COMBINES=True,
+                 SOFTCAP=False, WINDOW=False, PRECISION="tf32", BLOCK_S=4, PDL=True),
+            [], 1, 1, num_warps=4))
     return cases
 
 

@@ -175,3 +175,14 @@ def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch, model_dir
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         LLM(str(model_dir), device="cpu", attention_backend="triton")
+
+
+@pytest.mark.parametrize("model_dir", ["llama-gqa", "qwen3-qk-norm", "gemma3"], indirect=True)
+def test_an_fp8_kv_cache_on_triton_matches_torch(model_dir):
+    """An FP8 cache (`kv_cache_dtype`): the Triton stores (plain, and fused with the q/k
+    norms and RoPE) and attention against the torch ones, prefix caching and chunks
+    included."""
+    ref = _generate(model_dir, attention_backend="torch", kernel_backend="torch",
+                    kv_cache_dtype="fp8")
+    _assert_same(_generate(model_dir, attention_backend="triton", kernel_backend="triton",
+                           kv_cache_dtype="fp8"), ref)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from infer.attention.graph_metadata import GraphMetadata
+from infer.attention.kv_dtype import FP8_KV, as_cache_values
 from infer.attention.metadata import AttentionMetadata
 from infer.attention.qk_prologue import QKPrologue
 from infer.attention.varlen_graph_metadata import VarlenGraphMetadata
@@ -25,8 +26,16 @@ def write_kv(
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, _as(k, k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, _as(v, v_cache.dtype))
+    _store(k_cache.view(-1, num_kv_heads, head_dim), slot_mapping,
+           as_cache_values(k, k_cache.dtype))
+    _store(v_cache.view(-1, num_kv_heads, head_dim), slot_mapping,
+           as_cache_values(v, v_cache.dtype))
+
+
+def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    if cache.dtype == FP8_KV:  # (a CPU has no index_copy_ of float8: copy the bytes)
+        cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+    cache.index_copy_(0, slots, x)
 
 
 def write_kv_with_prologue(

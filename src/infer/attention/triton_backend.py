@@ -133,8 +133,8 @@ def dense_prefill(
     causally over its `seq_len` cached tokens, written into `out`."""
     q_len, block_size = q.shape[0], k_cache.shape[1]
     blocks = block_table[:(seq_len + block_size - 1) // block_size]
-    k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)[None]
-    v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)[None]
+    k = k_cache[blocks].flatten(0, 1)[:seq_len].to(q.dtype).transpose(0, 1)[None]
+    v = v_cache[blocks].flatten(0, 1)[:seq_len].to(q.dtype).transpose(0, 1)[None]
     mask = None
     if q_len < seq_len:  # bottom-right causal: query i sees keys 0 .. seq_len - q_len + i
         pos = torch.arange(seq_len, device=q.device)

@@ -19,6 +19,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")  # cuda:N for any device index N
 BATCHING_MODES = ("static", "continuous")
 KV_CACHES = ("paged", "contiguous")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # attention/kv_dtype.py
 BACKENDS = ("auto", "torch", "triton")
 MIXED_STEP_GRAPHS = ("full", "piecewise", "off")
 # the choices infer.quantization takes
@@ -66,6 +67,12 @@ class EngineConfig:
                          "sequences grow; contiguous: one max_model_len block per sequence "
                          "(needs --no-prefix-caching)", KV_CACHES)
     block_size: int = knob(16, "tokens per KV-cache block")
+    kv_cache_dtype: str = knob(
+        "auto", "the KV cache's element type: auto = the model's dtype; fp8 (or fp8_e4m3) = "
+        "one e4m3 byte a value, scale 1, saturating at +-448 (attention/kv_dtype.py): half "
+        "of bfloat16's memory, so twice the tokens in the same budget and half the bytes a "
+        "decode step's attention reads, each key and value rounded to 3 significant bits",
+        KV_CACHE_DTYPES)
     num_blocks: int | None = knob(
         None, "KV-cache blocks; default: sized from memory (on a GPU, what "
         "gpu_memory_utilization leaves after the weights and a warm-up step; on a CPU, a "

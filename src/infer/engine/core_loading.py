@@ -50,6 +50,7 @@ class CoreInfo:
     quantization: str = "none"
     max_num_seqs: int = 0  # as the core chose them (engine/batch_defaults.py)
     max_num_batched_tokens: int = 0
+    kv_cache_dtype: str = ""  # the cache's element type, as torch names it: float8_e4m3fn
 
     @classmethod
     def of(cls, core: EngineCore, model_name: str) -> CoreInfo:
@@ -58,7 +59,7 @@ class CoreInfo:
                    str(core.dtype).removeprefix("torch."), core.attention_backend,
                    core.kernel_backend, core.graph_capture_seconds,
                    core.quantization, core.config.max_num_seqs,
-                   core.config.max_num_batched_tokens)
+                   core.config.max_num_batched_tokens, core.kv_cache_dtype)
 
 
 def load_core(config: EngineConfig) -> tuple[EngineCore, Tokenizer, str]:
@@ -87,11 +88,12 @@ def load_core(config: EngineConfig) -> tuple[EngineCore, Tokenizer, str]:
     core.quantization = quantization
     config = core.config
     log.info("ready in %.1f s: %s on %s, %s, quantization %s; KV cache %d tokens (%d blocks x "
-             "%d); attention %s, kernels %s; CUDA graphs %s; max_num_seqs=%d, "
+             "%d, %s); attention %s, kernels %s; CUDA graphs %s; max_num_seqs=%d, "
              "max_num_batched_tokens=%d, max_model_len=%d%s%s",
              time.perf_counter() - start, model_name, device, str(dtype).removeprefix("torch."),
              quantization, core.kv.pool.num_blocks * core.block_size,
-             core.kv.pool.num_blocks, core.block_size, core.attention_backend,
+             core.kv.pool.num_blocks, core.block_size, core.kv_cache_dtype,
+             core.attention_backend,
              core.kernel_backend,
              f"on (captured in {core.graph_capture_seconds:.1f} s)" if core.graphs_on
              else "off", config.max_num_seqs, config.max_num_batched_tokens,

@@ -205,6 +205,7 @@ class EngineCore:
         self.attention_backend, self.kernel_backend = runner.attention_backend, \
             runner.kernel_backend
         self.block_size, num_blocks = runner.block_size, runner.num_blocks
+        self.kv_cache_dtype = str(runner.kv_pool.dtype).removeprefix("torch.")
         self.kv = KVCacheManager(num_blocks, self.block_size, config.prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens,
@@ -270,7 +271,8 @@ class EngineCore:
                 raise ValueError("speculative_method='draft' needs the draft model loaded")
             set_layer_kernels(draft[0], config, self.kernel_backend)
             runner = ModelRunner(draft[0], draft[1], num_blocks, self.block_size, self.device,
-                                 self.dtype, self.attention_backend, self.kernel_backend)
+                                 self.runner.kv_pool.dtype, self.attention_backend,
+                                 self.kernel_backend)
             # It runs every step the model runs (its cache follows), at any batch size.
             proposing = config.max_num_seqs
         drafter = ModelDrafter(runner, self.kv, k, self.max_model_len,

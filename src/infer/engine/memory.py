@@ -24,21 +24,22 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 def plan_kv_cache(
     config: EngineConfig, cfg: ModelConfig, max_model_len: int, model: nn.Module,
-    device: torch.device, dtype: torch.dtype, draft_config: ModelConfig | None = None,
+    device: torch.device, kv_dtype: torch.dtype, draft_config: ModelConfig | None = None,
     tp_size: int = 1,
 ) -> tuple[int, int]:
     """(block_size, num_blocks), from the same memory budget for both layouts. Contiguous
     = one max_model_len block per sequence, so the budget may hold fewer sequences than
     max_num_seqs (as llama.cpp's slots): the scheduler runs as many as have a block.
-    A draft model's cache has as many blocks (the same block tables), in the same budget.
+    A draft model's cache has as many blocks (the same block tables), in the same budget,
+    of the same `kv_dtype`.
     Under tensor parallelism (`tp_size` ranks) this rank holds its KV heads of each block,
     and on a CPU the ranks share the host's memory."""
     contiguous = config.kv_cache == "contiguous"
     block_size = max_model_len if contiguous else config.block_size
     local_kv_heads = next(m.num_kv_heads for m in model.modules() if isinstance(m, Attention))
-    per_token = kv_bytes_per_token(cfg, dtype) * local_kv_heads // cfg.num_kv_heads
+    per_token = kv_bytes_per_token(cfg, kv_dtype) * local_kv_heads // cfg.num_kv_heads
     if draft_config is not None:
-        per_token += kv_bytes_per_token(draft_config, dtype)
+        per_token += kv_bytes_per_token(draft_config, kv_dtype)
     per_block = per_token * block_size
     if config.num_blocks is not None:
         return _logged(block_size, config.num_blocks, per_block)
@@ -47,7 +48,7 @@ def plan_kv_cache(
     # the prefix cache.
     useful = config.max_num_seqs * needed * (1 if contiguous else 2)
     if device.type == "cuda":
-        free = _cuda_free_after_warmup(config, model, device, dtype, max_model_len)
+        free = _cuda_free_after_warmup(config, model, device, kv_dtype, max_model_len)
     else:
         free = int(_available_host_memory() * _CPU_SHARE / tp_size)
     num_blocks = min(useful, free // per_block)
@@ -83,7 +84,7 @@ def _available_host_memory() -> int:
 
 
 def _cuda_free_after_warmup(config: EngineConfig, model: nn.Module, device: torch.device,
-                            dtype: torch.dtype, max_model_len: int) -> int:
+                            kv_dtype: torch.dtype, max_model_len: int) -> int:
     """Memory left for the pool: the budget minus the peak of a full-budget forward (its
     positions kept below `max_model_len`: a step's budget may pass the model's context,
     and RoPE tables end there)."""
@@ -92,7 +93,7 @@ def _cuda_free_after_warmup(config: EngineConfig, model: nn.Module, device: torc
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     n = config.max_num_batched_tokens
-    allocate_kv_cache(model, 1, n, dtype, device)
+    allocate_kv_cache(model, 1, n, kv_dtype, device)
     meta = AttentionMetadata.build([n], [n], [[0]], n, device)
     with torch.inference_mode():
         hidden = model(torch.zeros(n, dtype=torch.long, device=device),

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from infer.attention import set_attention_backend
+from infer.attention.kv_dtype import kv_cache_torch_dtype
 from infer.config import ModelConfig
 from infer.distributed.group import SINGLE, TensorParallelGroup
 from infer.engine.config import EngineConfig
@@ -33,7 +34,7 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
                  draft_config: ModelConfig | None = None, tp: TensorParallelGroup = SINGLE
                  ) -> ModelRunner:
     """The runner, with the backends `config` asks for on `device` (its
-    `attention_backend` / `kernel_backend` say which)."""
+    `attention_backend` / `kernel_backend` say which) and its KV cache of `kv_cache_dtype`."""
     attention_backend = pick_backend("attention_backend", config.attention_backend, device)
     kernel_backend = pick_backend("kernel_backend", config.kernel_backend, device)
     # Bound before sizing the pool, so the warm-up forward measures the backends in use.
@@ -43,11 +44,12 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
     set_kernel_backend(model, kernel_backend)
     set_layer_kernels(model, config, kernel_backend)
     set_dependent_launch(config.dependent_launch and kernel_backend == "triton", device)
+    kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
     block_size, num_blocks = plan_kv_cache(config, model_config, max_model_len, model, device,
-                                           dtype, draft_config, tp.size)
+                                           kv_dtype, draft_config, tp.size)
     # Rank 0's scheduler hands out block ids for every rank's pool: all the same size.
     num_blocks = tp.min(num_blocks)
-    return ModelRunner(model, model_config, num_blocks, block_size, device, dtype,
+    return ModelRunner(model, model_config, num_blocks, block_size, device, kv_dtype,
                        attention_backend, kernel_backend)
 
 

@@ -1,7 +1,8 @@
 """Store new keys/values `[T, KvH, D]` into the paged caches at their flat slots.
 
 Cache layout (per layer): `[num_blocks, block_size, KvH, D]`, contiguous, so slot
-`s = block * block_size + row` starts at element `s * KvH * D`. Slot -1 means skip.
+`s = block * block_size + row` starts at element `s * KvH * D`. Slot -1 means skip. An
+FP8 cache (`attention/kv_dtype.py`) takes each value saturated at ±448 (`cache_values`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,31 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def cache_values(x, cache_ptr):
+    """`x` as the cache at `cache_ptr` stores it (`kv_dtype.as_cache_values`)."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        return _e4m3_saturated(x.to(tl.float32)).to(tl.float8e4nv, bitcast=True)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _e4m3_saturated(x):
+    """float32 -> e4m3 bytes (uint8), rounded to nearest even and saturated at ±448, by
+    integer arithmetic (torch's conversion, bit for bit; Triton's interpreter rounds a value
+    that carries into the next power of two down to the power below): a normal magnitude
+    keeps float32's exponent and top 3 mantissa bits, rounded by adding 2^19 - 1 plus the
+    kept last bit, rebiased from 127 to 7; a subnormal one (below 2^-6) is its count of
+    2^-9, rounded by adding and taking away 2^23 (whose float32 step is 1)."""
+    a = tl.minimum(tl.abs(x), 448.0)
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)
+    subnormal = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    byte = tl.where(a < 0.015625, subnormal, normal)
+    sign = (x.to(tl.int32, bitcast=True) >> 24) & 0x80
+    return (byte | sign).to(tl.uint8)
 
 
 @triton.jit
@@ -27,8 +53,8 @@ def _kv_store_kernel(
     dst = slot * n_heads * head_dim + heads * head_dim + dims
     k = tl.load(k_ptr + tok * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(v_ptr + tok * stride_vt + heads * stride_vh + dims, mask=mask)
-    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc_ptr + dst, cache_values(k, kc_ptr), mask=mask)
+    tl.store(vc_ptr + dst, cache_values(v, vc_ptr), mask=mask)
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -4,6 +4,7 @@ Cache layout (per layer): `[num_blocks, block_size, KvH, D]`; token `p` of seque
 is row `p % block_size` of block `block_tables[i, p // block_size]` (see
 `infer.attention.metadata`). Keys are gathered token by token through the block table, so
 blocks may sit anywhere in the pool and a cached prefix is read like any other context.
+An FP8 cache (`attention/kv_dtype.py`) is made q's dtype tile by tile as it is read.
 
 GQA packing: a program owns one kv head and all `group = H / KvH` query heads that share
 it (rows of its tile are (token, head-in-group) pairs), so each K/V tile is loaded once per
@@ -32,7 +33,12 @@ def _attend(
     CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Fold keys `[lo, hi)` of one sequence into the running (acc, l, m) of a q tile."""
+    """Fold keys `[lo, hi)` of one sequence into the running (acc, l, m) of a q tile. An
+    FP8 cache's keys and values are made q's dtype, or float16 for bfloat16 q (e4m3 is
+    exact in both; the hardware makes e4m3 float16 a pair an instruction, bfloat16 only
+    through float32, two more): q made float16 once, exact for |q| in [2^-14, 65504]."""
+    if kc_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
+        q = q.to(tl.float16)
     dims = tl.arange(0, BLOCK_D)
     dmask = dims < head_dim
     for start in range(lo, hi, BLOCK_N):
@@ -42,7 +48,7 @@ def _attend(
         row = kpos % BLOCK_SIZE
         koff = blk * stride_kb + row * stride_kt + kv_head * stride_kh
         k = tl.load(kc_ptr + koff[None, :] + dims[:, None],
-                    mask=kmask[None, :] & dmask[:, None], other=0.0)
+                    mask=kmask[None, :] & dmask[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION)
         if SOFTCAP:
             s = s * scale
@@ -63,7 +69,7 @@ def _attend(
         l_i = l_i * alpha + tl.sum(p, 1)
         voff = blk * stride_vb + row * stride_vt + kv_head * stride_vh
         v = tl.load(vc_ptr + voff[:, None] + dims[None, :],
-                    mask=kmask[:, None] & dmask[None, :], other=0.0)
+                    mask=kmask[:, None] & dmask[None, :], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -341,7 +347,9 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     assert block_tables.dim() == 2 and (block_tables.stride(1) == 1 or
                                         block_tables.shape[1] <= 1)
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
-    assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype)
+    # The cache in q's dtype, or FP8 (attention/kv_dtype.py: made q's dtype as it is read)
+    assert k_cache.dtype == v_cache.dtype in (q.dtype, torch.float8_e4m3fn), (q.dtype,
+                                                                          k_cache.dtype)
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
     assert q.device == k_cache.device == block_tables.device == seq_lens.device
 

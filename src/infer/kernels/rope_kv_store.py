@@ -6,7 +6,8 @@ Four launches (q norm, k norm, RoPE, KV store) become one; at batch 1 each is a 
 microseconds of latency per layer. One program per token. The result equals the unfused
 kernels' (`rmsnorm`, `rope`, `kv_store`) up to the float32 summation order inside a head's
 norm: the normalised values are rounded to q's dtype before they are rotated, as the
-unfused path stores them between its kernels. Rotated keys go only to the cache.
+unfused path stores them between its kernels. Rotated keys go only to the cache (rounded
+to q's dtype first, then to the cache's: FP8 as `kv_store.cache_values`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels import dependent_launch
+from infer.kernels.kv_store import cache_values
 
 
 @triton.jit
@@ -82,11 +84,11 @@ def _rope_kv_store_kernel(
     k2 = tl.load(k1_ptr + half, mask=kmask, other=0.0)
     r1, r2 = _norm_rope(k1, k2, kw_ptr, dims, dmask, cos, sin, half, eps, NORM, OFFSET)
     # Rounded to k's dtype first, as the unfused RoPE stores it, then to the cache's.
-    r1 = r1.to(k1.dtype).to(kc_ptr.dtype.element_ty)
-    r2 = r2.to(k1.dtype).to(kc_ptr.dtype.element_ty)
+    r1 = cache_values(r1.to(k1.dtype), kc_ptr)
+    r2 = cache_values(r2.to(k1.dtype), kc_ptr)
     v1_ptr = v_ptr + tok * stride_vt + kh * stride_vh + dims[None, :]
-    v1 = tl.load(v1_ptr, mask=kmask, other=0.0).to(vc_ptr.dtype.element_ty)
-    v2 = tl.load(v1_ptr + half, mask=kmask, other=0.0).to(vc_ptr.dtype.element_ty)
+    v1 = cache_values(tl.load(v1_ptr, mask=kmask, other=0.0), vc_ptr)
+    v2 = cache_values(tl.load(v1_ptr + half, mask=kmask, other=0.0), vc_ptr)
     keep = kmask & ((tl.zeros([BLOCK_HK, BLOCK_D], dtype=tl.int64) + slot) >= 0)
     dst = slot * n_kv_heads * 2 * half + kh * 2 * half + dims[None, :]
     tl.store(kc_ptr + dst, r1, mask=keep)

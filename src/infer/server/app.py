@@ -201,7 +201,8 @@ def _add_routes(app: FastAPI) -> None:
 
 def _model_card(ctx: ServingContext, name: str) -> ModelCard:
     return ModelCard(id=name, max_model_len=ctx.engine.max_model_len,
-                     quantization=ctx.engine.info.quantization)
+                     quantization=ctx.engine.info.quantization,
+                     kv_cache_dtype=ctx.engine.info.kv_cache_dtype or None)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -425,6 +425,7 @@ class ModelCard(BaseModel):
     owned_by: str = "infer"
     max_model_len: int | None = None
     quantization: str | None = None  # the weights' format in effect: none | int8 | gguf
+    kv_cache_dtype: str | None = None  # the KV cache's element type: bfloat16 | float8_e4m3fn
 
 
 class ModelList(BaseModel):

@@ -1,0 +1,33 @@
+"""The KV cache's element type (`EngineConfig.kv_cache_dtype`): the model's dtype, or FP8.
+
+An FP8 cache holds each key and value as one e4m3 byte with a scale of 1 (vLLM's
+`kv_cache_dtype="fp8"` without calibrated scales): half of bfloat16's memory, so the same
+budget holds twice the tokens and a decode step's attention reads half the bytes. Values
+are rounded to nearest (3 significant bits) and saturate at e4m3's largest, ±448, instead
+of overflowing to NaN; the attention converts them back to the query's dtype as it reads.
+Keys and values of the models served here stay far inside that range (their RMSNorms and
+projections keep them within tens), so the rounding is the whole cost.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_KV = torch.float8_e4m3fn
+FP8_KV_MAX = float(torch.finfo(FP8_KV).max)  # 448
+
+
+def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's torch dtype for `EngineConfig.kv_cache_dtype` (its KV_CACHE_DTYPES)."""
+    if name == "auto":
+        return model_dtype
+    if name in ("fp8", "fp8_e4m3"):
+        return FP8_KV
+    raise ValueError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3; got {name!r}")
+
+
+def as_cache_values(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` (keys or values) as a cache of `dtype` stores them: FP8 saturating at ±448."""
+    if dtype == FP8_KV:
+        return x.float().clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV)
+    return x if x.dtype == dtype else x.to(dtype)
