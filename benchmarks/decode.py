@@ -28,8 +28,9 @@ Metric, per decode step (same formula for every engine):
   bytes = weight bytes + KV bytes read
   weight bytes = (all parameters but the embedding table, plus the LM head) x dtype bytes;
                  a tied embedding is counted once, as the LM head read
-  KV bytes     = 2 x layers x kv_heads x head_dim x dtype bytes x context, summed over the
-                 batch, at the mean context of the N steps (prompt + (N+1)/2)
+  KV bytes     = 2 x layers x kv_heads x head_dim x the cache's bytes a value (infer's
+                 `kv_cache_dtype`: 1 for fp8) x context, summed over the batch, at the
+                 mean context of the N steps (prompt + (N+1)/2)
   GB/s = bytes / step time, reported as a fraction of the copy bandwidth measured in the
   same run; FLOP/s = (2 x step weight params + attention FLOPs) x batch / step time, as a
   fraction of the measured bf16 matmul rate.
@@ -89,12 +90,13 @@ def step_weight_bytes(model) -> int:
 
 
 def step_metrics(row: dict, counts: common.ShapeCounts, nbytes: int, batch: int,
-                 mean_ctx: float, ceil: dict, weight_bytes: int | None = None) -> None:
+                 mean_ctx: float, ceil: dict, weight_bytes: int | None = None,
+                 kv_nbytes: int | None = None) -> None:
     """`weight_bytes`: what a step reads of the weights (default: the shape's in `nbytes`
-    per parameter)."""
+    per parameter); `kv_nbytes`: bytes a cached value (default `nbytes`)."""
     step = row["step_ms"] / 1e3
     w = counts.step_weight_params * nbytes if weight_bytes is None else weight_bytes
-    kv = counts.kv_bytes_per_token(nbytes) * mean_ctx * batch
+    kv = counts.kv_bytes_per_token(kv_nbytes or nbytes) * mean_ctx * batch
     flops = 2.0 * counts.step_weight_params * batch + counts.attn_flops(batch, mean_ctx)
     row.update(
         tok_per_s=batch / step, weight_MB=w / 1e6, kv_MB=kv / 1e6,
@@ -231,14 +233,16 @@ def main() -> None:
         nbytes = common.dtype_bytes(dtype)
         info = common.engine_info(llm)
         ours = step_weight_bytes(llm.engine.model)  # quantized formats read fewer bytes
+        kv_ours = common.dtype_bytes(getattr(torch, llm.engine.info.kv_cache_dtype))
 
         def emit(row, name=name, counts=counts, nbytes=nbytes, mean_ctx=mean_ctx, dtype=dtype,
-                 ours=ours):
+                 ours=ours, kv_ours=kv_ours):
             row.update(model=name, dtype=str(dtype).replace("torch.", ""),
                        weights=args.gguf if row["engine"] == "infer" and args.gguf else
                        "bf16 checkpoint")
+            mine = row["engine"] == "infer"
             step_metrics(row, counts, nbytes, row["batch"], mean_ctx, ceil,
-                         ours if row["engine"] == "infer" else None)
+                         ours if mine else None, kv_ours if mine else None)
             rows.append(row)
             print(f"[{row['engine']}] {name} batch {row['batch']}: {row['step_ms']:.2f} ms/step "
                   f"{row['tok_per_s']:.0f} tok/s {100 * row['frac_copy']:.1f}% copy BW",

@@ -11,8 +11,10 @@ weights since the step before); a verify step's case brings k + 1 = 5 tokens a s
 5-10 µs in a step.)
 
     PYTHONPATH=src python benchmarks/decode_attention_tuning.py [out.json] [--cases b1 ...]
+        [--kv-cache-dtype fp8] [--default-only]
 
-`--cases`: only the cases whose name contains one of these words.
+`--cases`: only the cases whose name contains one of these words. `--kv-cache-dtype fp8`:
+the caches in e4m3 (`EngineConfig.kv_cache_dtype`), GB/s counted on their bytes (half).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_times import copy_bandwidth, paged_setup
 from quantized_gemv import L2_BYTES, cycling, graph_time_us
 
+from infer.attention.kv_dtype import FP8_KV, as_cache_values
 from infer.kernels import dependent_launch, paged_attention
 from infer.kernels.paged_attention import default_num_splits, paged_decode, split_keys
 
@@ -56,7 +59,10 @@ def main() -> None:
     p.add_argument("out", nargs="?", type=Path,
                    default=Path(__file__).parent / "results" / "decode_attention_tuning.json")
     p.add_argument("--cases", nargs="+", default=None)
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    p.add_argument("--default-only", action="store_true", help="time the default launch only")
     opts = p.parse_args()
+    fp8 = opts.kv_cache_dtype == "fp8"
     cases = [c for c in CASES if opts.cases is None or any(w in c[0] for w in opts.cases)]
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
@@ -68,13 +74,15 @@ def main() -> None:
         lens = (torch.randint(ctx[0], ctx[1] + 1, (batch,), generator=gen).tolist()
                 if isinstance(ctx, tuple) else [ctx] * batch)
         meta, kc, vc = paged_setup([qlen] * batch, lens, kvh, d)
+        if fp8:
+            kc, vc = (as_cache_values(c, FP8_KV) for c in (kc, vc))
         q = torch.randn(batch * qlen, heads, d, device="cuda", dtype=torch.bfloat16)
         counters = torch.zeros(batch * kvh, dtype=torch.int32, device="cuda")
         splits = default_num_splits(batch, kvh, max(lens), q.device)
         policy_keys = split_keys(batch, kvh, q.device)
         ref = paged_decode(q, kc, vc, meta.seq_lens, meta.block_tables, d ** -0.5,
                            num_splits=splits, query_len=qlen)
-        nbytes = sum(lens) * kvh * d * 2 * 2
+        nbytes = sum(lens) * kvh * d * 2 * kc.element_size()
         # Calls enough to pass the L2 three times, each with caches of its own.
         calls = max(20, min(MAX_CALLS, -(-3 * l2_bytes // (kc.nbytes + vc.nbytes))))
         caches = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(calls - 1)]
@@ -86,6 +94,8 @@ def main() -> None:
                      if keys != policy_keys]
         launches += [(splits, *SETTINGS[0], keys, True) for keys in (None, *MIN_SPLIT_KEYS)
                      if keys != policy_keys]
+        if opts.default_only:
+            launches = launches[:1]
         for n_splits, block_n, warps, stages, keys, at_once in launches:
             paged_attention.set_combine_at_once(at_once)
             launch = dict(num_splits=n_splits, block_n=block_n, num_warps=warps,
@@ -103,7 +113,8 @@ def main() -> None:
                 print(f"{name} {n_splits} {block_n} {warps} {stages} {keys}: "
                       f"{str(e).splitlines()[0][:80]}")
                 continue
-            rows.append(dict(case=name, splits=n_splits, block_n=block_n, num_warps=warps,
+            rows.append(dict(case=name, kv_cache_dtype=str(kc.dtype), splits=n_splits,
+                             block_n=block_n, num_warps=warps,
                              num_stages=stages, min_split_keys=keys or policy_keys,
                              combine_at_once=at_once, us=us,
                              GBps=nbytes / us / 1e3, frac_copy=nbytes / us / 1e3 / copy_gbs,
