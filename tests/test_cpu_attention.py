@@ -24,12 +24,14 @@ def kernel_on():
 
 
 def _step(lens: list[int], heads: int, kv_heads: int, dim: int, seed: int,
-          block_size: int = 16, dtype: torch.dtype = torch.float32):
-    """(q, k_cache, v_cache, metadata) of an all-decode step over random blocks."""
+          block_size: int = 16, dtype: torch.dtype = torch.float32,
+          cache_dtype: torch.dtype | None = None):
+    """(q, k_cache, v_cache, metadata) of an all-decode step over random blocks; the caches
+    of `cache_dtype` (default `dtype`)."""
     gen = torch.Generator().manual_seed(seed)
     blocks = sum(-(-n // block_size) for n in lens) + 3
-    k = torch.randn(blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
-    v = torch.randn(blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    k = torch.randn(blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype or dtype)
+    v = torch.randn(blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype or dtype)
     order = torch.randperm(blocks, generator=gen).tolist()
     tables, used = [], 0
     for n in lens:
@@ -72,6 +74,41 @@ def test_the_kernel_gives_the_torch_paths_attention(lens, heads, kv_heads, dim, 
     assert calls == [1]
     assert got.shape == want.shape and got.dtype == torch.float32
     assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize(("lens", "heads", "kv_heads", "dim"), [
+    ([16, 17, 1, 250], 9, 3, 64), ([40, 41, 42], 8, 2, 80), ([7], 2, 1, 12)])
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 5, "logit_softcap": 30.0}])
+def test_the_kernel_reads_an_fp8_cache_as_the_torch_path_does(lens, heads, kv_heads, dim, kw,
+                                                              kernel_on, monkeypatch):
+    """An FP8 cache (`kv_cache_dtype`): its bytes made floats (every byte's value from a
+    table, eight at a time by a gather), within float32 rounding of the reference, which
+    makes the whole cache float32 first; and the kernel is what ran."""
+    q, k, v, meta = _step(lens, heads, kv_heads, dim, seed=dim, cache_dtype=torch.float8_e4m3fn)
+    assert k.float().abs().max() > 1  # normal values, and subnormal ones among them:
+    assert ((k.float().abs() < 2 ** -6) & (k.float() != 0)).any()
+    calls = []
+    real = cpu_attention.paged_decode
+    monkeypatch.setattr(cpu_attention, "paged_decode",
+                        lambda *a: calls.append(1) or real(*a))
+    got = torch_backend.paged_attention(q, k, v, meta, dim ** -0.5, **kw)
+    want = _reference(q, k, v, meta, dim ** -0.5, **kw)
+    assert calls == [1] and torch.isfinite(got).all()
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_the_kernel_reads_every_e4m3_byte_as_its_value(kernel_on):
+    """One key, so the output is its value row exactly: a row of every e4m3 byte but the
+    two NaN ones (subnormals, both zeros, ±448) comes out as torch's values of them."""
+    fp8 = torch.float8_e4m3fn
+    everything = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    row = torch.where((everything & 0x7F) == 0x7F, 0, everything).view(fp8)
+    v = row.view(1, 1, 1, 256).repeat(2, 1, 1, 1)
+    k = torch.zeros_like(v)
+    meta = AttentionMetadata.build([1], [1], [[1]], 1, torch.device("cpu"))
+    got = cpu_attention.paged_decode(torch.randn(1, 1, 256), k, v, meta.block_tables,
+                                     meta.seq_lens, 0.1)
+    assert torch.equal(got.view(256), row.float())
 
 
 @pytest.mark.parametrize("case", ["bfloat16", "off"])
@@ -153,6 +190,63 @@ def test_rope_store_gives_the_torch_paths_q_and_caches(tokens, heads, kv_heads, 
         written = torch.zeros(got.shape[0] * got.shape[1], dtype=torch.bool)
         written[slots[slots >= 0]] = True
         assert torch.equal(got.flatten(0, 1)[~written], old.flatten(0, 1)[~written])
+
+
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "dim", "qk_norm"), [
+    (5, 4, 2, 128, False), (7, 8, 8, 32, True)])
+def test_rope_store_into_an_fp8_cache_as_the_torch_path(tokens, heads, kv_heads, dim,
+                                                        qk_norm, kernel_on, monkeypatch):
+    """The same q; the values' bytes the torch path's (each float rounded to e4m3 alike),
+    the rotated keys' too but where the two rotations' float32 rounding puts a key on the
+    other side of a midpoint (then one step apart); the slots not written untouched."""
+    q, k, v, caches, positions, slots = _layer_inputs(tokens, heads, kv_heads, dim, seed=dim)
+    caches = [(c * 3).to(torch.float8_e4m3fn) for c in caches]
+    prologue = _prologue(dim, qk_norm)
+    want_caches = [c.clone() for c in caches]
+    cpu_attention.set_enabled(False)
+    want_q = torch_backend.write_kv_with_prologue(*want_caches, q, k, v, slots, positions,
+                                                  prologue)
+    cpu_attention.set_enabled(True)
+    calls = []
+    real = cpu_attention.rope_store
+    monkeypatch.setattr(cpu_attention, "rope_store", lambda *a: calls.append(1) or real(*a))
+    before = [c.clone() for c in caches]
+    got_q = torch_backend.write_kv_with_prologue(*caches, q, k, v, slots, positions, prologue)
+    assert calls == [1] and (got_q - want_q).abs().max().item() < 1e-5
+    (got_k, got_v), (want_k, want_v) = ([c.view(torch.uint8) for c in pair]
+                                        for pair in (caches, want_caches))
+    assert torch.equal(got_v, want_v)
+    same = got_k == want_k
+    assert same.float().mean().item() > 0.99
+    assert ((got_k[~same].int() - want_k[~same].int()).abs() == 1).all()
+    written = torch.zeros(got_k.shape[0] * got_k.shape[1], dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    for got, old in zip((got_k, got_v), before):
+        old = old.view(torch.uint8).flatten(0, 1)
+        assert torch.equal(got.flatten(0, 1)[~written], old[~written])
+
+
+def test_the_kernels_e4m3_rounding_is_torchs_at_every_midpoint(kernel_on):
+    """Every e4m3 value, every midpoint between two (ties to even) and the floats either
+    side, ±0, values beyond ±448, random ones, stored as values by `rope_store`: the bytes
+    of torch's saturated conversion."""
+    fp8 = torch.float8_e4m3fn
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).float()
+    values = values[~values.isnan()].sort().values
+    mids = (values[1:] + values[:-1]) / 2
+    x = torch.cat([values, mids, mids.nextafter(torch.tensor(float("inf"))),
+                   mids.nextafter(torch.tensor(float("-inf"))),
+                   torch.tensor([0.0, -0.0, 1e-30, 449.0, 464.0, -465.0, 1e9]),
+                   torch.randn(3000) * 50, torch.randn(1000) * 0.01])
+    x = torch.cat([x, torch.zeros(-x.numel() % 16)]).view(-1, 1, 16)
+    tokens = x.shape[0]
+    caches = [torch.zeros(tokens, 1, 1, 16, dtype=fp8) for _ in range(2)]
+    rotary = _prologue(16, False).rotary
+    cpu_attention.rope_store(torch.zeros(tokens, 1, 16), torch.zeros(tokens, 1, 16), x,
+                             rotary, torch.zeros(tokens, dtype=torch.long),
+                             torch.arange(tokens), *caches)
+    want = x.clamp(-448, 448).to(fp8).view(torch.uint8)
+    assert torch.equal(caches[1].view(tokens, 1, 16).view(torch.uint8), want)
 
 
 @pytest.mark.parametrize("case", ["bfloat16", "off"])

@@ -19,7 +19,8 @@ def test_the_ready_line_says_what_was_chosen(caplog):
     ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready in")]
     assert len(ready) == 1
     line = ready[0]
-    for part in ("on cpu, float32", "quantization none", "KV cache 512 tokens (64 blocks x 8, float32)",
+    for part in ("on cpu, float32", "quantization none",
+                 "KV cache 512 tokens (64 blocks x 8, float32)",
                  "attention torch, kernels torch", "CUDA graphs off", "max_num_seqs=4",
                  "max_num_batched_tokens=256", "max_model_len=128", tiny_model_dir().name):
         assert part in line, (part, line)

@@ -4,7 +4,8 @@ An FP8 cache holds each key and value as one e4m3 byte with a scale of 1 (vLLM's
 `kv_cache_dtype="fp8"` without calibrated scales): half of bfloat16's memory, so the same
 budget holds twice the tokens and a decode step's attention reads half the bytes. Values
 are rounded to nearest (3 significant bits) and saturate at e4m3's largest, ±448, instead
-of overflowing to NaN; the attention converts them back to the query's dtype as it reads.
+of overflowing to NaN; the attention converts them back to the query's dtype as it reads
+(on a CPU infer's C++ kernels store and read the bytes, `kernels/cpu_attention.py`).
 Keys and values of the models served here stay far inside that range (their RMSNorms and
 projections keep them within tens), so the rounding is the whole cost.
 """

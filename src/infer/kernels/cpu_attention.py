@@ -6,8 +6,9 @@ the layer's RoPE and KV store in one call too (`cpu_rope_store.cpp`, about twent
 operations).
 
 Built into infer's CPU extension (`cpu_extension.available`: x86 with AVX2, a
-compiler); where that is missing, or for what it does not cover (a cache that is not
-float32), the torch path runs.
+compiler); where that is missing, or for what it does not cover (a cache that is neither
+float32 nor FP8, a query that is not float32), the torch path runs. An FP8 cache
+(`attention/kv_dtype.py`) goes to the kernels as its bytes.
 `EngineConfig.cpu_attention_kernel` turns it off."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from infer.kernels import cpu_extension
 
 _enabled = True  # EngineConfig.cpu_attention_kernel, set by the runner's set-up
+FP8_KV = torch.float8_e4m3fn  # an FP8 cache's dtype (attention/kv_dtype.py)
 
 
 def set_enabled(on: bool, device: torch.device | None = None) -> None:
@@ -30,10 +32,16 @@ def set_enabled(on: bool, device: torch.device | None = None) -> None:
 
 
 def takes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether `paged_decode` serves this all-decode step: on, a float32 query and cache on
-    the CPU, the extension built (what `rope_store` needs too)."""
-    return (_enabled and q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32
-            and k_cache.is_contiguous() and cpu_extension.available())
+    """Whether `paged_decode` serves this all-decode step: on, a float32 query and a float32
+    or FP8 cache on the CPU, the extension built (what `rope_store` needs too)."""
+    return (_enabled and q.device.type == "cpu" and q.dtype == torch.float32
+            and k_cache.dtype in (torch.float32, FP8_KV) and k_cache.is_contiguous()
+            and cpu_extension.available())
+
+
+def _as_kernel_cache(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as the kernels take it: float32, or an FP8 one's bytes (uint8)."""
+    return cache.view(torch.uint8) if cache.dtype == FP8_KV else cache
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -44,7 +52,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     the cache's first `seq_lens[i]` tokens of each sequence (int32 `block_tables`,
     `seq_lens`), the last `sliding_window` of them if set, each score softcapped if
     `logit_softcap`: `[seqs, heads, dim]`, all float32."""
-    return torch.ops.infer_cpu.paged_decode(q, k_cache, v_cache, block_tables, seq_lens,
+    return torch.ops.infer_cpu.paged_decode(q, _as_kernel_cache(k_cache),
+                                            _as_kernel_cache(v_cache), block_tables, seq_lens,
                                             scale, sliding_window or 0, logit_softcap or 0.0)
 
 
@@ -64,4 +73,5 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: torch.
     """q `[tokens, heads, dim]` and k rotated by `rotary`'s tables at `positions`; k and v
     `[tokens, kv_heads, dim]` stored at `slot_mapping` (-1: not stored); returns q rotated."""
     return torch.ops.infer_cpu.rope_store(q, k, v, rotary.cos, rotary.sin, positions,
-                                          slot_mapping, k_cache, v_cache)
+                                          slot_mapping, _as_kernel_cache(k_cache),
+                                          _as_kernel_cache(v_cache))

@@ -3,14 +3,18 @@
 // token's position (the first and second halves of a head as the pairs,
 //   (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)),
 // the rotated k and v written to the paged caches at the tokens' slots (a slot of -1 is
-// not written), the rotated q returned. float32 throughout; threads: torch's intra-op
-// pool, over tokens.
+// not written), the rotated q returned. float32 throughout, but for an FP8 cache
+// (`kv_dtype.py`), which takes e4m3 bytes rounded as torch rounds them; threads: torch's
+// intra-op pool, over tokens.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 namespace {
 
@@ -22,6 +26,41 @@ inline void rotate(const float* x, const float* c, const float* s, int64_t half,
   }
 }
 
+// x as an e4m3 byte, saturated at +-448 and rounded to nearest even (torch's rounding, as
+// `kv_store.cache_values` computes it): a normal magnitude keeps float32's exponent and top
+// 3 mantissa bits, rounded by adding 2^19 - 1 plus the kept last bit, rebiased from 127 to
+// 7; one below 2^-6 is its count of 2^-9.
+inline uint8_t to_e4m3(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  const float a = std::fabs(x) < 448.f ? std::fabs(x) : 448.f;
+  uint32_t magnitude;
+  std::memcpy(&magnitude, &a, 4);
+  const uint32_t code =
+      a < 0.015625f ? static_cast<uint32_t>(std::nearbyint(a * 512.f))
+                    : ((magnitude + 0x7FFFF + ((magnitude >> 20) & 1)) >> 20) - (120 << 3);
+  return static_cast<uint8_t>(((bits >> 24) & 0x80) | code);
+}
+
+// k rotated into a float32 cache row; into an e4m3 one through `buffer`.
+inline void rotate_into(const float* x, const float* c, const float* s, int64_t half,
+                        float* row, float*) {
+  rotate(x, c, s, half, row);
+}
+inline void rotate_into(const float* x, const float* c, const float* s, int64_t half,
+                        uint8_t* row, float* buffer) {
+  rotate(x, c, s, half, buffer);
+  for (int64_t i = 0; i < 2 * half; ++i) row[i] = to_e4m3(buffer[i]);
+}
+
+// `n` floats into a cache row: as they are, or as e4m3 bytes.
+inline void store_row(const float* x, float* row, int64_t n) {
+  std::memcpy(row, x, n * sizeof(float));
+}
+inline void store_row(const float* x, uint8_t* row, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) row[i] = to_e4m3(x[i]);
+}
+
 // heads adjacent, each `dim` contiguous floats; any stride between tokens (a view of the
 // fused q/k/v projection's output).
 void check_heads(const at::Tensor& t, const char* name, int64_t tokens, int64_t dim) {
@@ -31,7 +70,8 @@ void check_heads(const at::Tensor& t, const char* name, int64_t tokens, int64_t 
 }
 
 // q [T, H, D], k and v [T, KH, D]; cos, sin [positions, D / 2]; positions, slots int64 [T];
-// caches float32 [blocks, block_size, KH, D], contiguous. Returns q rotated, [T, H, D].
+// caches float32 or uint8 (e4m3 bytes) [blocks, block_size, KH, D], contiguous. Returns q
+// rotated, [T, H, D].
 at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& cos, const at::Tensor& sin,
                       const at::Tensor& positions, const at::Tensor& slots,
@@ -49,11 +89,13 @@ at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
                   positions.numel() == tokens && slots.numel() == tokens,
               "positions, slots: int64 [", tokens, "]");
+  const auto type = k_cache.scalar_type();
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
+                  (type == at::kFloat || type == at::kByte) && v_cache.scalar_type() == type &&
                   k_cache.size(2) == kv_heads && k_cache.size(3) == dim &&
                   k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "caches: float32 [blocks, block_size, ", kv_heads, ", ", dim, "], contiguous");
+              "caches: float32 or uint8 (e4m3 bytes) [blocks, block_size, ", kv_heads, ", ",
+              dim, "], contiguous");
   const at::Tensor pos = positions.contiguous(), slot = slots.contiguous();
   const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t* sp = slot.data_ptr<int64_t>();
@@ -66,24 +108,29 @@ at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   at::Tensor out = at::empty({tokens, heads, dim}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
-  float *op = out.data_ptr<float>(), *kc = k_cache.data_ptr<float>(),
-        *vc = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
   const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0), row = kv_heads * dim;
-  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cp + pp[t] * half;
-      const float* s = snp + pp[t] * half;
-      for (int64_t h = 0; h < heads; ++h)
-        rotate(qp + t * qs + h * dim, c, s, half, op + (t * heads + h) * dim);
-      if (sp[t] < 0) continue;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        rotate(kp + t * ks + h * dim, c, s, half, kc + sp[t] * row + h * dim);
-        const float* src = vp + t * vs + h * dim;
-        float* dst = vc + sp[t] * row + h * dim;
-        for (int64_t i = 0; i < dim; ++i) dst[i] = src[i];
+  auto run = [&](auto* kc, auto* vc) {
+    at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+      std::vector<float> buffer(dim);
+      for (int64_t t = begin; t < end; ++t) {
+        const float* c = cp + pp[t] * half;
+        const float* s = snp + pp[t] * half;
+        for (int64_t h = 0; h < heads; ++h)
+          rotate(qp + t * qs + h * dim, c, s, half, op + (t * heads + h) * dim);
+        if (sp[t] < 0) continue;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          rotate_into(kp + t * ks + h * dim, c, s, half, kc + sp[t] * row + h * dim,
+                      buffer.data());
+          store_row(vp + t * vs + h * dim, vc + sp[t] * row + h * dim, dim);
+        }
       }
-    }
-  });
+    });
+  };
+  if (type == at::kFloat)
+    run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  else
+    run(k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>());
   return out;
 }
 
