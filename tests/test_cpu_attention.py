@@ -163,15 +163,10 @@ def _prologue(dim: int, qk_norm: bool):
     return QKPrologue(rotary, *norms)
 
 
-@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "dim", "qk_norm"), [
-    (1, 9, 3, 64, False), (5, 4, 2, 128, False), (7, 8, 8, 32, True), (3, 2, 1, 10, False)])
-def test_rope_store_gives_the_torch_paths_q_and_caches(tokens, heads, kv_heads, dim, qk_norm,
-                                                      kernel_on, monkeypatch):
-    """RoPE at random positions, a token with no slot, GQA, head norms first (Qwen3): the
-    returned q and both caches as the torch path leaves them, to float32 rounding (the
-    slots not written untouched), and the kernel is what ran."""
-    q, k, v, caches, positions, slots = _layer_inputs(tokens, heads, kv_heads, dim, seed=dim)
-    prologue = _prologue(dim, qk_norm)
+def _rope_store_both_ways(caches, q, k, v, slots, positions, prologue, monkeypatch):
+    """The torch path's RoPE and store into copies of `caches`, then the kernel's into
+    `caches` (checked to have run): (its q, the torch path's q, the torch path's caches,
+    the caches before)."""
     want_caches = [c.clone() for c in caches]
     cpu_attention.set_enabled(False)
     want_q = torch_backend.write_kv_with_prologue(*want_caches, q, k, v, slots, positions,
@@ -183,6 +178,19 @@ def test_rope_store_gives_the_torch_paths_q_and_caches(tokens, heads, kv_heads, 
     before = [c.clone() for c in caches]
     got_q = torch_backend.write_kv_with_prologue(*caches, q, k, v, slots, positions, prologue)
     assert calls == [1]
+    return got_q, want_q, want_caches, before
+
+
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "dim", "qk_norm"), [
+    (1, 9, 3, 64, False), (5, 4, 2, 128, False), (7, 8, 8, 32, True), (3, 2, 1, 10, False)])
+def test_rope_store_gives_the_torch_paths_q_and_caches(tokens, heads, kv_heads, dim, qk_norm,
+                                                      kernel_on, monkeypatch):
+    """RoPE at random positions, a token with no slot, GQA, head norms first (Qwen3): the
+    returned q and both caches as the torch path leaves them, to float32 rounding (the
+    slots not written untouched), and the kernel is what ran."""
+    q, k, v, caches, positions, slots = _layer_inputs(tokens, heads, kv_heads, dim, seed=dim)
+    got_q, want_q, want_caches, before = _rope_store_both_ways(
+        caches, q, k, v, slots, positions, _prologue(dim, qk_norm), monkeypatch)
     assert got_q.shape == want_q.shape
     assert (got_q - want_q).abs().max().item() < 1e-5
     for got, want, old in zip(caches, want_caches, before):
@@ -201,18 +209,9 @@ def test_rope_store_into_an_fp8_cache_as_the_torch_path(tokens, heads, kv_heads,
     other side of a midpoint (then one step apart); the slots not written untouched."""
     q, k, v, caches, positions, slots = _layer_inputs(tokens, heads, kv_heads, dim, seed=dim)
     caches = [(c * 3).to(torch.float8_e4m3fn) for c in caches]
-    prologue = _prologue(dim, qk_norm)
-    want_caches = [c.clone() for c in caches]
-    cpu_attention.set_enabled(False)
-    want_q = torch_backend.write_kv_with_prologue(*want_caches, q, k, v, slots, positions,
-                                                  prologue)
-    cpu_attention.set_enabled(True)
-    calls = []
-    real = cpu_attention.rope_store
-    monkeypatch.setattr(cpu_attention, "rope_store", lambda *a: calls.append(1) or real(*a))
-    before = [c.clone() for c in caches]
-    got_q = torch_backend.write_kv_with_prologue(*caches, q, k, v, slots, positions, prologue)
-    assert calls == [1] and (got_q - want_q).abs().max().item() < 1e-5
+    got_q, want_q, want_caches, before = _rope_store_both_ways(
+        caches, q, k, v, slots, positions, _prologue(dim, qk_norm), monkeypatch)
+    assert (got_q - want_q).abs().max().item() < 1e-5
     (got_k, got_v), (want_k, want_v) = ([c.view(torch.uint8) for c in pair]
                                         for pair in (caches, want_caches))
     assert torch.equal(got_v, want_v)
