@@ -49,8 +49,8 @@ inline void e4m3_to_float(const uint8_t* bytes, float* out, int64_t n) {
     _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(half), undo));
   }
   for (; i < n; ++i) {
-    const uint16_t half = static_cast<uint16_t>(
-        (static_cast<int16_t>(static_cast<int8_t>(bytes[i])) << 7) & 0xBF80);
+    const uint16_t wide = static_cast<uint16_t>(static_cast<int8_t>(bytes[i]));
+    const uint16_t half = static_cast<uint16_t>((wide << 7) & 0xBF80);
     out[i] = _cvtsh_ss(half) * 256.f;
   }
 }
