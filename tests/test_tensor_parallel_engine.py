@@ -86,6 +86,20 @@ def test_two_ranks_give_one_ranks_tokens(model_dir, alone, variant):
         llm.engine.shutdown()
 
 
+def test_two_ranks_with_an_fp8_kv_cache_give_one_ranks_tokens(model_dir):
+    """`kv_cache_dtype="fp8"` under tensor parallelism (every rank builds its runner from
+    the same config): the greedy tokens are one rank's with an FP8 cache."""
+    one = LLM(model_dir, device="cpu", num_blocks=64, kv_cache_dtype="fp8")
+    want = _tokens(one)
+    two = LLM(model_dir, device="cpu", num_blocks=64, kv_cache_dtype="fp8",
+              tensor_parallel_size=2)
+    try:
+        assert two.engine.info.kv_cache_dtype == "float8_e4m3fn"
+        assert _tokens(two) == want
+    finally:
+        two.engine.shutdown()
+
+
 def test_prefix_hits_sampling_and_prompt_logprobs_match_one_rank(model_dir, alone):
     one = LLM(model_dir, device="cpu", num_blocks=64, block_size=4)
     two = LLM(model_dir, device="cpu", num_blocks=64, block_size=4, tensor_parallel_size=2)
