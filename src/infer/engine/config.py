@@ -309,9 +309,10 @@ class EngineConfig:
         "tok/s against 38-44, llama.cpp 88-125; docs/performance.md), off on AVX-512 CPUs, "
         "where PyTorch's INT4 kernel is as fast at one row and faster at eight")
     cpu_attention_kernel: bool = knob(
-        True, "on a CPU, a decode step's attention (float32 cache; sliding windows and "
-        "softcaps included) in one call a layer of infer's C++ kernel (kernels/cpu_attention.cpp, "
-        "built with the CPU block kernels at start-up, once per machine) instead of the "
+        True, "on a CPU, a decode step's attention (float32 or FP8 cache; sliding windows "
+        "and softcaps included) in one call a layer of infer's C++ kernel "
+        "(kernels/cpu_attention.cpp, built with the CPU block kernels at start-up, once per "
+        "machine) instead of the "
         "torch reference's dozen operations, and every step's RoPE + KV store in one call "
         "a layer (kernels/cpu_rope_store.cpp) instead of about twenty; where the kernels "
         "cannot be built, the torch path")
