@@ -394,9 +394,10 @@ def test_a_core_compiles_grammars_off_its_step_loop(monkeypatch):
     assert len(done["plain"].outputs[0].token_ids) == 24
     assert engine.stats()["kv_blocks_used"] == 0
     # the plain request's tokens kept coming while the 1.5 s compile ran (a compile on the
-    # step loop would have held them for the 0.6 s until it was given up)
+    # step loop would have held them for the 0.6 s until it was given up; a step of this
+    # model took up to 0.404 s on a loaded 2-core machine)
     times = sorted(plain_tokens_at)
-    assert len(times) > 10 and max(b - a for a, b in itertools.pairwise(times)) < 0.4
+    assert len(times) > 10 and max(b - a for a, b in itertools.pairwise(times)) < 0.5
 
 
 def test_masks_are_filled_only_into_a_whole_int32_cpu_matrix():
