@@ -52,6 +52,18 @@ def _reference(q, k, v, meta, scale, **kw) -> torch.Tensor:
         cpu_attention.set_enabled(True)
 
 
+def _kernel_and_reference(q, k, v, meta, scale, kw: dict, monkeypatch
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's attention with the kernel on (checked to have run) and the reference's."""
+    calls = []
+    real = cpu_attention.paged_decode
+    monkeypatch.setattr(cpu_attention, "paged_decode",
+                        lambda *a: calls.append(1) or real(*a))
+    got = torch_backend.paged_attention(q, k, v, meta, scale, **kw)
+    assert calls == [1]
+    return got, _reference(q, k, v, meta, scale, **kw)
+
+
 @pytest.mark.parametrize(("lens", "heads", "kv_heads", "dim"), [
     ([1], 9, 3, 64), ([100], 9, 3, 64), ([16, 17, 1, 250], 9, 3, 64), ([33, 5], 4, 4, 128),
     ([40, 41, 42], 8, 2, 80), ([7], 2, 1, 12)])
@@ -65,13 +77,7 @@ def test_the_kernel_gives_the_torch_paths_attention(lens, heads, kv_heads, dim, 
     float32 rounding of the reference, and the kernel is what ran."""
     q, k, v, meta = _step(lens, heads, kv_heads, dim, seed=len(lens) * dim)
     q = q * 3  # scores past the softcap's knee
-    calls = []
-    real = cpu_attention.paged_decode
-    monkeypatch.setattr(cpu_attention, "paged_decode",
-                        lambda *a: calls.append(1) or real(*a))
-    got = torch_backend.paged_attention(q, k, v, meta, dim ** -0.5, **kw)
-    want = _reference(q, k, v, meta, dim ** -0.5, **kw)
-    assert calls == [1]
+    got, want = _kernel_and_reference(q, k, v, meta, dim ** -0.5, kw, monkeypatch)
     assert got.shape == want.shape and got.dtype == torch.float32
     assert (got - want).abs().max().item() < 1e-5
 
@@ -81,19 +87,14 @@ def test_the_kernel_gives_the_torch_paths_attention(lens, heads, kv_heads, dim, 
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 5, "logit_softcap": 30.0}])
 def test_the_kernel_reads_an_fp8_cache_as_the_torch_path_does(lens, heads, kv_heads, dim, kw,
                                                               kernel_on, monkeypatch):
-    """An FP8 cache (`kv_cache_dtype`): its bytes made floats (every byte's value from a
-    table, eight at a time by a gather), within float32 rounding of the reference, which
-    makes the whole cache float32 first; and the kernel is what ran."""
+    """An FP8 cache (`kv_cache_dtype`): its bytes made floats (eight at a time through
+    float16 bits and F16C, the tail one by one), within float32 rounding of the reference,
+    which makes the whole cache float32 first; and the kernel is what ran."""
     q, k, v, meta = _step(lens, heads, kv_heads, dim, seed=dim, cache_dtype=torch.float8_e4m3fn)
     assert k.float().abs().max() > 1  # normal values, and subnormal ones among them:
     assert ((k.float().abs() < 2 ** -6) & (k.float() != 0)).any()
-    calls = []
-    real = cpu_attention.paged_decode
-    monkeypatch.setattr(cpu_attention, "paged_decode",
-                        lambda *a: calls.append(1) or real(*a))
-    got = torch_backend.paged_attention(q, k, v, meta, dim ** -0.5, **kw)
-    want = _reference(q, k, v, meta, dim ** -0.5, **kw)
-    assert calls == [1] and torch.isfinite(got).all()
+    got, want = _kernel_and_reference(q, k, v, meta, dim ** -0.5, kw, monkeypatch)
+    assert torch.isfinite(got).all()
     assert (got - want).abs().max().item() < 1e-5
 
 

@@ -193,8 +193,8 @@ def _as_float32(cache: torch.Tensor) -> torch.Tensor:
 ])
 def test_the_reference_reads_exactly_the_stored_values(query_lens, seq_lens, monkeypatch):
     """Attention over the FP8 cache is attention over its values in float32, bit for bit
-    (e4m3 -> float32 is exact): the cache costs only the stores' rounding. (The float32
-    cache's decode on the same path: torch's, not the CPU kernel it would take.)"""
+    (e4m3 -> float32 is exact): the cache costs only the stores' rounding. (Both on
+    torch's path: the CPU kernel, which would take either cache, is off.)"""
     from infer.kernels import cpu_attention
 
     monkeypatch.setattr(cpu_attention, "_enabled", False)
