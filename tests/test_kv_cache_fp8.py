@@ -120,11 +120,14 @@ def test_the_triton_rounding_is_torchs_at_every_midpoint_and_beyond_the_range():
 
 
 @needs_triton
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.0123, 3.7)], ids=["unscaled", "scaled"])
 @pytest.mark.parametrize("norm", [None, 1.0])
-def test_the_fused_rope_store_writes_the_unfused_bytes(norm):
+def test_the_fused_rope_store_writes_the_unfused_bytes(norm, scales):
     """`rope_store_kv` into an FP8 cache against the reference RoPE (and q/k norm) then the
     torch store: the same bytes but where the float32 rotation lands a value within
-    rounding of the midpoint between two e4m3 values (then one step apart)."""
+    rounding of the midpoint between two e4m3 values (then one step apart). With a
+    checkpoint's KV scales (test_kv_cache_scales.py) both divide by them."""
+    from infer.attention.kv_dtype import inverses
     from infer.kernels import reference as ref
     from infer.kernels.rope_kv_store import rope_store_kv
 
@@ -145,10 +148,11 @@ def test_the_fused_rope_store_writes_the_unfused_bytes(norm):
         exp_k = ref.rmsnorm_ref(exp_k, k_w, 1e-6, norm)
     exp_q, exp_k = ref.rope_ref(exp_q, exp_k, cos, sin, positions)
     want_k, want_v = _fp8_cache(5, 4, kv_heads, head_dim), _fp8_cache(5, 4, kv_heads, head_dim)
-    torch_backend.write_kv(want_k, want_v, exp_k, v, slots)
+    torch_backend.write_kv(want_k, want_v, exp_k, v, slots, scales)
     got_k, got_v = _fp8_cache(5, 4, kv_heads, head_dim), _fp8_cache(5, 4, kv_heads, head_dim)
     rope_store_kv(q, k, v, got_k, got_v, slots, positions, cos, sin,
-                  q_w if norm else None, k_w if norm else None, 1e-6, norm or 0.0)
+                  q_w if norm else None, k_w if norm else None, 1e-6, norm or 0.0,
+                  inverses(scales))
     assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))
     same = got_k.view(torch.uint8) == want_k.view(torch.uint8)
     assert same.float().mean().item() > 0.99

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from infer.attention.graph_metadata import GraphMetadata
+from infer.attention.kv_dtype import UNSCALED, KVScales
 from infer.attention.metadata import AttentionMetadata
 from infer.attention.qk_prologue import QKPrologue
 from infer.attention.varlen_graph_metadata import VarlenGraphMetadata
@@ -32,15 +33,16 @@ class AttentionBackend(Protocol):
 
     def write_kv(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        slot_mapping: torch.Tensor, scales: KVScales = UNSCALED,
     ) -> None:
-        """Store new keys/values `[num_tokens, kv_heads, head_dim]` at their slots (-1: skip)."""
+        """Store new keys/values `[num_tokens, kv_heads, head_dim]` at their slots (-1: skip),
+        an FP8 cache's divided by `scales` (attention/kv_dtype.py)."""
         ...
 
     def write_kv_with_prologue(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
-        prologue: QKPrologue,
+        prologue: QKPrologue, scales: KVScales = UNSCALED,
     ) -> torch.Tensor:
         """Apply `prologue` at `positions` to q `[num_tokens, heads, head_dim]` and k, store
         k and v as `write_kv` does; returns the new q (possibly q itself, changed in place)."""

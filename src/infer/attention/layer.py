@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from infer.attention.backend import AttentionBackend, make_attention_backend
+from infer.attention.kv_dtype import FP8_KV, UNSCALED, KVScales
 from infer.attention.metadata import AttentionMetadata
 from infer.attention.qk_prologue import QKPrologue
 from infer.attention.torch_backend import TorchAttentionBackend
@@ -22,6 +23,10 @@ class Attention(nn.Module):
     k, fused with the KV store where it can); the backend object bound by the runner
     (`set_attention_backend`) writes the cache and attends, so model code never names a
     backend.
+
+    `kv_scales` (a checkpoint's calibrated scales, `quantization/kv_scales.py`) apply to an
+    FP8 cache only: it stores `k / k_scale` and `v / v_scale`; the key's scale joins the
+    softmax scale and the value's multiplies the attention's output.
     """
 
     def __init__(
@@ -42,6 +47,7 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
         self.prologue = prologue
+        self.kv_scales: KVScales = UNSCALED
         # Bound by `allocate_kv_cache`: views [num_blocks, block_size, kv_heads, head_dim].
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -57,17 +63,20 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        scales = self.kv_scales if self.k_cache.dtype == FP8_KV else UNSCALED
         if self.prologue is None:
-            self.backend.write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+            self.backend.write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping, scales)
         else:
             assert positions is not None, "a layer with a prologue needs the positions"
             q = self.backend.write_kv_with_prologue(self.k_cache, self.v_cache, q, k, v,
                                                     meta.slot_mapping, positions,
-                                                    self.prologue)
+                                                    self.prologue, scales)
         out = self.backend.forward(
-            q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
+            q, self.k_cache, self.v_cache, meta, self.scale * scales[0], self.sliding_window,
             self.logit_softcap,
         )
+        if scales[1] != 1.0:
+            out.mul_(scales[1])
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
 

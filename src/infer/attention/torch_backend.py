@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from infer.attention.graph_metadata import GraphMetadata
-from infer.attention.kv_dtype import FP8_KV, as_cache_values
+from infer.attention.kv_dtype import FP8_KV, UNSCALED, KVScales, as_cache_values
 from infer.attention.metadata import AttentionMetadata
 from infer.attention.qk_prologue import QKPrologue
 from infer.attention.varlen_graph_metadata import VarlenGraphMetadata
@@ -19,17 +19,18 @@ from infer.kernels import cpu_attention
 
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor, scales: KVScales = UNSCALED,
 ) -> None:
-    """Store new keys/values `[num_tokens, kv_heads, head_dim]` at their flat slots."""
+    """Store new keys/values `[num_tokens, kv_heads, head_dim]` at their flat slots (an FP8
+    cache divided by `scales`, attention/kv_dtype.py)."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     _store(k_cache.view(-1, num_kv_heads, head_dim), slot_mapping,
-           as_cache_values(k, k_cache.dtype))
+           as_cache_values(k, k_cache.dtype, scales[0]))
     _store(v_cache.view(-1, num_kv_heads, head_dim), slot_mapping,
-           as_cache_values(v, v_cache.dtype))
+           as_cache_values(v, v_cache.dtype, scales[1]))
 
 
 def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
@@ -41,16 +42,17 @@ def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
 def write_kv_with_prologue(
     k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
-    prologue: QKPrologue,
+    prologue: QKPrologue, scales: KVScales = UNSCALED,
 ) -> torch.Tensor:
     """The prologue's modules one by one, then the store; returns the new q. On a CPU the
-    RoPE and the store in one call where it applies (`cpu_attention.rope_store`)."""
-    if cpu_attention.takes_rope_store(q, k, k_cache, prologue.rotary):
+    RoPE and the store in one call where it applies (`cpu_attention.rope_store`, which
+    stores unscaled values)."""
+    if scales == UNSCALED and cpu_attention.takes_rope_store(q, k, k_cache, prologue.rotary):
         q, k = prologue.normed(q, k)
         return cpu_attention.rope_store(q, k, v, prologue.rotary, positions, slot_mapping,
                                         k_cache, v_cache)
     q, k = prologue.apply(positions, q, k)
-    write_kv(k_cache, v_cache, k, v, slot_mapping)
+    write_kv(k_cache, v_cache, k, v, slot_mapping, scales)
     return q
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from infer.attention.graph_metadata import GraphMetadata
+from infer.attention.kv_dtype import UNSCALED, KVScales, inverses
 from infer.attention.metadata import AttentionMetadata
 from infer.attention.qk_prologue import QKPrologue
 from infer.attention.varlen_graph_metadata import VarlenGraphMetadata
@@ -41,28 +42,29 @@ _SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
 
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor, scales: KVScales = UNSCALED,
 ) -> None:
-    store_kv(k_cache, v_cache, k, v, slot_mapping)
+    store_kv(k_cache, v_cache, k, v, slot_mapping, inverses(scales))
 
 
 def write_kv_with_prologue(
     k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
-    prologue: QKPrologue,
+    prologue: QKPrologue, scales: KVScales = UNSCALED,
 ) -> torch.Tensor:
     """One kernel for the q/k norms, RoPE and the store when the model's kernels are
     Triton's (`prologue.fusable`); q is changed in place."""
     if not prologue.fusable:
         q, k = prologue.apply(positions, q, k)
-        store_kv(k_cache, v_cache, k, v, slot_mapping)
+        store_kv(k_cache, v_cache, k, v, slot_mapping, inverses(scales))
         return q
     norm = prologue.q_norm
     return rope_store_kv(
         q, k, v, k_cache, v_cache, slot_mapping, positions, prologue.rotary.cos,
         prologue.rotary.sin, None if norm is None else norm.weight,
         None if norm is None else prologue.k_norm.weight,
-        0.0 if norm is None else norm.eps, 0.0 if norm is None else norm.offset)
+        0.0 if norm is None else norm.eps, 0.0 if norm is None else norm.offset,
+        inverses(scales))
 
 
 def paged_attention(

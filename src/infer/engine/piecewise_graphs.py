@@ -35,6 +35,7 @@ from torch import nn
 
 from infer.attention import Attention, AttentionMetadata, set_attention_backend
 from infer.attention.backend import AttentionBackend
+from infer.attention.kv_dtype import UNSCALED, KVScales
 from infer.attention.qk_prologue import QKPrologue
 from infer.engine.cuda_graphs import token_buckets
 from infer.models.layers import activation_dtype
@@ -96,17 +97,18 @@ class _Cut:
         return graph
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        self.backend.write_kv(k_cache, v_cache, k, v, self.slots[:k.shape[0]])
+                 v: torch.Tensor, slot_mapping: torch.Tensor, scales: KVScales = UNSCALED
+                 ) -> None:
+        self.backend.write_kv(k_cache, v_cache, k, v, self.slots[:k.shape[0]], scales)
 
     def write_kv_with_prologue(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
-        prologue: QKPrologue,
+        prologue: QKPrologue, scales: KVScales = UNSCALED,
     ) -> torch.Tensor:
         return self.backend.write_kv_with_prologue(k_cache, v_cache, q, k, v,
                                                    self.slots[:k.shape[0]], positions,
-                                                   prologue)
+                                                   prologue, scales)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, sliding_window: int | None = None,

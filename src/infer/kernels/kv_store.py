@@ -2,7 +2,8 @@
 
 Cache layout (per layer): `[num_blocks, block_size, KvH, D]`, contiguous, so slot
 `s = block * block_size + row` starts at element `s * KvH * D`. Slot -1 means skip. An
-FP8 cache (`attention/kv_dtype.py`) takes each value saturated at ±448 (`cache_values`).
+FP8 cache (`attention/kv_dtype.py`) takes each value times its scale's inverse, saturated
+at ±448 (`cache_values`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import triton.language as tl
 
 
 @triton.jit
-def cache_values(x, cache_ptr):
-    """`x` as the cache at `cache_ptr` stores it (`kv_dtype.as_cache_values`)."""
+def cache_values(x, cache_ptr, inverse_scale):
+    """`x` as the cache at `cache_ptr` stores it (`kv_dtype.as_cache_values`; an FP8 cache's
+    values times `inverse_scale`, float32)."""
     if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        return _e4m3_saturated(x.to(tl.float32)).to(tl.float8e4nv, bitcast=True)
+        return _e4m3_saturated(x.to(tl.float32) * inverse_scale).to(tl.float8e4nv,
+                                                                     bitcast=True)
     return x.to(cache_ptr.dtype.element_ty)
 
 
@@ -41,7 +44,7 @@ def _e4m3_saturated(x):
 def _kv_store_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    n_heads, head_dim,
+    n_heads, head_dim, k_inverse, v_inverse,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
@@ -53,13 +56,15 @@ def _kv_store_kernel(
     dst = slot * n_heads * head_dim + heads * head_dim + dims
     k = tl.load(k_ptr + tok * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(v_ptr + tok * stride_vt + heads * stride_vh + dims, mask=mask)
-    tl.store(kc_ptr + dst, cache_values(k, kc_ptr), mask=mask)
-    tl.store(vc_ptr + dst, cache_values(v, vc_ptr), mask=mask)
+    tl.store(kc_ptr + dst, cache_values(k, kc_ptr, k_inverse), mask=mask)
+    tl.store(vc_ptr + dst, cache_values(v, vc_ptr, v_inverse), mask=mask)
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """`k_cache.view(-1, KvH, D)[slot_mapping[t]] = k[t]` (same for v), skipping slot -1."""
+             slot_mapping: torch.Tensor, inverse_scales: tuple[float, float] = (1.0, 1.0)
+             ) -> None:
+    """`k_cache.view(-1, KvH, D)[slot_mapping[t]] = k[t]` (same for v), skipping slot -1;
+    an FP8 cache's keys and values times `inverse_scales` (float32)."""
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (k_cache.shape, v_cache.shape)
     _, _, n_heads, head_dim = k_cache.shape
     assert k.dim() == 3 and k.shape == v.shape and k.shape[1:] == (n_heads, head_dim), (
@@ -73,7 +78,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         _kv_store_kernel[(k.shape[0],)](
             k, v, k_cache, v_cache, slot_mapping,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            n_heads, head_dim,
+            n_heads, head_dim, *inverse_scales,
             BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_D=triton.next_power_of_2(head_dim),
             num_warps=4,
         )

@@ -48,7 +48,7 @@ def _rope_kv_store_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
     qw_ptr, kw_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
-    n_q_heads, n_kv_heads, half, eps,
+    n_q_heads, n_kv_heads, half, eps, k_inverse, v_inverse,
     NORM: tl.constexpr, OFFSET: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
@@ -84,11 +84,11 @@ def _rope_kv_store_kernel(
     k2 = tl.load(k1_ptr + half, mask=kmask, other=0.0)
     r1, r2 = _norm_rope(k1, k2, kw_ptr, dims, dmask, cos, sin, half, eps, NORM, OFFSET)
     # Rounded to k's dtype first, as the unfused RoPE stores it, then to the cache's.
-    r1 = cache_values(r1.to(k1.dtype), kc_ptr)
-    r2 = cache_values(r2.to(k1.dtype), kc_ptr)
+    r1 = cache_values(r1.to(k1.dtype), kc_ptr, k_inverse)
+    r2 = cache_values(r2.to(k1.dtype), kc_ptr, k_inverse)
     v1_ptr = v_ptr + tok * stride_vt + kh * stride_vh + dims[None, :]
-    v1 = cache_values(tl.load(v1_ptr, mask=kmask, other=0.0), vc_ptr)
-    v2 = cache_values(tl.load(v1_ptr + half, mask=kmask, other=0.0), vc_ptr)
+    v1 = cache_values(tl.load(v1_ptr, mask=kmask, other=0.0), vc_ptr, v_inverse)
+    v2 = cache_values(tl.load(v1_ptr + half, mask=kmask, other=0.0), vc_ptr, v_inverse)
     keep = kmask & ((tl.zeros([BLOCK_HK, BLOCK_D], dtype=tl.int64) + slot) >= 0)
     dst = slot * n_kv_heads * 2 * half + kh * 2 * half + dims[None, :]
     tl.store(kc_ptr + dst, r1, mask=keep)
@@ -103,12 +103,14 @@ def rope_store_kv(
     positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
     eps: float = 0.0, norm_offset: float = 0.0,
+    inverse_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """q `[T, H, D]` (normalised and rotated in place; returned), k and v `[T, KvH, D]`
     (k is read, not changed) into caches `[blocks, block_size, KvH, D]` at
     `slot_mapping[t]`. `cos`/`sin` `[max_pos, D/2]` as `rope.rope_`; with `q_norm` and
     `k_norm` (weights `[D]`) every head is RMS-normalised first, as `rmsnorm.rmsnorm` with
-    `eps` and `norm_offset` (0: x * w, 1: Gemma's x * (1 + w))."""
+    `eps` and `norm_offset` (0: x * w, 1: Gemma's x * (1 + w)). An FP8 cache's keys and
+    values are multiplied by `inverse_scales` (float32) before their rounding."""
     tokens, n_q_heads, head_dim = q.shape
     _, _, n_kv_heads, _ = k_cache.shape
     assert k.shape == v.shape == (tokens, n_kv_heads, head_dim), (q.shape, k.shape, v.shape)
@@ -134,7 +136,7 @@ def rope_store_kv(
             q, k, v, k_cache, v_cache, cos, sin, positions, slot_mapping,
             q_norm if norm else cos, k_norm if norm else cos,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            cos.stride(0), n_q_heads, n_kv_heads, half, eps,
+            cos.stride(0), n_q_heads, n_kv_heads, half, eps, *inverse_scales,
             NORM=norm, OFFSET=norm_offset,
             BLOCK_HQ=triton.next_power_of_2(n_q_heads),
             BLOCK_HK=triton.next_power_of_2(n_kv_heads),

@@ -17,6 +17,7 @@ from infer.models.linear import LinearMethod, UnquantizedLinearMethod, linear_me
 from infer.models.weights import WeightError
 from infer.progress import loading_bar
 from infer.quantization.checkpoint import read_scheme
+from infer.quantization.kv_scales import KVScaleReader
 
 
 def build_model(
@@ -61,7 +62,14 @@ def load_hf_dir(
         linear_method = scheme.make_method
     weights = loading_bar(hf_dir.iter_safetensors(files), hf_dir.num_tensors(files),
                           "Loading safetensors checkpoint")
-    return build_model(cfg, weights, str(model_dir), dtype, device, linear_method), cfg
+    kv_scales = KVScaleReader(str(model_dir)) if scheme is not None and scheme.kv_scales \
+        else None
+    if kv_scales is not None:
+        weights = kv_scales.filter(weights)
+    model = build_model(cfg, weights, str(model_dir), dtype, device, linear_method)
+    if kv_scales is not None:
+        kv_scales.apply(model)
+    return model, cfg
 
 
 def load_gguf(

@@ -16,8 +16,10 @@ Read:
     activations are quantized per token, W8A16 when they are not.
   (FP8 weights are run as `fp8.py` and `fp8_block.py` run them, whatever the group says
   of the activations: dynamic per-token FP8 activations where `fp8.py` quantizes them.)
+  A `kv_cache_scheme` of static FP8 scales per tensor brings each attention layer's
+  `self_attn.k_scale` and `self_attn.v_scale` (`kv_scales.py`).
 Anything else is refused by name (static activation scales, asymmetric or non-8-bit
-weights, a KV-cache scheme, another `quant_method`). Layers the config leaves unquantized
+weights, another KV-cache scheme, another `quant_method`). Layers the config leaves unquantized
 (`ignore`, `modules_to_not_convert`) may only be ones that are not linear layers here (the
 LM head); a linear layer stored in float is refused when it loads.
 """
@@ -25,7 +27,7 @@ LM head); a linear layer stored in float is refused when it loads.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from infer.loader.errors import ModelLoadError
@@ -33,6 +35,7 @@ from infer.models.linear import LinearMethod
 from infer.quantization.fp8 import Fp8LinearMethod
 from infer.quantization.fp8_block import Fp8BlockLinearMethod
 from infer.quantization.int8 import Int8W8A8LinearMethod, Int8WeightOnlyLinearMethod
+from infer.quantization.kv_scales import KV_SCALE_LEAVES
 
 # (name, safetensors dtype) of the float dtypes a scale may be stored in
 FLOAT_DTYPES = ("F32", "BF16", "F16")
@@ -50,12 +53,22 @@ class CheckpointScheme:
     scale_kind: str  # "channel", "tensor" or "block"
     block: tuple[int, int] | None
     make_method: Callable[[], LinearMethod]
+    kv_scales: bool = False  # each attention layer's KV-cache scales (kv_scales.py)
 
     def check_tensors(self, headers: dict[str, Header], where: str) -> None:
         """Every quantized weight has its scale, of the shape its layout gives, and every
-        scale its weight: a `ModelLoadError` naming the tensor otherwise."""
+        scale its weight; with `kv_scales`, every attention layer (a module with a
+        `k_proj`) its KV-cache scales, single floats: a `ModelLoadError` naming the tensor
+        otherwise."""
+        if self.kv_scales:
+            _check_kv_scales(headers, where)
         for name, (dtype, shape) in headers.items():
             module, _, leaf = name.rpartition(".")
+            if leaf in KV_SCALE_LEAVES or leaf == "kv_scale":
+                if not self.kv_scales:
+                    raise ModelLoadError(f"{where}: tensor {name!r} is a KV-cache scale, but "
+                                         "the quantization_config has no kv_cache_scheme")
+                continue
             if leaf == self.scale_name:
                 weight = headers.get(f"{module}.weight")
                 if weight is None or weight[0] != self.weight_dtype:
@@ -96,6 +109,27 @@ class CheckpointScheme:
                 f"of a {weight_shape} weight has shape {' or '.join(map(str, allowed))}")
 
 
+def _check_kv_scales(headers: dict[str, Header], where: str) -> None:
+    attention = {name.removesuffix(".k_proj.weight") for name in headers
+                 if name.endswith(".k_proj.weight")}
+    for module in sorted(attention):
+        for leaf in KV_SCALE_LEAVES:
+            name = f"{module}.{leaf}"
+            if name not in headers:
+                raise ModelLoadError(f"{where}: the kv_cache_scheme needs tensor {name!r}, "
+                                     "which the checkpoint lacks")
+            dtype, shape = headers[name]
+            if dtype not in FLOAT_DTYPES or list(shape) not in ([], [1]):
+                raise ModelLoadError(f"{where}: KV-cache scale {name!r} is {dtype} "
+                                     f"{list(shape)}; it must be one float (shape [] or [1])")
+    for name in headers:
+        module, _, leaf = name.rpartition(".")
+        if leaf == "kv_scale" or (leaf in KV_SCALE_LEAVES and module not in attention):
+            raise ModelLoadError(f"{where}: tensor {name!r}: KV-cache scales are read as "
+                                 "`self_attn.k_scale` and `self_attn.v_scale` of a layer "
+                                 "with a k_proj")
+
+
 def read_scheme(config: dict[str, Any] | None, where: str) -> CheckpointScheme | None:
     """The scheme of a `quantization_config` (None: the checkpoint is not quantized)."""
     if config is None:
@@ -132,8 +166,25 @@ def _compressed_tensors(config: dict[str, Any], where: str) -> CheckpointScheme:
     if fmt not in ("float-quantized", "int-quantized", "naive-quantized"):
         raise ModelLoadError(f"{where}: compressed-tensors format {fmt!r} is not supported "
                              "(supported: float-quantized, int-quantized)")
-    if config.get("kv_cache_scheme") is not None:
-        raise ModelLoadError(f"{where}: a compressed-tensors kv_cache_scheme is not supported")
+    kv_scales = _kv_cache_scheme(config.get("kv_cache_scheme"), where)
+    scheme = _compressed_tensors_weights(config, where)
+    return replace(scheme, kv_scales=True) if kv_scales else scheme
+
+
+def _kv_cache_scheme(kv: Any, where: str) -> bool:
+    """Whether a compressed-tensors checkpoint ships KV-cache scales: static FP8 scales, one
+    per tensor (a layer's keys, its values), as llm-compressor writes them."""
+    if kv is None:
+        return False
+    if not (isinstance(kv, dict) and kv.get("num_bits") == 8 and kv.get("type") == "float"
+            and kv.get("strategy") == "tensor" and not kv.get("dynamic", False)
+            and kv.get("symmetric", True)):
+        raise ModelLoadError(f"{where}: kv_cache_scheme {kv} is not supported (only static "
+                             "8-bit float scales per tensor)")
+    return True
+
+
+def _compressed_tensors_weights(config: dict[str, Any], where: str) -> CheckpointScheme:
     groups = config.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
         raise ModelLoadError(f"{where}: compressed-tensors config_groups must hold exactly one "
