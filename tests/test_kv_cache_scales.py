@@ -8,6 +8,7 @@ the model's dtype ignores the scales (as vLLM's does); bad scales are refused by
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -142,17 +143,20 @@ def test_the_triton_store_divides_by_the_scales_as_torchs():
     assert not torch.equal(unscaled[0].view(torch.uint8), want[0].view(torch.uint8))
 
 
-def test_an_engine_serves_a_calibrated_checkpoint_with_an_fp8_cache(tmp_path):
+def test_an_engine_serves_a_calibrated_checkpoint_with_an_fp8_cache(tmp_path, caplog):
     """`LLM(kv_cache_dtype="fp8")` on the checkpoint: its greedy tokens are the rounding
-    reference's (the model driven step by step over its float32 cache)."""
+    reference's (the model driven step by step over its float32 cache), and its log says
+    the scales are in use."""
     from checkpoints import save_word_tokenizer
 
     from infer import LLM, SamplingParams
 
     write_calibrated(tmp_path)
     save_word_tokenizer(tmp_path, VOCAB)
-    llm = LLM(str(tmp_path), device="cpu", max_model_len=64, max_num_seqs=4,
-              kv_cache_dtype="fp8")
+    with caplog.at_level(logging.INFO, logger="infer"):
+        llm = LLM(str(tmp_path), device="cpu", max_model_len=64, max_num_seqs=4,
+                  kv_cache_dtype="fp8")
+    assert "FP8 KV cache with the checkpoint's calibrated scales (2 layers)" in caplog.text
     prompt = [5, 17, 200, 3, 42]
     out = llm.generate([{"prompt_token_ids": prompt}],
                        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))

@@ -13,8 +13,8 @@ import logging
 import torch
 from torch import nn
 
-from infer.attention import set_attention_backend
-from infer.attention.kv_dtype import kv_cache_torch_dtype
+from infer.attention import Attention, set_attention_backend
+from infer.attention.kv_dtype import FP8_KV, UNSCALED, kv_cache_torch_dtype
 from infer.config import ModelConfig
 from infer.distributed.group import SINGLE, TensorParallelGroup
 from infer.engine.config import EngineConfig
@@ -45,12 +45,26 @@ def build_runner(config: EngineConfig, model: nn.Module, model_config: ModelConf
     set_layer_kernels(model, config, kernel_backend)
     set_dependent_launch(config.dependent_launch and kernel_backend == "triton", device)
     kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
+    _log_kv_scales(model, kv_dtype)
     block_size, num_blocks = plan_kv_cache(config, model_config, max_model_len, model, device,
                                            kv_dtype, draft_config, tp.size)
     # Rank 0's scheduler hands out block ids for every rank's pool: all the same size.
     num_blocks = tp.min(num_blocks)
     return ModelRunner(model, model_config, num_blocks, block_size, device, kv_dtype,
                        attention_backend, kernel_backend)
+
+
+def _log_kv_scales(model: nn.Module, kv_dtype: torch.dtype) -> None:
+    """Whether a checkpoint's calibrated KV-cache scales are in use (attention/kv_dtype.py)."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if all(m.kv_scales == UNSCALED for m in layers):
+        return
+    if kv_dtype == FP8_KV:
+        log.info("FP8 KV cache with the checkpoint's calibrated scales (%d layers)",
+                 len(layers))
+    else:
+        log.info("the checkpoint's calibrated KV-cache scales are unused by a %s cache "
+                 "(kv_cache_dtype='fp8' uses them)", str(kv_dtype).removeprefix("torch."))
 
 
 def set_layer_kernels(model: nn.Module, config: EngineConfig, kernel_backend: str) -> None:
