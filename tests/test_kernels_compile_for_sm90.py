@@ -99,7 +99,7 @@ def _kv_cache_modes() -> list:
             f"kv_store ({cache[1:]} cache)", "kv_store:_kv_store_kernel",
             dict(k_ptr="*bf16", v_ptr="*bf16", kc_ptr=cache, vc_ptr=cache, slot_ptr="*i64",
                  stride_kt=I32, stride_kh=I32, stride_vt=I32, stride_vh=I32, n_heads=I32,
-                 head_dim=I32),
+                 head_dim=I32, k_inverse="fp32", v_inverse="fp32"),
             dict(BLOCK_H=8, BLOCK_D=128), [], 1, 1, num_warps=4))
         cases.append(Case(
             f"rope_kv_store (q/k norm, {cache[1:]} cache, PDL)",
@@ -108,7 +108,7 @@ def _kv_cache_modes() -> list:
                  cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64",
                  qw_ptr="*bf16", kw_ptr="*bf16", stride_qt=I32, stride_qh=I32, stride_kt=I32,
                  stride_kh=I32, stride_vt=I32, stride_vh=I32, stride_cs=I32, n_q_heads=I32,
-                 n_kv_heads=I32, half=I32, eps="fp32"),
+                 n_kv_heads=I32, half=I32, eps="fp32", k_inverse="fp32", v_inverse="fp32"),
             dict(NORM=True, OFFSET=0.0, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_D=64, PDL=True),
             [], 1, 1, num_warps=4))
         cases.append(Case(
