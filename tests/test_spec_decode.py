@@ -478,7 +478,7 @@ def test_rounds_queued_behind_their_verify_steps_draft_as_the_host_would(tmp_pat
     self-draft: greedy tokens and logprobs those without drafts; the draft model's
     drafts those of the host's rounds (as many judged and accepted at each position); no
     block kept."""
-    prompts = [[5, 6, 7, 8, 9] * 6, [5, 6, 5, 6] * 7, [7, 8, 9] * 5]
+    prompts = [[5, 6, 7, 8, 9] * 3, [5, 6, 5, 6] * 4, [7, 8, 9] * 4]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2)
               for n in (12, 24, 24)]
     flags = dict(device=DEVICE, dtype="float32", num_blocks=96, block_size=4,
