@@ -48,22 +48,21 @@ class KVScaleReader:
                                  f"be a finite float between {SMALLEST:g} and {LARGEST:g}")
         return value
 
-    def apply(self, model: nn.Module) -> int:
-        """Set every collected pair on its layer's `Attention`; returns how many layers."""
+    def apply(self, model: nn.Module) -> None:
+        """Set every collected pair on its layer's `Attention` (both scales of every layer
+        with a k projection are there: `checkpoint.py` checked the headers)."""
         for module, pair in self.scales.items():
             attention = _attention_of(model, module)
-            if attention is None or set(pair) != set(KV_SCALE_LEAVES):
-                raise ModelLoadError(f"{self.where}: KV-cache scales of {module!r} "
-                                     f"({sorted(pair)}) belong to no attention layer here")
+            if attention is None:
+                raise ModelLoadError(f"{self.where}: KV-cache scales of {module!r} belong to "
+                                     "no attention layer here")
             attention.kv_scales = (pair["k_scale"], pair["v_scale"])
-        return len(self.scales)
 
 
 def _attention_of(model: nn.Module, module: str) -> Attention | None:
     """The `Attention` of the layer whose k projection the checkpoint names
     `{module}.k_proj.weight` (our q/k/v projection's sibling)."""
-    target = model.param_for(f"{module}.k_proj.weight") if hasattr(model, "param_for") \
-        else None
+    target = model.param_for(f"{module}.k_proj.weight")
     if target is None:
         return None
     parent = target[0].rsplit(".", 2)[0]  # "<layer>.self_attn.qkv_proj.weight" -> the block
